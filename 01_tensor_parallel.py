@@ -1,0 +1,778 @@
+"""01 - Tensor parallelism on an exact GPT-2 (Shoeybi et al. 2019, "Megatron-LM", Section 3).
+
+What this file adds: the foundation. A launcher that runs the same code on 1 CPU process, on N
+fork-started CPU ranks (gloo) or under torchrun on GPUs (NCCL); the two conjugate operators f and g
+of the paper's Figure 3 and their sequence-parallel twins (Korthikanti et al. 2022, Section 4.2.2);
+column- and row-parallel linear layers, a vocab-parallel embedding and cross-entropy; and a GPT-2
+built from them in which tp=1 *is* the serial model. Every later file imports this one.
+
+Run it:
+    python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
+    python 01_tensor_parallel.py --tp 4 --sequence-parallel
+    torchrun --nproc-per-node 8 01_tensor_parallel.py --tp 8   # one GPU per rank (NCCL)
+
+The demo builds the serial GPT-2 and the tensor-parallel one from the same float64 weights, runs
+forward and backward on the same random batch, prints the loss, the max relative difference of the
+logits and of every gradient, and every collective in the order it ran (2 all-reduces per layer
+forward, 2 backward). It exits 1 if any difference exceeds 1e-10.
+
+Glossary, used in every file:
+    B batch, T sequence length, C = n_embd channels, nh heads, hs = C // nh head size, V vocabulary;
+    tp / pp / dp: tensor- / pipeline- / data-parallel sizes, v virtual chunks per rank, m microbatches.
+"""
+import argparse
+import dataclasses
+import math
+import os
+import pickle
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import connection, get_context
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 and 2.12 only have the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257  # V: GPT-2's BPE vocabulary
+    block_size: int = 1024  # longest sequence; size of the learned position table
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # nh
+    n_embd: int = 768  # C
+    dropout: float = 0.0  # on embeddings, attention probabilities and both residual branches
+
+
+# ----------------------------------------------------------------------------------------------
+# Running: one code path from 1 rank to a cluster
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+class RankFailure(RuntimeError):
+    """Raised in the launching process when a rank raised, died or missed the deadline."""
+
+
+def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None):
+    """Run worker(env, *args) on every rank and return the ranks' results, in rank order.
+
+    Under torchrun (RANK and WORLD_SIZE set) this process is one rank: it joins the launcher's group
+    (NCCL on its LOCAL_RANK GPU if CUDA is available, else gloo) and returns [its own result].
+    Otherwise nprocs CPU ranks are fork-started here with gloo and one thread each. timeout_s bounds
+    every collective; deadline_s, if given, bounds the whole run. If a rank raises or dies, the
+    others are stopped and RankFailure carries the rank's traceback.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        env = _join_launcher_group(timeout_s)
+        try:
+            return [worker(env, *args)]
+        finally:
+            dist.destroy_process_group()
+    return _launch_local(worker, nprocs, args, timeout_s, deadline_s)
+
+
+def _join_launcher_group(timeout_s):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # env:// reads MASTER_ADDR and MASTER_PORT from the launcher.
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return RankEnv(rank, world, local_rank, device)
+
+
+def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
+    ctx = get_context("fork")  # fork: no re-import, closures work, start-up in milliseconds
+    procs, pipes = [], []
+    for rank in range(nprocs):
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(target=_local_rank_main, name=f"rank{rank}", daemon=True,
+                        args=(rank, nprocs, theirs, worker, args, timeout_s))
+        p.start()
+        theirs.close()  # only the child holds its end, so ours reads EOF if the child dies
+        procs.append(p)
+        pipes.append(ours)
+    # The rendezvous store is made after the forks (its server thread must not be forked) on a
+    # port the OS picks, so there is no free-port race; the children learn the port by pipe.
+    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    for pipe in pipes:
+        pipe.send(store.port)
+    results, failures = {}, {}
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    try:
+        while len(results) + len(failures) < nprocs:
+            if failures:  # give the other ranks a moment to report their own error, then stop them
+                wait_s = 1.0
+            else:
+                wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            waiting = [pipes[r] for r in range(nprocs) if r not in results and r not in failures]
+            ready = connection.wait(waiting, timeout=wait_s)
+            if not ready:
+                if not failures:
+                    failures[-1] = f"the run passed its deadline of {deadline_s} s"
+                break
+            for pipe in ready:
+                rank = pipes.index(pipe)
+                try:
+                    status, payload = pickle.loads(pipe.recv_bytes())
+                except EOFError:
+                    procs[rank].join(5)
+                    status, payload = "error", f"rank {rank} died with exit code {procs[rank].exitcode}\n"
+                (results if status == "ok" else failures)[rank] = payload
+    finally:
+        stopped = [r for r, p in enumerate(procs) if p.is_alive() and r not in results and r not in failures]
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del store
+    if failures:
+        first = min(failures)
+        lines = [f"rank {first} failed:\n{failures[first]}"]
+        lines += [f"rank {r} also failed: {failures[r].strip().splitlines()[-1]}"
+                  for r in sorted(failures) if r != first]
+        if stopped:
+            lines.append(f"stopped ranks {stopped} after the failure")
+        raise RankFailure("\n".join(lines))
+    return [results[r] for r in range(nprocs)]
+
+
+def _local_rank_main(rank, world, pipe, worker, args, timeout_s):
+    torch.set_num_threads(1)  # one thread per rank: ranks share the cores, as GPUs would not
+    code = 0
+    try:
+        store = dist.TCPStore("127.0.0.1", pipe.recv(), world, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)
+        pipe.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
+        code = 1
+        pipe.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown in a forked child
+
+
+def new_tp_group(env, tp, timeout_s=60.0):
+    """Split the world into blocks of tp consecutive ranks; return this rank's block as a group."""
+    if tp < 1 or tp > env.world_size or env.world_size % tp:
+        raise ValueError(f"tp={tp} must be between 1 and the world size {env.world_size} and divide it")
+    groups = [dist.new_group(list(range(s, s + tp)), timeout=timedelta(seconds=timeout_s))
+              for s in range(0, env.world_size, tp)]
+    return groups[env.rank // tp]
+
+
+def add_dataclass_args(parser, cls, **defaults):
+    """Add --field-name options for every field of a config dataclass (the CLI is generated from it)."""
+    for f in dataclasses.fields(cls):
+        default = defaults.get(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(flag, default=default, type=type(default))
+
+
+def from_args(cls, args):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def run_main(main):
+    """Call main() and turn its result into the exit code: 0 if it returned True, else 1."""
+    try:
+        ok = main()
+    except (RankFailure, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(0 if ok else 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication: the conjugate operators. `group=None` means no tensor parallelism (tp=1): every
+# operator is then the identity and nothing needs torch.distributed.
+
+COMM_LOG = None  # a list while trace_comm() is active, else None
+
+
+@contextmanager
+def trace_comm():
+    """Record every collective as (phase, op, tag, shape, bytes) while the block runs."""
+    global COMM_LOG
+    COMM_LOG = []
+    try:
+        yield COMM_LOG
+    finally:
+        COMM_LOG = None
+
+
+def _record(op, x, tag):
+    if COMM_LOG is not None:
+        COMM_LOG.append((op, tag, tuple(x.shape), x.numel() * x.element_size()))
+
+
+def tp_size(group):
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def tp_rank(group):
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(x, group, tag, op=dist.ReduceOp.SUM):
+    """In-place all-reduce over the tp group (a no-op for group=None)."""
+    if tp_size(group) > 1:
+        _record("all-reduce", x, tag)
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _identity(x, group, dim, tag):
+    return x
+
+
+def _all_reduce(x, group, dim, tag):
+    return all_reduce(x.clone(), group, tag)  # clone: never write into an autograd input
+
+
+def _split(x, group, dim, tag):
+    return x.chunk(tp_size(group), dim)[tp_rank(group)].contiguous()
+
+
+def _all_gather(x, group, dim, tag):
+    tp, x = tp_size(group), x.contiguous()
+    out = x.new_empty((tp * x.shape[0], *x.shape[1:]))  # the ranks' tensors stacked along dim 0
+    _record("all-gather", out, tag)
+    all_gather_single(out, x, group=group)
+    return torch.cat(out.chunk(tp), dim)
+
+
+def _reduce_scatter(x, group, dim, tag):
+    tp = tp_size(group)
+    chunks = torch.cat(x.chunk(tp, dim))  # rank i's part of dim moved to block i of dim 0
+    out = chunks.new_empty((chunks.shape[0] // tp, *chunks.shape[1:]))
+    _record("reduce-scatter", chunks, tag)
+    reduce_scatter_single(out, chunks, group=group)
+    return out
+
+
+class _Conjugate(torch.autograd.Function):
+    """Run `fwd` in forward and its conjugate `bwd` on the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd, group, dim, tag):
+        ctx.bwd, ctx.group, ctx.dim, ctx.tag = bwd, group, dim, tag
+        return fwd(x, group, dim, tag + " forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.bwd(grad, ctx.group, ctx.dim, ctx.tag + " backward"), None, None, None, None, None
+
+
+def _conjugate(x, fwd, bwd, group, dim, tag):
+    return x if tp_size(group) == 1 else _Conjugate.apply(x, fwd, bwd, group, dim, tag)
+
+
+SEQ_DIM = 1  # activations are (B, T, C); sequence parallelism shards T
+
+
+def copy_to_tp(x, group, tag=""):
+    """f: identity forward, all-reduce backward (enters a tp region from replicated activations)."""
+    return _conjugate(x, _identity, _all_reduce, group, -1, tag)
+
+
+def reduce_from_tp(x, group, tag=""):
+    """g: all-reduce forward, identity backward (sums the ranks' partial outputs)."""
+    return _conjugate(x, _all_reduce, _identity, group, -1, tag)
+
+
+def scatter_to_tp(x, group, tag=""):
+    """Keep this rank's slice of the last dim forward; all-gather it backward."""
+    return _conjugate(x, _split, _all_gather, group, -1, tag)
+
+
+def gather_from_tp(x, group, tag=""):
+    """All-gather the last dim forward; keep this rank's slice backward."""
+    return _conjugate(x, _all_gather, _split, group, -1, tag)
+
+
+def scatter_to_sp(x, group, tag=""):
+    """Keep this rank's slice of T forward; all-gather T backward."""
+    return _conjugate(x, _split, _all_gather, group, SEQ_DIM, tag)
+
+
+def gather_from_sp(x, group, tag=""):
+    """g-bar of sequence parallelism: all-gather T forward; reduce-scatter T backward."""
+    return _conjugate(x, _all_gather, _reduce_scatter, group, SEQ_DIM, tag)
+
+
+def reduce_scatter_to_sp(x, group, tag=""):
+    """g of sequence parallelism: reduce-scatter T forward; all-gather T backward."""
+    return _conjugate(x, _reduce_scatter, _all_gather, group, SEQ_DIM, tag)
+
+
+def enter_tp(x, group, sp, tag=""):
+    """Into a column-parallel layer: f, or with sequence parallelism the all-gather of T."""
+    return gather_from_sp(x, group, tag) if sp else copy_to_tp(x, group, tag)
+
+
+def exit_tp(y, group, sp, tag=""):
+    """Out of a row-parallel layer: g, or with sequence parallelism the reduce-scatter over T."""
+    return reduce_scatter_to_sp(y, group, tag) if sp else reduce_from_tp(y, group, tag)
+
+
+def sp_param(p, group, sp, tag=""):
+    """A replicated parameter used on T-sharded activations: each rank sees T/tp of the tokens,
+    so its gradient is all-reduced (f on the parameter). Without sequence parallelism: identity."""
+    return copy_to_tp(p, group, tag) if sp else p
+
+
+# ----------------------------------------------------------------------------------------------
+# Random numbers: replicated activations draw identical dropout masks on every tp rank (from the
+# default generator, seeded alike); split activations draw different ones (a tracked generator
+# seeded by tp rank), as Megatron's RNG tracker does.
+
+
+class TPRandom:
+    """A tracked generator for tp-split activations; fork() swaps it in for the default one."""
+
+    OFFSET = 2718  # Megatron's offset between the default seed and the tensor-parallel seeds
+
+    def __init__(self, seed, rank, device):
+        self.device = torch.device(device)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed + self.OFFSET + rank)
+        self.state = gen.get_state()
+
+    def _default(self):
+        if self.device.type == "cuda":
+            return torch.cuda.default_generators[self.device.index or 0]
+        return torch.default_generator
+
+    @contextmanager
+    def fork(self):
+        default = self._default()
+        saved = default.get_state()
+        default.set_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = default.get_state()
+            default.set_state(saved)
+
+
+class Dropout(nn.Module):
+    """Dropout whose mask comes from the tp-rank stream if the activation is split across tp."""
+
+    def __init__(self, p, rng, split):
+        super().__init__()
+        self.p, self.rng, self.split = p, rng, split
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        if self.split:
+            with self.rng.fork():
+                return F.dropout(x, self.p, True)
+        return F.dropout(x, self.p, True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers. A split parameter carries .tp_dim (the dim it is split along), .tp_full (its unpadded
+# full size there) and .tp_fused (how many separately split blocks it stacks, 3 for Q,K,V).
+
+
+def _mark_split(p, dim, full, fused=1):
+    p.tp_dim, p.tp_full, p.tp_fused = dim, full, fused
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by output columns: rank i computes X A_i + b_i, no communication."""
+
+    def __init__(self, n_in, n_out, group, sp=False, fused=1, gather_output=False, **factory):
+        super().__init__()
+        tp = tp_size(group)
+        if n_out % (fused * tp):
+            raise ValueError(f"output size {n_out} must be divisible by {fused} x tp={tp}")
+        self.group, self.sp, self.gather_output, self.tag = group, sp, gather_output, ""
+        self.weight = _mark_split(nn.Parameter(torch.empty(n_out // tp, n_in, **factory)), 0, n_out, fused)
+        self.bias = _mark_split(nn.Parameter(torch.empty(n_out // tp, **factory)), 0, n_out, fused)
+
+    def forward(self, x):  # (B, T, n_in), or (B, T/tp, n_in) with sequence parallelism
+        y = F.linear(enter_tp(x, self.group, self.sp, self.tag), self.weight, self.bias)
+        return gather_from_tp(y, self.group, self.tag) if self.gather_output else y  # (B, T, n_out/tp)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by input rows and X already split: Y = sum_i X_i A_i, then + b once."""
+
+    def __init__(self, n_in, n_out, group, sp=False, **factory):
+        super().__init__()
+        tp = tp_size(group)
+        if n_in % tp:
+            raise ValueError(f"input size {n_in} must be divisible by tp={tp}")
+        self.group, self.sp, self.tag = group, sp, ""
+        self.weight = _mark_split(nn.Parameter(torch.empty(n_out, n_in // tp, **factory)), 1, n_in)
+        self.bias = nn.Parameter(torch.empty(n_out, **factory))
+
+    def forward(self, x):  # (B, T, n_in/tp)
+        y = exit_tp(F.linear(x, self.weight), self.group, self.sp, self.tag)
+        # The bias joins after the reduce: added before it, it would be summed tp times.
+        return y + sp_param(self.bias, self.group, self.sp, self.tag + ".bias")
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm (eps 1e-5) with replicated weights; under sequence parallelism it runs on T/tp."""
+
+    def __init__(self, n, group, sp=False, **factory):
+        super().__init__()
+        self.group, self.sp, self.tag = group, sp, ""
+        self.weight = nn.Parameter(torch.empty(n, **factory))
+        self.bias = nn.Parameter(torch.empty(n, **factory))
+
+    def forward(self, x):
+        w = sp_param(self.weight, self.group, self.sp, self.tag + ".weight")
+        b = sp_param(self.bias, self.group, self.sp, self.tag + ".bias")
+        return F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary; each rank looks up its own ids, zeros the rest, then g."""
+
+    def __init__(self, n_vocab, n_padded, n_embd, group, **factory):
+        super().__init__()
+        self.group, self.tag = group, ""
+        self.per_rank = n_padded // tp_size(group)
+        self.start = tp_rank(group) * self.per_rank
+        self.weight = _mark_split(nn.Parameter(torch.empty(self.per_rank, n_embd, **factory)), 0, n_vocab)
+
+    def forward(self, idx):  # (B, T) -> (B, T, C)
+        local = idx - self.start
+        other = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(other[..., None], 0)
+        return reduce_from_tp(out, self.group, self.tag)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of vocab-split logits without gathering them: three all-reduces of (N,)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, n_vocab, ignore_index, tag):
+        N, Vl = logits.shape
+        start = tp_rank(group) * Vl
+        padded = torch.arange(start, start + Vl, device=logits.device) >= n_vocab
+        logits = logits.masked_fill(padded, -math.inf)  # padded columns are never a possible token
+        top = all_reduce(logits.max(dim=1).values, group, tag + " max", dist.ReduceOp.MAX)
+        shifted = logits - top[:, None]  # the global max, so exp() cannot overflow on any rank
+        local = target - start
+        valid = target != ignore_index
+        mine = valid & (local >= 0) & (local < Vl)
+        local = local.masked_fill(~mine, 0)
+        picked = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
+        picked = all_reduce(picked, group, tag + " target logit")
+        exp = shifted.exp()
+        total = all_reduce(exp.sum(dim=1), group, tag + " sum exp")
+        n_valid = valid.sum()
+        loss = (total.log() - picked).masked_fill(~valid, 0).sum() / n_valid
+        ctx.save_for_backward(exp.div_(total[:, None]), local, mine, valid, n_valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_logits, local, mine, valid, n_valid = ctx.saved_tensors  # softmax - onehot, per row
+        rows = torch.arange(len(local), device=local.device)
+        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
+        grad_logits *= (valid.to(grad_logits.dtype) * grad / n_valid)[:, None]
+        return grad_logits, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, tag="loss"):
+    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp)."""
+    Vl = logits.shape[-1]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), target.reshape(-1), group,
+                                            n_vocab, ignore_index, tag)
+
+
+def padded_vocab_size(n_vocab, tp, divisible_by=1):
+    """Megatron's make-vocab-size-divisible-by: round V up to a multiple of divisible_by * tp."""
+    step = divisible_by * tp
+    return -(-n_vocab // step) * step
+
+
+class ParallelMLP(nn.Module):
+    """c_fc column-parallel -> GeLU(tanh) on the shard, no communication -> c_proj row-parallel."""
+
+    def __init__(self, cfg, group, sp=False, **factory):
+        super().__init__()
+        self.c_fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, group, sp, **factory)
+        self.c_proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, group, sp, **factory)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with nh/tp heads per rank: column-parallel QKV, row-parallel output."""
+
+    def __init__(self, cfg, group, rng, sp=False, **factory):
+        super().__init__()
+        C = cfg.n_embd
+        self.c_attn = ColumnParallelLinear(C, 3 * C, group, sp, fused=3, **factory)
+        self.c_proj = RowParallelLinear(C, C, group, sp, **factory)
+        self.hs, self.p, self.rng = C // cfg.n_head, cfg.dropout, rng
+
+    def forward(self, x):
+        qkv = self.c_attn(x)  # (B, T, 3 C/tp)
+        # nh is this rank's head count, read off the shape: C/tp = (nh/tp) * hs.
+        q, k, v = rearrange(qkv, "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
+        with self.rng.fork():  # each rank holds other heads, so its attention dropout must differ
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.p if self.training else 0.0)
+        return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x)))."""
+
+    def __init__(self, cfg, group, rng, sp=False, **factory):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.n_embd, group, sp, **factory)
+        self.attn = ParallelAttention(cfg, group, rng, sp, **factory)
+        self.ln_2 = LayerNorm(cfg.n_embd, group, sp, **factory)
+        self.mlp = ParallelMLP(cfg, group, sp, **factory)
+        self.drop = Dropout(cfg.dropout, rng, split=sp)  # with sp the residual stream is split
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-2. With group=None (tp=1) this is the plain serial GPT-2: the same class, not a twin.
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True,
+                 dtype=torch.float32, device="cpu", vocab_divisible_by=1):
+        super().__init__()
+        tp = tp_size(group)
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+        if cfg.n_head % tp:
+            raise ValueError(f"n_head={cfg.n_head} must be divisible by tp={tp}")
+        self.cfg, self.group, self.sp = cfg, group, sequence_parallel and tp > 1
+        factory = dict(dtype=dtype, device=device)
+        self.rng = TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu")
+        V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
+        self.transformer = nn.ModuleDict(dict(
+            wte=VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd, **factory),
+            drop=Dropout(cfg.dropout, self.rng, split=self.sp),
+            h=nn.ModuleList(Block(cfg, group, self.rng, self.sp, **factory) for _ in range(cfg.n_layer)),
+            ln_f=LayerNorm(cfg.n_embd, group, self.sp, **factory),
+        ))
+        for name, module in self.named_modules():
+            if hasattr(module, "tag"):
+                module.tag = name  # so traced collectives say where they come from
+        if init and device != "meta":
+            self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
+
+    def check_input(self, idx):
+        """Refuse bad batches on every rank before the first collective."""
+        T, V, tp = idx.shape[-1], self.cfg.vocab_size, tp_size(self.group)
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length T={T} exceeds block_size={self.cfg.block_size}")
+        if self.sp and T % tp:
+            raise ValueError(f"sequence parallelism needs T={T} divisible by tp={tp}")
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
+
+    def forward(self, idx, targets=None, ignore_index=-100):
+        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss."""
+        self.check_input(idx)
+        tr, group = self.transformer, self.group
+        x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+        if self.sp:
+            x = scatter_to_sp(x, group, "transformer.wpe")  # (B, T/tp, C)
+        x = tr.drop(x)
+        for block in tr.h:
+            x = block(x)
+        x = tr.ln_f(x)
+        # The output layer is tied to the token embedding: column-parallel over the same vocab rows.
+        logits = F.linear(enter_tp(x, group, self.sp, "lm_head"), tr.wte.weight)
+        if targets is None:
+            return logits, None
+        return logits, vocab_parallel_cross_entropy(logits, targets, group, self.cfg.vocab_size,
+                                                    ignore_index)
+
+    def load_full_state_dict(self, full):
+        load_full_state_dict(self, full, self.group)
+
+    def full_state_dict(self):
+        return gather_full(self, self.group)
+
+    def full_grads(self):
+        return gather_full(self, self.group, grads=True)
+
+    def full_logits(self, logits):
+        """Gather vocab-split logits (B, T, V_pad/tp) into (B, T, V)."""
+        return gather_from_tp(logits, self.group, "gather logits")[..., : self.cfg.vocab_size]
+
+
+def load_full_state_dict(module, full, group):
+    """Master weight, then split: copy this rank's shard of every full (serial) tensor."""
+    tp, rank = tp_size(group), tp_rank(group)
+    params = dict(module.named_parameters())
+    if set(params) != set(full):
+        raise KeyError(f"state dict mismatch: missing {sorted(set(params) - set(full))}, "
+                       f"unexpected {sorted(set(full) - set(params))}")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = full[name]
+            if hasattr(p, "tp_dim"):
+                t = t.movedim(p.tp_dim, 0)
+                pad = p.shape[p.tp_dim] * tp - t.shape[0]  # padded vocabulary rows start as zeros
+                t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+                t = rearrange(t, "(f tp c) ... -> tp (f c) ...", f=p.tp_fused, tp=tp)[rank]
+                t = t.movedim(0, p.tp_dim)
+            if t.shape != p.shape:
+                raise ValueError(f"{name}: full shape {tuple(full[name].shape)} does not fit shard {tuple(p.shape)}")
+            p.copy_(t)
+
+
+def gather_full(module, group, grads=False):
+    """The inverse of load_full_state_dict: all-gather every split tensor back to its full shape."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = (p.grad if grads else p).detach()
+        if hasattr(p, "tp_dim") and tp_size(group) > 1:
+            g = _all_gather(t.movedim(p.tp_dim, 0), group, 0, "gather " + name)
+            t = rearrange(g, "(tp f c) ... -> (f tp c) ...", tp=tp_size(group), f=p.tp_fused)
+            t = t[: p.tp_full].movedim(0, p.tp_dim)
+        elif hasattr(p, "tp_dim"):
+            t = t.movedim(p.tp_dim, 0)[: p.tp_full].movedim(0, p.tp_dim)
+        out[name] = t.clone()
+    return out
+
+
+def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
+    """The full GPT-2 weights from a seed: N(0, 0.02), c_proj N(0, 0.02/sqrt(2 n_layer)), zero
+    biases, unit LayerNorms. random_all draws biases and LayerNorms at random too (for tests)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {n: p.shape for n, p in GPT(cfg, device="meta").named_parameters()}
+    out = {}
+    for name, shape in shapes.items():
+        std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+        t = torch.randn(shape, generator=gen, dtype=torch.float64)
+        is_ln = ".ln_" in name
+        if name.endswith(".bias") or is_ln:
+            t = t * 0.1 if random_all else torch.zeros(shape, dtype=torch.float64)
+            if is_ln and name.endswith(".weight"):
+                t = t + 1
+        else:
+            t = t * std
+        out[name] = t.to(dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: serial against tensor-parallel, float64, same weights, same batch.
+
+
+def max_rel_diff(a, b):
+    """max |a - b| / max |b|: relative to the tensor's scale, so tiny entries do not blow it up."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def demo(env, cfg, args):
+    group = new_tp_group(env, args.tp)
+    dt = torch.float64
+    full = init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen).to(env.device)
+    targets = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen).to(env.device)
+
+    serial = GPT(cfg, None, init=False, dtype=dt, device=env.device)
+    serial.load_full_state_dict(full)
+    ref_logits, ref_loss = serial(idx, targets)
+    ref_loss.backward()
+
+    model = GPT(cfg, group, sequence_parallel=args.sequence_parallel, init=False, dtype=dt,
+                device=env.device)
+    model.load_full_state_dict(full)
+    t0 = time.perf_counter()
+    with trace_comm() as log:
+        logits, loss = model(idx, targets)
+        loss.backward()
+    step_s = time.perf_counter() - t0
+    diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),
+             "logits": max_rel_diff(model.full_logits(logits.detach()), ref_logits.detach())}
+    ref_grads = {n: p.grad for n, p in serial.named_parameters()}
+    diffs.update({"grad " + n: max_rel_diff(g, ref_grads[n]) for n, g in model.full_grads().items()})
+    worst = max(diffs.values())
+    if env.rank == 0:
+        print(f"config: {cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} "
+              f"B={args.batch_size} T={args.seq_len} dtype=float64 world={env.world_size}")
+        print(f"\nloss: serial {ref_loss.item():.12f}  tp {loss.item():.12f}")
+        print(f"max relative difference against serial ({len(diffs)} tensors):")
+        for name, d in diffs.items():
+            print(f"  {d:9.2e}  {name}")
+        print(f"\ncollectives on tp rank 0, one forward + backward, in the order they ran:")
+        for op, tag, shape, nbytes in log:
+            print(f"  {op:15s} {tag:48s} {str(shape):18s} {nbytes / 1024:8.1f} KiB")
+        per_layer = [e for e in log if e[1].startswith("transformer.h.0.")]
+        print(f"layer 0: {sum('forward' in e[1] for e in per_layer)} forward and "
+              f"{sum('backward' in e[1] for e in per_layer)} backward collectives; "
+              f"{len(log)} in all, {sum(e[3] for e in log) / 1024:.1f} KiB; "
+              f"tp step {step_s * 1e3:.1f} ms")
+        verdict = "PASS" if worst <= 1e-10 else "FAIL"
+        print(f"\n{verdict}: worst relative difference {worst:.2e} (tolerance 1e-10)")
+    return worst <= 1e-10
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (local ranks on CPU)")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1234)
+    add_dataclass_args(parser, GPTConfig, vocab_size=1001, block_size=64, n_layer=2, n_head=4,
+                       n_embd=64)
+    args = parser.parse_args()
+    cfg = from_args(GPTConfig, args)
+    return all(launch(demo, args.tp, cfg, args))
+
+
+if __name__ == "__main__":
+    run_main(main)
