@@ -152,7 +152,7 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
                 p.join()
         del store
     if failures:
-        first = min(failures)
+        first = next(iter(failures))  # the earliest report: the others may be its consequences
         lines = [f"rank {first} failed:\n{failures[first]}"]
         lines += [f"rank {r} also failed: {failures[r].strip().splitlines()[-1]}"
                   for r in sorted(failures) if r != first]
@@ -427,7 +427,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):  # (B, T, n_in), or (B, T/tp, n_in) with sequence parallelism
         y = F.linear(enter_tp(x, self.group, self.sp, self.tag), self.weight, self.bias)
-        return gather_from_tp(y, self.group, self.tag) if self.gather_output else y  # (B, T, n_out/tp)
+        if not self.gather_output:
+            return y  # (B, T, n_out/tp)
+        y = gather_from_tp(y, self.group, self.tag)  # blocks ordered rank-major: reorder them
+        return rearrange(y, "... (tp f c) -> ... (f tp c)", tp=tp_size(self.group), f=self.weight.tp_fused)
 
 
 class RowParallelLinear(nn.Module):

@@ -1,0 +1,350 @@
+"""Tensor-parallel step time: our GPT-2 (01_tensor_parallel.py) against PyTorch's DTensor TP.
+
+What it measures: the wall time of one training step without the optimizer (zero_grad, forward,
+loss, backward) of the same small GPT-2 at tp=2, on CPU ranks fork-started with gloo (one thread
+each, so the two ranks share the machine's cores the way two GPUs would not share anything).
+
+    ours  GPT(cfg, tp_group) from 01: hand-written conjugate operators f/g, vocab-parallel
+          embedding and cross-entropy.
+    peer  a plain serial nanoGPT-style model with the same weights, parallelized the way torchtitan
+          does it: parallelize_module over a 1-D DeviceMesh with ColwiseParallel/RowwiseParallel,
+          RowwiseParallel on the token embedding, ColwiseParallel output layer that keeps its
+          Shard(-1) logits as a DTensor, and loss_parallel() around the cross-entropy.
+
+Both models tie the output layer to the token embedding. Before timing, every rank checks that the
+peer's loss and gradient norm equal ours and the serial model's (tp=1) within a tolerance. Timing
+alternates the two in one run: each round runs a few warm-up steps of both, then --steps timed
+steps of one and --steps of the other (the first alternates between rounds), with a barrier before
+each timed block. Each step is timed on every rank and the slower rank's time is kept; the table
+reports the median over all timed steps of each and the ratio ours/peer.
+
+Run it (from the repository root):
+    python benchmarks/bench_tp.py
+    python benchmarks/bench_tp.py --repeats 9 --steps 8 --n-layer 6 --n-embd 384 --n-head 6
+    python benchmarks/bench_tp.py --profile      # also print where each spends its time (rank 0)
+"""
+import argparse
+import importlib
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                               parallelize_module)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+tp01 = importlib.import_module("01_tensor_parallel")  # its name starts with a digit
+
+LOSS_RTOL = 1e-5  # float32: the sharded sums run in a different order than the serial ones
+GRAD_NORM_RTOL = 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# The peer's serial model: plain nn.Linear / nn.Embedding / nn.LayerNorm, which is what
+# parallelize_module knows how to shard. Parameter names match 01's GPT so one state dict fits both.
+
+
+class PeerAttention(nn.Module):
+    """Causal self-attention. `qkv="fused"` keeps one c_attn GEMM like ours, with its rows stored
+    head-major (nh, 3, hs), Megatron's layout, so that a contiguous Shard(0) gives each rank whole
+    heads with their q, k and v. `qkv="split"` uses three Linears q, k, v, as torchtitan's Llama."""
+
+    def __init__(self, cfg, qkv):
+        super().__init__()
+        C = cfg.n_embd
+        self.qkv, self.hs = qkv, C // cfg.n_head
+        if qkv == "fused":
+            self.c_attn = nn.Linear(C, 3 * C)
+        else:
+            self.q, self.k, self.v = nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, C)
+        self.c_proj = nn.Linear(C, C)
+
+    def forward(self, x):
+        # Under TP the column-parallel outputs are local tensors holding nh/tp heads; the head
+        # count is read off the shape, so the same code runs serial and sharded.
+        if self.qkv == "fused":
+            q, k, v = rearrange(self.c_attn(x), "B T (nh three hs) -> three B nh T hs", three=3, hs=self.hs)
+        else:
+            q, k, v = (rearrange(m(x), "B T (nh hs) -> B nh T hs", hs=self.hs) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
+
+
+class PeerMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class PeerBlock(nn.Module):
+    def __init__(self, cfg, qkv):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.attn = PeerAttention(cfg, qkv)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.mlp = PeerMLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class PeerGPT(nn.Module):
+    """Serial GPT-2 (no dropout); forward returns logits only, the loss is the caller's."""
+
+    def __init__(self, cfg, qkv="fused"):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            h=nn.ModuleList(PeerBlock(cfg, qkv) for _ in range(cfg.n_layer)),
+            ln_f=nn.LayerNorm(cfg.n_embd, eps=1e-5),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.tie()
+
+    def tie(self):
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx):
+        tr = self.transformer
+        x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in tr.h:
+            x = block(x)
+        return self.lm_head(tr.ln_f(x))
+
+    @torch.no_grad()
+    def load_full(self, full, cfg):
+        """Copy 01's full (serial) state dict in, rearranging c_attn into this model's layout."""
+        hs = cfg.n_embd // cfg.n_head
+        for name, p in self.named_parameters():
+            block, _, rest = name.partition(".attn.")
+            module, _, kind = rest.partition(".")
+            if module in ("q", "k", "v"):
+                t = full[f"{block}.attn.c_attn.{kind}"].chunk(3)["qkv".index(module)]
+            elif module == "c_attn":
+                t = rearrange(full[name], "(three nh hs) ... -> (nh three hs) ...", three=3, hs=hs)
+            else:
+                t = full[name]
+            p.copy_(t)
+
+
+def parallelize_peer(model, mesh):
+    """torchtitan's recipe without sequence parallelism: shard every Linear, keep norms replicated."""
+    plan = {
+        # Replicated token ids in, masked lookups on each rank's vocab rows, all-reduced out.
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # Keep the vocab-sharded logits as a DTensor so loss_parallel() can see their layout.
+        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    for i, block in enumerate(model.transformer.h):
+        prefix = f"transformer.h.{i}."
+        qkv = ["c_attn"] if hasattr(block.attn, "c_attn") else ["q", "k", "v"]
+        plan.update({prefix + "attn." + m: ColwiseParallel() for m in qkv})
+        plan[prefix + "attn.c_proj"] = RowwiseParallel()
+        plan[prefix + "mlp.c_fc"] = ColwiseParallel()
+        plan[prefix + "mlp.c_proj"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    # Each style wraps its own module's weight in a new Parameter, which unties them; both are
+    # Shard(0) over the vocabulary on the same mesh, so sharing one DTensor is correct.
+    model.tie()
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# One step of each: zero_grad, forward, loss, backward. Returns the loss.
+
+
+def step_ours(model, idx, targets):
+    model.zero_grad(set_to_none=True)
+    _, loss = model(idx, targets)
+    loss.backward()
+    return loss
+
+
+def step_peer(model, idx, targets):
+    model.zero_grad(set_to_none=True)
+    with loss_parallel():  # backward must run inside it too
+        logits = model(idx)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+    return loss
+
+
+def _local(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def grad_norm(named_grads):
+    return math.sqrt(sum(_local(g).double().pow(2).sum().item() for g in named_grads))
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker: build both, check they compute the same function, then time them alternately.
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def timed_block(step, n):
+    """n steps after a barrier; per-step seconds, each the slower of the ranks."""
+    times = torch.zeros(n, dtype=torch.float64)
+    dist.barrier()
+    for i in range(n):
+        t0 = time.perf_counter()
+        step()
+        times[i] = time.perf_counter() - t0
+    # After the block, so the reduction is not timed: a step is as slow as its slowest rank.
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def profile_step(name, step, rows):
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    if dist.get_rank() == 0:
+        print(f"\n--- profile of one {name} step, rank 0, top {rows} by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def worker(env, cfg, args):
+    torch.manual_seed(args.seed)
+    group = tp01.new_tp_group(env, args.tp)
+    mesh = init_device_mesh("cpu", (args.tp,))
+    # random_all: non-zero biases and LayerNorm weights, so the check below exercises them too.
+    full = tp01.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen)
+    targets = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen)
+
+    serial = tp01.GPT(cfg, None, init=False)
+    serial.load_full_state_dict(full)
+    ours = tp01.GPT(cfg, group, init=False)
+    ours.load_full_state_dict(full)
+    peer = PeerGPT(cfg, args.peer_qkv)
+    peer.load_full(full, cfg)
+    parallelize_peer(peer, mesh)
+
+    # Same function: loss and global gradient norm (permutation-free, so the peer's c_attn layout
+    # does not matter) against the serial model.
+    ref_loss = step_ours(serial, idx, targets).item()
+    ref_gn = grad_norm(p.grad for p in serial.parameters())
+    our_loss = step_ours(ours, idx, targets).item()
+    our_gn = grad_norm(ours.full_grads().values())
+    peer_loss = _local(step_peer(peer, idx, targets)).item()
+    peer_gn = grad_norm(p.grad for p in peer.parameters())
+    check = {"loss serial": ref_loss, "loss ours": our_loss, "loss peer": peer_loss,
+             "grad norm serial": ref_gn, "grad norm ours": our_gn, "grad norm peer": peer_gn}
+    same = (rel(our_loss, ref_loss) <= LOSS_RTOL and rel(peer_loss, ref_loss) <= LOSS_RTOL
+            and rel(our_gn, ref_gn) <= GRAD_NORM_RTOL and rel(peer_gn, ref_gn) <= GRAD_NORM_RTOL)
+    if not same:
+        return {"same": False, "check": check}
+
+    steps = {"ours": lambda: step_ours(ours, idx, targets),
+             "peer": lambda: step_peer(peer, idx, targets)}
+    if args.serial:
+        # Every rank runs the whole serial model on its one thread at the same time, so this is
+        # the tp=1 step on an equally loaded machine; half of it is the no-communication floor.
+        steps["serial"] = lambda: step_ours(serial, idx, targets)
+    else:
+        del serial
+    if args.profile:
+        for name, step in steps.items():
+            profile_step(name, step, args.profile_rows)
+
+    names = list(steps)
+    times = {name: [] for name in names}
+    rounds = []
+    for r in range(args.repeats):
+        for _ in range(args.warmup):
+            for step in steps.values():
+                step()
+        # Rotate who goes first, so neither always runs right after the warm-up or the other.
+        order = names[r % len(names):] + names[:r % len(names)]
+        this_round = {}
+        for name in order:
+            block = timed_block(steps[name], args.steps)
+            times[name] += block
+            this_round[name] = statistics.median(block)
+        rounds.append(this_round)
+    return {"same": True, "check": check, "times": times, "rounds": rounds}
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line and report.
+
+
+def report(cfg, args, result):
+    print(f"config: {cfg}")
+    print(f"tp={args.tp} B={args.batch_size} T={args.seq_len} float32, tied embeddings, "
+          f"peer qkv={args.peer_qkv}; torch {torch.__version__}, {args.tp} gloo ranks x 1 thread")
+    print("same function (rank 0):")
+    for k, v in result["check"].items():
+        print(f"  {k:17s} {v:.8f}")
+    if not result["same"]:
+        print(f"FAIL: losses or gradient norms differ by more than {LOSS_RTOL:g} / {GRAD_NORM_RTOL:g} "
+              f"(relative); not timing different functions")
+        return False
+    print(f"  equal within rtol {LOSS_RTOL:g} (loss) and {GRAD_NORM_RTOL:g} (gradient norm)")
+    t = result["times"]
+    med = {k: statistics.median(v) for k, v in t.items()}
+    print(f"\n{args.repeats} rounds x {args.steps} timed steps each (after {args.warmup} warm-up "
+          f"steps of each per round); ms per step, slower rank")
+    print(f"  {'':6s} {'median':>9s} {'min':>9s} {'max':>9s}")
+    for k, v in t.items():
+        print(f"  {k:6s} {med[k] * 1e3:9.2f} {min(v) * 1e3:9.2f} {max(v) * 1e3:9.2f}")
+    if "serial" in med:
+        print(f"  serial/2 (perfect tp=2 scaling, no communication): {med['serial'] / 2 * 1e3:.2f}")
+    per_round = [r["ours"] / r["peer"] for r in result["rounds"]]
+    print(f"\nratio ours/peer of the medians: {med['ours'] / med['peer']:.3f}")
+    print(f"per-round ratios: {' '.join(f'{x:.3f}' for x in per_round)} "
+          f"(median {statistics.median(per_round):.3f})")
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size = local CPU ranks")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=7, help="rounds of ours-then-peer or peer-then-ours")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per model per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each per round")
+    parser.add_argument("--peer-qkv", choices=["fused", "split"], default="fused",
+                        help="peer attention input projection: one head-major GEMM or q, k, v Linears")
+    parser.add_argument("--serial", action="store_true",
+                        help="also time the tp=1 model on every rank (the no-communication floor)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--profile", action="store_true", help="print a profiler table per model")
+    parser.add_argument("--profile-rows", type=int, default=15)
+    parser.add_argument("--deadline", type=float, default=600.0, help="seconds before the run is stopped")
+    tp01.add_dataclass_args(parser, tp01.GPTConfig, vocab_size=512, block_size=128, n_layer=4,
+                            n_head=4, n_embd=256)
+    args = parser.parse_args()
+    cfg = tp01.from_args(tp01.GPTConfig, args)
+    if cfg.dropout:
+        raise ValueError("the peer model has no dropout; run with --dropout 0")
+    results = tp01.launch(worker, args.tp, cfg, args, timeout_s=120.0, deadline_s=args.deadline)
+    return report(cfg, args, results[0])
+
+
+if __name__ == "__main__":
+    tp01.run_main(main)

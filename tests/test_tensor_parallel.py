@@ -1,0 +1,308 @@
+"""01_tensor_parallel: every tensor-parallel piece computes the same function as its serial twin.
+
+Tolerance: everything runs in float64 and is compared as max|a - b| / max|b| <= 1e-10. Splitting
+a matmul or a sum across ranks only reorders additions, which costs a few float64 ulps (~1e-15)
+per reduction; a real bug (a bias added tp times, a wrong shard, a missing all-reduce) is O(1).
+Weights, biases, LayerNorm parameters and inputs are all random, never zeros or ones, so that
+such bugs cannot hide.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import load
+
+tp_mod = load("01_tensor_parallel")
+TOL = 1e-10
+F64 = torch.float64
+CFG = tp_mod.GPTConfig(vocab_size=101, block_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+
+
+def rel(a, b):
+    return tp_mod.max_rel_diff(a, b)
+
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def randomize(module, seed):
+    """Poison every parameter of a serial module with random values; return its full state dict."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=F64) * 0.3)
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# The blocks, each against a serial twin built from the same class with group=None.
+# Each entry: (make(group, sp), input layout, output layout). Layouts: "full" replicated,
+# "T" split along the sequence when sp is on (else full), "C" split along the last dim.
+
+BLOCKS = {
+    "ColumnParallelLinear": (lambda g, sp: tp_mod.ColumnParallelLinear(32, 48, g, sp, dtype=F64), "T", "C"),
+    "ColumnParallelLinear(gather_output)": (
+        lambda g, sp: tp_mod.ColumnParallelLinear(32, 48, g, sp, gather_output=True, dtype=F64), "T", "full"),
+    "ColumnParallelLinear(fused=3)": (
+        lambda g, sp: tp_mod.ColumnParallelLinear(32, 96, g, sp, fused=3, gather_output=True, dtype=F64), "T", "full"),
+    "RowParallelLinear": (lambda g, sp: tp_mod.RowParallelLinear(48, 32, g, sp, dtype=F64), "C", "T"),
+    "LayerNorm": (lambda g, sp: tp_mod.LayerNorm(32, g, sp, dtype=F64), "T", "T"),
+    "ParallelMLP": (lambda g, sp: tp_mod.ParallelMLP(CFG, g, sp, dtype=F64), "T", "T"),
+    "ParallelAttention": (
+        lambda g, sp: tp_mod.ParallelAttention(CFG, g, tp_mod.TPRandom(0, 0, "cpu"), sp, dtype=F64), "T", "T"),
+    "Block": (lambda g, sp: tp_mod.Block(CFG, g, tp_mod.TPRandom(0, 0, "cpu"), sp, dtype=F64), "T", "T"),
+}
+
+
+def _local(t, layout, sp, tp, rank):
+    if layout == "C":
+        return t.chunk(tp, -1)[rank]
+    if layout == "T" and sp:
+        return t.chunk(tp, 1)[rank]
+    return t
+
+
+def _compare_blocks(env, tp):
+    group = tp_mod.new_tp_group(env, tp)
+    rank = tp_mod.tp_rank(group)
+    diffs = {}
+    for sp in (False, True):
+        for i, (name, (make, lin, lout)) in enumerate(BLOCKS.items()):
+            serial = make(None, False)
+            full = randomize(serial, seed=10 + i)
+            block = make(group, sp)
+            tp_mod.load_full_state_dict(block, full, group)
+            n_in = 48 if lin == "C" else 32
+            x = randn(2, 8, n_in, seed=100 + i).requires_grad_()
+            y = serial(x)
+            dy = randn(*y.shape, seed=200 + i)  # a random upstream gradient, not ones
+            y.backward(dy)
+            x_local = _local(x.detach(), lin, sp, tp, rank).clone().requires_grad_()
+            y_local = block(x_local)
+            y_local.backward(_local(dy, lout, sp, tp, rank))
+            key = f"{name} sp={sp}"
+            diffs[key + " forward"] = rel(y_local, _local(y.detach(), lout, sp, tp, rank))
+            diffs[key + " input grad"] = rel(x_local.grad, _local(x.grad, lin, sp, tp, rank))
+            ref = {n: p.grad for n, p in serial.named_parameters()}
+            for n, g in tp_mod.gather_full(block, group, grads=True).items():
+                diffs[f"{key} grad {n}"] = rel(g, ref[n])
+    return diffs
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_every_block_matches_its_serial_twin_forward_input_and_weight_grads(run_ranks, tp):
+    for diffs in run_ranks(_compare_blocks, tp, tp):
+        bad = {k: v for k, v in diffs.items() if not v <= TOL}
+        assert not bad, f"tp={tp}: differences above {TOL}: {bad}"
+        assert len(diffs) > 60  # every block, both modes, forward + input grad + each weight grad
+
+
+# ----------------------------------------------------------------------------------------------
+# The conjugate operators, checked by what they do to values and gradients on each rank.
+
+
+def _conjugates(env):
+    group, tp, r = env_group(env)
+    x = randn(2, 4, 8, seed=1)
+    out = {}
+    for name in ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
+                 "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp"):
+        xi = (x * (r + 1)).requires_grad_()  # and so does each rank's input
+        y = getattr(tp_mod, name)(xi, group)
+        y.backward(randn(*y.shape, seed=3 + r))  # each rank's upstream gradient differs
+        out[name] = (y.detach(), xi.grad)
+    return out
+
+
+def env_group(env):
+    group = tp_mod.new_tp_group(env, env.world_size)
+    return group, env.world_size, env.rank
+
+
+def test_conjugate_operators_do_what_their_contracts_say(run_ranks):
+    tp = 2
+    res = run_ranks(_conjugates, tp)
+    xs = [randn(2, 4, 8, seed=1) * (r + 1) for r in range(tp)]
+    gs = {name: [randn(*res[r][name][0].shape, seed=3 + r) for r in range(tp)] for name in res[0]}
+    total_x, total = sum(xs), lambda name: sum(gs[name])
+    for r in range(tp):
+        y, g = res[r]["copy_to_tp"]  # f: identity forward, all-reduce backward
+        assert torch.equal(y, xs[r]) and rel(g, total("copy_to_tp")) <= TOL
+        y, g = res[r]["reduce_from_tp"]  # g: all-reduce forward, identity backward
+        assert rel(y, total_x) <= TOL and torch.equal(g, gs["reduce_from_tp"][r])
+        y, g = res[r]["scatter_to_tp"]  # split last dim forward, all-gather backward
+        assert torch.equal(y, xs[r].chunk(tp, -1)[r])
+        assert torch.equal(g, torch.cat(gs["scatter_to_tp"], -1))
+        y, g = res[r]["gather_from_tp"]  # all-gather last dim forward, split backward
+        assert torch.equal(y, torch.cat(xs, -1)) and torch.equal(g, gs["gather_from_tp"][r].chunk(tp, -1)[r])
+        y, g = res[r]["scatter_to_sp"]  # split T forward, all-gather T backward
+        assert torch.equal(y, xs[r].chunk(tp, 1)[r]) and torch.equal(g, torch.cat(gs["scatter_to_sp"], 1))
+        y, g = res[r]["gather_from_sp"]  # all-gather T forward, reduce-scatter T backward
+        assert torch.equal(y, torch.cat(xs, 1))
+        assert rel(g, total("gather_from_sp").chunk(tp, 1)[r]) <= TOL
+        y, g = res[r]["reduce_scatter_to_sp"]  # reduce-scatter T forward, all-gather T backward
+        assert rel(y, total_x.chunk(tp, 1)[r]) <= TOL
+        assert torch.equal(g, torch.cat(gs["reduce_scatter_to_sp"], 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocab-parallel cross-entropy against F.cross_entropy on the full, unpadded logits.
+
+
+def _cross_entropy(env, V, ignore_index):
+    group, tp, r = env_group(env)
+    V_pad = tp_mod.padded_vocab_size(V, tp)
+    N = 24
+    full = randn(N, V, seed=5) * 3
+    target = torch.randint(V, (N,), generator=torch.Generator().manual_seed(6))
+    target[::5] = ignore_index  # some positions are ignored
+    padded = torch.cat([full, torch.full((N, V_pad - V), 1e4, dtype=F64)], 1)  # poison the padding
+    local = padded.chunk(tp, 1)[r].clone().requires_grad_()
+    loss = tp_mod.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index)
+    dloss = 0.7  # a non-unit upstream gradient
+    loss.backward(torch.tensor(dloss, dtype=F64))
+    ref_in = full.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in, target, ignore_index=ignore_index)
+    ref.backward(torch.tensor(dloss, dtype=F64))
+    ref_grad = torch.cat([ref_in.grad, torch.zeros(N, V_pad - V, dtype=F64)], 1).chunk(tp, 1)[r]
+    return rel(loss.detach(), ref.detach()), rel(local.grad, ref_grad), local.grad, V_pad
+
+
+@pytest.mark.parametrize("tp,V,ignore_index", [(1, 10, -100), (2, 10, -100), (4, 10, -100),
+                                                (4, 13, 3), (4, 3, -100)])
+def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_with_padding_and_ignore_index(
+        run_ranks, tp, V, ignore_index):
+    for r, (dloss, dgrad, grad, V_pad) in enumerate(run_ranks(_cross_entropy, tp, V, ignore_index)):
+        assert dloss <= TOL and dgrad <= TOL, (r, dloss, dgrad)
+        start = r * (V_pad // tp)
+        pad_cols = [c for c in range(grad.shape[1]) if start + c >= V]
+        assert torch.all(grad[:, pad_cols] == 0)  # padded logits get no gradient
+    # V=3 at tp=4 pads to 4: the last rank holds nothing but padding, and the loss still matches.
+
+
+def test_padded_vocab_size_rounds_up_to_a_multiple_of_tp_times_divisor():
+    assert tp_mod.padded_vocab_size(50257, 1) == 50257
+    assert tp_mod.padded_vocab_size(50257, 2) == 50258
+    assert tp_mod.padded_vocab_size(50257, 4, divisible_by=128) == 50688  # 99 * 512
+    assert tp_mod.padded_vocab_size(3, 4) == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout random streams.
+
+
+def _rng(env):
+    group, tp, r = env_group(env)
+    torch.manual_seed(0)  # the default stream is seeded alike on every rank
+    rng = tp_mod.TPRandom(0, tp_mod.tp_rank(group), "cpu")
+    before = torch.rand(4)
+    with rng.fork():
+        forked = torch.rand(4)
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    plain = torch.rand(8)  # the same draws with no fork in between
+    # Attention: give every head the same weights, so the heads differ only by their dropout mask.
+    cfg = tp_mod.GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.5)
+    serial = tp_mod.ParallelAttention(cfg, None, rng, dtype=F64)
+    full = randomize(serial, 3)
+    w = full["c_attn.weight"].view(3, 2, 4, 8)
+    full["c_attn.weight"] = w[:, :1].expand(3, 2, 4, 8).reshape(24, 8)
+    b = full["c_attn.bias"].view(3, 2, 4)
+    full["c_attn.bias"] = b[:, :1].expand(3, 2, 4).reshape(24)
+    attn = tp_mod.ParallelAttention(cfg, group, rng, dtype=F64)
+    tp_mod.load_full_state_dict(attn, full, group)
+    heads = []
+    attn.c_proj.register_forward_pre_hook(lambda m, args: heads.append(args[0].detach()))
+    attn(randn(2, 8, 8, seed=4))
+    # The residual stream of a whole model with dropout on stays identical across tp ranks.
+    model = tp_mod.GPT(cfg, group, seed=1, dtype=F64)
+    hidden = []
+    model.transformer.h[0].register_forward_hook(lambda m, a, out: hidden.append(out.detach()))
+    torch.manual_seed(5)
+    model(torch.randint(11, (2, 8), generator=torch.Generator().manual_seed(0)))
+    return before, forked, after, plain, heads[0], hidden[0]
+
+
+def test_dropout_differs_across_tp_ranks_inside_tp_regions_and_matches_on_replicated_activations(run_ranks):
+    (b0, f0, a0, p0, h0, x0), (b1, f1, a1, p1, h1, x1) = run_ranks(_rng, 2)
+    assert torch.equal(b0, b1) and torch.equal(a0, a1)  # default stream: same on both ranks
+    assert not torch.equal(f0, f1)  # tracked stream: seeded by tp rank
+    assert torch.equal(torch.cat([b0, a0]), p0)  # fork() leaves the default stream untouched
+    assert h0.shape == h1.shape and not torch.equal(h0, h1)  # same head weights, different masks
+    assert torch.equal(x0, x1)  # replicated residual stream: identical masks on every rank
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights: master weight then split, and back.
+
+
+def _round_trip(env):
+    group, tp, r = env_group(env)
+    cfg = tp_mod.GPTConfig(vocab_size=1001, block_size=16, n_layer=2, n_head=4, n_embd=16)
+    full = tp_mod.init_state_dict(cfg, 3, dtype=F64, random_all=True)
+    model = tp_mod.GPT(cfg, group, init=False, dtype=F64)
+    model.load_full_state_dict(full)
+    back = model.full_state_dict()
+    from_seed = tp_mod.GPT(cfg, group, seed=9, dtype=F64).full_state_dict()
+    # Fused QKV: rank r holds rows [q_r; k_r; v_r], each C/tp rows, not a contiguous block.
+    C, w = 16, full["transformer.h.0.attn.c_attn.weight"]
+    expect = torch.cat([w[j * C + r * C // tp: j * C + (r + 1) * C // tp] for j in range(3)])
+    qkv_ok = torch.equal(model.transformer.h[0].attn.c_attn.weight.detach(), expect)
+    return full, back, from_seed, qkv_ok
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_full_state_dict_splits_and_gathers_back_bit_equal(run_ranks, tp):
+    cfg = tp_mod.GPTConfig(vocab_size=1001, block_size=16, n_layer=2, n_head=4, n_embd=16)
+    serial_from_seed = tp_mod.GPT(cfg, None, seed=9, dtype=F64).state_dict()
+    for full, back, from_seed, qkv_ok in run_ranks(_round_trip, tp):
+        assert qkv_ok
+        assert full.keys() == back.keys()
+        for k in full:
+            assert torch.equal(full[k], back[k]), k  # 1001 is not divisible by tp: padding stripped
+            assert torch.equal(from_seed[k], serial_from_seed[k]), k  # seed -> same model at any tp
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole model, over several AdamW steps.
+
+
+def _whole_model(env, sp):
+    group, tp, r = env_group(env)
+    full = tp_mod.init_state_dict(CFG, 4, dtype=F64, random_all=True)
+    serial = tp_mod.GPT(CFG, None, init=False, dtype=F64)
+    model = tp_mod.GPT(CFG, group, sequence_parallel=sp, init=False, dtype=F64)
+    serial.load_full_state_dict(full)
+    model.load_full_state_dict(full)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (serial, model)]
+    gen = torch.Generator().manual_seed(7)
+    diffs = {}
+    for step in range(3):
+        idx = torch.randint(CFG.vocab_size, (3, 16), generator=gen)
+        targets = torch.randint(CFG.vocab_size, (3, 16), generator=gen)
+        ref_logits, ref_loss = serial(idx, targets)
+        logits, loss = model(idx, targets)
+        ref_loss.backward()
+        loss.backward()
+        diffs[f"step {step} loss"] = rel(loss.detach(), ref_loss.detach())
+        diffs[f"step {step} logits"] = rel(model.full_logits(logits.detach()), ref_logits.detach())
+        ref_grads = {n: p.grad for n, p in serial.named_parameters()}
+        for n, g in model.full_grads().items():
+            diffs[f"step {step} grad {n}"] = rel(g, ref_grads[n])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        ref_params = serial.state_dict()
+        for n, p in model.full_state_dict().items():
+            diffs[f"step {step} param {n}"] = rel(p, ref_params[n])
+    return diffs
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_gpt2_equals_serial_gpt2_loss_grads_and_adamw_steps(run_ranks, tp, sp):
+    for diffs in run_ranks(_whole_model, tp, sp):
+        bad = {k: v for k, v in diffs.items() if not v <= TOL}
+        assert not bad, bad
+        assert sum("grad" in k for k in diffs) == 3 * len(tp_mod.init_state_dict(CFG, 0))
