@@ -159,3 +159,12 @@ def test_the_demo_runs_unchanged_under_torchrun():
     proc, _ = run_script(*torchrun, "01_tensor_parallel.py", "--tp", "4")
     assert proc.returncode != 0
     assert "tp=4 must be between 1 and the world size 2" in proc.stderr
+
+
+def test_the_readme_baseline_example_runs_as_written(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    code = text.split("## Use it as a correctness baseline")[1].split("```python\n")[1].split("```")[0]
+    script = tmp_path / "example.py"
+    script.write_text(code.replace("/path/to/this/repo", str(ROOT)))
+    proc, _ = run_script(str(script))
+    assert proc.returncode == 0, proc.stderr[-3000:]
