@@ -21,10 +21,12 @@ Glossary, used in every file:
     tp / pp / dp: tensor- / pipeline- / data-parallel sizes, v virtual chunks per rank, m microbatches.
 """
 import argparse
+import ctypes
 import dataclasses
 import math
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -130,7 +132,7 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
             ready = connection.wait(waiting, timeout=wait_s)
             if not ready:
                 if not failures:
-                    failures[-1] = f"the run passed its deadline of {deadline_s} s"
+                    failures["the run"] = f"passed its deadline of {deadline_s} s\n"
                 break
             for pipe in ready:
                 rank = pipes.index(pipe)
@@ -141,7 +143,7 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
                     status, payload = "error", f"rank {rank} died with exit code {procs[rank].exitcode}\n"
                 (results if status == "ok" else failures)[rank] = payload
     finally:
-        stopped = [r for r, p in enumerate(procs) if p.is_alive() and r not in results and r not in failures]
+        stopped = [r for r, p in enumerate(procs) if p.is_alive() and r not in {**results, **failures}]
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -153,9 +155,10 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
         del store
     if failures:
         first = next(iter(failures))  # the earliest report: the others may be its consequences
-        lines = [f"rank {first} failed:\n{failures[first]}"]
-        lines += [f"rank {r} also failed: {failures[r].strip().splitlines()[-1]}"
-                  for r in sorted(failures) if r != first]
+        who = lambda r: r if isinstance(r, str) else f"rank {r}"
+        lines = [f"{who(first)} failed:\n{failures[first]}"]
+        lines += [f"{who(r)} also failed: {failures[r].strip().splitlines()[-1]}"
+                  for r in failures if r != first]
         if stopped:
             lines.append(f"stopped ranks {stopped} after the failure")
         raise RankFailure("\n".join(lines))
@@ -164,6 +167,10 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
 
 def _local_rank_main(rank, world, pipe, worker, args, timeout_s):
     torch.set_num_threads(1)  # one thread per rank: ranks share the cores, as GPUs would not
+    try:  # Linux: die with the launching process rather than linger until a timeout
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     code = 0
     try:
         store = dist.TCPStore("127.0.0.1", pipe.recv(), world, is_master=False,
@@ -719,47 +726,56 @@ def max_rel_diff(a, b):
 
 def demo(env, cfg, args):
     group = new_tp_group(env, args.tp)
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    say(f"{cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} B={args.batch_size} "
+        f"T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
     dt = torch.float64
     full = init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    idx = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen).to(env.device)
-    targets = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen).to(env.device)
-
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
+    idx, targets = idx.to(env.device), targets.to(env.device)
     serial = GPT(cfg, None, init=False, dtype=dt, device=env.device)
-    serial.load_full_state_dict(full)
-    ref_logits, ref_loss = serial(idx, targets)
-    ref_loss.backward()
-
     model = GPT(cfg, group, sequence_parallel=args.sequence_parallel, init=False, dtype=dt,
                 device=env.device)
+    serial.load_full_state_dict(full)
     model.load_full_state_dict(full)
-    t0 = time.perf_counter()
+
+    ref_logits, ref_loss = serial(idx, targets)
+    ref_loss.backward()
     with trace_comm() as log:
         logits, loss = model(idx, targets)
         loss.backward()
-    step_s = time.perf_counter() - t0
     diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),
              "logits": max_rel_diff(model.full_logits(logits.detach()), ref_logits.detach())}
     ref_grads = {n: p.grad for n, p in serial.named_parameters()}
     diffs.update({"grad " + n: max_rel_diff(g, ref_grads[n]) for n, g in model.full_grads().items()})
     worst = max(diffs.values())
-    if env.rank == 0:
-        print(f"config: {cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} "
-              f"B={args.batch_size} T={args.seq_len} dtype=float64 world={env.world_size}")
-        print(f"\nloss: serial {ref_loss.item():.12f}  tp {loss.item():.12f}")
-        print(f"max relative difference against serial ({len(diffs)} tensors):")
-        for name, d in diffs.items():
-            print(f"  {d:9.2e}  {name}")
-        print(f"\ncollectives on tp rank 0, one forward + backward, in the order they ran:")
-        for op, tag, shape, nbytes in log:
-            print(f"  {op:15s} {tag:48s} {str(shape):18s} {nbytes / 1024:8.1f} KiB")
-        per_layer = [e for e in log if e[1].startswith("transformer.h.0.")]
-        print(f"layer 0: {sum('forward' in e[1] for e in per_layer)} forward and "
-              f"{sum('backward' in e[1] for e in per_layer)} backward collectives; "
-              f"{len(log)} in all, {sum(e[3] for e in log) / 1024:.1f} KiB; "
-              f"tp step {step_s * 1e3:.1f} ms")
-        verdict = "PASS" if worst <= 1e-10 else "FAIL"
-        print(f"\n{verdict}: worst relative difference {worst:.2e} (tolerance 1e-10)")
+
+    say(f"\nloss: serial {ref_loss.item():.12f}  tp {loss.item():.12f}")
+    say(f"max relative difference against serial ({len(diffs)} tensors):")
+    for name, d in diffs.items():
+        say(f"  {d:9.2e}  {name}")
+    say("\ncollectives on rank 0 for one forward + backward, in the order they ran:")
+    for op, tag, shape, nbytes in log:
+        say(f"  {op:15s} {tag:48s} {str(shape):16s} {nbytes / 1024:7.1f} KiB")
+    layer0 = [e[1] for e in log if e[1].startswith("transformer.h.0.")]
+    say(f"layer 0: {sum('forward' in t for t in layer0)} forward and "
+        f"{sum('backward' in t for t in layer0)} backward collectives; {len(log)} in all, "
+        f"{sum(e[3] for e in log) / 1024:.1f} KiB")
+    n_local, n_full = sum(p.numel() for p in model.parameters()), sum(t.numel() for t in full.values())
+    say(f"parameters on rank 0: {n_local:,} of {n_full:,} ({n_local / n_full:.0%})")
+    times = {}
+    for name, m in (("serial", serial), ("tp", model)):  # warm steps, median of 5
+        steps = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            m(idx, targets)[1].backward()
+            steps.append(time.perf_counter() - t0)
+        times[name] = sorted(steps)[2]
+    say(f"forward+backward: serial {times['serial'] * 1e3:.1f} ms, tp {times['tp'] * 1e3:.1f} ms "
+        f"(ranks share the CPU cores here; BENCHMARKS.md has measured comparisons)")
+    say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} "
+        f"(tolerance 1e-10)")
     return worst <= 1e-10
 
 

@@ -83,7 +83,7 @@ def _forever(env):
 
 
 def test_a_run_past_its_deadline_is_stopped():
-    with pytest.raises(tp_mod.RankFailure, match="deadline of 2"):
+    with pytest.raises(tp_mod.RankFailure, match="the run failed:\npassed its deadline of 2 s"):
         tp_mod.launch(_forever, 2, deadline_s=2)
 
 
