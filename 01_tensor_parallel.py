@@ -591,25 +591,34 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """GPT-2 over a tp group. A pipeline chunk (02) is the same class cut to some `layers`, with
+    pre_process (the embeddings) on the first chunk and post_process (ln_f, head, loss) on the last."""
+
     def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True,
-                 dtype=torch.float32, device="cpu", vocab_divisible_by=1):
+                 dtype=torch.float32, device="cpu", vocab_divisible_by=1, layers=None,
+                 pre_process=True, post_process=True):
         super().__init__()
+        layers = range(cfg.n_layer) if layers is None else layers
         tp = tp_size(group)
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
         if cfg.n_head % tp:
             raise ValueError(f"n_head={cfg.n_head} must be divisible by tp={tp}")
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and tp > 1
+        self.pre_process, self.post_process = pre_process, post_process
         factory = dict(dtype=dtype, device=device)
         self.rng = TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu")
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
-        self.transformer = nn.ModuleDict(dict(
-            wte=VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd, **factory),
-            drop=Dropout(cfg.dropout, self.rng, split=self.sp),
-            h=nn.ModuleList(Block(cfg, group, self.rng, self.sp, **factory) for _ in range(cfg.n_layer)),
-            ln_f=LayerNorm(cfg.n_embd, group, self.sp, **factory),
-        ))
+        tr = self.transformer = nn.ModuleDict()
+        if pre_process or post_process:  # the head is tied to wte: the last chunk holds a copy
+            tr["wte"] = VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory)
+        if pre_process:
+            tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
+            tr["drop"] = Dropout(cfg.dropout, self.rng, split=self.sp)
+        # Keyed by global layer index, so a chunk's parameter names are the serial model's names.
+        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, **factory) for i in layers})
+        if post_process:
+            tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)
         for name, module in self.named_modules():
             if hasattr(module, "tag"):
                 module.tag = name  # so traced collectives say where they come from
@@ -627,26 +636,37 @@ class GPT(nn.Module):
         if lo < 0 or hi >= V:
             raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
 
-    def forward(self, idx, targets=None, ignore_index=-100):
-        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss."""
+    def forward(self, x, targets=None, ignore_index=-100):
+        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss.
+        Without pre_process x is the previous chunk's hidden state; without post_process the
+        hidden state (B, T, C) (T/tp with sequence parallelism) is returned instead."""
+        if self.pre_process:
+            x = self.embed(x)
+        for block in self.transformer.h.values():
+            x = block(x)
+        return self.head(x, targets, ignore_index) if self.post_process else x
+
+    def embed(self, idx):
         self.check_input(idx)
-        tr, group = self.transformer, self.group
+        tr = self.transformer
         x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
         if self.sp:
-            x = scatter_to_sp(x, group, "transformer.wpe")  # (B, T/tp, C)
-        x = tr.drop(x)
-        for block in tr.h:
-            x = block(x)
-        x = tr.ln_f(x)
+            x = scatter_to_sp(x, self.group, "transformer.wpe")  # (B, T/tp, C)
+        return tr.drop(x)
+
+    def head(self, x, targets, ignore_index=-100):
+        x = self.transformer.ln_f(x)
         # The output layer is tied to the token embedding: column-parallel over the same vocab rows.
-        logits = F.linear(enter_tp(x, group, self.sp, "lm_head"), tr.wte.weight)
+        logits = F.linear(enter_tp(x, self.group, self.sp, "lm_head"), self.transformer.wte.weight)
         if targets is None:
             return logits, None
-        return logits, vocab_parallel_cross_entropy(logits, targets, group, self.cfg.vocab_size,
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size,
                                                     ignore_index)
 
     def load_full_state_dict(self, full):
-        load_full_state_dict(self, full, self.group)
+        """Load this model's part (its layers, its shards) of a full serial state dict."""
+        own = dict(self.named_parameters())
+        load_full_state_dict(self, {k: v for k, v in full.items() if k in own}, self.group)
 
     def full_state_dict(self):
         return gather_full(self, self.group)

@@ -218,7 +218,7 @@ def _rng(env):
     # The residual stream of a whole model with dropout on stays identical across tp ranks.
     model = tp_mod.GPT(cfg, group, seed=1, dtype=F64)
     hidden = []
-    model.transformer.h[0].register_forward_hook(lambda m, a, out: hidden.append(out.detach()))
+    model.transformer.h["0"].register_forward_hook(lambda m, a, out: hidden.append(out.detach()))
     torch.manual_seed(5)
     model(torch.randint(11, (2, 8), generator=torch.Generator().manual_seed(0)))
     return before, forked, after, plain, heads[0], hidden[0]
@@ -248,7 +248,7 @@ def _round_trip(env):
     # Fused QKV: rank r holds rows [q_r; k_r; v_r], each C/tp rows, not a contiguous block.
     C, w = 16, full["transformer.h.0.attn.c_attn.weight"]
     expect = torch.cat([w[j * C + r * C // tp: j * C + (r + 1) * C // tp] for j in range(3)])
-    qkv_ok = torch.equal(model.transformer.h[0].attn.c_attn.weight.detach(), expect)
+    qkv_ok = torch.equal(model.transformer.h["0"].attn.c_attn.weight.detach(), expect)
     return full, back, from_seed, qkv_ok
 
 
