@@ -1,0 +1,510 @@
+"""02 - Pipeline parallelism: GPipe and 1F1B as pure data (Narayanan et al. 2021, Section 2.2).
+
+What this file adds on top of 01: the GPT-2 is cut into pp stages of contiguous layers (the first
+holds the embeddings, the last ln_f, the tied output layer and the loss). A schedule is a pure
+function (pp, m, stage) -> that stage's ordered list of actions, "F3" = forward of microbatch 3,
+"B3" = its backward. Everything else only reads those lists:
+  - comm_plan() derives the point-to-point messages around each action;
+  - validate() proves every microbatch runs once each way, backward after forward, and that the
+    messages can be matched without deadlock even if every send waits for its receive;
+  - simulate() replays the lists with per-action times: step time, idle time, bubble, peak
+    microbatches in flight (Section 2.2.1: bubble = (pp - 1) / m for GPipe and 1F1B alike);
+  - execute() runs one rank's list over real batched isend/irecv.
+GPipe (all forwards, then all backwards) keeps all m microbatches' activations alive; 1F1B
+(PipeDream-Flush) starts backwards as soon as possible and keeps at most pp - stage alive.
+
+Run it:
+    python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules
+    python 02_pipeline_1f1b.py --pp 2 --microbatches 3 --schedule 1f1b --trace pipe.json
+    torchrun --nproc-per-node 4 02_pipeline_1f1b.py             # one stage per GPU
+
+The demo checks GPipe and 1F1B against the serial model in float64 (loss and every gradient
+<= 1e-10), draws the simulated and the measured timelines, prints the bubble against the formula
+and each stage's peak stored activation bytes (counted with saved-tensor hooks), with and without
+Megatron's output deallocation. It exits 1 on a mismatch.
+
+Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
+"""
+import argparse
+import importlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+tp = importlib.import_module("01_tensor_parallel")
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedules as data
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" forward or "B" backward
+    mb: int  # microbatch
+    chunk: int = 0  # which of this rank's model chunks (03's virtual stages); always 0 here
+
+    def __str__(self):
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def gpipe(pp, m, stage):
+    """All m forwards, then all m backwards."""
+    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+
+
+def one_f_one_b(pp, m, stage):
+    """PipeDream-Flush: warm up, then alternate one forward and one backward, then drain."""
+    # Stage s must run pp - s - 1 forwards before the first backward can come back to it: that
+    # is how long the first microbatch takes to reach the last stage and return.
+    warmup = min(pp - stage - 1, m)
+    acts = [Action("F", i) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state: the forward of a new microbatch, the oldest backward
+        acts += [Action("F", warmup + i), Action("B", i)]
+    return acts + [Action("B", i) for i in range(m - warmup, m)]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+class ScheduleError(ValueError):
+    """A list of actions that cannot run: something missing, out of order, or deadlocking."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Messages. Chunk c of rank r is virtual stage c*pp + r of S = pp*v. The forward of stage k sends
+# its output to stage k+1 as message ("act", k+1, mb); the backward of stage k sends the gradient
+# of its input to stage k-1 as ("grad", k-1, mb). Stages on the same rank hand over locally.
+
+
+def n_chunks(actions):
+    return 1 + max(a.chunk for a in actions)
+
+
+def needs(a, k):
+    """The message action a on virtual stage k waits for, or None."""
+    if a.kind == "F":
+        return ("act", k, a.mb) if k > 0 else None
+    return ("grad", k, a.mb)  # None on the last stage is handled by the caller
+
+
+def produces(a, k, S):
+    if a.kind == "F":
+        return ("act", k + 1, a.mb) if k < S - 1 else None
+    return ("grad", k - 1, a.mb) if k > 0 else None
+
+
+def rank_plan(actions, rank, pp):
+    """This rank's steps: ("comm", ops) boundaries and ("run", action). Boundary i holds the send
+    of action i-1's output and the receive of action i's input, posted together as one batch
+    (the pairing Megatron uses), so two ranks that exchange with each other never deadlock."""
+    S = pp * n_chunks(actions)
+    steps, outgoing = [], []
+    for a in actions:
+        k = a.chunk * pp + rank
+        msg = needs(a, k) if not (a.kind == "B" and k == S - 1) else None
+        incoming = [("recv", (k - 1 if a.kind == "F" else k + 1) % pp, msg)] if msg else []
+        incoming = [op for op in incoming if op[1] != rank]  # local hand-over, no message
+        if outgoing or incoming:
+            steps.append(("comm", outgoing + incoming))
+        steps.append(("run", a))
+        out = produces(a, k, S)
+        outgoing = [("send", out[1] % pp, out)] if out and out[1] % pp != rank else []
+    if outgoing:
+        steps.append(("comm", outgoing))
+    return steps
+
+
+def validate(schedule, pp, m):
+    """Raise ScheduleError unless the per-rank lists are complete, ordered and deadlock-free."""
+    v = n_chunks([a for acts in schedule for a in acts])
+    for r, acts in enumerate(schedule):
+        want = Counter(Action(k, i, c) for k in "FB" for i in range(m) for c in range(v))
+        have = Counter(acts)
+        for a in want - have:
+            raise ScheduleError(f"rank {r} never runs {a}")
+        for a in have - want:
+            raise ScheduleError(f"rank {r} runs {a} more often than once, or it does not exist")
+        at = {a: i for i, a in enumerate(acts)}
+        for a in acts:
+            if a.kind == "B" and at[a] < at[Action("F", a.mb, a.chunk)]:
+                raise ScheduleError(f"rank {r} runs {a} before its forward")
+            k = a.chunk * pp + r
+            src = k - 1 if a.kind == "F" else k + 1  # the stage whose message this action needs
+            if 0 <= src < pp * v and src % pp == r:  # on this rank: it must come earlier in the list
+                dep = Action(a.kind, a.mb, src // pp)
+                if at[dep] > at[a]:
+                    raise ScheduleError(f"deadlock: rank {r} runs {a} before {dep}, which feeds it")
+    plans = [rank_plan(acts, r, pp) for r, acts in enumerate(schedule)]
+    _check_channels_and_progress(plans, pp)
+
+
+def _check_channels_and_progress(plans, pp):
+    bounds = [[ops for kind, ops in plan if kind == "comm"] for plan in plans]
+    posts = {}  # (src, dst, "send" | "recv") -> [(message, boundary index at the posting rank)]
+    for r, bs in enumerate(bounds):
+        for b, ops in enumerate(bs):
+            for side, peer, msg in ops:
+                ch = (r, peer) if side == "send" else (peer, r)
+                posts.setdefault((*ch, side), []).append((msg, b))
+    # Messages between two ranks are matched in the order they are posted: the sender's order and
+    # the receiver's must agree message by message, or data would land in the wrong buffer.
+    needs_peer = [[[] for _ in bs] for bs in bounds]  # what each boundary waits for: (peer, boundary)
+    for src, dst in {(s, d) for s, d, _ in posts}:
+        sends, recvs = posts.get((src, dst, "send"), []), posts.get((src, dst, "recv"), [])
+        for n, ((x, bs), (y, br)) in enumerate(zip(sends, recvs)):
+            if x != y:
+                raise ScheduleError(f"rank {src} -> rank {dst}: message {n} is {x} when sent but {y} when received")
+            needs_peer[src][bs].append((dst, br))
+            needs_peer[dst][br].append((src, bs))
+        if len(sends) != len(recvs):
+            raise ScheduleError(f"rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
+    # Progress with rendezvous semantics (a send completes only once its receive is posted, as a
+    # large NCCL send does): a rank leaves a boundary once every op in it has been posted by its peer.
+    pos, moved = [0] * pp, True
+    while moved:
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(bounds[r]) and all(pos[q] >= b for q, b in needs_peer[r][pos[r]]):
+                pos[r] += 1
+                moved = True
+    stuck = [r for r in range(pp) if pos[r] < len(bounds[r])]
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(
+            f"rank {r} waits to {' and '.join(f'{o[0]} {o[2]} with rank {o[1]}' for o in bounds[r][pos[r]])}"
+            for r in stuck))
+
+
+# ----------------------------------------------------------------------------------------------
+# The simulator: replay the lists with per-action times. Sends are buffered here (a stage starts
+# as soon as its input has arrived); exact with ints or Fractions.
+
+
+@dataclass
+class Simulation:
+    step_time: object
+    idle: list  # per rank
+    bubble: object  # total idle / total busy time: (pp - 1) / m for uniform times
+    peak_in_flight: list  # per rank: most microbatches (x chunks) forwarded but not yet backwarded
+    timeline: list  # per rank: [(start, end, action)]
+
+
+def peak_in_flight(actions):
+    live = peak = 0
+    for a in actions:
+        live += 1 if a.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0):
+    """Deterministic replay: each action starts when its rank is free and its input has arrived."""
+    S = pp * n_chunks([a for acts in schedule for a in acts])
+    done, clock, nxt = {}, [0] * pp, [0] * pp
+    timeline = [[] for _ in range(pp)]
+    while any(nxt[r] < len(schedule[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while nxt[r] < len(schedule[r]):
+                a = schedule[r][nxt[r]]
+                k = a.chunk * pp + r
+                deps = [("F", k - 1)] if a.kind == "F" and k > 0 else []
+                if a.kind == "B":
+                    deps = [("F", k)] + ([("B", k + 1)] if k < S - 1 else [])
+                if any((kind, st, a.mb) not in done for kind, st in deps):
+                    break
+                start = max([clock[r]] + [done[(kind, st, a.mb)] + (t_comm if st % pp != r else 0)
+                                          for kind, st in deps])
+                end = start + (t_f if a.kind == "F" else t_b)
+                done[(a.kind, k, a.mb)] = clock[r] = end
+                timeline[r].append((start, end, a))
+                nxt[r] += 1
+                moved = True
+        if not moved:
+            raise ScheduleError("deadlock: no rank can start its next action")
+    step = max(clock)
+    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
+    idle = [step - b for b in busy]
+    bubble = Fraction(sum(idle), sum(busy)) if all(isinstance(x, int) for x in idle + busy) \
+        else sum(idle) / sum(busy)
+    return Simulation(step, idle, bubble, [peak_in_flight(acts) for acts in schedule], timeline)
+
+
+def render(timeline, width=100):
+    """ASCII timeline, one row per rank as in the paper's Figures 3 and 4: forwards are written
+    F<mb> padded with spaces, backwards B<mb> padded with '=', idle time '.'."""
+    end = max(e for tl in timeline for _, e, _ in tl) or 1
+    scale = width / float(end)
+    rows = []
+    for r, tl in enumerate(timeline):
+        row = ["."] * width
+        for s, e, a in tl:
+            lo, hi = round(s * scale), max(round(e * scale), round(s * scale) + 1)
+            text = str(a).ljust(hi - lo, " " if a.kind == "F" else "=")[: hi - lo]
+            row[lo:hi] = text
+        rows.append(f"rank {r} |{''.join(row)[:width]}|")
+    return "\n".join(rows)
+
+
+def chrome_trace(timeline, path, seconds_per_unit=1e-6):
+    """Write a Chrome trace (open it in ui.perfetto.dev): one track per rank, one slice per action."""
+    events = [{"name": str(a), "cat": a.kind, "ph": "X", "pid": 0, "tid": r,
+               "ts": float(s) * seconds_per_unit * 1e6, "dur": float(e - s) * seconds_per_unit * 1e6}
+              for r, tl in enumerate(timeline) for s, e, a in tl]
+    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+               for r in range(len(timeline))]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages: the GPT-2 of 01, cut into contiguous chunks of layers.
+
+
+def split_layers(n_layer, n_stages):
+    """Contiguous, equal layer ranges; an uneven split is refused rather than silently unbalanced."""
+    if n_stages > n_layer:
+        raise ValueError(f"{n_stages} pipeline stages is more than n_layer={n_layer}")
+    if n_layer % n_stages:
+        raise ValueError(f"n_layer={n_layer} is not divisible by {n_stages} pipeline stages; "
+                         f"uneven splits are not supported")
+    per = n_layer // n_stages
+    return [range(k * per, (k + 1) * per) for k in range(n_stages)]
+
+
+def build_chunks(cfg, pp, rank, v=1, group=None, **gpt_kwargs):
+    """This rank's model chunks: chunk c is virtual stage c*pp + rank of pp*v (v=1 in this file)."""
+    ranges = split_layers(cfg.n_layer, pp * v)
+    S = pp * v
+    return [tp.GPT(cfg, group, layers=ranges[c * pp + rank], pre_process=c * pp + rank == 0,
+                   post_process=c * pp + rank == S - 1, **gpt_kwargs) for c in range(v)]
+
+
+def split_batch(idx, targets, m):
+    """Cut the global batch (B, T) into m microbatches of B/m rows."""
+    B = idx.shape[0]
+    if m < 1:
+        raise ValueError(f"the number of microbatches m={m} must be at least 1")
+    if B % m:
+        raise ValueError(f"the global batch of {B} sequences is not divisible by m={m} microbatches")
+    return list(zip(idx.chunk(m), targets.chunk(m)))
+
+
+def check_world(pp, world_size):
+    if pp != world_size:
+        raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
+
+
+def sync_tied_embeddings(chunks, embed_group):
+    """The output layer is tied to the token embedding. With pp > 1 the first and the last stage
+    each hold a copy; summing their gradients over the embedding group (Megatron's) keeps the
+    copies identical and gives both the serial model's gradient."""
+    copies = [c.transformer.wte.weight for c in chunks if "wte" in c.transformer]
+    if len(copies) > 1:  # first and last chunk on this rank (pp=1 with v>1): add locally
+        total = sum(p.grad for p in copies)
+        for p in copies:
+            p.grad = total.clone()
+    if embed_group is not None and copies:
+        dist.all_reduce(copies[0].grad, group=embed_group)
+        for p in copies[1:]:
+            p.grad.copy_(copies[0].grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# The executor: runs exactly one rank's list, with the messages comm_plan derives from it.
+
+
+@dataclass
+class StepResult:
+    loss: object  # the global mean loss on the rank holding the last stage, else None
+    events: list  # [(start_s, end_s, action)] in the order they ran
+    peak_activation_bytes: int  # most bytes saved for backward (plus kept outputs) at a boundary
+    messages: int
+    bytes_sent: int
+
+
+def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True,
+            ignore_index=-100, t0=None):
+    """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
+    (idx, targets). Gradients accumulate in the chunks' parameters; the loss of microbatch i is
+    weighted by its share of the batch's tokens, so the sum is the serial model's mean loss."""
+    rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    S = pp * len(chunks)
+    dtype, device = next(chunks[0].parameters()).dtype, next(chunks[0].parameters()).device
+    n_valid = sum(int((t != ignore_index).sum()) for _, t in microbatches)
+    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+    inbox, outbox, inputs, outputs, saved, unsent = {}, {}, {}, {}, {}, set()
+    t0 = time.perf_counter() if t0 is None else t0
+    events, loss, peak, n_msgs, n_bytes = [], None, 0, 0, 0
+    for kind, step in rank_plan(actions, rank, pp):
+        if kind == "comm":
+            ops, sent = [], []
+            for side, peer, msg in step:
+                peer = dist.get_global_rank(pp_group, peer)
+                if side == "send":
+                    t = outbox.pop(msg)
+                    ops.append(dist.P2POp(dist.isend, t, peer))
+                    sent.append(msg)
+                    n_msgs, n_bytes = n_msgs + 1, n_bytes + t.numel() * t.element_size()
+                else:  # poisoned, so a receive that never happened shows up as NaN
+                    inbox[msg] = torch.full(act_shape, float("nan"), dtype=dtype, device=device)
+                    ops.append(dist.P2POp(dist.irecv, inbox[msg], peer))
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            for kind_, stage, mb in sent:
+                if kind_ == "act":
+                    key = ((stage - 1) // pp, mb)  # the chunk that produced it
+                    unsent.discard(key)
+                    if deallocate:
+                        # Megatron's trick: the output has been sent; keep its autograd graph but
+                        # free its storage (backward does not read it: the last op is an add).
+                        outputs[key].untyped_storage().resize_(0)
+            peak = max(peak, _stored_bytes(outputs, saved, unsent))
+            continue
+        a, start = step, time.perf_counter() - t0
+        k = a.chunk * pp + rank
+        key = (a.chunk, a.mb)
+        idx, targets = microbatches[a.mb]
+        if a.kind == "F":
+            x = idx if k == 0 else inbox.pop(("act", k, a.mb)).requires_grad_()
+            saved[key] = {}  # storage -> bytes of every tensor autograd keeps for backward
+
+            def pack(t):
+                st = t.untyped_storage()
+                if st.data_ptr() not in params:
+                    saved[key][st.data_ptr()] = st.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = chunks[a.chunk](x, targets if k == S - 1 else None)
+            if k == S - 1:
+                y = y[1] * (int((targets != ignore_index).sum()) / n_valid)
+                loss = y.detach() if loss is None else loss + y.detach()
+            else:
+                out = ("act", k + 1, a.mb)
+                (inbox if (k + 1) % pp == rank else outbox)[out] = y.detach()
+                if (k + 1) % pp != rank:
+                    unsent.add(key)
+            inputs[key], outputs[key] = x, y
+        else:
+            x, y = inputs.pop(key), outputs.pop(key)
+            saved.pop(key)
+            if k == S - 1:
+                torch.autograd.backward(y)
+            else:
+                torch.autograd.backward(y, inbox.pop(("grad", k, a.mb)))
+            if k > 0:
+                out = ("grad", k - 1, a.mb)
+                (inbox if (k - 1) % pp == rank else outbox)[out] = x.grad
+        events.append((start, time.perf_counter() - t0, a))
+        peak = max(peak, _stored_bytes(outputs, saved, unsent))
+    return StepResult(loss, events, peak, n_msgs, n_bytes)
+
+
+def _stored_bytes(outputs, saved, unsent):
+    """Activations kept for backward: what autograd saved (parameters excluded) for every
+    microbatch in flight, plus each stage output still held after it was sent; each storage once."""
+    live = {}
+    for k, y in outputs.items():
+        live.update(saved[k])
+        if y.dim() and k not in unsent:
+            live[y.untyped_storage().data_ptr()] = y.untyped_storage().nbytes()
+    return sum(live.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch.
+
+
+def pipeline_step(env, cfg, name, pp, microbatches, full, embed_group, deallocate=True):
+    """Build this rank's stage from the full weights and run one step of schedule `name`."""
+    schedule = [SCHEDULES[name](pp, len(microbatches), s) for s in range(pp)]
+    chunks = build_chunks(cfg, pp, env.rank, init=False, dtype=torch.float64, device=env.device)
+    for c in chunks:
+        c.load_full_state_dict(full)
+    B, T = microbatches[0][0].shape
+    dist.barrier()
+    res = execute(schedule[env.rank], chunks, dist.group.WORLD, microbatches, (B, T, cfg.n_embd),
+                  deallocate=deallocate)
+    sync_tied_embeddings(chunks, embed_group)
+    return schedule, chunks, res
+
+
+def demo(env, cfg, args):
+    pp, m = args.pp, args.microbatches
+    check_world(pp, env.world_size)  # every check runs before the first collective
+    split_layers(cfg.n_layer, pp)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
+    microbatches = [(i.to(env.device), t.to(env.device)) for i, t in split_batch(idx, targets, m)]
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
+    full = tp.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    serial = tp.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    serial.load_full_state_dict(full)
+    ref_loss = serial(idx.to(env.device), targets.to(env.device))[1]
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in serial.named_parameters()}
+    ok = True
+    for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
+        schedule, chunks, res = pipeline_step(env, cfg, name, pp, microbatches, full, embed_group)
+        diffs = {n: tp.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()}
+        if res.loss is not None:
+            diffs["loss"] = tp.max_rel_diff(res.loss, ref_loss.detach())
+        kept = pipeline_step(env, cfg, name, pp, microbatches, full, embed_group, deallocate=False)[2]
+        mine = (max(diffs.values()), res.events, res.peak_activation_bytes,
+                kept.peak_activation_bytes, res.messages, res.bytes_sent, "loss" in diffs)
+        ranks = [None] * pp
+        dist.all_gather_object(ranks, mine)
+        worst = max(r[0] for r in ranks)
+        ok &= worst <= 1e-10
+        sim = simulate(schedule, pp, 1, 2)
+        busy = [sum(e - s for s, e, _ in r[1]) for r in ranks]
+        span = max(r[1][-1][1] for r in ranks) - min(r[1][0][0] for r in ranks)
+        say(f"\n=== {name}: pp={pp} m={m} ===")
+        say(f"simulated timeline (t_f=1, t_b=2):\n{render(sim.timeline)}")
+        say(f"bubble: simulated {sim.bubble} = {float(sim.bubble):.4f}, formula (pp-1)/m = "
+            f"{Fraction(pp - 1, m)}  {'(equal)' if sim.bubble == Fraction(pp - 1, m) else '(DIFFERENT)'}")
+        say(f"measured timeline (this run; CPU ranks share 2 cores, so it is noisy):\n"
+            f"{render([[(s, e, a) for s, e, a in r[1]] for r in ranks])}")
+        say(f"measured idle / busy: {(pp * span - sum(busy)) / sum(busy):.3f}")
+        say(f"peak microbatches in flight per stage (simulated): {sim.peak_in_flight}")
+        say(f"peak stored activation bytes per stage, outputs deallocated: {[r[2] for r in ranks]}")
+        say(f"                                          outputs kept:        {[r[3] for r in ranks]}")
+        say(f"p2p messages sent per stage: {[r[4] for r in ranks]}, bytes: {[r[5] for r in ranks]}")
+        say(f"max relative difference against serial (loss and {len(diffs)} tensors per stage): "
+            f"{worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+        if args.trace and env.rank == 0:
+            path = args.trace.replace(".json", f".{name}.json")
+            chrome_trace([r[1] for r in ranks], path, seconds_per_unit=1.0)
+            say(f"Chrome trace: {path} (open in ui.perfetto.dev)")
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages (local ranks on CPU)")
+    parser.add_argument("--microbatches", type=int, default=8, help="m")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "both"], default="both")
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch (default 2 m)")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--trace", default=None, help="write Chrome traces to PATH.<schedule>.json")
+    tp.add_dataclass_args(parser, tp.GPTConfig, vocab_size=1001, block_size=64, n_layer=4, n_head=4,
+                          n_embd=64)
+    args = parser.parse_args()
+    args.batch_size = args.batch_size or 2 * max(args.microbatches, 1)
+    cfg = tp.from_args(tp.GPTConfig, args)
+    return all(tp.launch(demo, args.pp, cfg, args))
+
+
+if __name__ == "__main__":
+    tp.run_main(main)

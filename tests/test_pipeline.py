@@ -1,0 +1,229 @@
+"""02_pipeline_1f1b: schedules are data, and running them equals the serial model.
+
+Tolerance: float64, max|a - b| / max|b| <= 1e-10. A pipeline only changes where each layer runs
+and adds the microbatch gradients in another order (a few ulps, ~1e-15); a wrong loss scale is a
+factor of m, a missed tied-embedding sync a whole missing gradient term.
+"""
+import json
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+
+from conftest import ROOT, load
+
+tp = load("01_tensor_parallel")
+pipe = load("02_pipeline_1f1b")
+F, B = (lambda i: pipe.Action("F", i)), (lambda i: pipe.Action("B", i))
+TOL = 1e-10
+CFG = tp.GPTConfig(vocab_size=97, block_size=16, n_layer=4, n_head=2, n_embd=16)
+
+
+def lists(name, pp, m):
+    return [pipe.SCHEDULES[name](pp, m, s) for s in range(pp)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedules, validator, simulator: no communication at all.
+
+
+def test_the_validator_accepts_gpipe_and_1f1b_for_every_pp_up_to_8_and_m_up_to_32():
+    for name in pipe.SCHEDULES:
+        for pp in range(1, 9):
+            for m in range(1, 33):
+                pipe.validate(lists(name, pp, m), pp, m)
+
+
+BROKEN = {
+    "a missing microbatch": ([[F(0), B(0)], [F(0), F(1), B(0), B(1)]], "rank 0 never runs F1"),
+    "a microbatch run twice": ([[F(0), F(1), B(0), B(1), B(1)], [F(0), F(1), B(0), B(1)]], "more often"),
+    "a backward before its forward": ([[F(0), B(1), F(1), B(0)], [F(0), F(1), B(0), B(1)]],
+                                      "runs B1 before its forward"),
+    "messages in another order than they are received": (
+        [[F(0), F(1), B(0), B(1)], [F(1), F(0), B(0), B(1)]], "message 0 is ('act', 1, 0) when sent"),
+    "a deadlocking order": ([[F(0), B(0), F(1), B(1)], [F(0), F(1), B(0), B(1)]], "deadlock"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=list(BROKEN))
+def test_the_validator_rejects_hand_broken_lists(case):
+    schedule, message = BROKEN[case]
+    with pytest.raises(pipe.ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pipe.validate(schedule, 2, 2)
+
+
+def test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards():
+    for pp in range(1, 9):
+        for m in range(1, 17):
+            for s, acts in enumerate(lists("1f1b", pp, m)):
+                first_b = next(i for i, a in enumerate(acts) if a.kind == "B")
+                assert first_b == min(pp - s - 1, m) + (1 if pp - s - 1 < m else 0)
+                assert acts[:first_b] == [F(i) for i in range(first_b)]
+
+
+@pytest.mark.parametrize("t_f,t_b", [(1, 1), (1, 2), (2, 3), (Fraction(1, 3), Fraction(5, 7))])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_the_simulated_bubble_is_exactly_pp_minus_1_over_m_for_uniform_times(name, t_f, t_b):
+    for pp in range(1, 9):
+        for m in range(1, 33):
+            sim = pipe.simulate(lists(name, pp, m), pp, t_f, t_b)
+            assert sim.bubble == Fraction(pp - 1, m), (pp, m)
+            assert sim.step_time == (m + pp - 1) * (t_f + t_b)
+
+
+def test_1f1b_keeps_at_most_pp_minus_stage_microbatches_in_flight_and_gpipe_keeps_m():
+    for pp in range(1, 9):
+        for m in range(1, 33):
+            assert pipe.simulate(lists("1f1b", pp, m), pp).peak_in_flight == [min(pp - s, m) for s in range(pp)]
+            assert pipe.simulate(lists("gpipe", pp, m), pp).peak_in_flight == [m] * pp
+
+
+def test_communication_time_adds_to_the_step_but_not_to_the_busy_time():
+    sim = pipe.simulate(lists("1f1b", 4, 8), 4, 1, 2, t_comm=1)
+    assert sim.step_time > (8 + 3) * 3
+    assert all(sim.step_time - idle == 8 * 3 for idle in sim.idle)
+
+
+def test_timelines_draw_and_trace(tmp_path):
+    sim = pipe.simulate(lists("1f1b", 2, 3), 2)
+    text = pipe.render(sim.timeline, width=40)
+    assert text.splitlines()[0].startswith("rank 0 |F0") and "B2" in text.splitlines()[1]
+    path = tmp_path / "t.json"
+    pipe.chrome_trace(sim.timeline, path)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 2 * 2 * 3 and {e["tid"] for e in events} == {0, 1}
+
+
+# ----------------------------------------------------------------------------------------------
+# The executor against the serial model.
+
+
+def _batch(m, rows_per_mb=2, T=16, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    idx, targets = torch.randint(CFG.vocab_size, (2, m * rows_per_mb, T), generator=gen)
+    targets[0, :5] = -100  # some ignored positions, all in the first microbatch: uneven counts
+    return idx, targets
+
+
+def _train(env, name, m, steps):
+    pp = env.world_size
+    embed_group = torch.distributed.new_group([0, pp - 1]) if pp > 1 else None
+    full = tp.init_state_dict(CFG, 5, dtype=torch.float64, random_all=True)
+    serial = tp.GPT(CFG, None, init=False, dtype=torch.float64)
+    serial.load_full_state_dict(full)
+    chunks = pipe.build_chunks(CFG, pp, env.rank, init=False, dtype=torch.float64)
+    for c in chunks:
+        c.load_full_state_dict(full)
+    params = [p for c in chunks for p in c.parameters()]
+    opt, ref_opt = (torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in (params, serial.parameters()))
+    diffs, orders = {}, []
+    for step in range(steps):
+        idx, targets = _batch(m, seed=step)
+        ref_loss = serial(idx, targets)[1]
+        ref_loss.backward()
+        schedule = lists(name, pp, m)
+        res = pipe.execute(schedule[env.rank], chunks, torch.distributed.group.WORLD,
+                           pipe.split_batch(idx, targets, m), (2, 16, CFG.n_embd))
+        pipe.sync_tied_embeddings(chunks, embed_group)
+        orders.append([a for _, _, a in res.events] == schedule[env.rank])
+        if res.loss is not None:
+            diffs[f"step {step} loss"] = tp.max_rel_diff(res.loss, ref_loss.detach())
+        ref = {n: p.grad for n, p in serial.named_parameters()}
+        for c in chunks:
+            for n, p in c.named_parameters():
+                diffs[f"step {step} grad {n}"] = tp.max_rel_diff(p.grad, ref[n])
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        ref = dict(serial.named_parameters())
+        for c in chunks:
+            for n, p in c.named_parameters():
+                diffs[f"step {step} param {n}"] = tp.max_rel_diff(p.detach(), ref[n].detach())
+    return diffs, orders
+
+
+@pytest.mark.parametrize("pp,m", [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (4, 1), (4, 4), (4, 9)])
+def test_pipeline_equals_serial_over_adamw_steps_with_tied_embeddings(run_ranks, pp, m):
+    for name in ("gpipe", "1f1b"):
+        results = run_ranks(_train, pp, name, m, 3)
+        for r, (diffs, orders) in enumerate(results):
+            bad = {k: v for k, v in diffs.items() if not v <= TOL}
+            assert not bad, (name, r, bad)
+            assert all(orders), "the executor ran another order than the schedule's list"
+        assert sum("loss" in k for k in results[-1][0]) == 3  # the last stage checked the loss
+        n_params = sum(len([k for k in d if k.startswith("step 0 grad")]) for d, _ in results)
+        assert n_params == len(tp.init_state_dict(CFG, 0)) + (pp > 1)  # wte on first and last
+
+
+def _memory(env, name, m, deallocate):
+    chunks = pipe.build_chunks(CFG, env.world_size, env.rank, init=False, dtype=torch.float64)
+    for c in chunks:
+        c.load_full_state_dict(tp.init_state_dict(CFG, 5, dtype=torch.float64))
+    idx, targets = _batch(m)
+    res = pipe.execute(lists(name, env.world_size, m)[env.rank], chunks, torch.distributed.group.WORLD,
+                       pipe.split_batch(idx, targets, m), (2, 16, CFG.n_embd), deallocate=deallocate)
+    return res.peak_activation_bytes
+
+
+def test_counted_activation_bytes_follow_the_microbatches_in_flight(run_ranks):
+    pp, m = 4, 6
+    one = run_ranks(_memory, pp, "1f1b", 1, True)  # one microbatch in flight: the unit of memory
+    gpipe = run_ranks(_memory, pp, "gpipe", m, True)
+    ofob = run_ranks(_memory, pp, "1f1b", m, True)
+    kept = run_ranks(_memory, pp, "1f1b", m, False)
+    for s in range(pp):
+        assert gpipe[s] == m * one[s]
+        assert ofob[s] == min(pp - s, m) * one[s]
+        if s < pp - 1:  # deallocation frees one (B/m, T, C) float64 output per microbatch in flight
+            assert kept[s] - ofob[s] == min(pp - s, m) * 2 * 16 * CFG.n_embd * 8
+    assert kept[-1] == ofob[-1]  # the last stage sends no activations
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: refused on every rank before any communication.
+
+
+def _bad(env, case):
+    try:
+        cfg = tp.GPTConfig(**{**CFG.__dict__, **case.get("cfg", {})})
+        pp = case.get("pp", env.world_size)
+        pipe.check_world(pp, env.world_size)
+        pipe.build_chunks(cfg, pp, env.rank)
+        pipe.split_batch(*_batch(2), case.get("m", 2))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+BAD = {
+    "m < 1": (dict(m=0), "m=0 must be at least 1"),
+    "batch not divisible by m": (dict(m=3), "global batch of 4 sequences is not divisible by m=3"),
+    "pp greater than n_layer": (dict(cfg=dict(n_layer=1)), "2 pipeline stages is more than n_layer=1"),
+    "uneven split": (dict(cfg=dict(n_layer=3)), "n_layer=3 is not divisible by 2 pipeline stages"),
+    "world size not matching pp": (dict(pp=4), "world size 2 does not match pp=4"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_pipeline_input_is_refused_on_every_rank(run_ranks, case):
+    kwargs, message = BAD[case]
+    assert all(message in e for e in run_ranks(_bad, 2, kwargs))
+
+
+@pytest.mark.parametrize("args", [["--pp", "2", "--microbatches", "3"], []], ids=["pp2-m3", "default"])
+def test_the_demo_passes_prints_the_timeline_and_the_exact_bubble(args, tmp_path):
+    trace = tmp_path / "pipe.json"
+    proc = subprocess.run([sys.executable, "02_pipeline_1f1b.py", *args, "--trace", str(trace)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("PASS") == 2 and proc.stdout.count("(equal)") == 2
+    assert "rank 0 |F0" in proc.stdout
+    assert json.loads((tmp_path / "pipe.1f1b.json").read_text())["traceEvents"]
+
+
+def test_the_demo_exits_nonzero_on_bad_input():
+    proc = subprocess.run([sys.executable, "02_pipeline_1f1b.py", "--pp", "3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "n_layer=4 is not divisible by 3 pipeline stages" in proc.stderr
