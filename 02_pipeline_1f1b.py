@@ -30,7 +30,7 @@ import importlib
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from fractions import Fraction
 
@@ -49,6 +49,9 @@ class Action:
     kind: str  # "F" forward or "B" backward
     mb: int  # microbatch
     chunk: int = 0  # which of this rank's model chunks (03's virtual stages); always 0 here
+    # Steady-state 1F1B: runs as a forward-backward pair with no exchange in between (see
+    # rank_plan). A property of the position in a list, so it takes no part in equality.
+    steady: bool = field(default=False, compare=False)
 
     def __str__(self):
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
@@ -66,7 +69,7 @@ def one_f_one_b(pp, m, stage):
     warmup = min(pp - stage - 1, m)
     acts = [Action("F", i) for i in range(warmup)]
     for i in range(m - warmup):  # steady state: the forward of a new microbatch, the oldest backward
-        acts += [Action("F", warmup + i), Action("B", i)]
+        acts += [Action("F", warmup + i, steady=True), Action("B", i, steady=True)]
     return acts + [Action("B", i) for i in range(m - warmup, m)]
 
 
@@ -100,22 +103,43 @@ def produces(a, k, S):
     return ("grad", k - 1, a.mb) if k > 0 else None
 
 
+def run_groups(actions):
+    """Actions that run back to back: a steady forward with the backward after it, else one."""
+    groups, i = [], 0
+    while i < len(actions):
+        pair = actions[i].steady and actions[i].kind == "F" and i + 1 < len(actions) \
+            and actions[i + 1].steady and actions[i + 1].kind == "B"
+        groups.append(actions[i:i + 1 + pair])
+        i += 1 + pair
+    return groups
+
+
 def rank_plan(actions, rank, pp):
-    """This rank's steps: ("comm", ops) boundaries and ("run", action). Boundary i holds the send
-    of action i-1's output and the receive of action i's input, posted together as one batch
-    (the pairing Megatron uses), so two ranks that exchange with each other never deadlock."""
+    """This rank's steps: ("comm", ops) boundaries and ("run", action). Each boundary is one
+    batch: the sends of the previous group's outputs and the receives of the next group's inputs,
+    posted together so that two ranks exchanging with each other both make progress (Megatron's
+    send_forward_recv_backward and friends). In the steady state a forward and a backward form one
+    group: a boundary between them can make two ranks wait on each other in the interleaved
+    schedule (03), and validate() finds that cycle."""
     S = pp * n_chunks(actions)
     steps, outgoing = [], []
-    for a in actions:
-        k = a.chunk * pp + rank
-        msg = needs(a, k) if not (a.kind == "B" and k == S - 1) else None
-        incoming = [("recv", (k - 1 if a.kind == "F" else k + 1) % pp, msg)] if msg else []
-        incoming = [op for op in incoming if op[1] != rank]  # local hand-over, no message
+    for group in run_groups(actions):
+        incoming = []
+        for a in group:
+            k = a.chunk * pp + rank
+            msg = needs(a, k) if not (a.kind == "B" and k == S - 1) else None
+            src = (k - 1 if a.kind == "F" else k + 1) % pp
+            if msg and src != rank:  # from this rank itself it is a local hand-over, no message
+                incoming.append(("recv", src, msg))
         if outgoing or incoming:
             steps.append(("comm", outgoing + incoming))
-        steps.append(("run", a))
-        out = produces(a, k, S)
-        outgoing = [("send", out[1] % pp, out)] if out and out[1] % pp != rank else []
+        outgoing = []
+        for a in group:
+            steps.append(("run", a))
+            k = a.chunk * pp + rank
+            out = produces(a, k, S)
+            if out and out[1] % pp != rank:
+                outgoing.append(("send", out[1] % pp, out))
     if outgoing:
         steps.append(("comm", outgoing))
     return steps
