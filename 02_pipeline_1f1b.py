@@ -260,17 +260,20 @@ def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0):
     return Simulation(step, idle, bubble, [peak_in_flight(acts) for acts in schedule], timeline)
 
 
-def render(timeline, width=100):
+def render(timeline, width=100, end=None):
     """ASCII timeline, one row per rank as in the paper's Figures 3 and 4: forwards are written
-    F<mb> padded with spaces, backwards B<mb> padded with '=', idle time '.'."""
-    end = max(e for tl in timeline for _, e, _ in tl) or 1
+    F<mb> padded with spaces, backwards B<mb> padded with '=', idle time '.'; odd model chunks
+    (03) in lower case, f<mb> and b<mb>. `end` fixes the time at the right edge, so that two
+    timelines can share one scale."""
+    end = end or max(e for tl in timeline for _, e, _ in tl) or 1
     scale = width / float(end)
     rows = []
     for r, tl in enumerate(timeline):
         row = ["."] * width
         for s, e, a in tl:
             lo, hi = round(s * scale), max(round(e * scale), round(s * scale) + 1)
-            text = str(a).ljust(hi - lo, " " if a.kind == "F" else "=")[: hi - lo]
+            name = (a.kind if a.chunk % 2 == 0 else a.kind.lower()) + str(a.mb)
+            text = name.ljust(hi - lo, " " if a.kind == "F" else "=")[: hi - lo]
             row[lo:hi] = text
         rows.append(f"rank {r} |{''.join(row)[:width]}|")
     return "\n".join(rows)
@@ -446,10 +449,11 @@ def _stored_bytes(outputs, saved, unsent):
 # Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch.
 
 
-def pipeline_step(env, cfg, name, pp, microbatches, full, embed_group, deallocate=True):
-    """Build this rank's stage from the full weights and run one step of schedule `name`."""
-    schedule = [SCHEDULES[name](pp, len(microbatches), s) for s in range(pp)]
-    chunks = build_chunks(cfg, pp, env.rank, init=False, dtype=torch.float64, device=env.device)
+def pipeline_step(env, cfg, schedule, microbatches, full, embed_group, deallocate=True):
+    """Build this rank's chunks from the full weights and run one step of `schedule` (all ranks'
+    lists) over the world group; return the chunks (with gradients) and the StepResult."""
+    pp, v = len(schedule), n_chunks(schedule[env.rank])
+    chunks = build_chunks(cfg, pp, env.rank, v, init=False, dtype=torch.float64, device=env.device)
     for c in chunks:
         c.load_full_state_dict(full)
     B, T = microbatches[0][0].shape
@@ -457,77 +461,98 @@ def pipeline_step(env, cfg, name, pp, microbatches, full, embed_group, deallocat
     res = execute(schedule[env.rank], chunks, dist.group.WORLD, microbatches, (B, T, cfg.n_embd),
                   deallocate=deallocate)
     sync_tied_embeddings(chunks, embed_group)
-    return schedule, chunks, res
+    return chunks, res
+
+
+def serial_reference(env, cfg, args, m):
+    """What every demo compares against: the batch, its microbatches, the full float64 weights,
+    and the serial model's loss and gradients on that batch."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
+    idx, targets = idx.to(env.device), targets.to(env.device)
+    microbatches = split_batch(idx, targets, m)
+    full = tp.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    serial = tp.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    serial.load_full_state_dict(full)
+    loss = serial(idx, targets)[1]
+    loss.backward()
+    return microbatches, full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
+
+
+def check_and_report(env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b=2, end=None,
+                     trace=None, width=100):
+    """Run `schedule`, compare with the serial reference, and print its timelines, bubble, memory
+    and traffic. Returns (ok, the simulation, every rank's (worst, events, bytes, ...) tuple)."""
+    microbatches, full, ref_loss, ref_grads = ref
+    pp, m = len(schedule), len(microbatches)
+    chunks, res = pipeline_step(env, cfg, schedule, microbatches, full, embed_group)
+    diffs = {n: tp.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()}
+    if res.loss is not None:
+        diffs["loss"] = tp.max_rel_diff(res.loss, ref_loss)
+    kept = pipeline_step(env, cfg, schedule, microbatches, full, embed_group, deallocate=False)[1]
+    ranks = [None] * pp
+    dist.all_gather_object(ranks, (max(diffs.values()), res.events, res.peak_activation_bytes,
+                                   kept.peak_activation_bytes, res.messages, res.bytes_sent))
+    worst = max(r[0] for r in ranks)
+    sim = simulate(schedule, pp, t_f, t_b)
+    v = n_chunks(schedule[0])
+    formula = Fraction(pp - 1, v * m)
+    busy = sum(e - s for r in ranks for s, e, _ in r[1])
+    span = max(r[1][-1][1] for r in ranks) - min(r[1][0][0] for r in ranks)
+    say(f"\n=== {name}: pp={pp} v={v} m={m} ===")
+    say(f"simulated timeline (t_f={t_f}, t_b={t_b} per chunk):\n{render(sim.timeline, width, end)}")
+    say(f"bubble: simulated {sim.bubble} = {float(sim.bubble):.4f}, formula (pp-1)/(v m) = {formula}"
+        f"  {'(equal)' if sim.bubble == formula else '(DIFFERENT)'}")
+    say(f"measured timeline (this run; CPU ranks share the cores, so it is noisy):\n"
+        f"{render([r[1] for r in ranks])}\nmeasured idle / busy: {(pp * span - busy) / busy:.3f}")
+    say(f"peak microbatches in flight per stage (simulated, all chunks): {sim.peak_in_flight}")
+    say(f"peak stored activation bytes per stage, outputs deallocated: {[r[2] for r in ranks]}")
+    say(f"                                          outputs kept:        {[r[3] for r in ranks]}")
+    say(f"p2p messages sent per stage: {[r[4] for r in ranks]}, bytes: {[r[5] for r in ranks]}")
+    say(f"max relative difference against serial (loss and every gradient): {worst:.2e} "
+        f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+    if trace and env.rank == 0:
+        path = trace.replace(".json", f".{name}.json")
+        chrome_trace([r[1] for r in ranks], path, seconds_per_unit=1.0)
+        say(f"Chrome trace: {path} (open in ui.perfetto.dev)")
+    return worst <= 1e-10 and sim.bubble == formula, sim, ranks
 
 
 def demo(env, cfg, args):
     pp, m = args.pp, args.microbatches
     check_world(pp, env.world_size)  # every check runs before the first collective
     split_layers(cfg.n_layer, pp)
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
-    microbatches = [(i.to(env.device), t.to(env.device)) for i, t in split_batch(idx, targets, m)]
+    ref = serial_reference(env, cfg, args, m)
     say = print if env.rank == 0 else (lambda *a, **k: None)
     say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
-    full = tp.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    serial = tp.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
-    serial.load_full_state_dict(full)
-    ref_loss = serial(idx.to(env.device), targets.to(env.device))[1]
-    ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in serial.named_parameters()}
     ok = True
     for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
-        schedule, chunks, res = pipeline_step(env, cfg, name, pp, microbatches, full, embed_group)
-        diffs = {n: tp.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()}
-        if res.loss is not None:
-            diffs["loss"] = tp.max_rel_diff(res.loss, ref_loss.detach())
-        kept = pipeline_step(env, cfg, name, pp, microbatches, full, embed_group, deallocate=False)[2]
-        mine = (max(diffs.values()), res.events, res.peak_activation_bytes,
-                kept.peak_activation_bytes, res.messages, res.bytes_sent, "loss" in diffs)
-        ranks = [None] * pp
-        dist.all_gather_object(ranks, mine)
-        worst = max(r[0] for r in ranks)
-        ok &= worst <= 1e-10
-        sim = simulate(schedule, pp, 1, 2)
-        busy = [sum(e - s for s, e, _ in r[1]) for r in ranks]
-        span = max(r[1][-1][1] for r in ranks) - min(r[1][0][0] for r in ranks)
-        say(f"\n=== {name}: pp={pp} m={m} ===")
-        say(f"simulated timeline (t_f=1, t_b=2):\n{render(sim.timeline)}")
-        say(f"bubble: simulated {sim.bubble} = {float(sim.bubble):.4f}, formula (pp-1)/m = "
-            f"{Fraction(pp - 1, m)}  {'(equal)' if sim.bubble == Fraction(pp - 1, m) else '(DIFFERENT)'}")
-        say(f"measured timeline (this run; CPU ranks share 2 cores, so it is noisy):\n"
-            f"{render([[(s, e, a) for s, e, a in r[1]] for r in ranks])}")
-        say(f"measured idle / busy: {(pp * span - sum(busy)) / sum(busy):.3f}")
-        say(f"peak microbatches in flight per stage (simulated): {sim.peak_in_flight}")
-        say(f"peak stored activation bytes per stage, outputs deallocated: {[r[2] for r in ranks]}")
-        say(f"                                          outputs kept:        {[r[3] for r in ranks]}")
-        say(f"p2p messages sent per stage: {[r[4] for r in ranks]}, bytes: {[r[5] for r in ranks]}")
-        say(f"max relative difference against serial (loss and {len(diffs)} tensors per stage): "
-            f"{worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
-        if args.trace and env.rank == 0:
-            path = args.trace.replace(".json", f".{name}.json")
-            chrome_trace([r[1] for r in ranks], path, seconds_per_unit=1.0)
-            say(f"Chrome trace: {path} (open in ui.perfetto.dev)")
+        schedule = [SCHEDULES[name](pp, m, s) for s in range(pp)]
+        validate(schedule, pp, m)
+        ok &= check_and_report(env, cfg, name, schedule, ref, embed_group, say, trace=args.trace)[0]
     return ok
+
+
+def add_demo_args(parser, **model_defaults):
+    parser.add_argument("--microbatches", type=int, default=8, help="m")
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch (default 2 m)")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--trace", default=None, help="write Chrome traces to PATH.<schedule>.json")
+    tp.add_dataclass_args(parser, tp.GPTConfig, **{**dict(vocab_size=1001, block_size=64, n_layer=4,
+                                                          n_head=4, n_embd=64), **model_defaults})
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages (local ranks on CPU)")
-    parser.add_argument("--microbatches", type=int, default=8, help="m")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "both"], default="both")
-    parser.add_argument("--batch-size", type=int, default=None, help="global batch (default 2 m)")
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--trace", default=None, help="write Chrome traces to PATH.<schedule>.json")
-    tp.add_dataclass_args(parser, tp.GPTConfig, vocab_size=1001, block_size=64, n_layer=4, n_head=4,
-                          n_embd=64)
+    add_demo_args(parser)
     args = parser.parse_args()
     args.batch_size = args.batch_size or 2 * max(args.microbatches, 1)
-    cfg = tp.from_args(tp.GPTConfig, args)
-    return all(tp.launch(demo, args.pp, cfg, args))
+    return all(tp.launch(demo, args.pp, tp.from_args(tp.GPTConfig, args), args))
 
 
 if __name__ == "__main__":

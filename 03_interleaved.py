@@ -1,0 +1,138 @@
+"""03 - The interleaved 1F1B schedule with virtual stages (Narayanan et al. 2021, Section 2.2.2).
+
+What this file adds on top of 02: each rank holds v model chunks instead of one contiguous slice.
+The model is cut into pp*v chunks and rank r holds chunks r, r + pp, r + 2pp, ... (with 16 layers,
+pp=4 and v=2, rank 0 holds layers 1-2 and 9-10, rank 3 layers 7-8 and 15-16). A microbatch now
+crosses every rank v times, so each forward or backward is 1/v as long and the pipeline fills and
+drains v times faster: the bubble shrinks from (pp-1)/m to (pp-1)/(v m), at the price of v times
+more point-to-point messages. Only the schedule is new: 02's validator, simulator, executor and
+timelines read its lists unchanged.
+
+The schedule is Megatron's (the paper's Figure 4). Microbatches go through the chunks in groups
+of pp, and m must be divisible by pp (the paper's requirement; other m are refused). v=1 returns
+02's 1F1B lists exactly.
+
+Run it:
+    python 03_interleaved.py                         # pp=4 CPU ranks, v=2, m=8
+    python 03_interleaved.py --pp 2 --virtual-stages 3 --microbatches 4
+    torchrun --nproc-per-node 4 03_interleaved.py    # one rank per GPU
+
+The demo runs 1F1B and interleaved 1F1B on the same model, checks both against the serial model in
+float64 (loss and every gradient <= 1e-10), draws their timelines on one time scale, prints the
+simulated bubbles against (pp-1)/m and (pp-1)/(v m), the p2p message count and bytes (v times
+more) and each stage's peak stored activation bytes. It exits 1 on a mismatch.
+"""
+import argparse
+import importlib
+from datetime import timedelta
+from fractions import Fraction
+
+import torch.distributed as dist
+
+tp = importlib.import_module("01_tensor_parallel")
+pipe = importlib.import_module("02_pipeline_1f1b")
+
+
+# ----------------------------------------------------------------------------------------------
+# The interleaved schedule as data
+
+
+def check_interleaving(pp, m, v):
+    if v < 1:
+        raise ValueError(f"the number of virtual stages v={v} must be at least 1")
+    if m < 1:
+        raise ValueError(f"the number of microbatches m={m} must be at least 1")
+    if v > 1 and m % pp:
+        raise ValueError(f"interleaving sends microbatches through the chunks in groups of pp: "
+                         f"m={m} must be divisible by pp={pp}")
+
+
+def interleaved(pp, m, stage, v):
+    """Interleaved 1F1B on rank `stage`: m*v forwards and m*v backwards over its v chunks."""
+    check_interleaving(pp, m, v)
+    if v == 1:
+        return pipe.one_f_one_b(pp, m, stage)
+
+    def at(k, forward):
+        # Virtual step k: groups of pp microbatches visit chunk 0, then chunk 1, ... (backwards
+        # visit them in reverse), before the next group of pp microbatches starts.
+        chunk = (k % (pp * v)) // pp
+        return pipe.Action("F" if forward else "B", (k // (pp * v)) * pp + k % pp,
+                           chunk if forward else v - 1 - chunk)
+
+    total = m * v
+    # Rank r waits (pp - r - 1) forward steps for its first input to come back from the last
+    # rank, twice over (there and back), plus one extra round of pp forwards for each further chunk
+    # before the first backward (on the last chunk) can start.
+    warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+    acts = [at(k, True) for k in range(warmup)]
+    for i in range(total - warmup):
+        f, b = at(warmup + i, True), at(i, False)
+        acts += [pipe.Action("F", f.mb, f.chunk, steady=True), pipe.Action("B", b.mb, b.chunk, steady=True)]
+    return acts + [at(k, False) for k in range(total - warmup, total)]
+
+
+def chunk_layers(n_layer, pp, v, rank):
+    """The layer ranges of rank's chunks: chunk c is virtual stage c*pp + rank."""
+    ranges = pipe.split_layers(n_layer, pp * v)
+    return [ranges[c * pp + rank] for c in range(v)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: 1F1B and interleaved 1F1B on the same model, against the serial model.
+
+
+def demo(env, cfg, args):
+    pp, m, v = args.pp, args.microbatches, args.virtual_stages
+    pipe.check_world(pp, env.world_size)  # every check runs before the first collective
+    check_interleaving(pp, m, v)
+    pipe.split_layers(cfg.n_layer, pp * v)
+    ref = pipe.serial_reference(env, cfg, args, m)
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    say("layers per rank (1-based): " + "; ".join(
+        f"rank {r}: " + ", ".join(f"{c.start + 1}-{c.stop}" for c in chunk_layers(cfg.n_layer, pp, v, r))
+        for r in range(pp)))
+    embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
+    runs = {"1f1b": [pipe.one_f_one_b(pp, m, s) for s in range(pp)],
+            "interleaved": [interleaved(pp, m, s, v) for s in range(pp)]}
+    # The same work per rank: a whole stage costs t_f=1, t_b=2, a chunk of it 1/v of that.
+    times = {"1f1b": (1, 2), "interleaved": (Fraction(1, v), Fraction(2, v))}
+    end = max(pipe.simulate(runs[n], pp, *times[n]).step_time for n in runs)
+    ok, out = True, {}
+    for name, schedule in runs.items():
+        pipe.validate(schedule, pp, m)
+        good, sim, ranks = pipe.check_and_report(env, cfg, name, schedule, ref, embed_group, say,
+                                                 *times[name], end=end, trace=args.trace, width=150)
+        ok &= good
+        out[name] = sim, ranks
+    (s1, r1), (s2, r2) = out["1f1b"], out["interleaved"]
+    say(f"\n=== summary ===\nbubble: 1F1B {s1.bubble} (formula (pp-1)/m = {Fraction(pp - 1, m)}), "
+        f"interleaved {s2.bubble} (formula (pp-1)/(v m) = {Fraction(pp - 1, v * m)})")
+    say(f"simulated step time: 1F1B {s1.step_time}, interleaved {s2.step_time} "
+        f"({float(s2.step_time / s1.step_time):.3f}x)")
+    msgs = [sum(r[4] for r in rs) for rs in (r1, r2)]
+    nbytes = [sum(r[5] for r in rs) for rs in (r1, r2)]
+    # Each microbatch crosses pp*v - 1 chunk boundaries each way instead of pp - 1: about v times.
+    say(f"p2p messages: 1F1B {msgs[0]}, interleaved {msgs[1]} ({msgs[1] / max(msgs[0], 1):.2f}x, "
+        f"expected (pp v - 1)/(pp - 1) = {(pp * v - 1) / max(pp - 1, 1):.2f}x); bytes {nbytes[0]} vs "
+        f"{nbytes[1]} ({nbytes[1] / max(nbytes[0], 1):.2f}x)")
+    say(f"peak stored activation bytes per stage: 1F1B {[r[2] for r in r1]}, "
+        f"interleaved {[r[2] for r in r2]}")
+    say(f"\n{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (local ranks on CPU)")
+    parser.add_argument("--virtual-stages", type=int, default=2, help="v: model chunks per rank")
+    pipe.add_demo_args(parser, n_layer=8)
+    args = parser.parse_args()
+    args.batch_size = args.batch_size or 2 * max(args.microbatches, 1)
+    return all(tp.launch(demo, args.pp, tp.from_args(tp.GPTConfig, args), args))
+
+
+if __name__ == "__main__":
+    tp.run_main(main)
