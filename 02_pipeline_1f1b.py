@@ -328,19 +328,20 @@ def check_world(pp, world_size):
         raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
 
 
-def sync_tied_embeddings(chunks, embed_group):
+def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
     """The output layer is tied to the token embedding. With pp > 1 the first and the last stage
     each hold a copy; summing their gradients over the embedding group (Megatron's) keeps the
-    copies identical and gives both the serial model's gradient."""
-    copies = [c.transformer.wte.weight for c in chunks if "wte" in c.transformer]
-    if len(copies) > 1:  # first and last chunk on this rank (pp=1 with v>1): add locally
-        total = sum(p.grad for p in copies)
-        for p in copies:
-            p.grad = total.clone()
-    if embed_group is not None and copies:
-        dist.all_reduce(copies[0].grad, group=embed_group)
-        for p in copies[1:]:
-            p.grad.copy_(copies[0].grad)
+    copies identical and gives both the serial model's gradient. grad_of(p) is where p's gradient
+    lives (04 keeps it in a flat buffer); it is updated in place."""
+    grads = [grad_of(c.transformer.wte.weight) for c in chunks if "wte" in c.transformer]
+    if len(grads) > 1:  # first and last chunk on this rank (pp=1 with v>1): add locally
+        total = sum(grads)
+        for g in grads:
+            g.copy_(total)
+    if embed_group is not None and grads:
+        dist.all_reduce(grads[0], group=embed_group)
+        for g in grads[1:]:
+            g.copy_(grads[0])
 
 
 # ----------------------------------------------------------------------------------------------

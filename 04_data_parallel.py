@@ -1,0 +1,362 @@
+"""04 - Data parallelism from scratch: naive, bucketed and overlapped, and ZeRO-1.
+
+What this file adds on top of 01 (and composes with 02/03): dp replicas of the model each see
+1/dp of the batch; averaging their gradients keeps them identical. Step by step:
+  1. naive: after backward, all-reduce every gradient and divide by dp;
+  2. bucketed and overlapped: gradients are accumulated into one flat buffer laid out in reverse
+     parameter order (the order backward produces them), cut into buckets; a hook marks each
+     parameter ready, and a bucket's all-reduce is launched asynchronously the moment its last
+     parameter is ready, while backward goes on (PyTorch DDP, Megatron's DistributedDataParallel);
+  3. gradient accumulation over microbatches, synchronising only on the last one;
+  4. ZeRO-1, Megatron's distributed optimizer (Rajbhandari et al. 2020, stage 1): reduce-scatter
+     instead of all-reduce, each rank keeps AdamW state (and an fp32 master copy when parameters are
+     lower precision) only for its 1/dp of every bucket, updates it, and all-gathers parameters;
+  5. composition with the pipeline (Narayanan et al. 2021, Section 3): the reduction runs after the
+     pipeline flush, on each stage's own dp group. The rank grid uses Megatron's order.
+
+Run it:
+    python 04_data_parallel.py                    # dp=4 CPU ranks
+    python 04_data_parallel.py --dp 2 --bucket-numel 1000 --steps 5
+    torchrun --nproc-per-node 8 04_data_parallel.py --dp 8
+
+The demo trains a few AdamW steps three ways (naive, bucketed+overlapped, ZeRO-1) and compares each
+with serial training on the whole batch in float64 (loss and every parameter, <= 1e-10). It prints
+the buckets and when each reduction launched during backward, a checksum of every replica's weights
+and the optimizer-state bytes per rank. It exits 1 on a mismatch.
+"""
+import argparse
+import hashlib
+import importlib
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+tp = importlib.import_module("01_tensor_parallel")
+
+
+# ----------------------------------------------------------------------------------------------
+# The rank grid: Megatron's order, tp fastest, then dp, then pp, so a tp group is adjacent ranks
+# (one node) and a pipeline crosses nodes. Pure: it can be checked without any process.
+
+
+def rank_grid(world, tp=1, dp=1, pp=1):
+    """Every group of each kind as lists of global ranks: {"tp", "dp", "pp", "embed"}."""
+    if tp * dp * pp != world:
+        raise ValueError(f"the world size {world} does not match tp={tp} x dp={dp} x pp={pp}")
+    rank = lambda t, d, p: (p * dp + d) * tp + t  # noqa: E731
+    grid = {
+        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+    # The tied embedding lives on the first and the last stage of every pipeline.
+    grid["embed"] = [[g[0], g[-1]] for g in grid["pp"]] if pp > 1 else []
+    return grid
+
+
+def new_groups(env, grid, timeout_s=60.0):
+    """Create every group of the grid (a collective call: all ranks, same order) and return this
+    rank's group of each kind (None for an embedding group it is not in)."""
+    mine = {}
+    for kind, groups in grid.items():
+        mine[kind] = None
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+            if env.rank in ranks:
+                mine[kind] = group
+    return mine
+
+
+def shard_batch(idx, targets, dp, dp_rank):
+    """This replica's rows of the global batch (B, T)."""
+    if idx.shape[0] % dp:
+        raise ValueError(f"the global batch of {idx.shape[0]} sequences is not divisible by dp={dp}")
+    return idx.chunk(dp)[dp_rank], targets.chunk(dp)[dp_rank]
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Naive data parallelism
+
+
+def allreduce_gradients(params, group):
+    """After backward: every gradient summed over the replicas and divided by dp, one by one."""
+    dp = dist.get_world_size(group)
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dp)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2-4. Bucketed, overlapped gradient reduction, with accumulation, and ZeRO-1
+
+
+class BucketedDDP:
+    """Gradients go into one flat buffer (reverse parameter order) cut into buckets of
+    `bucket_numel` elements; each bucket's reduction is launched as soon as all its parameters'
+    gradients are in. zero=True reduce-scatters instead (ZeRO-1: see ZeroAdamW)."""
+
+    def __init__(self, params, group, bucket_numel, zero=False, overlap=True, grad_dtype=None):
+        if bucket_numel <= 0:
+            raise ValueError(f"the bucket size must be positive, got bucket_numel={bucket_numel}")
+        self.params = [p for p in params if p.requires_grad]
+        self.group, self.dp, self.zero, self.overlap = group, dist.get_world_size(group), zero, overlap
+        dp = self.dp if zero else 1  # ZeRO splits every bucket into dp equal shards: pad to fit
+        self.offsets, n = {}, 0
+        for p in reversed(self.params):  # backward produces the last layers' gradients first
+            self.offsets[p] = n
+            n += p.numel()
+        step = -(-bucket_numel // dp) * dp
+        total = -(-n // dp) * dp
+        self.buckets = [(lo, min(lo + step, total)) for lo in range(0, total, step)]
+        p0 = self.params[0]
+        self.grad_buffer = torch.zeros(total, dtype=grad_dtype or p0.dtype, device=p0.device)
+        # Parameters move into a flat buffer of the same layout, so that ZeRO-1 can all-gather
+        # whole buckets of them; each parameter becomes a view into it.
+        self.param_buffer = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+        self.buckets_of, self.index = {}, {p: i for i, p in enumerate(self.params)}
+        for p in self.params:
+            lo = self.offsets[p]
+            self.param_buffer[lo:lo + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.param_buffer[lo:lo + p.numel()].view_as(p)
+            self.buckets_of[p] = [i for i, (a, b) in enumerate(self.buckets) if a < lo + p.numel() and lo < b]
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.sync = True  # False on all but the last microbatch of a step
+        self.zero_grad()
+
+    def zero_grad(self):
+        self.grad_buffer.zero_()
+        for p in self.params:
+            p.grad = None
+        self.pending = [sum(1 for p in self.params if i in self.buckets_of[p]) for i in range(len(self.buckets))]
+        self.works, self.events = {}, []  # events: ("ready", param index) / ("launch", bucket), in order
+
+    def _on_grad(self, p):
+        # The gradient is accumulated into the flat buffer (in its dtype, e.g. fp32 for bf16
+        # parameters), and the parameter's own .grad is dropped.
+        self.main_grad(p).add_(p.grad)
+        p.grad = None
+        if not self.sync:
+            return  # accumulating: synchronise only on the last microbatch
+        self.events.append(("ready", self.index[p], time.perf_counter()))
+        for i in self.buckets_of[p]:
+            self.pending[i] -= 1
+            if self.pending[i] == 0 and self.overlap:
+                self._launch(i)
+
+    def _launch(self, i):
+        lo, hi = self.buckets[i]
+        bucket = self.grad_buffer[lo:hi]
+        bucket.div_(self.dp)  # average, not sum: each replica's loss is the mean of its shard
+        self.events.append(("launch", i, time.perf_counter()))
+        if self.zero:
+            shard = bucket.new_empty((hi - lo) // self.dp)
+            self.works[i] = (tp.reduce_scatter_single(shard, bucket, group=self.group, async_op=True), shard)
+        else:
+            self.works[i] = (dist.all_reduce(bucket, group=self.group, async_op=True), None)
+
+    def finish(self):
+        """Launch what is left (e.g. after a pipeline flush) and wait for every bucket. Then
+        .grad of every parameter (DP) or of this rank's shard (ZeRO-1) is the dp-average."""
+        for i in range(len(self.buckets)):
+            if i not in self.works:
+                self._launch(i)
+        for i, (work, shard) in self.works.items():
+            work.wait()
+            if shard is not None:
+                self.local_shard(self.grad_buffer, i).copy_(shard)
+        if not self.zero:
+            for p in self.params:
+                p.grad = self.main_grad(p).to(p.dtype)
+
+    def main_grad(self, p):
+        """Where p's gradient accumulates: its view of the flat buffer."""
+        lo = self.offsets[p]
+        return self.grad_buffer[lo:lo + p.numel()].view_as(p)
+
+    def shard_range(self, i):
+        """The elements [a, b) of this rank's 1/dp of bucket i."""
+        lo, hi = self.buckets[i]
+        n, r = (hi - lo) // self.dp, dist.get_rank(self.group)
+        return lo + r * n, lo + (r + 1) * n
+
+    def local_shard(self, buffer, i):
+        a, b = self.shard_range(i)
+        return buffer[a:b]
+
+
+class ZeroAdamW:
+    """ZeRO-1: AdamW over this rank's shard of every bucket only, then an all-gather of the
+    updated parameters. The state per rank is 1/dp of plain data parallelism's."""
+
+    def __init__(self, ddp, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, no_decay=()):
+        if not ddp.zero:
+            raise ValueError("ZeroAdamW needs a BucketedDDP built with zero=True")
+        self.ddp, no_decay = ddp, {id(p) for p in no_decay}
+        groups = {True: [], False: []}
+        self.pieces = []  # (parameter piece in the flat buffer, its optimizer tensor, gradient)
+        for i in range(len(ddp.buckets)):
+            a, b = ddp.shard_range(i)
+            for p in ddp.params:  # the pieces of parameters that fall into this shard
+                lo = max(a, ddp.offsets[p])
+                hi = min(b, ddp.offsets[p] + p.numel())
+                if lo >= hi:
+                    continue
+                piece = ddp.param_buffer[lo:hi]
+                low_precision = piece.dtype in (torch.float16, torch.bfloat16)
+                master = piece.float().clone() if low_precision else piece  # fp32 master copy
+                self.pieces.append((piece, master, ddp.grad_buffer[lo:hi]))
+                groups[id(p) not in no_decay].append(master)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": groups[True], "weight_decay": weight_decay}, {"params": groups[False], "weight_decay": 0.0}],
+            lr=lr, betas=betas, eps=eps)
+
+    def step(self):
+        for piece, master, grad in self.pieces:
+            master.grad = grad.to(master.dtype)
+        self.optimizer.step()
+        for piece, master, grad in self.pieces:
+            if master is not piece:
+                piece.copy_(master)
+        ddp = self.ddp
+        for i, (lo, hi) in enumerate(ddp.buckets):  # every rank's updated shard, to every rank
+            tp.all_gather_single(ddp.param_buffer[lo:hi], ddp.local_shard(ddp.param_buffer, i).clone(),
+                                 group=ddp.group)
+
+    def state_bytes(self):
+        masters = sum(m.numel() * m.element_size() for p, m, _ in self.pieces if m is not p)
+        return optimizer_state_bytes(self.optimizer) + masters
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of every state tensor (AdamW's two moments; the step counters are scalars)."""
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+
+
+def checksum(module):
+    """A hash of every weight's bytes: equal on two replicas only if they are bit-identical."""
+    h = hashlib.sha1()
+    for p in module.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: three ways of training on dp replicas, each against serial training on the whole batch.
+
+
+def train_replica(env, cfg, args, mode, group, full, batches):
+    """`args.steps` AdamW steps of this replica in `mode`; returns its figures."""
+    dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
+    model = tp.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    model.load_full_state_dict(full)
+    adamw = dict(lr=args.lr, weight_decay=0.1)
+    ddp = None
+    if mode == "naive":
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
+    else:
+        ddp = BucketedDDP(model.parameters(), group, args.bucket_numel, zero=mode == "zero1")
+        opt = ZeroAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
+    losses, timeline = [], None
+    for idx, targets in batches:
+        idx, targets = shard_batch(idx, targets, dp, dp_rank)
+        micro = list(zip(idx.chunk(args.microbatches), targets.chunk(args.microbatches)))
+        total = torch.zeros((), dtype=torch.float64)
+        for i, (x, y) in enumerate(micro):
+            if ddp:
+                ddp.sync = i == len(micro) - 1  # accumulate; reduce only on the last microbatch
+            loss = model(x.to(env.device), y.to(env.device))[1] / len(micro)
+            start = time.perf_counter()
+            loss.backward()
+            end = time.perf_counter()
+            total += loss.detach().cpu()
+        if ddp:
+            ddp.finish()
+            timeline = (start, end, ddp.events, len(ddp.buckets))
+        else:
+            allreduce_gradients(model.parameters(), group)
+        opt.step()
+        ddp.zero_grad() if ddp else opt.zero_grad()
+        losses.append(float(tp.all_reduce(total, group, "loss") / dp))
+    state = opt.state_bytes() if mode == "zero1" else optimizer_state_bytes(opt)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, timeline, state, checksum(model)
+
+
+def serial_training(cfg, args, full, batches):
+    model = tp.GPT(cfg, None, init=False, dtype=torch.float64)
+    model.load_full_state_dict(full)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    losses = []
+    for idx, targets in batches:
+        loss = model(idx, targets)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters())
+
+
+def demo(env, cfg, args):
+    dp = args.dp
+    grid = rank_grid(env.world_size, dp=dp)  # checks the world before any collective
+    if args.batch_size % (dp * args.microbatches):
+        raise ValueError(f"the global batch of {args.batch_size} sequences is not divisible by "
+                         f"dp x m = {dp} x {args.microbatches}")
+    group = new_groups(env, grid)["dp"]
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    batches = [tuple(torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen))
+               for _ in range(args.steps)]
+    full = tp.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    ref_losses, ref_params = serial_training(cfg, args, full, batches)
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    say(f"{cfg}\ndp={dp} steps={args.steps} global batch B={args.batch_size} (m={args.microbatches} "
+        f"microbatches per replica) T={args.seq_len} bucket={args.bucket_numel} elements, float64")
+    ok, state = True, {}
+    for mode in ("naive", "bucketed", "zero1"):
+        losses, params, timeline, state[mode], digest = train_replica(env, cfg, args, mode, group, full, batches)
+        worst = max([tp.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
+                    + [tp.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
+        digests = [None] * dp
+        dist.all_gather_object(digests, digest, group=group)
+        good = worst <= 1e-10 and len(set(digests)) == 1
+        ok &= good
+        say(f"\n=== {mode} ===\nlosses: {' '.join(f'{x:.6f}' for x in losses)}  (serial: "
+            f"{' '.join(f'{x:.6f}' for x in ref_losses)})")
+        say(f"replica checksums: {digests}")
+        say(f"max relative difference of the losses and every parameter after {args.steps} steps: "
+            f"{worst:.2e} {'PASS' if good else 'FAIL'} (tolerance 1e-10)")
+        if timeline:
+            start, end, events, n_buckets = timeline
+            launches = [(i, t) for kind, i, t in events if kind == "launch"]
+            during = sum(t < end for _, t in launches)
+            say(f"{n_buckets} buckets; reductions launched, in ms after the last backward started "
+                f"(it ran {1e3 * (end - start):.1f} ms): " + ", ".join(
+                    f"b{i}@{1e3 * (t - start):.1f}" for i, t in launches))
+            say(f"{during} of {n_buckets} launched before backward finished")
+    say(f"\noptimizer state per rank: plain AdamW {state['bucketed']:,} bytes, ZeRO-1 "
+        f"{state['zero1']:,} bytes ({state['zero1'] / state['bucketed']:.3f}, 1/dp = {1 / dp:.3f})")
+    say(f"\n{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dp", type=int, default=4, help="data-parallel replicas (local ranks on CPU)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, default=2, help="gradient accumulation steps")
+    parser.add_argument("--bucket-numel", type=int, default=20000, help="elements per bucket")
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=1234)
+    tp.add_dataclass_args(parser, tp.GPTConfig, vocab_size=1001, block_size=64, n_layer=2, n_head=4,
+                          n_embd=64)
+    args = parser.parse_args()
+    return all(tp.launch(demo, args.dp, tp.from_args(tp.GPTConfig, args), args))
+
+
+if __name__ == "__main__":
+    tp.run_main(main)
