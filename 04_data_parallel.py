@@ -10,7 +10,8 @@ What this file adds on top of 01 (and composes with 02/03): dp replicas of the m
   3. gradient accumulation over microbatches, synchronising only on the last one;
   4. ZeRO-1, Megatron's distributed optimizer (Rajbhandari et al. 2020, stage 1): reduce-scatter
      instead of all-reduce, each rank keeps AdamW state (and an fp32 master copy when parameters are
-     lower precision) only for its 1/dp of every bucket, updates it, and all-gathers parameters;
+     lower precision) only for its 1/dp of every bucket, updates it, and all-gathers parameters
+     (DistributedAdamW);
   5. composition with the pipeline (Narayanan et al. 2021, Section 3): the reduction runs after the
      pipeline flush, on each stage's own dp group. The rank grid uses Megatron's order.
 
@@ -96,7 +97,7 @@ def allreduce_gradients(params, group):
 class BucketedDDP:
     """Gradients go into one flat buffer (reverse parameter order) cut into buckets of
     `bucket_numel` elements; each bucket's reduction is launched as soon as all its parameters'
-    gradients are in. zero=True reduce-scatters instead (ZeRO-1: see ZeroAdamW)."""
+    gradients are in. zero=True reduce-scatters instead (ZeRO-1: see DistributedAdamW)."""
 
     def __init__(self, params, group, bucket_numel, zero=False, overlap=True, grad_dtype=None):
         if bucket_numel <= 0:
@@ -177,8 +178,10 @@ class BucketedDDP:
         return self.grad_buffer[lo:lo + p.numel()].view_as(p)
 
     def shard_range(self, i):
-        """The elements [a, b) of this rank's 1/dp of bucket i."""
+        """The elements [a, b) of bucket i this rank owns: its 1/dp under ZeRO-1, else all."""
         lo, hi = self.buckets[i]
+        if not self.zero:
+            return lo, hi
         n, r = (hi - lo) // self.dp, dist.get_rank(self.group)
         return lo + r * n, lo + (r + 1) * n
 
@@ -187,16 +190,15 @@ class BucketedDDP:
         return buffer[a:b]
 
 
-class ZeroAdamW:
-    """ZeRO-1: AdamW over this rank's shard of every bucket only, then an all-gather of the
-    updated parameters. The state per rank is 1/dp of plain data parallelism's."""
+class DistributedAdamW:
+    """AdamW over the elements this rank owns: with ZeRO-1 (ddp.zero) its 1/dp of every bucket,
+    after which the updated parameters are all-gathered, so the state per rank is 1/dp of plain
+    data parallelism's; without, every element. Low-precision parameters get an fp32 master copy."""
 
     def __init__(self, ddp, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, no_decay=()):
-        if not ddp.zero:
-            raise ValueError("ZeroAdamW needs a BucketedDDP built with zero=True")
         self.ddp, no_decay = ddp, {id(p) for p in no_decay}
         groups = {True: [], False: []}
-        self.pieces = []  # (parameter piece in the flat buffer, its optimizer tensor, gradient)
+        self.pieces = []  # (parameter, its piece of the flat buffer, optimizer tensor, gradient)
         for i in range(len(ddp.buckets)):
             a, b = ddp.shard_range(i)
             for p in ddp.params:  # the pieces of parameters that fall into this shard
@@ -207,26 +209,28 @@ class ZeroAdamW:
                 piece = ddp.param_buffer[lo:hi]
                 low_precision = piece.dtype in (torch.float16, torch.bfloat16)
                 master = piece.float().clone() if low_precision else piece  # fp32 master copy
-                self.pieces.append((piece, master, ddp.grad_buffer[lo:hi]))
+                self.pieces.append((p, piece, master, ddp.grad_buffer[lo:hi]))
                 groups[id(p) not in no_decay].append(master)
         self.optimizer = torch.optim.AdamW(
             [{"params": groups[True], "weight_decay": weight_decay}, {"params": groups[False], "weight_decay": 0.0}],
             lr=lr, betas=betas, eps=eps)
 
     def step(self):
-        for piece, master, grad in self.pieces:
+        for _, piece, master, grad in self.pieces:
             master.grad = grad.to(master.dtype)
         self.optimizer.step()
-        for piece, master, grad in self.pieces:
+        for _, piece, master, grad in self.pieces:
             if master is not piece:
                 piece.copy_(master)
         ddp = self.ddp
+        if not ddp.zero:
+            return
         for i, (lo, hi) in enumerate(ddp.buckets):  # every rank's updated shard, to every rank
             tp.all_gather_single(ddp.param_buffer[lo:hi], ddp.local_shard(ddp.param_buffer, i).clone(),
                                  group=ddp.group)
 
     def state_bytes(self):
-        masters = sum(m.numel() * m.element_size() for p, m, _ in self.pieces if m is not p)
+        masters = sum(m.numel() * m.element_size() for _, piece, m, _ in self.pieces if m is not piece)
         return optimizer_state_bytes(self.optimizer) + masters
 
 
@@ -259,7 +263,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
         opt = torch.optim.AdamW(model.parameters(), **adamw)
     else:
         ddp = BucketedDDP(model.parameters(), group, args.bucket_numel, zero=mode == "zero1")
-        opt = ZeroAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
+        opt = DistributedAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
     losses, timeline = [], None
     for idx, targets in batches:
         idx, targets = shard_batch(idx, targets, dp, dp_rank)

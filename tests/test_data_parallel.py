@@ -80,12 +80,12 @@ def _zero_state(env):
     cfg = tp.GPTConfig(vocab_size=52, block_size=16, n_layer=1, n_head=2, n_embd=18)
     model = tp.GPT(cfg, None, seed=1, dtype=torch.float64)
     ddp = ddp_mod.BucketedDDP(model.parameters(), group, 100, zero=True)
-    opt = ddp_mod.ZeroAdamW(ddp, lr=1e-3)
+    opt = ddp_mod.DistributedAdamW(ddp, lr=1e-3)
     idx, targets = _batches(1, 4)[0]
     model(idx, targets)[1].backward()
     ddp.finish()
     opt.step()
-    owned = sum(m.numel() for _, m, _ in opt.pieces)
+    owned = sum(m.numel() for _, _, m, _ in opt.pieces)
     return opt.state_bytes(), owned, sum(p.numel() for p in model.parameters()), len(ddp.grad_buffer)
 
 
@@ -116,7 +116,7 @@ def _dp_pp(env, dp, pp, zero, steps):
     chunks[0].load_full_state_dict(full)
     params = [p for c in chunks for p in c.parameters()]
     ddp = ddp_mod.BucketedDDP(params, groups["dp"], 50, zero=zero)
-    opt = ddp_mod.ZeroAdamW(ddp, lr=1e-2, weight_decay=0.1) if zero else \
+    opt = ddp_mod.DistributedAdamW(ddp, lr=1e-2, weight_decay=0.1) if zero else \
         torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     worst, m = 0.0, 2
     for idx, targets in _batches(steps, 8):
