@@ -357,11 +357,27 @@ class StepResult:
     bytes_sent: int
 
 
+class Wire:
+    """How a stage's output (or input gradient) travels: as itself, in buffers of `shape`.
+    05 replaces it with scatter/gather (each tp rank sends 1/tp, the receiver all-gathers)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def pack(self, t):
+        return t
+
+    def unpack(self, buf):
+        return buf
+
+
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True,
-            ignore_index=-100, t0=None):
+            ignore_index=-100, t0=None, wire=None):
     """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
-    (idx, targets). Gradients accumulate in the chunks' parameters; the loss of microbatch i is
-    weighted by its share of the batch's tokens, so the sum is the serial model's mean loss."""
+    (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in the
+    chunks' parameters; the loss of microbatch i is weighted by its share of the tokens, so the
+    sum is the serial model's mean loss."""
+    wire = wire or Wire(act_shape)
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     S = pp * len(chunks)
     dtype, device = next(chunks[0].parameters()).dtype, next(chunks[0].parameters()).device
@@ -381,10 +397,13 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                     sent.append(msg)
                     n_msgs, n_bytes = n_msgs + 1, n_bytes + t.numel() * t.element_size()
                 else:  # poisoned, so a receive that never happened shows up as NaN
-                    inbox[msg] = torch.full(act_shape, float("nan"), dtype=dtype, device=device)
+                    inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, inbox[msg], peer))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+            for side, _, msg in step:
+                if side == "recv":
+                    inbox[msg] = wire.unpack(inbox[msg])
             for kind_, stage, mb in sent:
                 if kind_ == "act":
                     key = ((stage - 1) // pp, mb)  # the chunk that produced it
@@ -416,8 +435,10 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 loss = y.detach() if loss is None else loss + y.detach()
             else:
                 out = ("act", k + 1, a.mb)
-                (inbox if (k + 1) % pp == rank else outbox)[out] = y.detach()
-                if (k + 1) % pp != rank:
+                if (k + 1) % pp == rank:
+                    inbox[out] = y.detach()
+                else:
+                    outbox[out] = wire.pack(y.detach())
                     unsent.add(key)
             inputs[key], outputs[key] = x, y
         else:
@@ -429,7 +450,10 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 torch.autograd.backward(y, inbox.pop(("grad", k, a.mb)))
             if k > 0:
                 out = ("grad", k - 1, a.mb)
-                (inbox if (k - 1) % pp == rank else outbox)[out] = x.grad
+                if (k - 1) % pp == rank:
+                    inbox[out] = x.grad
+                else:
+                    outbox[out] = wire.pack(x.grad)
         events.append((start, time.perf_counter() - t0, a))
         peak = max(peak, _stored_bytes(outputs, saved, unsent))
     return StepResult(loss, events, peak, n_msgs, n_bytes)
