@@ -1,0 +1,839 @@
+"""05 - The 3D-parallel GPT trainer: PTD-P (Narayanan et al. 2021, Sections 3 and 4).
+
+What this file adds on top of 01-04: their composition into one trainer. Tensor parallelism (01,
+optionally with sequence parallelism) runs inside each pipeline stage; the stages run 1F1B (02) or
+interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas. New here:
+  - the scatter/gather optimisation (Section 4.1): between stages each tp rank sends only 1/tp of
+    the boundary tensor and the receiving stage all-gathers it over tp;
+  - the global gradient norm for clipping across tp, pp and dp, every element counted once;
+  - training: AdamW with weight-decay groups, LR warmup then cosine decay, clipping, activation
+    recomputation, a held-out eval loss, a built-in corpus or --data, a progress bar, metrics;
+  - the planner (--plan): what a model costs on a cluster (eqs. 2-4), allocating nothing.
+
+Run it (it is the project's main job):
+    python 05_3d_gpt.py                                   # tp=2 x pp=2 x dp=2: 8 CPU ranks
+    python 05_3d_gpt.py --print-layout --tp 8 --pp 4 --dp 4
+    python 05_3d_gpt.py --plan 1T --gpus 3072             # the paper's 1T model on 3072 A100s
+    torchrun --standalone --nproc_per_node 8 05_3d_gpt.py --tp 8 --pp 1 --dp 1 --dtype bfloat16
+The README has multi-node torchrun and SLURM recipes.
+
+The run prints a start-up summary (config, layout, parameters, memory, FLOPs per iteration by
+eq. 3, the bubble), a progress bar with loss and tokens/s (and MFU on GPU), a periodic eval loss
+and a final summary. --metrics FILE writes one JSON line per step.
+"""
+import argparse
+import contextlib
+import functools
+import importlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import namedtuple
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+tp = importlib.import_module("01_tensor_parallel")
+pipe = importlib.import_module("02_pipeline_1f1b")
+inter = importlib.import_module("03_interleaved")
+ddp_mod = importlib.import_module("04_data_parallel")
+
+
+@dataclass
+class TrainConfig:
+    tp: int = 2  # tensor-parallel size (ranks inside a stage)
+    pp: int = 2  # pipeline stages
+    dp: int = 2  # data-parallel replicas
+    virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
+    batch_size: int = 32  # global batch B, in sequences
+    microbatches: int = 4  # m per replica; micro-batch size b = B / (dp m)
+    seq_len: int = 64  # T
+    steps: int = 200
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
+    sequence_parallel: bool = False
+    scatter_gather: bool = True  # Section 4.1; only changes anything when tp > 1 without sp
+    recompute: bool = False  # full activation recomputation, per layer
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU; float64 for parity checks
+    bucket_numel: int = 2_000_000  # gradient bucket, in elements
+    eval_every: int = 50  # steps between eval losses on the held-out split (0: never)
+    eval_batches: int = 2
+    data: str = ""  # a text file (bytes) or a nanoGPT uint16 .bin; "" = the built-in corpus
+    metrics: str = ""  # write one JSON line per step here
+    seed: int = 1337
+    timeout_s: float = 120.0  # every collective's timeout
+
+
+MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks: everything that can be wrong with the config, before any process group exists.
+
+
+def check_config(cfg, tc, world):
+    for name in ("tp", "pp", "dp", "virtual_stages", "batch_size", "microbatches", "seq_len",
+                 "steps", "bucket_numel", "eval_batches"):
+        if getattr(tc, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(tc, name)}")
+    if not (tc.lr > 0 and tc.min_lr >= 0 and tc.grad_clip > 0 and tc.weight_decay >= 0):
+        raise ValueError(f"need lr > 0, min_lr >= 0, grad_clip > 0, weight_decay >= 0; got "
+                         f"{tc.lr}, {tc.min_lr}, {tc.grad_clip}, {tc.weight_decay}")
+    ddp_mod.rank_grid(world, tc.tp, tc.dp, tc.pp)  # world == tp * dp * pp
+    pipe.split_layers(cfg.n_layer, tc.pp * tc.virtual_stages)
+    if tc.batch_size % (tc.dp * tc.microbatches):
+        raise ValueError(f"the global batch of {tc.batch_size} sequences is not divisible by "
+                         f"dp x m = {tc.dp} x {tc.microbatches}")
+    inter.check_interleaving(tc.pp, tc.microbatches, tc.virtual_stages)
+    if cfg.n_embd % cfg.n_head or cfg.n_head % tc.tp:
+        raise ValueError(f"need n_embd={cfg.n_embd} divisible by n_head={cfg.n_head}, and n_head "
+                         f"divisible by tp={tc.tp}")
+    if tc.seq_len > cfg.block_size:
+        raise ValueError(f"seq_len={tc.seq_len} exceeds block_size={cfg.block_size}")
+    if tc.sequence_parallel and tc.seq_len % tc.tp:
+        raise ValueError(f"sequence parallelism needs seq_len={tc.seq_len} divisible by tp={tc.tp}")
+    if tc.dtype not in ("auto", "float32", "float64", "bfloat16"):
+        raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {tc.dtype!r}")
+
+
+def print_layout(tc):
+    """The rank grid for tp x pp x dp, without starting anything (--print-layout)."""
+    world = tc.tp * tc.pp * tc.dp
+    grid = ddp_mod.rank_grid(world, tc.tp, tc.dp, tc.pp)
+    coord = {}
+    for kind in ("tp", "dp", "pp"):
+        for g in grid[kind]:
+            for i, r in enumerate(g):
+                coord.setdefault(r, {})[kind] = i
+    print(f"world={world}: tp={tc.tp} x dp={tc.dp} x pp={tc.pp}, Megatron's order (tp fastest, "
+          f"then dp, then pp)")
+    print("rank  tp dp pp")
+    for r in range(world):
+        print(f"{r:4d} {coord[r]['tp']:3d} {coord[r]['dp']:2d} {coord[r]['pp']:2d}")
+    for kind in ("tp", "dp", "pp", "embed"):
+        print(f"{kind} groups: {grid[kind]}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: a built-in corpus or a file; every replica reads its own disjoint slice of each batch.
+
+
+@functools.lru_cache(maxsize=1)  # made once in the launching process; forked ranks inherit it
+def builtin_corpus(n_sentences=20000, seed=0):
+    """Deterministic little stories with counting and arithmetic: no download, and a small GPT
+    learns the words, the grammar and the sums within a couple of hundred steps."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (), generator=g))]  # noqa: E731
+    names = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
+    things = ["apples", "books", "coins", "shells", "stones", "cards"]
+    places = ["the market", "the garden", "the library", "the harbour", "school"]
+    out = []
+    for _ in range(n_sentences):
+        a, b = pick(names), pick(names)
+        x, y = int(torch.randint(10, (), generator=g)), int(torch.randint(10, (), generator=g))
+        thing = pick(things)
+        out.append(pick([
+            f"{a} has {x} {thing}. {b} gives {a} {y} more. now {a} has {x + y} {thing}.",
+            f"{a} walks to {pick(places)} with {b}. they count {x} {thing} and {y} {thing}: {x + y}.",
+            f"{x} plus {y} is {x + y}. {y} plus {x} is {x + y}.",
+        ]))
+    return " ".join(out) + "\n"
+
+
+def load_tokens(path, vocab_size, seq_len):
+    """All tokens of the data, as a 1-D tensor: a nanoGPT .bin (uint16, memory-mapped) or any other
+    file as bytes. Refuses what cannot train: missing, empty, too short, ids >= vocab_size."""
+    if not path:
+        tokens = torch.frombuffer(bytearray(builtin_corpus().encode()), dtype=torch.uint8)
+    else:
+        try:
+            size = os.path.getsize(path)
+            if size == 0:
+                raise ValueError(f"the data file {path!r} is empty")
+            if path.endswith(".bin"):
+                # Memory-mapped, not read: windows are copied out (as int64) only when sampled.
+                tokens = torch.from_file(path, shared=False, size=size // 2, dtype=torch.uint16)
+            else:
+                with open(path, "rb") as f:
+                    tokens = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+        except OSError as e:
+            raise ValueError(f"cannot read the data file {path!r}: {e.strerror or e}") from None
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one sequence of "
+                         f"seq_len + 1 = {seq_len + 1}")
+    # In pieces: uint16 tensors have few operations, and a whole-file copy could be gigabytes.
+    top = max(int(piece.to(torch.int32).max()) for piece in tokens.split(1 << 24))
+    if top >= vocab_size:
+        raise ValueError(f"the data holds token id {top} >= vocab_size={vocab_size}")
+    return tokens
+
+
+def split_tokens(tokens, seq_len):
+    """90% to train on, the last 10% held out for the eval loss (at least one sequence)."""
+    n_eval = max(len(tokens) // 10, seq_len + 1)
+    return tokens[:-n_eval], tokens[-n_eval:]
+
+
+def global_batch(tokens, step, tc, salt=0):
+    """Batch `step`: B random windows (B, T) and their next-token targets, the same on every rank."""
+    g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 2 + salt)
+    starts = torch.randint(len(tokens) - tc.seq_len, (tc.batch_size,), generator=g)
+    window = torch.stack([tokens[s: s + tc.seq_len + 1].to(torch.int64) for s in starts.tolist()])
+    return window[:, :-1], window[:, 1:]
+
+
+def replica_batch(tokens, step, tc, dp_rank, salt=0):
+    """This replica's disjoint rows of the global batch."""
+    return ddp_mod.shard_batch(*global_batch(tokens, step, tc, salt), tc.dp, dp_rank)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scatter/gather (Section 4.1). Without sequence parallelism both tp ranks of a stage hold the
+# same boundary tensor, so sending it whole from each would move tp copies of it between nodes.
+
+
+class ScatterGather(pipe.Wire):
+    """Each tp rank sends its 1/tp slice of the (flattened) boundary tensor; the receiver
+    all-gathers the slices over its tp group (fast, inside the node) to rebuild it."""
+
+    def __init__(self, shape, tp_group):
+        n, self.tp_group, self.full = math.prod(shape), tp_group, shape
+        self.tp, self.rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        if n % self.tp:
+            raise ValueError(f"scatter/gather needs b*T*C={n} divisible by tp={self.tp}")
+        super().__init__((n // self.tp,))
+
+    def pack(self, t):
+        return t.reshape(-1).chunk(self.tp)[self.rank].contiguous()
+
+    def unpack(self, buf):
+        out = buf.new_empty(buf.numel() * self.tp)
+        tp.all_gather_single(out, buf, group=self.tp_group)
+        return out.view(self.full)
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation recomputation: keep only each layer's input, rerun its forward during backward.
+
+
+def recompute_layers(chunk):
+    """Wrap every block of a chunk so that its forward is recomputed in backward. Dropout inside
+    tp regions draws from the chunk's tracked stream, so that stream is replayed too (the default
+    stream is restored by checkpoint itself)."""
+    for block in chunk.transformer.h.values():
+        block.forward = functools.partial(_recomputed, block.forward, chunk.rng)
+
+
+def _recomputed(forward, rng, x):
+    state = rng.state.clone()
+
+    @contextlib.contextmanager
+    def replay():
+        saved, rng.state = rng.state, state.clone()
+        try:
+            yield
+        finally:
+            rng.state = saved
+
+    return checkpoint(forward, x, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: (contextlib.nullcontext(), replay()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The global gradient norm: each element of the model counted exactly once, whatever the layout.
+
+
+def counts_in_norm(p, chunk, tp_group):
+    """Split parameters count on every tp rank (each holds a different slice); replicated ones
+    (LayerNorms, row-parallel biases, wpe) only on tp rank 0; the tied output layer's copy on the
+    last stage not at all (it is the first stage's embedding again)."""
+    tied_copy = chunk.post_process and not chunk.pre_process and p is chunk.transformer.wte.weight
+    return not tied_copy and (hasattr(p, "tp_dim") or dist.get_rank(tp_group) == 0)
+
+
+def clip_gradients(opt, chunks, groups, max_norm, zero1):
+    """Compute the global norm of every gradient, scale them by max_norm / norm if it is larger
+    (as torch.nn.utils.clip_grad_norm_), and return the norm before clipping."""
+    owner = {id(p): c for c in chunks for p in c.parameters()}
+    dtype = torch.float64 if opt.pieces[0][3].dtype == torch.float64 else torch.float32
+    sq = torch.zeros((), dtype=dtype, device=opt.pieces[0][3].device)
+    for p, _, _, grad in opt.pieces:
+        if counts_in_norm(p, owner[id(p)], groups["tp"]):
+            sq += grad.to(dtype).pow(2).sum()
+    kinds = ["tp", "pp"] + (["dp"] if zero1 else [])  # replicas hold the same full gradients
+    for kind in kinds:
+        dist.all_reduce(sq, group=groups[kind])
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for _, _, _, grad in opt.pieces:
+        grad.mul_(coef.to(grad.dtype))
+    return float(norm)
+
+
+def lr_at(step, tc):
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / (tc.warmup_steps + 1)
+    ratio = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    return tc.min_lr + 0.5 * (1 + math.cos(math.pi * min(ratio, 1.0))) * (tc.lr - tc.min_lr)
+
+
+def no_decay(params):
+    """Biases and LayerNorm weights (the 1-D parameters) take no weight decay."""
+    return [p for p in params if p.dim() < 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# The planner (--plan): what a model costs on a cluster, from closed forms only, allocating nothing.
+# Parameters (eq. 2), FLOPs (eq. 3) and training time (eq. 4) are Narayanan et al. 2021's;
+# activation memory is Korthikanti et al. 2022's Table 2 and Section 4.2.3. l layers, h hidden,
+# a heads, V vocabulary, s sequence, B global batch, b micro-batch, t/p/d = tp/pp/dp, n GPUs.
+# Mixed precision as in Megatron: bf16 weights, fp32 gradients and Adam state. GB = 1e9 bytes.
+
+PAPER_VOCAB, PAPER_SEQ = 51200, 2048  # every row of Table 1
+# tflops: the achieved teraFLOP/s per GPU, counted with eq. 3 (recomputation included).
+PaperRow = namedtuple("PaperRow", "billions n_head n_embd n_layer tp pp n_gpus batch tflops")
+ModelSpec = namedtuple("ModelSpec", "n_layer n_embd n_head vocab_size seq_len",
+                       defaults=(PAPER_VOCAB, PAPER_SEQ))
+
+# Narayanan et al. 2021, Table 1 (weak scaling on A100s).
+PAPER_CONFIGS = {f"{r[0]}B": PaperRow(*r) for r in [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: the three sizes, the batch cut and the memory-saving options."""
+    tp: int
+    pp: int
+    dp: int
+    batch: int  # B, global, in sequences
+    b: int = 1  # micro-batch size
+    v: int = 1  # virtual stages per pipeline rank
+    recompute: bool = True  # full activation recomputation, as in the paper's runs
+    sequence_parallel: bool = False
+    zero1: bool = False
+    scatter_gather: bool = True  # Narayanan Section 4.1: pp messages split over the tp ranks
+
+    @property
+    def m(self):  # at least 1, so that a refused layout can still be described
+        return max(1, self.batch // (self.b * self.dp))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine the throughput model assumes: Narayanan's A100 cluster (Section 5)."""
+    peak_tflops: float = 312.0  # A100 bf16 dense tensor cores
+    # Of peak, reached by the layers' GEMMs before bubble and communication: chosen so that the
+    # paper's 1T layout comes out near its measured 163 TFLOP/s (small models land above theirs).
+    efficiency: float = 0.6
+    nvlink_gbs: float = 300.0  # per GPU per direction, inside a node (carries tp)
+    ib_gbs: float = 25.0  # per GPU per direction, across nodes (carries pp and dp)
+    gpu_mem_gb: float = 80.0  # 80e9 B: an "80 GB" A100 has 85.9e9, the rest is left as headroom
+    gpus_per_node: int = 8
+
+
+def model_spec(name_or_spec):
+    """A ModelSpec from a ModelSpec, a GPTConfig (seq_len = block_size) or a Table 1 name."""
+    c = name_or_spec
+    if isinstance(c, ModelSpec):
+        return c
+    if hasattr(c, "block_size"):
+        return ModelSpec(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.block_size)
+    row = paper_row(name_or_spec)
+    return ModelSpec(row.n_layer, row.n_embd, row.n_head)
+
+
+def paper_row(name):
+    """The Table 1 row within 2% of name ("145.6B", "1T", "1008B"), or ValueError."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([bBtT])\s*", str(name))
+    if match:
+        billions = float(match[1]) * (1000 if match[2] in "tT" else 1)
+        row = min(PAPER_CONFIGS.values(), key=lambda r: abs(r.billions - billions))
+        if abs(row.billions - billions) <= 0.02 * row.billions:  # so "1T" finds 1008.0B
+            return row
+    raise ValueError(f"unknown model {name!r}: give one of {', '.join(PAPER_CONFIGS)} or 1T")
+
+
+def params_eq2(m):
+    """Narayanan eq. 2: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h))."""
+    l, h = m.n_layer, m.n_embd
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (m.vocab_size + m.seq_len) / (12 * l * h))
+
+
+def params_exact(m):
+    """Exactly 01's GPT-2 (V unpadded): eq. 2 expanded, plus the final LayerNorm's 2h."""
+    l, h = m.n_layer, m.n_embd
+    return 12 * l * h * h + 13 * l * h + (m.vocab_size + m.seq_len) * h + 2 * h
+
+
+def flops_per_iteration(m, batch, recompute=True):
+    """Narayanan eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full recomputation."""
+    l, h, s, V = m.n_layer, m.n_embd, m.seq_len, m.vocab_size
+    # A layer's forward is 24 B s h^2 (1 + s/(6h)); backward is twice that and recomputation one
+    # more forward (4x, 3x without); the logit layer (2 B s h V) is never recomputed: always 3x.
+    # So without recomputation the last term is V/(12 l h), not the paper's V/(16 l h).
+    k = 4 if recompute else 3
+    return 24 * k * batch * s * l * h * h * (1 + s / (6 * h) + 6 * V / (24 * k * l * h))
+
+
+def training_days(tokens, params, n_gpus, tflops, recompute=True):
+    """Narayanan eq. 4: 8 T P / (n X) seconds (6 T P / (n X) without recomputation), in days."""
+    return (8 if recompute else 6) * tokens * params / (n_gpus * tflops * 1e12) / 86400
+
+
+def bubble_fraction(pp, m, v=1):
+    """Narayanan Section 2.2: the pipeline bubble (pp-1)/(v m) of the ideal compute time."""
+    return (pp - 1) / (v * m)
+
+
+def params_per_gpu(m, L):
+    """The fullest GPU's parameters: the first stage's l/pp layers plus the embeddings, over tp."""
+    h = m.n_embd
+    # The replicated LayerNorms and row-parallel biases (a few h per layer) are counted as split.
+    # The last stage holds the tied output copy (V h) instead of the position table (s h) and ln_f.
+    embed = (m.vocab_size + m.seq_len) * h + (2 * h if L.pp == 1 else 0)
+    return (m.n_layer / L.pp * (12 * h * h + 13 * h) + embed) / L.tp
+
+
+def activation_bytes_per_layer(m, L):
+    """Korthikanti Table 2: one layer's stored activations for one microbatch on one tp rank."""
+    s, b, h, a, t = m.seq_len, L.b, m.n_embd, m.n_head, L.tp
+    if L.recompute:  # only the layer's bf16 input, replicated over tp unless sequence-parallel
+        return 2 * s * b * h / (t if L.sequence_parallel else 1)
+    if L.sequence_parallel:
+        return s * b * h * (34 / t + 5 * a * s / (h * t))
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))  # LayerNorms, dropout masks replicated
+
+
+def layers_in_flight(m, L):
+    """Layers' worth of activations the first stage holds at its peak (Korthikanti 4.2.3)."""
+    # 1F1B: pp microbatches of l/pp layers = l. Megatron's interleaved schedule warms up
+    # (v+1) pp - 1 chunks of l/(pp v) layers = l (1 + (pp-1)/(pp v)). Fewer if m is small.
+    chunks = min(L.m * L.v, L.pp if L.v == 1 else (L.v + 1) * L.pp - 1)
+    return chunks * m.n_layer / (L.pp * L.v)
+
+
+def memory_per_gpu(m, L):
+    """Bytes on the fullest GPU: bf16 weights, fp32 gradients, fp32 Adam state, activations."""
+    n = params_per_gpu(m, L)
+    # Embedding and output-layer activations are left out (Korthikanti 4.3: small for pp > 1).
+    mem = dict(params=n, weights=2 * n, gradients=4 * n,
+               optimizer=12 * n / (L.dp if L.zero1 else 1),  # fp32 master + 2 Adam moments
+               activations=activation_bytes_per_layer(m, L) * layers_in_flight(m, L))
+    mem["total"] = mem["weights"] + mem["gradients"] + mem["optimizer"] + mem["activations"]
+    return mem
+
+
+def comm_bytes_per_gpu(m, L):
+    """Bytes one GPU sends per iteration for tp all-reduce, pp point-to-point and dp reduction."""
+    t, d, act = L.tp, L.dp, 2 * L.b * m.seq_len * m.n_embd  # one microbatch's bf16 hidden state
+    # 2 forward + 2 backward all-reduces per layer per microbatch, +2 when the forward is rerun; a
+    # ring moves 2 (t-1)/t of the data per GPU, as do sequence parallelism's all-gather and
+    # reduce-scatter that replace each all-reduce (Korthikanti 4.2.2).
+    tp = (6 if L.recompute else 4) * L.m * m.n_layer / L.pp * act * 2 * (t - 1) / t
+    # An activation forward and a gradient backward per microbatch, at each of a rank's v chunks.
+    split = t if (L.scatter_gather or L.sequence_parallel) else 1
+    pp = 0.0 if L.pp == 1 else 2 * L.m * L.v * act / split
+    n = params_per_gpu(m, L)
+    # fp32 gradients are all-reduced; ZeRO-1 reduce-scatters them and all-gathers the updated bf16
+    # weights (as Megatron's distributed optimizer does), so it sends 6 (d-1)/d B/param, not 8.
+    dp = (d - 1) / d * n * (4 + 2 if L.zero1 else 2 * 4)
+    return dict(tp=tp, pp=pp, dp=dp)
+
+
+def estimate_iteration(m, L, n_gpus, c=Cluster()):
+    """Seconds per iteration, by part, and TFLOP/s per GPU under THROUGHPUT_MODEL."""
+    flops, comm = flops_per_iteration(m, L.batch, L.recompute), comm_bytes_per_gpu(m, L)
+    t = dict(compute=flops / (n_gpus * c.peak_tflops * 1e12 * c.efficiency))
+    t["bubble"] = t["compute"] * bubble_fraction(L.pp, L.m, L.v)
+    t["tp"] = comm["tp"] / (c.nvlink_gbs * 1e9)  # on the critical path: nothing to hide it behind
+    t["pp"] = comm["pp"] / (c.ib_gbs * 1e9)
+    # Gradients are final only after the last microbatch's backward, so the dp reduction can hide
+    # behind that one backward (3/4 of a microbatch's work with recomputation, 2/3 without).
+    hidden = t["compute"] / L.m * (0.75 if L.recompute else 2 / 3)
+    t["dp"] = max(0.0, comm["dp"] / (c.ib_gbs * 1e9) - hidden)
+    t["total"] = sum(t.values())
+    t["tflops"] = flops / (n_gpus * t["total"]) / 1e12
+    return t
+
+
+THROUGHPUT_MODEL = ("time = F/(n peak eff) (1 + bubble) + tp bytes/NVLink + pp bytes/IB"
+                    " + dp bytes/IB less the last microbatch's backward")
+
+
+def layout_problems(m, L, n_gpus, c=Cluster()):
+    """Why layout L cannot run model m on n_gpus: a list of reasons, empty if it can."""
+    checks = [(L.tp * L.pp * L.dp == n_gpus, f"tp*pp*dp != {n_gpus} GPUs"),
+              (L.tp <= c.gpus_per_node, f"tp={L.tp} spans nodes ({c.gpus_per_node} GPUs each)"),
+              (m.n_head % L.tp == 0, f"{m.n_head} heads not divisible by tp={L.tp}"),
+              (m.n_layer % (L.pp * L.v) == 0, f"{m.n_layer} layers not divisible by pp*v"),
+              (L.batch % (L.dp * L.b) == 0, f"B={L.batch} not divisible by dp*b={L.dp * L.b}"),
+              (L.v == 1 or (L.pp > 1 and L.m % L.pp == 0), "interleaving needs pp > 1, pp | m"),
+              (not L.sequence_parallel or m.seq_len % L.tp == 0, "sequence parallelism: tp | s")]
+    bad = [why for ok, why in checks if not ok]
+    total = memory_per_gpu(m, L)["total"] if not bad else 0
+    if total > c.gpu_mem_gb * 1e9:
+        bad.append(f"needs {total / 1e9:.1f} GB of {c.gpu_mem_gb:g} GB")
+    return bad
+
+
+def rank_layouts(m, n_gpus, batch, c=Cluster(), **options):
+    """Every runnable (tp, pp, dp) for n_gpus, best estimated throughput first: [(Layout, est)]."""
+    divisors = [k for k in range(1, n_gpus + 1) if n_gpus % k == 0]
+    layouts = [Layout(tp, pp, n_gpus // (tp * pp), batch, **options)
+               for tp in divisors for pp in divisors if (n_gpus // tp) % pp == 0]
+    ranked = [(L, estimate_iteration(m, L, n_gpus, c)) for L in layouts
+              if not layout_problems(m, L, n_gpus, c)]
+    return sorted(ranked, key=lambda r: -r[1]["tflops"])
+
+
+def _si(x, unit):
+    """1.23e19 FLOP -> '12.3 EFLOP'."""
+    prefix, scale = next((p, k) for p, k in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9),
+                                             ("M", 1e6), ("", 1)) if x >= k or k == 1)
+    return f"{x / scale:.3g} {prefix}{unit}"
+
+
+def plan_report(name_or_spec, n_gpus, layout=None, batch=None, tokens=300e9, tflops=None,
+                c=Cluster(), top=5, **options):
+    """The text --plan prints. layout: (tp, pp, dp), or None for the best-ranked; options: Layout's
+    b, v, recompute, sequence_parallel, zero1, scatter_gather; batch defaults to Table 1's."""
+    m = model_spec(name_or_spec)
+    row = paper_row(name_or_spec) if isinstance(name_or_spec, str) else None
+    batch = batch or (row and row.batch)
+    if not batch:
+        raise ValueError("the global batch size B is needed for a model not in Table 1")
+    ranked = rank_layouts(m, n_gpus, batch, c, **options)
+    if layout is None and not ranked:
+        return f"no layout of {n_gpus} GPUs can run {m} with B={batch}"
+    L = Layout(*layout, batch, **options) if layout else ranked[0][0]
+    P, mem, comm = params_eq2(m), memory_per_gpu(m, L), comm_bytes_per_gpu(m, L)
+    est, problems = estimate_iteration(m, L, n_gpus, c), layout_problems(m, L, n_gpus, c)
+    gb = lambda x: f"{x / 1e9:9.1f} GB"  # noqa: E731
+    out = [f"model: {f'{row.billions}B of Table 1, ' if row else ''}l={m.n_layer} h={m.n_embd} "
+           f"a={m.n_head} V={m.vocab_size} s={m.seq_len}; {n_gpus} GPUs of {c.gpu_mem_gb:g} GB, "
+           f"{c.gpus_per_node} per node",
+           f"parameters: {P / 1e9:,.1f} B (eq. 2); 01's GPT-2 has exactly {params_exact(m):,}",
+           f"layout ({'given' if layout else 'best-ranked'}): tp={L.tp} pp={L.pp} dp={L.dp} "
+           f"v={L.v} b={L.b} B={batch} -> m={L.m} microbatches per pipeline",
+           f"  recompute={L.recompute} sequence_parallel={L.sequence_parallel} zero1={L.zero1} "
+           f"scatter_gather={L.scatter_gather}"]
+    out += [f"  CANNOT RUN: {'; '.join(problems)}"] if problems else []
+    out += ["memory on the fullest GPU (the first stage):",
+            f"  parameters  {mem['params'] / 1e9:9.2f} B    l/pp layers + embeddings, / tp",
+            f"  weights     {gb(mem['weights'])}   bf16, 2 B/param",
+            f"  gradients   {gb(mem['gradients'])}   fp32, 4 B/param",
+            f"  optimizer   {gb(mem['optimizer'])}   fp32 master + 2 Adam moments, 12 B/param"
+            + (" / dp (ZeRO-1)" if L.zero1 else ""),
+            f"  activations {gb(mem['activations'])}   Korthikanti Table 2: "
+            f"{activation_bytes_per_layer(m, L) / 1e6:,.1f} MB/layer"
+            f" x {layers_in_flight(m, L):g} held",
+            f"  total       {gb(mem['total'])}   of {c.gpu_mem_gb:g} GB",
+            f"FLOPs per iteration (eq. 3): "
+            f"{_si(flops_per_iteration(m, batch, L.recompute), 'FLOP')}",
+            f"pipeline bubble (pp-1)/(v m) = {L.pp - 1}/{L.v * L.m} = "
+            f"{bubble_fraction(L.pp, L.m, L.v):.1%}",
+            "communication sent per GPU per iteration:",
+            f"  tp all-reduce {gb(comm['tp'])}   "
+            f"{6 if L.recompute else 4} per layer and microbatch",
+            f"  pp p2p        {gb(comm['pp'])}   act + grad per microbatch per chunk"
+            + (" / tp" if L.scatter_gather or L.sequence_parallel else ""),
+            f"  dp gradients  {gb(comm['dp'])}   " + ("reduce-scatter fp32 + all-gather bf16"
+                                                    if L.zero1 else "all-reduce fp32"),
+            f"estimated iteration: {est['total']:.2f} s = compute {est['compute']:.2f} + bubble "
+            f"{est['bubble']:.2f} + tp {est['tp']:.2f} + pp {est['pp']:.2f} + exposed dp "
+            f"{est['dp']:.2f} -> {est['tflops']:.0f} TFLOP/s per GPU"]
+    rates = [("estimated", est["tflops"]), ("Table 1's", row and row.tflops), ("given", tflops)]
+    out.append(f"training time for {tokens / 1e9:g}B tokens (eq. 4): " + ", ".join(
+        f"{training_days(tokens, P, n_gpus, x, L.recompute):.1f} days at {how} {x:.0f} TFLOP/s"
+        for how, x in rates if x))
+    out += [f"best {min(top, len(ranked))} of {len(ranked)} runnable layouts (tp <= "
+            f"{c.gpus_per_node}, fitting in memory), by estimated throughput:",
+            f"  {THROUGHPUT_MODEL};",
+            f"  eff={c.efficiency:g} of {c.peak_tflops:g} TFLOP/s, NVLink {c.nvlink_gbs:g} GB/s "
+            f"and InfiniBand {c.ib_gbs:g} GB/s per GPU",
+            "     tp    pp    dp      m  bubble       memory   iteration  TFLOP/s"]
+    out += [f"  {r.tp:5d} {r.pp:5d} {r.dp:5d} {r.m:6d} {bubble_fraction(r.pp, r.m, r.v):7.1%} "
+            f"{gb(memory_per_gpu(m, r)['total'])} {e['total']:9.2f} s {e['tflops']:8.0f}"
+            for r, e in ranked[:top]]
+    return "\n".join(out)
+
+
+def add_plan_args(parser):
+    """--plan NAME|custom, --gpus N and --plan-* options; model flags the parser has (05's
+    --n-layer etc. from GPTConfig) are reused for `custom`, not added twice."""
+    g = parser.add_argument_group("planner: --plan prints estimates and exits, allocating nothing")
+    g.add_argument("--plan", metavar="NAME", help=f"{', '.join(PAPER_CONFIGS)}, 1T or custom")
+    g.add_argument("--gpus", type=int, default=None, help="n (default: Table 1's)")
+    for flag in ("--n-layer", "--n-embd", "--n-head", "--vocab-size", "--seq-len"):
+        if flag not in parser._option_string_actions:
+            g.add_argument(flag, type=int, default=None)
+    g.add_argument("--plan-layout", metavar="TP,PP,DP", help="default: the best-ranked")
+    g.add_argument("--plan-batch", type=int, help="global batch B (default: Table 1's)")
+    g.add_argument("--plan-micro-batch", type=int, default=1, help="b")
+    g.add_argument("--plan-v", type=int, default=1, help="virtual stages per pipeline rank")
+    for name in ("recompute", "sequence-parallel", "zero1", "scatter-gather"):
+        g.add_argument(f"--plan-{name}", default=name in ("recompute", "scatter-gather"),
+                       action=argparse.BooleanOptionalAction)
+    g.add_argument("--plan-tokens", type=float, default=300e9, help="token budget T for eq. 4")
+    g.add_argument("--plan-tflops", type=float, help="also give the time at this X per GPU")
+    g.add_argument("--plan-gpu-mem", type=float, default=80.0, help="GB per GPU")
+
+
+def plan_from_args(args):
+    """plan_report for the options of add_plan_args (custom: seq_len, else block_size)."""
+    spec = args.plan
+    if spec == "custom":
+        spec = ModelSpec(args.n_layer, args.n_embd, args.n_head, args.vocab_size,
+                         getattr(args, "seq_len", None) or args.block_size)
+    n = args.gpus or (paper_row(spec).n_gpus if isinstance(spec, str) else None)
+    if not n:
+        raise ValueError("--plan custom needs --gpus")
+    layout = tuple(int(k) for k in args.plan_layout.split(",")) if args.plan_layout else None
+    return plan_report(spec, n, layout, args.plan_batch, args.plan_tokens, args.plan_tflops,
+                       Cluster(gpu_mem_gb=args.plan_gpu_mem), b=args.plan_micro_batch,
+                       v=args.plan_v, recompute=args.plan_recompute, zero1=args.plan_zero1,
+                       sequence_parallel=args.plan_sequence_parallel,
+                       scatter_gather=args.plan_scatter_gather)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer
+
+
+Run = namedtuple("Run", "env cfg tc groups chunks ddp opt schedule act_shape wire dtype")
+
+
+def resolve_dtype(tc, device):
+    if tc.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, tc.dtype)
+
+
+def build(env, cfg, tc, groups):
+    """This rank's chunks (TP inside, loaded from the full weights), its DDP and optimizer."""
+    pp_rank = dist.get_rank(groups["pp"])
+    dtype = resolve_dtype(tc, env.device)
+    torch.manual_seed(tc.seed + 100 * pp_rank)  # dropout: alike across tp and dp, not across stages
+    # Megatron's CPU initialisation: the full model from the seed, then this rank's part of it.
+    full = tp.init_state_dict(cfg, tc.seed, dtype=dtype)
+    chunks = pipe.build_chunks(cfg, tc.pp, pp_rank, tc.virtual_stages, groups["tp"],
+                               sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
+                               init=False, dtype=dtype, device=env.device)
+    for c in chunks:
+        c.load_full_state_dict(full)
+        if tc.recompute:
+            recompute_layers(c)
+    params = [p for c in chunks for p in c.parameters()]
+    # Gradients are reduced in fp32 when the weights are bf16; the optimizer keeps fp32 masters.
+    grad_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    ddp = ddp_mod.BucketedDDP(params, groups["dp"], tc.bucket_numel, zero=tc.zero1, grad_dtype=grad_dtype)
+    opt = ddp_mod.DistributedAdamW(ddp, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
+                                   no_decay=no_decay(params))
+    schedule = inter.interleaved(tc.pp, tc.microbatches, pp_rank, tc.virtual_stages)
+    b = tc.batch_size // (tc.dp * tc.microbatches)
+    act_shape = (b, tc.seq_len // (tc.tp if tc.sequence_parallel else 1), cfg.n_embd)
+    sg = tc.scatter_gather and tc.tp > 1 and not tc.sequence_parallel  # with sp it is split already
+    wire = ScatterGather(act_shape, groups["tp"]) if sg else None
+    return Run(env, cfg, tc, groups, chunks, ddp, opt, schedule, act_shape, wire, dtype)
+
+
+def shared_loss(loss, run):
+    """The batch's mean loss on every rank: from the last stage along the pipeline, then the mean
+    over the replicas (each saw an equal share of the tokens)."""
+    t = torch.zeros((), dtype=torch.float64, device=run.env.device)
+    if loss is not None and dist.get_rank(run.groups["tp"]) == 0:
+        t += loss.double()
+    for kind in ("tp", "pp", "dp"):
+        dist.all_reduce(t, group=run.groups[kind])
+    return float(t) / run.tc.dp
+
+
+def train_step(run, idx, targets, lr):
+    """One iteration: the pipeline over this replica's microbatches, tied-embedding sync, the data-
+    parallel reduction after the flush, clipping, AdamW. Returns (loss, grad norm, StepResult)."""
+    tc, groups = run.tc, run.groups
+    micro = pipe.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
+    run.ddp.sync = False  # reduce after the pipeline flush, not during its backwards
+    res = pipe.execute(run.schedule, run.chunks, groups["pp"], micro, run.act_shape, wire=run.wire)
+    pipe.sync_tied_embeddings(run.chunks, groups["embed"], grad_of=run.ddp.main_grad)
+    run.ddp.finish()
+    norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
+    for g in run.opt.optimizer.param_groups:
+        g["lr"] = lr
+    run.opt.step()
+    run.ddp.zero_grad()
+    return shared_loss(res.loss, run), norm, res
+
+
+def evaluate(run, tokens):
+    """The mean loss over eval_batches held-out batches, forward only."""
+    forwards = [pipe.Action("F", a.mb, a.chunk) for a in run.schedule if a.kind == "F"]
+    dp_rank = dist.get_rank(run.groups["dp"])
+    losses = []
+    for c in run.chunks:
+        c.eval()
+    with torch.no_grad():
+        for i in range(run.tc.eval_batches):
+            idx, targets = replica_batch(tokens, i, run.tc, dp_rank, salt=1)
+            micro = pipe.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
+            res = pipe.execute(forwards, run.chunks, run.groups["pp"], micro, run.act_shape, wire=run.wire)
+            losses.append(shared_loss(res.loss, run))
+    for c in run.chunks:
+        c.train()
+    return sum(losses) / len(losses)
+
+
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+def train(env, cfg, tc, quiet=False):
+    """Train on this rank; returns the per-step losses and gradient norms and the final figures."""
+    check_config(cfg, tc, env.world_size)  # everything is refused before the first collective
+    train_tokens, eval_tokens = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
+    groups = ddp_mod.new_groups(env, ddp_mod.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp), tc.timeout_s)
+    run = build(env, cfg, tc, groups)
+    dp_rank = dist.get_rank(groups["dp"])
+    say = print if env.rank == 0 and not quiet else (lambda *a, **k: None)
+    spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
+    flops = flops_per_iteration(spec, tc.batch_size, tc.recompute)
+    summary(run, spec, flops, say)
+    name = env.device.type == "cuda" and torch.cuda.get_device_name(env.device)
+    peak = next((f for k, f in PEAK_BF16_FLOPS.items() if name and k in name), None)
+    metrics = open(tc.metrics, "w") if tc.metrics and env.rank == 0 else None
+    losses, norms, evals = [], [], []
+    t_start, tokens_per_step = time.perf_counter(), tc.batch_size * tc.seq_len
+    bar = tqdm(range(tc.steps), disable=env.rank != 0 or quiet, desc="train", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        lr = lr_at(step, tc)
+        loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dp_rank), lr)
+        if not math.isfinite(loss):  # the same value on every rank: they all stop here together
+            raise FloatingPointError(f"the loss is {loss} at step {step}; stopping instead of training on")
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        norms.append(norm)
+        record = dict(step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tokens_per_step / dt, time_s=dt)
+        shown = dict(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        if peak and run.dtype == torch.bfloat16:
+            shown["mfu"] = f"{flops / dt / (env.world_size * peak):.1%}"
+        if tc.eval_every and ((step + 1) % tc.eval_every == 0 or step == tc.steps - 1):
+            record["eval_loss"] = evaluate(run, eval_tokens)
+            evals.append((step, record["eval_loss"]))
+            shown["eval"] = f"{record['eval_loss']:.3f}"
+        bar.set_postfix(shown)
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+    wall = time.perf_counter() - t_start
+    if metrics:
+        metrics.close()
+    per_msg = res.bytes_sent / max(res.messages, 1)
+    b = tc.batch_size // (tc.dp * tc.microbatches)
+    say(f"\ndone: {tc.steps} steps in {wall:.1f} s ({tc.steps * tokens_per_step / wall:,.0f} tokens/s); "
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" + (f"; eval loss {evals[-1][1]:.3f}" if evals else ""))
+    say(f"p2p per message (rank 0): {per_msg:,.0f} bytes = {per_msg / torch.empty((), dtype=run.dtype).element_size():,.0f}"
+        f" elements; b*T*C = {b * tc.seq_len * cfg.n_embd:,} elements, /tp = "
+        f"{b * tc.seq_len * cfg.n_embd // tc.tp:,} ({'scatter/gather on' if run.wire else 'scatter/gather off'}"
+        f"{', sequence parallel' if tc.sequence_parallel else ''})")
+    say(f"peak stored activation bytes on rank 0 (last step): {res.peak_activation_bytes:,}")
+    return dict(losses=losses, norms=norms, evals=evals, bytes_per_message=per_msg,
+                peak_activation_bytes=res.peak_activation_bytes)
+
+
+def summary(run, spec, flops, say):
+    """The start-up summary (rank 0): config, layout, parameters, memory, FLOPs, bubble."""
+    cfg, tc, env = run.cfg, run.tc, run.env
+    local = sum(p.numel() for c in run.chunks for p in c.parameters())
+    per_rank = [None] * env.world_size
+    dist.all_gather_object(per_rank, local)
+    elt = torch.empty((), dtype=run.dtype).element_size()
+    grad_elt = run.ddp.grad_buffer.element_size()
+    owned = sum(m.numel() for _, _, m, _ in run.opt.pieces)
+    masters = sum(m.numel() for _, piece, m, _ in run.opt.pieces if m is not piece)
+    L = Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=run.act_shape[0], v=tc.virtual_stages,
+               recompute=tc.recompute, sequence_parallel=tc.sequence_parallel)
+    # Korthikanti's activation bytes assume 2-byte (bf16) activations: rescale to ours.
+    act = activation_bytes_per_layer(spec, L) * layers_in_flight(spec, L) * elt / 2
+    sim = pipe.simulate([inter.interleaved(tc.pp, tc.microbatches, s, tc.virtual_stages)
+                         for s in range(tc.pp)], tc.pp)
+    say(f"{cfg}\n{tc}")
+    say(f"layout: world {env.world_size} = tp {tc.tp} x pp {tc.pp} x dp {tc.dp}, v={tc.virtual_stages} "
+        f"({'interleaved 1F1B' if tc.virtual_stages > 1 else '1F1B'}), b={run.act_shape[0]}, "
+        f"m={tc.microbatches}; {run.dtype} on {env.device.type} ({dist.get_backend()}); "
+        f"{'ZeRO-1' if tc.zero1 else 'data parallel'}, scatter/gather {'on' if run.wire else 'off'}, "
+        f"sequence parallel {'on' if tc.sequence_parallel else 'off'}, recompute {'on' if tc.recompute else 'off'}")
+    say(f"parameters: {params_exact(spec):,} in the model; per rank {per_rank}")
+    opt_bytes = 2 * owned * max(elt, 4) + masters * 4  # two AdamW moments, plus fp32 masters
+    say(f"memory on rank 0 (estimate): weights {local * elt / 2**20:.2f} MiB, gradients "
+        f"{local * grad_elt / 2**20:.2f} MiB, optimizer {opt_bytes / 2**20:.2f} MiB, activations "
+        f"{act / 2**20:.2f} MiB (Korthikanti Table 2)")
+    say(f"FLOPs per iteration (eq. 3): {flops:.3e}; pipeline bubble (pp-1)/(v m) = "
+        f"{sim.bubble} (simulated, t_b = 2 t_f)")
+
+
+def serial_train(cfg, tc):
+    """The reference: the same data, schedule and optimizer on one serial GPT-2 in tc.dtype."""
+    dtype = getattr(torch, tc.dtype)
+    train_tokens, _ = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
+    model = tp.GPT(cfg, None, seed=tc.seed, dtype=dtype)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": no_decay(params), "weight_decay": 0.0}],
+                            lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    losses, norms = [], []
+    for step in range(tc.steps):
+        idx, targets = global_batch(train_tokens, step, tc)
+        loss = model(idx, targets)[1]
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, norms=norms)
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--print-layout", action="store_true", help="print the rank grid and exit")
+    tp.add_dataclass_args(parser, TrainConfig)
+    tp.add_dataclass_args(parser, tp.GPTConfig, **MODEL_DEFAULTS)
+    add_plan_args(parser)
+    args = parser.parse_args()
+    if args.plan:
+        print(plan_from_args(args))
+        return True
+    tc, cfg = tp.from_args(TrainConfig, args), tp.from_args(tp.GPTConfig, args)
+    if args.print_layout:
+        print_layout(tc)
+        return True
+    world = int(os.environ.get("WORLD_SIZE", tc.tp * tc.pp * tc.dp))
+    check_config(cfg, tc, world)  # also checked on every rank; here it fails before any fork
+    load_tokens(tc.data, cfg.vocab_size, tc.seq_len)
+    return bool(tp.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s))
+
+
+if __name__ == "__main__":
+    tp.run_main(main)

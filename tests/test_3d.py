@@ -1,0 +1,179 @@
+"""05_3d_gpt: every layout trains exactly like the serial model, and bad input stops cleanly.
+
+Tolerance: float64, max|a - b| / max|b| <= 1e-10 on the loss and the gradient-norm trajectories
+over 10 AdamW steps with warmup, cosine decay and active clipping. Layouts only reorder additions
+(a few ulps); AdamW and the clipping coefficient propagate them, staying far below 1e-10 here. A
+norm that counts replicated weights tp times or the tied embedding twice is off by O(1).
+"""
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import ROOT, load
+
+tp = load("01_tensor_parallel")
+gpt3d = load("05_3d_gpt")
+TOL = 1e-10
+CFG = tp.GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=2, n_embd=16)
+BASE = gpt3d.TrainConfig(tp=1, pp=1, dp=1, batch_size=8, microbatches=2, seq_len=16, steps=10, lr=1e-2,
+                         min_lr=1e-3, warmup_steps=3, grad_clip=0.5, dtype="float64", eval_every=0,
+                         bucket_numel=500, timeout_s=30)
+
+
+def layout(tp_, pp, dp, v=1, **kw):
+    m = 4 if v > 1 and pp == 4 else 2  # interleaving needs m divisible by pp
+    return replace(BASE, tp=tp_, pp=pp, dp=dp, virtual_stages=v, microbatches=m, **kw)
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return gpt3d.serial_train(CFG, BASE)
+
+
+def _train_all(env, tcs):
+    return [gpt3d.train(env, CFG, tc, quiet=True) for tc in tcs]
+
+
+LAUNCHES = {  # grouped by world size: one launch runs several trainings in turn
+    "world 1": [layout(1, 1, 1)],
+    "world 2": [layout(2, 1, 1), layout(1, 2, 1), layout(1, 1, 2)],
+    "world 4": [layout(2, 2, 1, 2), layout(2, 2, 1, 2, scatter_gather=False), layout(1, 4, 1, 2)],
+    "world 8": [layout(2, 2, 2), layout(2, 2, 2, scatter_gather=False), layout(2, 2, 2, zero1=True),
+                layout(2, 2, 2, sequence_parallel=True), layout(2, 2, 2, recompute=True)],
+}
+
+
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks, serial, name):
+    tcs = LAUNCHES[name]
+    world = tcs[0].tp * tcs[0].pp * tcs[0].dp
+    assert max(serial["norms"]) > BASE.grad_clip  # clipping is active, so the norm matters
+    for tc, out in zip(tcs, run_ranks(_train_all, world, tcs)[0]):
+        what = f"tp={tc.tp} pp={tc.pp} dp={tc.dp} v={tc.virtual_stages} zero1={tc.zero1} " \
+               f"sp={tc.sequence_parallel} recompute={tc.recompute} sg={tc.scatter_gather}"
+        for key in ("losses", "norms"):
+            got, want = torch.tensor(out[key]), torch.tensor(serial[key])
+            assert tp.max_rel_diff(got, want) <= TOL, (what, key, got - want)
+        # The p2p message between stages: b*T*C float64 elements, 1/tp of it with scatter/gather.
+        if tc.pp > 1:
+            b = tc.batch_size // (tc.dp * tc.microbatches)
+            split = tc.tp if (tc.scatter_gather or tc.sequence_parallel) else 1
+            assert out["bytes_per_message"] == b * tc.seq_len * CFG.n_embd * 8 / split, what
+
+
+def _dropout_recompute(env):
+    cfg = replace(CFG, dropout=0.2, n_layer=2)
+    tcs = [replace(BASE, tp=2, steps=3, recompute=r) for r in (False, True)]
+    return [gpt3d.train(env, cfg, tc, quiet=True)["losses"] for tc in tcs]
+
+
+def test_recomputation_replays_the_dropout_masks_inside_and_outside_tp_regions(run_ranks):
+    plain, recomputed = run_ranks(_dropout_recompute, 2)[0]
+    assert tp.max_rel_diff(torch.tensor(recomputed), torch.tensor(plain)) <= TOL
+
+
+def test_each_replica_reads_a_disjoint_slice_and_together_they_read_the_global_batch():
+    tokens = torch.arange(5000) % 256
+    tc = replace(BASE, dp=4, batch_size=16)
+    idx, targets = gpt3d.global_batch(tokens, 7, tc)
+    parts = [gpt3d.replica_batch(tokens, 7, tc, r) for r in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), idx)
+    assert torch.equal(torch.cat([p[1] for p in parts]), targets)
+    assert torch.equal(targets[:, :-1], idx[:, 1:])  # next-token targets
+
+
+@pytest.mark.parametrize("world,tp_,pp,dp", [(8, 2, 2, 2), (16, 2, 4, 2), (12, 3, 2, 2), (6, 1, 3, 2)])
+def test_the_grid_puts_every_rank_in_one_group_of_each_kind(world, tp_, pp, dp):
+    grid = load("04_data_parallel").rank_grid(world, tp_, dp, pp)
+    for kind, size in (("tp", tp_), ("dp", dp), ("pp", pp)):
+        assert all(len(g) == size for g in grid[kind])
+        assert sorted(r for g in grid[kind] for r in g) == list(range(world))
+    assert grid["tp"][0] == list(range(tp_))  # adjacent ranks
+    assert grid["pp"][0] == [k * tp_ * dp for k in range(pp)]
+    assert all(e == [g[0], g[-1]] for e, g in zip(grid["embed"], grid["pp"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line: the main job, --print-layout, --plan, and bad input.
+
+
+def run(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "05_3d_gpt.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_the_main_job_trains_8_ranks_shows_progress_and_summaries(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = run("--steps", "20", "--eval-every", "10", "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 8 = tp 2 x pp 2 x dp 2" in proc.stdout and "FLOPs per iteration (eq. 3)" in proc.stdout
+    assert "train: 100%" in proc.stderr  # the progress bar
+    lines = [__import__("json").loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(20))
+    assert lines[-1]["loss"] < lines[0]["loss"] - 1.0  # it learns the built-in corpus
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "time_s"} <= set(lines[0])
+
+
+def test_print_layout_and_plan_start_nothing():
+    proc = run("--print-layout", "--tp", "8", "--pp", "4", "--dp", "2", timeout=30)
+    assert proc.returncode == 0 and "pp groups: [[0, 16, 32, 48]" in proc.stdout
+    proc = run("--plan", "1T", "--gpus", "3072", "--plan-tokens", "450e9", timeout=30)
+    assert proc.returncode == 0 and "tp=8 pp=64 dp=6" in proc.stdout and "days" in proc.stdout
+
+
+def _write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+BAD = {
+    "world != tp pp dp": (["--tp", "2", "--pp", "2", "--dp", "2"], {"WORLD_SIZE": "4"},
+                          "world size 4 does not match tp=2 x dp=2 x pp=2"),
+    "n_layer not divisible by pp v": (["--n-layer", "6", "--pp", "2", "--virtual-stages", "2"], {},
+                                      "n_layer=6 is not divisible by 4 pipeline stages"),
+    "batch not divisible by dp m": (["--batch-size", "12"], {}, "batch of 12 sequences is not divisible by dp x m = 2 x 4"),
+    "missing data file": (["--data", "/nonexistent/x.txt"], {}, "cannot read the data file"),
+    "empty data file": (["--data", "EMPTY"], {}, "is empty"),
+    "bin shorter than a sequence": (["--data", "SHORT"], {}, "fewer than one sequence of seq_len + 1 = 65"),
+    "token ids >= vocab_size": (["--data", "BIG"], {}, "token id 1000 >= vocab_size=256"),
+    "a bad value": (["--tp", "0"], {}, "--tp must be at least 1, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_input_stops_with_a_clear_message_and_no_hang(case, tmp_path):
+    args, env, message = BAD[case]
+    files = {"EMPTY": _write(tmp_path, "e.txt", b""),
+             "SHORT": _write(tmp_path, "s.bin", torch.arange(10, dtype=torch.int16).numpy().tobytes()),
+             "BIG": _write(tmp_path, "b.bin", (torch.arange(200, dtype=torch.int16) * 0 + 1000).numpy().tobytes())}
+    proc = run(*[files.get(a, a) for a in args], env=env, timeout=60)
+    assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_unknown_flag_is_refused():
+    proc = run("--no-such-flag", timeout=30)
+    assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr
+
+
+def _nan_at_step_3(env):
+    real, calls = gpt3d.pipe.execute, [0]
+
+    def poisoned(*args, **kwargs):
+        res = real(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 4 and res.loss is not None:
+            res.loss = res.loss * float("nan")
+        return res
+
+    gpt3d.pipe.execute = poisoned  # this forked rank's copy of the module only
+    gpt3d.train(env, CFG, replace(BASE, pp=2, microbatches=2), quiet=True)
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step(run_ranks):
+    with pytest.raises(tp.RankFailure, match="the loss is nan at step 3"):
+        run_ranks(_nan_at_step_3, 2)
