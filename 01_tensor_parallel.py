@@ -230,7 +230,8 @@ COMM_LOG = None  # a list while trace_comm() is active, else None
 
 @contextmanager
 def trace_comm():
-    """Record every collective as (phase, op, tag, shape, bytes) while the block runs."""
+    """Record every collective as (op, tag, shape, bytes) while the block runs; the tag names the
+    layer and whether it ran in forward or backward."""
     global COMM_LOG
     COMM_LOG = []
     try:

@@ -4,7 +4,7 @@ What this file adds on top of 01: the GPT-2 is cut into pp stages of contiguous 
 holds the embeddings, the last ln_f, the tied output layer and the loss). A schedule is a pure
 function (pp, m, stage) -> that stage's ordered list of actions, "F3" = forward of microbatch 3,
 "B3" = its backward. Everything else only reads those lists:
-  - comm_plan() derives the point-to-point messages around each action;
+  - rank_plan() derives the point-to-point messages around each action, batched per boundary;
   - validate() proves every microbatch runs once each way, backward after forward, and that the
     messages can be matched without deadlock even if every send waits for its receive;
   - simulate() replays the lists with per-action times: step time, idle time, bubble, peak
@@ -345,7 +345,7 @@ def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
 
 
 # ----------------------------------------------------------------------------------------------
-# The executor: runs exactly one rank's list, with the messages comm_plan derives from it.
+# The executor: runs exactly one rank's list, with the messages rank_plan derives from it.
 
 
 @dataclass
