@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 import traceback
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -517,10 +518,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_logits, local, mine, valid, n_valid = ctx.saved_tensors  # softmax - onehot, per row
-        rows = torch.arange(len(local), device=local.device)
-        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
-        grad_logits *= (valid.to(grad_logits.dtype) * grad / n_valid)[:, None]
+        softmax, local, mine, valid, n_valid = ctx.saved_tensors
+        grad_logits = softmax * (valid.to(softmax.dtype) * grad / n_valid)[:, None]  # a new tensor:
+        rows = torch.arange(len(local), device=local.device)  # the graph can run backward again
+        grad_logits[rows, local] -= mine.to(softmax.dtype) * (grad / n_valid) * valid  # - onehot
         return grad_logits, None, None, None, None, None
 
 
@@ -565,9 +566,9 @@ class ParallelAttention(nn.Module):
         qkv = self.c_attn(x)  # (B, T, 3 C/tp)
         # nh is this rank's head count, read off the shape: C/tp = (nh/tp) * hs.
         q, k, v = rearrange(qkv, "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
-        with self.rng.fork():  # each rank holds other heads, so its attention dropout must differ
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.p if self.training else 0.0)
+        p = self.p if self.training else 0.0
+        with self.rng.fork() if p else contextlib.nullcontext():  # each rank holds other heads,
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # so other masks
         return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
 
 
@@ -633,7 +634,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length T={T} exceeds block_size={self.cfg.block_size}")
         if self.sp and T % tp:
             raise ValueError(f"sequence parallelism needs T={T} divisible by tp={tp}")
-        lo, hi = int(idx.min()), int(idx.max())
+        lo, hi = torch.aminmax(idx)
+        lo, hi = int(lo), int(hi)  # (on a GPU, reading them back waits for the device)
         if lo < 0 or hi >= V:
             raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
 
