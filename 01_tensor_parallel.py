@@ -682,6 +682,25 @@ class GPT(nn.Module):
         return gather_from_tp(logits, self.group, "gather logits")[..., : self.cfg.vocab_size]
 
 
+def split_full(t, p, tp, rank):
+    """This tp rank's shard, shaped like p, of the full tensor t (p's split metadata decides)."""
+    if not hasattr(p, "tp_dim"):
+        return t
+    t = t.movedim(p.tp_dim, 0)
+    pad = p.shape[p.tp_dim] * tp - t.shape[0]  # padded vocabulary rows start as zeros
+    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return rearrange(t, "(f tp c) ... -> tp (f c) ...", f=p.tp_fused, tp=tp)[rank].movedim(0, p.tp_dim)
+
+
+def join_shards(shards, p):
+    """The inverse of split_full: the full tensor from every tp rank's shard, in rank order."""
+    if not hasattr(p, "tp_dim"):
+        return shards[0]
+    t = torch.cat([s.movedim(p.tp_dim, 0) for s in shards])
+    t = rearrange(t, "(tp f c) ... -> (f tp c) ...", tp=len(shards), f=p.tp_fused)
+    return t[: p.tp_full].movedim(0, p.tp_dim)
+
+
 def load_full_state_dict(module, full, group):
     """Master weight, then split: copy this rank's shard of every full (serial) tensor."""
     tp, rank = tp_size(group), tp_rank(group)
@@ -691,13 +710,7 @@ def load_full_state_dict(module, full, group):
                        f"unexpected {sorted(set(full) - set(params))}")
     with torch.no_grad():
         for name, p in params.items():
-            t = full[name]
-            if hasattr(p, "tp_dim"):
-                t = t.movedim(p.tp_dim, 0)
-                pad = p.shape[p.tp_dim] * tp - t.shape[0]  # padded vocabulary rows start as zeros
-                t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-                t = rearrange(t, "(f tp c) ... -> tp (f c) ...", f=p.tp_fused, tp=tp)[rank]
-                t = t.movedim(0, p.tp_dim)
+            t = split_full(full[name], p, tp, rank)
             if t.shape != p.shape:
                 raise ValueError(f"{name}: full shape {tuple(full[name].shape)} does not fit shard {tuple(p.shape)}")
             p.copy_(t)
@@ -709,12 +722,8 @@ def gather_full(module, group, grads=False):
     for name, p in module.named_parameters():
         t = (p.grad if grads else p).detach()
         if hasattr(p, "tp_dim") and tp_size(group) > 1:
-            g = _all_gather(t.movedim(p.tp_dim, 0), group, 0, "gather " + name)
-            t = rearrange(g, "(tp f c) ... -> (f tp c) ...", tp=tp_size(group), f=p.tp_fused)
-            t = t[: p.tp_full].movedim(0, p.tp_dim)
-        elif hasattr(p, "tp_dim"):
-            t = t.movedim(p.tp_dim, 0)[: p.tp_full].movedim(0, p.tp_dim)
-        out[name] = t.clone()
+            t = _all_gather(t.movedim(p.tp_dim, 0), group, 0, "gather " + name).movedim(0, p.tp_dim)
+        out[name] = join_shards(list(t.chunk(tp_size(group), p.tp_dim)) if hasattr(p, "tp_dim") else [t], p).clone()
     return out
 
 
