@@ -23,6 +23,7 @@ and a final summary. --metrics FILE writes one JSON line per step.
 """
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -72,6 +73,11 @@ class TrainConfig:
     metrics: str = ""  # write one JSON line per step here
     seed: int = 1337
     timeout_s: float = 120.0  # every collective's timeout
+    save: str = ""  # write checkpoints under this directory
+    save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
+    keep: int = 2  # checkpoints kept, the newest
+    resume: str = ""  # continue from the newest complete checkpoint here (any layout)
+    init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
 
 
 MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
@@ -102,6 +108,9 @@ def check_config(cfg, tc, world):
         raise ValueError(f"seq_len={tc.seq_len} exceeds block_size={cfg.block_size}")
     if tc.sequence_parallel and tc.seq_len % tc.tp:
         raise ValueError(f"sequence parallelism needs seq_len={tc.seq_len} divisible by tp={tc.tp}")
+    if tc.save_every < 0 or tc.keep < 1 or (tc.save_every and not tc.save):
+        raise ValueError(f"need --save-every >= 0 (with --save) and --keep >= 1; got "
+                         f"save_every={tc.save_every}, keep={tc.keep}, save={tc.save!r}")
     if tc.dtype not in ("auto", "float32", "float64", "bfloat16"):
         raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {tc.dtype!r}")
 
@@ -614,6 +623,217 @@ def plan_from_args(args):
 
 
 # ----------------------------------------------------------------------------------------------
+# Checkpoints: every rank writes its own shard, then one rename makes the step visible. Loading
+# rebuilds each full tensor from the shards (01's join_shards) and splits it again for the
+# current layout (01's split_full), so a checkpoint loads under any (tp, pp, dp, v, ZeRO-1).
+
+CKPT = re.compile(r"step_(\d+)$")
+KEPT_FIELDS = ("batch_size", "seq_len")  # a resumed run must cut the data exactly as before
+
+
+def save_checkpoint(run, step, root, keep):
+    """Write step `step` (the number of steps done) under root/step_<step>; keep the newest `keep`."""
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    owner = {id(p): (c, n) for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
+    # Replicas hold the same weights and, without ZeRO-1, the same optimizer state: one copy does.
+    first_replica = dist.get_rank(run.groups["dp"]) == 0
+    pieces = []
+    for p, piece, master, _ in run.opt.pieces if run.tc.zero1 or first_replica else []:
+        c, name = owner[id(p)]
+        start = piece.storage_offset() - run.ddp.offsets[p]
+        state = {k: v.cpu() for k, v in run.opt.optimizer.state.get(master, {}).items()}
+        if master is not piece:
+            state["master"] = master.detach().cpu()
+        pieces.append((c, name, start, start + piece.numel(), state))
+    shard = dict(
+        coords={k: dist.get_rank(run.groups[k]) for k in ("tp", "dp", "pp")},
+        chunks=[{n: p.detach().cpu() for n, p in c.named_parameters()} for c in run.chunks] if first_replica else [],
+        pieces=pieces,
+        rng=dict(cpu=torch.get_rng_state(), tracked=[c.rng.state.cpu() for c in run.chunks],
+                 cuda=torch.cuda.get_rng_state(run.env.device) if run.env.device.type == "cuda" else None))
+    torch.save(shard, os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"))
+    dist.barrier()  # every shard is on disk before the step becomes visible
+    if run.env.rank == 0:
+        tc = run.tc
+        manifest = dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size,
+                        layout=dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1),
+                        train={k: getattr(tc, k) for k in KEPT_FIELDS}, dtype=str(run.dtype))
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(tmp, final)  # atomic: a crash before this line leaves the previous step intact
+        for old in sorted(d for d in os.listdir(root) if CKPT.match(d))[:-keep]:
+            for name in os.listdir(os.path.join(root, old)):
+                os.remove(os.path.join(root, old, name))
+            os.rmdir(os.path.join(root, old))
+    dist.barrier()
+
+
+def latest_checkpoint(root, say=print):
+    """The newest complete checkpoint under root (a step_N directory, or root itself), or None.
+    Interrupted saves (.tmp) are skipped with a message."""
+    if os.path.exists(os.path.join(root, "manifest.json")):
+        return root
+    if not os.path.isdir(root):
+        return None
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".tmp"):
+            say(f"ignoring {os.path.join(root, name)}: an interrupted save, never completed")
+    steps = sorted(d for d in os.listdir(root) if CKPT.match(d))
+    complete = [d for d in steps if os.path.exists(os.path.join(root, d, "manifest.json"))]
+    for d in set(steps) - set(complete):
+        say(f"ignoring {os.path.join(root, d)}: it has no manifest.json")
+    return os.path.join(root, complete[-1]) if complete else None
+
+
+def read_checkpoint(path, cfg=None, tc=None):
+    """(manifest, full parameters, full optimizer state per parameter name) from any layout. With
+    cfg and tc, refuses a checkpoint of another model or another batch, naming what differs."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a checkpoint: no readable manifest.json ({e})") from None
+    if cfg is not None:
+        diff = [f"{k}={v} (this run {getattr(cfg, k)})" for k, v in manifest["model"].items()
+                if getattr(cfg, k) != v]
+        diff += [f"{k}={v} (this run {getattr(tc, k)})" for k, v in manifest["train"].items()
+                 if getattr(tc, k) != v]
+        if diff:
+            raise ValueError(f"the checkpoint {path} was written with " + ", ".join(diff))
+    lay = manifest["layout"]
+    meta = dict(tp.GPT(tp.GPTConfig(**manifest["model"]), device="meta").named_parameters())
+    params, states = {}, {}  # name -> {tp rank: shard}; name -> {tp rank: {key: flat shard}}
+    for r in range(manifest["world"]):
+        file = os.path.join(path, f"rank_{r:05d}.pt")
+        try:
+            shard = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # a truncated zip, a missing file, garbage: all the same to us
+            raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: {e}") from None
+        t = shard["coords"]["tp"]
+        for chunk in shard["chunks"]:
+            for name, value in chunk.items():
+                params.setdefault(name, {})[t] = value
+        for c, name, start, end, state in shard["pieces"]:
+            # Shaped like the parameter's shard on this tp rank, which replica 0 (a lower rank,
+            # read earlier) wrote even when this file is a ZeRO-1 replica's without weights.
+            local = params[name][t]
+            flat = states.setdefault(name, {}).setdefault(t, {})
+            for key, value in state.items():
+                if value.dim() == 0:  # the step counter
+                    flat[key] = value
+                    continue
+                flat.setdefault(key, torch.zeros(local.numel(), dtype=value.dtype))[start:end] = value
+    full = {n: tp.join_shards([shards[t] for t in range(lay["tp"])], meta[n]) for n, shards in params.items()}
+    full_state = {}
+    for name, by_rank in states.items():
+        shape = params[name][0].shape
+        keys = by_rank[0].keys()
+        full_state[name] = {k: by_rank[0][k] if by_rank[0][k].dim() == 0 else tp.join_shards(
+            [by_rank[t][k].view(shape) for t in range(lay["tp"])], meta[name]) for k in keys}
+    return manifest, full, full_state
+
+
+def load_checkpoint(run, path, say=print):
+    """Load path into this run, whatever layout wrote it; returns the number of steps done."""
+    manifest, full, full_state = read_checkpoint(path, run.cfg, run.tc)
+    for c in run.chunks:
+        c.load_full_state_dict(full)
+    tp_n, tp_r = dist.get_world_size(run.groups["tp"]), dist.get_rank(run.groups["tp"])
+    owner = {id(p): n for chunk in run.chunks for n, p in chunk.named_parameters()}
+    for p, piece, master, _ in run.opt.pieces:
+        state = full_state.get(owner[id(p)])
+        if not state:
+            continue  # saved before the first optimizer step
+        start = piece.storage_offset() - run.ddp.offsets[p]
+        mine = {k: v if v.dim() == 0 else tp.split_full(v, p, tp_n, tp_r).reshape(-1)[start:start + piece.numel()]
+                for k, v in state.items()}
+        if "master" in mine:
+            master.data.copy_(mine.pop("master"))
+        elif master is not piece:  # bf16 now, not before: the master starts from the weights
+            master.data.copy_(piece.float())
+        dev = master.device
+        run.opt.optimizer.state[master] = {k: v.to(dev if v.dim() else "cpu").clone() for k, v in mine.items()}
+    lay, here = manifest["layout"], dict(tp=run.tc.tp, pp=run.tc.pp, dp=run.tc.dp, v=run.tc.virtual_stages,
+                                          zero1=run.tc.zero1)
+    if lay == here and manifest["world"] == run.env.world_size:
+        shard = torch.load(os.path.join(path, f"rank_{run.env.rank:05d}.pt"), map_location="cpu", weights_only=True)
+        torch.set_rng_state(shard["rng"]["cpu"])
+        for c, state in zip(run.chunks, shard["rng"]["tracked"]):
+            c.rng.state = state.to(c.rng.state.device)
+        if shard["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(shard["rng"]["cuda"], run.env.device)
+    else:  # another layout: random streams cannot be mapped, so they restart from (seed, step)
+        pp_rank = dist.get_rank(run.groups["pp"])
+        torch.manual_seed(run.tc.seed + 100 * pp_rank + 7919 * manifest["step"])
+        say(f"resharded {path} from {lay} to {here}; dropout streams reseeded from the step")
+    return manifest["step"]
+
+
+# GPT-2 interchange: Hugging Face's GPT2LMHeadModel layout stores the four projection matrices as
+# Conv1D weights, (in, out), the transpose of nn.Linear's; it also carries causal-mask buffers.
+
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def import_gpt2(path):
+    """(GPTConfig, full state dict) from a local GPT-2 directory (config.json with model.safetensors
+    or pytorch_model.bin) or from a plain serial state dict file (.pt) of our own names."""
+    if os.path.isfile(path):
+        full = torch.load(path, map_location="cpu", weights_only=True)
+        cfg = tp.GPTConfig(**full.pop("_config")) if "_config" in full else None
+        return cfg, full
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} has no readable config.json: {e}") from None
+    cfg = tp.GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+                       n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=0.0)
+    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(st):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ValueError(f"{st} needs the safetensors package (pip install safetensors)") from None
+        raw = load_file(st)
+    elif os.path.exists(pt):
+        raw = torch.load(pt, map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{path} holds no weights: neither model.safetensors nor pytorch_model.bin")
+    full = {}
+    for key, value in raw.items():
+        name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue  # causal-mask buffers, and the output layer tied to wte
+        full[name] = value.t().contiguous() if name.endswith(CONV1D) else value
+    want = {n: p.shape for n, p in tp.GPT(cfg, device="meta").named_parameters()}
+    bad = [f"{n}: {tuple(full[n].shape) if n in full else 'missing'} instead of {tuple(s)}"
+           for n, s in want.items() if n not in full or full[n].shape != s]
+    if bad:
+        raise ValueError(f"{path} does not fit its config.json: " + "; ".join(bad[:5]))
+    return cfg, full
+
+
+def export_gpt2(cfg, full, out):
+    """Write a full state dict in GPT2LMHeadModel's layout, with its config.json."""
+    os.makedirs(out, exist_ok=True)  # our names are GPT2LMHeadModel's; only Conv1D is transposed
+    hf = {k: (v.t() if k.endswith(CONV1D) else v).contiguous() for k, v in full.items()}
+    hf["lm_head.weight"] = full["transformer.wte.weight"].clone()
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size,
+                       n_positions=cfg.block_size, n_ctx=cfg.block_size, n_embd=cfg.n_embd,
+                       n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new",
+                       layer_norm_epsilon=1e-5, tie_word_embeddings=True), f, indent=1)
+    try:
+        from safetensors.torch import save_file
+        save_file(hf, os.path.join(out, "model.safetensors"))
+    except ImportError:
+        torch.save(hf, os.path.join(out, "pytorch_model.bin"))
+
+
+# ----------------------------------------------------------------------------------------------
 # The trainer
 
 
@@ -631,8 +851,9 @@ def build(env, cfg, tc, groups):
     pp_rank = dist.get_rank(groups["pp"])
     dtype = resolve_dtype(tc, env.device)
     torch.manual_seed(tc.seed + 100 * pp_rank)  # dropout: alike across tp and dp, not across stages
-    # Megatron's CPU initialisation: the full model from the seed, then this rank's part of it.
-    full = tp.init_state_dict(cfg, tc.seed, dtype=dtype)
+    # Megatron's CPU initialisation: the full model from the seed (or imported GPT-2 weights),
+    # then this rank's part of it.
+    full = import_gpt2(tc.init_from)[1] if tc.init_from else tp.init_state_dict(cfg, tc.seed, dtype=dtype)
     chunks = pipe.build_chunks(cfg, tc.pp, pp_rank, tc.virtual_stages, groups["tp"],
                                sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
                                init=False, dtype=dtype, device=env.device)
@@ -717,9 +938,17 @@ def train(env, cfg, tc, quiet=False):
     name = env.device.type == "cuda" and torch.cuda.get_device_name(env.device)
     peak = next((f for k, f in PEAK_BF16_FLOPS.items() if name and k in name), None)
     metrics = open(tc.metrics, "w") if tc.metrics and env.rank == 0 else None
+    start = 0
+    path = latest_checkpoint(tc.resume, say) if tc.resume else None
+    if path:
+        start = load_checkpoint(run, path, say)
+        say(f"resumed from {path}: {start} steps done")
+    elif tc.resume:
+        say(f"no complete checkpoint in {tc.resume}: starting from step 0")
     losses, norms, evals = [], [], []
     t_start, tokens_per_step = time.perf_counter(), tc.batch_size * tc.seq_len
-    bar = tqdm(range(tc.steps), disable=env.rank != 0 or quiet, desc="train", dynamic_ncols=True)
+    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=env.rank != 0 or quiet,
+               desc="train", dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
         lr = lr_at(step, tc)
@@ -738,22 +967,27 @@ def train(env, cfg, tc, quiet=False):
             evals.append((step, record["eval_loss"]))
             shown["eval"] = f"{record['eval_loss']:.3f}"
         bar.set_postfix(shown)
+        if tc.save and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps):
+            save_checkpoint(run, step + 1, tc.save, tc.keep)
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
     wall = time.perf_counter() - t_start
     if metrics:
         metrics.close()
+    if not losses:
+        say(f"nothing to do: {start} of {tc.steps} steps were already done")
+        return dict(losses=[], norms=[], evals=[], start=start)
     per_msg = res.bytes_sent / max(res.messages, 1)
     b = tc.batch_size // (tc.dp * tc.microbatches)
-    say(f"\ndone: {tc.steps} steps in {wall:.1f} s ({tc.steps * tokens_per_step / wall:,.0f} tokens/s); "
+    say(f"\ndone: {len(losses)} steps in {wall:.1f} s ({len(losses) * tokens_per_step / wall:,.0f} tokens/s); "
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" + (f"; eval loss {evals[-1][1]:.3f}" if evals else ""))
     say(f"p2p per message (rank 0): {per_msg:,.0f} bytes = {per_msg / torch.empty((), dtype=run.dtype).element_size():,.0f}"
         f" elements; b*T*C = {b * tc.seq_len * cfg.n_embd:,} elements, /tp = "
         f"{b * tc.seq_len * cfg.n_embd // tc.tp:,} ({'scatter/gather on' if run.wire else 'scatter/gather off'}"
         f"{', sequence parallel' if tc.sequence_parallel else ''})")
     say(f"peak stored activation bytes on rank 0 (last step): {res.peak_activation_bytes:,}")
-    return dict(losses=losses, norms=norms, evals=evals, bytes_per_message=per_msg,
+    return dict(losses=losses, norms=norms, evals=evals, bytes_per_message=per_msg, start=start,
                 peak_activation_bytes=res.peak_activation_bytes)
 
 
@@ -818,6 +1052,10 @@ def serial_train(cfg, tc):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--print-layout", action="store_true", help="print the rank grid and exit")
+    parser.add_argument("--export-hf", metavar="DIR", help="write --resume's checkpoint as a Hugging "
+                        "Face GPT-2 directory and exit")
+    parser.add_argument("--export-state-dict", metavar="FILE", help="write --resume's checkpoint as a "
+                        "plain serial state dict (.pt) and exit")
     tp.add_dataclass_args(parser, TrainConfig)
     tp.add_dataclass_args(parser, tp.GPTConfig, **MODEL_DEFAULTS)
     add_plan_args(parser)
@@ -829,6 +1067,23 @@ def main():
     if args.print_layout:
         print_layout(tc)
         return True
+    if args.export_hf or args.export_state_dict:  # offline: the shards are read, nothing started
+        path = latest_checkpoint(tc.resume) if tc.resume else None
+        if not path:
+            raise ValueError(f"exporting needs --resume DIR with a complete checkpoint; got {tc.resume!r}")
+        manifest, full, _ = read_checkpoint(path)
+        cfg = tp.GPTConfig(**manifest["model"])
+        if args.export_hf:
+            export_gpt2(cfg, full, args.export_hf)
+        else:
+            torch.save({**full, "_config": dataclasses.asdict(cfg)}, args.export_state_dict)
+        print(f"exported step {manifest['step']} of {path} to {args.export_hf or args.export_state_dict}")
+        return True
+    if tc.init_from:  # the imported weights decide the model's shape
+        imported, _ = import_gpt2(tc.init_from)
+        if imported:
+            cfg = dataclasses.replace(imported, dropout=cfg.dropout)
+            print(f"model from {tc.init_from}: {cfg}")
     world = int(os.environ.get("WORLD_SIZE", tc.tp * tc.pp * tc.dp))
     check_config(cfg, tc, world)  # also checked on every rank; here it fails before any fork
     load_tokens(tc.data, cfg.vocab_size, tc.seq_len)

@@ -1,0 +1,203 @@
+"""05_3d_gpt checkpoints: resume is bit-identical, any layout loads any other, faults lose at most
+the steps since the last save, and GPT-2 weights go in and out unchanged.
+
+Tolerances: resuming in the same layout must be bit-identical (==), in float32 and float64, with
+dropout on: nothing is recomputed differently. Resharding to another layout is held to the serial
+trajectory within 1e-10 (float64), the parity tolerance of test_3d.py.
+"""
+import os
+import signal
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import load
+from test_3d import BASE, CFG, TOL
+
+tp = load("01_tensor_parallel")
+gpt3d = load("05_3d_gpt")
+STEPS = 6
+
+
+def tc_for(tp_, pp, dp, v=1, **kw):
+    return replace(BASE, **{**dict(tp=tp_, pp=pp, dp=dp, virtual_stages=v, steps=STEPS), **kw})
+
+
+def _resume_same_layout(env, layout, root):
+    out = {}
+    for dtype in ("float64", "float32"):
+        cfg = replace(CFG, dropout=0.1)
+        save = os.path.join(root, dtype)
+        whole = gpt3d.train(env, cfg, replace(layout, dtype=dtype, save=save, save_every=3), quiet=True)
+        half = gpt3d.train(env, cfg, replace(layout, dtype=dtype, resume=os.path.join(save, "step_00000003")),
+                           quiet=True)
+        out[dtype] = whole["losses"][3:], half["losses"], half["start"]
+    return out
+
+
+@pytest.mark.parametrize("layout", [tc_for(2, 2, 2), tc_for(1, 2, 1, 2)], ids=["2-2-2-1", "1-2-1-2"])
+def test_resume_in_the_same_layout_is_bit_identical_with_dropout(run_ranks, tmp_path, layout):
+    world = layout.tp * layout.pp * layout.dp
+    for dtype, (whole, resumed, start) in run_ranks(_resume_same_layout, world, layout, str(tmp_path))[0].items():
+        assert start == 3 and resumed == whole, dtype  # exactly equal floats
+
+
+def _reshard(env, before, after, root):
+    gpt3d.train(env, CFG, replace(before, steps=STEPS, save=root, save_every=3), quiet=True)
+    return gpt3d.train(env, CFG, replace(after, resume=os.path.join(root, "step_00000003")), quiet=True)
+
+
+PAIRS = {
+    "tp2-pp2-dp2 to tp1-pp4-dp2": (tc_for(2, 2, 2), tc_for(1, 4, 2)),
+    "tp2-pp2-dp2 ZeRO-1 to v=2 without": (tc_for(2, 2, 2, zero1=True), tc_for(2, 2, 2, 2)),
+    "tp1-pp2-v2 to dp2 ZeRO-1": (tc_for(1, 2, 1, 2), tc_for(1, 1, 2, zero1=True)),
+}
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=list(PAIRS))
+def test_a_checkpoint_loads_in_another_layout_and_the_trajectory_continues(run_ranks, tmp_path, pair):
+    before, after = PAIRS[pair]
+    serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
+    out = run_ranks(_reshard, before.tp * before.pp * before.dp, before, after, str(tmp_path))[0]
+    assert out["start"] == 3
+    assert tp.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults
+
+
+def _crash_in_second_save(env, root):
+    real, calls = torch.save, [0]
+
+    def dying_save(obj, path):
+        calls[0] += 1
+        if env.rank == 1 and calls[0] == 2:  # half a file, then the rank is gone
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04 truncated")
+            os._exit(1)
+        real(obj, path)
+
+    gpt3d.torch.save = dying_save
+    gpt3d.train(env, CFG, tc_for(1, 2, 1, save=root, save_every=3), quiet=True)
+
+
+def _resume(env, tc):
+    return gpt3d.train(env, CFG, tc, quiet=True)
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(run_ranks, tmp_path, capsys):
+    root = str(tmp_path)
+    with pytest.raises(tp.RankFailure, match="rank 1 died"):
+        run_ranks(_crash_in_second_save, 2, root)
+    assert sorted(os.listdir(root)) == ["step_00000003", "step_00000006.tmp"]
+    messages = []
+    assert gpt3d.latest_checkpoint(root, messages.append).endswith("step_00000003")
+    assert "an interrupted save" in messages[0]
+    out = run_ranks(_resume, 2, tc_for(1, 2, 1, resume=root))[0]
+    serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
+    assert out["start"] == 3 and tp.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
+
+
+def _killed_in_step_4(env, root):
+    real = gpt3d.train_step
+
+    def step(run, idx, targets, lr):
+        if env.rank == 3 and len(os.listdir(root)) and lr == gpt3d.lr_at(4, run.tc):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(run, idx, targets, lr)
+
+    gpt3d.train_step = step
+    gpt3d.train(env, CFG, tc_for(2, 2, 1, save=root, save_every=3, timeout_s=20), quiet=True)
+
+
+def test_a_rank_killed_mid_step_stops_everyone_and_resume_loses_only_unsaved_steps(run_ranks, tmp_path):
+    root = str(tmp_path)
+    with pytest.raises(tp.RankFailure, match="rank 3 died with exit code -9"):
+        run_ranks(_killed_in_step_4, 4, root)
+    out = run_ranks(_resume, 4, tc_for(2, 2, 1, resume=root))[0]
+    serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
+    assert out["start"] == 3 and tp.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-2 interchange
+
+
+def test_gpt2_export_then_import_is_bit_identical(tmp_path):
+    full = tp.init_state_dict(CFG, 3, dtype=torch.float32, random_all=True)
+    gpt3d.export_gpt2(CFG, full, str(tmp_path))
+    cfg, back = gpt3d.import_gpt2(str(tmp_path))
+    assert cfg == replace(CFG, dropout=0.0) and back.keys() == full.keys()
+    assert all(torch.equal(back[k], full[k]) for k in full)
+
+
+def _logits(env, full, idx):
+    group = tp.new_tp_group(env, env.world_size)
+    model = tp.GPT(CFG, group, init=False, dtype=torch.float64)
+    model.load_full_state_dict(full)
+    return model.full_logits(model(idx)[0].detach())
+
+
+def test_a_hugging_face_layout_state_dict_runs_the_same_in_any_layout(run_ranks, tmp_path):
+    full = tp.init_state_dict(CFG, 4, dtype=torch.float64, random_all=True)
+    # What GPT2LMHeadModel.state_dict() holds: Conv1D weights (in, out), mask buffers, lm_head.
+    hf = {k: (v.t() if k.endswith(gpt3d.CONV1D) else v) for k, v in full.items()}
+    hf["lm_head.weight"] = full["transformer.wte.weight"]
+    hf.update({f"transformer.h.{i}.attn.bias": torch.ones(1, 1, 16, 16) for i in range(CFG.n_layer)})
+    torch.save(hf, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text('{"vocab_size": 256, "n_positions": 16, "n_layer": 8, '
+                                          '"n_head": 2, "n_embd": 16}')
+    cfg, imported = gpt3d.import_gpt2(str(tmp_path))
+    idx = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = run_ranks(_logits, 2, imported, idx)[0]
+    ref = tp.GPT(CFG, None, init=False, dtype=torch.float64)
+    ref.load_full_state_dict(full)
+    assert tp.max_rel_diff(logits, ref(idx)[0].detach()) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input, each naming what differs
+
+
+def _save_once(env, root, tc=None):
+    gpt3d.train(env, CFG, tc or tc_for(1, 2, 1, steps=3, save=root), quiet=True)
+
+
+@pytest.fixture
+def saved(run_ranks, tmp_path):
+    run_ranks(_save_once, 2, str(tmp_path))
+    return os.path.join(str(tmp_path), "step_00000003")
+
+
+def test_a_checkpoint_of_another_model_or_batch_is_refused_naming_the_difference(saved):
+    with pytest.raises(ValueError, match=r"n_layer=8 \(this run 4\)"):
+        gpt3d.read_checkpoint(saved, replace(CFG, n_layer=4), BASE)
+    with pytest.raises(ValueError, match=r"batch_size=8 \(this run 16\)"):
+        gpt3d.read_checkpoint(saved, CFG, replace(BASE, batch_size=16))
+
+
+def test_a_truncated_shard_or_a_missing_manifest_is_refused(saved):
+    shard = os.path.join(saved, "rank_00001.pt")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(ValueError, match="rank_00001.pt is missing, truncated or corrupt"):
+        gpt3d.read_checkpoint(saved)
+    os.remove(os.path.join(saved, "manifest.json"))
+    with pytest.raises(ValueError, match="no readable manifest.json"):
+        gpt3d.read_checkpoint(saved)
+    messages = []
+    assert gpt3d.latest_checkpoint(os.path.dirname(saved), messages.append) is None
+    assert "has no manifest.json" in messages[0]
+
+
+def test_a_gpt2_directory_without_weights_or_with_wrong_shapes_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 256, "n_positions": 16, "n_layer": 8, '
+                                          '"n_head": 2, "n_embd": 16}')
+    with pytest.raises(ValueError, match="holds no weights"):
+        gpt3d.import_gpt2(str(tmp_path))
+    full = tp.init_state_dict(replace(CFG, n_embd=32), 0)
+    torch.save(full, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"does not fit its config.json: transformer.wte.weight: \(256, 32\) instead of \(256, 16\)"):
+        gpt3d.import_gpt2(str(tmp_path))
