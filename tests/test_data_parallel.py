@@ -174,7 +174,7 @@ def test_the_demo_refuses_a_batch_not_divisible_by_dp_times_m_and_passes_otherwi
     proc = subprocess.run([sys.executable, "04_data_parallel.py", "--batch-size", "12", "--microbatches", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "batch of 12 sequences is not divisible by dp x m = 4 x 2" in proc.stderr
-    proc = subprocess.run([sys.executable, "04_data_parallel.py"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "04_data_parallel.py", "--dp", "2", "--steps", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("PASS") == 4 and "(0.250, 1/dp = 0.250)" in proc.stdout
+    assert proc.stdout.count("PASS") == 4 and "(0.500, 1/dp = 0.500)" in proc.stdout

@@ -107,11 +107,11 @@ def test_a_layer_count_that_does_not_split_into_pp_v_chunks_is_refused():
 
 
 def test_the_demo_passes_and_reports_both_bubbles():
-    proc = subprocess.run([sys.executable, "03_interleaved.py"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "03_interleaved.py", "--pp", "2", "--virtual-stages", "2",
+                           "--microbatches", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "interleaved 3/16 (formula (pp-1)/(v m) = 3/16)" in proc.stdout
-    assert "1F1B 3/8 (formula (pp-1)/m = 3/8)" in proc.stdout and proc.stdout.rstrip().endswith("PASS")
+    assert "interleaved 1/8 (formula (pp-1)/(v m) = 1/8)" in proc.stdout
+    assert "1F1B 1/4 (formula (pp-1)/m = 1/4)" in proc.stdout and proc.stdout.rstrip().endswith("PASS")
     proc = subprocess.run([sys.executable, "03_interleaved.py", "--microbatches", "6"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "m=6 must be divisible by pp=4" in proc.stderr

@@ -216,7 +216,7 @@ def test_bad_pipeline_input_is_refused_on_every_rank(run_ranks, case):
     assert all(message in e for e in run_ranks(_bad, 2, kwargs))
 
 
-@pytest.mark.parametrize("args", [["--pp", "2", "--microbatches", "3"], []], ids=["pp2-m3", "default"])
+@pytest.mark.parametrize("args", [["--pp", "2", "--microbatches", "3"]], ids=["pp2-m3"])
 def test_the_demo_passes_prints_the_timeline_and_the_exact_bubble(args, tmp_path):
     trace = tmp_path / "pipe.json"
     proc = subprocess.run([sys.executable, "02_pipeline_1f1b.py", *args, "--trace", str(trace)],
