@@ -138,6 +138,7 @@ BAD = {
                                       "n_layer=6 is not divisible by 4 pipeline stages"),
     "batch not divisible by dp m": (["--batch-size", "12"], {}, "batch of 12 sequences is not divisible by dp x m = 2 x 4"),
     "missing data file": (["--data", "/nonexistent/x.txt"], {}, "cannot read the data file"),
+    "unreadable data file (a directory)": (["--data", "/"], {}, "cannot read the data file '/'"),
     "empty data file": (["--data", "EMPTY"], {}, "is empty"),
     "bin shorter than a sequence": (["--data", "SHORT"], {}, "fewer than one sequence of seq_len + 1 = 65"),
     "token ids >= vocab_size": (["--data", "BIG"], {}, "token id 1000 >= vocab_size=256"),
