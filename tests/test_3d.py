@@ -178,3 +178,13 @@ def _nan_at_step_3(env):
 def test_a_nan_loss_stops_the_run_naming_the_step(run_ranks):
     with pytest.raises(tp.RankFailure, match="the loss is nan at step 3"):
         run_ranks(_nan_at_step_3, 2)
+
+
+def test_the_forward_only_eval_lists_cannot_deadlock():
+    pipe, inter = load("02_pipeline_1f1b"), load("03_interleaved")
+    for pp in range(1, 9):
+        for v in range(1, 5):
+            for m in range(pp, 33, pp):
+                lists = [[pipe.Action("F", a.mb, a.chunk) for a in inter.interleaved(pp, m, s, v) if a.kind == "F"]
+                         for s in range(pp)]
+                pipe._check_channels_and_progress([pipe.rank_plan(a, r, pp) for r, a in enumerate(lists)], pp)
