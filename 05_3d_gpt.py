@@ -880,9 +880,8 @@ def shared_loss(loss, run):
     over the replicas (each saw an equal share of the tokens)."""
     t = torch.zeros((), dtype=torch.float64, device=run.env.device)
     if loss is not None and dist.get_rank(run.groups["tp"]) == 0:
-        t += loss.double()
-    for kind in ("tp", "pp", "dp"):
-        dist.all_reduce(t, group=run.groups[kind])
+        t += loss.double()  # one rank per replica contributes: one all-reduce over everyone
+    dist.all_reduce(t)
     return float(t) / run.tc.dp
 
 
