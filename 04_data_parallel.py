@@ -117,27 +117,35 @@ class BucketedDDP:
         # Parameters move into a flat buffer of the same layout, so that ZeRO-1 can all-gather
         # whole buckets of them; each parameter becomes a view into it.
         self.param_buffer = torch.zeros(total, dtype=p0.dtype, device=p0.device)
-        self.buckets_of, self.index = {}, {p: i for i, p in enumerate(self.params)}
+        self.buckets_of, self.index, self.views = {}, {p: i for i, p in enumerate(self.params)}, {}
         for p in self.params:
             lo = self.offsets[p]
             self.param_buffer[lo:lo + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.param_buffer[lo:lo + p.numel()].view_as(p)
+            self.views[p] = self.grad_buffer[lo:lo + p.numel()].view_as(p)
             self.buckets_of[p] = [i for i, (a, b) in enumerate(self.buckets) if a < lo + p.numel() and lo < b]
             p.register_post_accumulate_grad_hook(self._on_grad)
+        self.counts = [sum(1 for p in self.params if i in self.buckets_of[p]) for i in range(len(self.buckets))]
         self.sync = True  # False on all but the last microbatch of a step
         self.zero_grad()
 
     def zero_grad(self):
-        self.grad_buffer.zero_()
+        # The buffer is not cleared: each step's first gradient overwrites its slot (see _on_grad).
         for p in self.params:
             p.grad = None
-        self.pending = [sum(1 for p in self.params if i in self.buckets_of[p]) for i in range(len(self.buckets))]
+        self.unwritten, self.pending = set(self.params), list(self.counts)
         self.works, self.events = {}, []  # events: ("ready", param index) / ("launch", bucket), in order
 
     def _on_grad(self, p):
-        # The gradient is accumulated into the flat buffer (in its dtype, e.g. fp32 for bf16
-        # parameters), and the parameter's own .grad is dropped.
-        self.main_grad(p).add_(p.grad)
+        # The gradient goes into the flat buffer (in its dtype, e.g. fp32 for bf16 parameters),
+        # already divided by dp: the reduction then sums to the average, since each replica's
+        # loss is the mean of its own shard. The first write of a step overwrites (DDP's trick:
+        # no clearing pass), later microbatches add. The parameter's own .grad is dropped.
+        if p in self.unwritten:
+            torch.mul(p.grad, 1 / self.dp, out=self.views[p])
+            self.unwritten.discard(p)
+        else:
+            self.views[p].add_(p.grad, alpha=1 / self.dp)
         p.grad = None
         if not self.sync:
             return  # accumulating: synchronise only on the last microbatch
@@ -150,7 +158,6 @@ class BucketedDDP:
     def _launch(self, i):
         lo, hi = self.buckets[i]
         bucket = self.grad_buffer[lo:hi]
-        bucket.div_(self.dp)  # average, not sum: each replica's loss is the mean of its shard
         self.events.append(("launch", i, time.perf_counter()))
         if self.zero:
             shard = bucket.new_empty((hi - lo) // self.dp)
@@ -161,6 +168,8 @@ class BucketedDDP:
     def finish(self):
         """Launch what is left (e.g. after a pipeline flush) and wait for every bucket. Then
         .grad of every parameter (DP) or of this rank's shard (ZeRO-1) is the dp-average."""
+        for p in self.unwritten:  # no gradient this step (unused): zero, not last step's
+            self.views[p].zero_()
         for i in range(len(self.buckets)):
             if i not in self.works:
                 self._launch(i)
@@ -173,9 +182,8 @@ class BucketedDDP:
                 p.grad = self.main_grad(p).to(p.dtype)
 
     def main_grad(self, p):
-        """Where p's gradient accumulates: its view of the flat buffer."""
-        lo = self.offsets[p]
-        return self.grad_buffer[lo:lo + p.numel()].view_as(p)
+        """Where p's gradient accumulates (divided by dp): its view of the flat buffer."""
+        return self.views[p]
 
     def shard_range(self, i):
         """The elements [a, b) of bucket i this rank owns: its 1/dp under ZeRO-1, else all."""
@@ -225,9 +233,13 @@ class DistributedAdamW:
         ddp = self.ddp
         if not ddp.zero:
             return
-        for i, (lo, hi) in enumerate(ddp.buckets):  # every rank's updated shard, to every rank
-            tp.all_gather_single(ddp.param_buffer[lo:hi], ddp.local_shard(ddp.param_buffer, i).clone(),
-                                 group=ddp.group)
+        works = []  # every rank's updated shard, to every rank: all launched, then all waited for
+        for i, (lo, hi) in enumerate(ddp.buckets):
+            mine = ddp.local_shard(ddp.param_buffer, i).clone()  # kept alive until the wait
+            works.append((tp.all_gather_single(ddp.param_buffer[lo:hi], mine, group=ddp.group,
+                                               async_op=True), mine))
+        for work, _ in works:
+            work.wait()
 
     def state_bytes(self):
         masters = sum(m.numel() * m.element_size() for _, piece, m, _ in self.pieces if m is not piece)
