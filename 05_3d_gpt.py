@@ -8,12 +8,15 @@ interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline repl
   - the global gradient norm for clipping across tp, pp and dp, every element counted once;
   - training: AdamW with weight-decay groups, LR warmup then cosine decay, clipping, activation
     recomputation, a held-out eval loss, a built-in corpus or --data, a progress bar, metrics;
-  - the planner (--plan): what a model costs on a cluster (eqs. 2-4), allocating nothing.
+  - the planner (--plan): what a model costs on a cluster (eqs. 2-4), allocating nothing;
+  - checkpoints: sharded, atomic, bit-identical on resume, loadable under any other layout
+    (--save, --resume), and GPT-2 weights in and out (--init-from, --export-hf).
 
 Run it (it is the project's main job):
     python 05_3d_gpt.py                                   # tp=2 x pp=2 x dp=2: 8 CPU ranks
     python 05_3d_gpt.py --print-layout --tp 8 --pp 4 --dp 4
     python 05_3d_gpt.py --plan 1T --gpus 3072             # the paper's 1T model on 3072 A100s
+    python 05_3d_gpt.py --steps 20 --save ckpt && python 05_3d_gpt.py --steps 40 --resume ckpt --tp 1 --pp 4
     torchrun --standalone --nproc_per_node 8 05_3d_gpt.py --tp 8 --pp 1 --dp 1 --dtype bfloat16
 The README has multi-node torchrun and SLURM recipes.
 
