@@ -939,7 +939,7 @@ def train(env, cfg, tc, quiet=False):
     summary(run, spec, flops, say)
     name = env.device.type == "cuda" and torch.cuda.get_device_name(env.device)
     peak = next((f for k, f in PEAK_BF16_FLOPS.items() if name and k in name), None)
-    metrics = open(tc.metrics, "w") if tc.metrics and env.rank == 0 else None
+    metrics = open(tc.metrics, "a" if tc.resume else "w") if tc.metrics and env.rank == 0 else None
     start = 0
     path = latest_checkpoint(tc.resume, say) if tc.resume else None
     if path:
