@@ -33,7 +33,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from collections import namedtuple
 from dataclasses import dataclass

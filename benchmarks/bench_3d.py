@@ -88,6 +88,8 @@ from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_tp  # noqa: E402  the peer's transformer block: plain nn modules, head-major fused QKV
 tp01 = importlib.import_module("01_tensor_parallel")  # the names start with a digit
 pipe = importlib.import_module("02_pipeline_1f1b")
 ddp_mod = importlib.import_module("04_data_parallel")
@@ -107,49 +109,8 @@ NORM_RTOL = (1e-4, 1e-3)
 
 # ----------------------------------------------------------------------------------------------
 # torch's side, the model: plain serial nn.Linear / nn.Embedding / nn.LayerNorm stage modules, the
-# layers parallelize_module knows how to shard. Parameter names follow 01's GPT ("transformer."
-# dropped), so one full state dict loads both.
-
-
-class TorchAttention(nn.Module):
-    """Causal self-attention; c_attn's rows are stored head-major (nh, 3, hs), so a contiguous
-    Shard(0) (ColwiseParallel) gives each tp rank whole heads, each with its q, k and v."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        C = cfg.n_embd
-        self.hs = C // cfg.n_head
-        self.c_attn = nn.Linear(C, 3 * C)
-        self.c_proj = nn.Linear(C, C)
-
-    def forward(self, x):
-        # Under TP the output is this rank's nh/tp heads; the head count is read off the shape.
-        q, k, v = rearrange(self.c_attn(x), "B T (nh three hs) -> three B nh T hs", three=3, hs=self.hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
-
-
-class TorchMLP(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class TorchBlock(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
-        self.attn = TorchAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
-        self.mlp = TorchMLP(cfg)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+# layers parallelize_module knows how to shard; the blocks are bench_tp's PeerBlock. Parameter
+# names follow 01's GPT ("transformer." dropped), so one full state dict loads both.
 
 
 class TorchStage(nn.Module):
@@ -163,7 +124,7 @@ class TorchStage(nn.Module):
         if first:
             self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleDict({str(i): TorchBlock(cfg) for i in layers})
+        self.h = nn.ModuleDict({str(i): bench_tp.PeerBlock(cfg, "fused") for i in layers})
         if last:
             self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

@@ -1,6 +1,5 @@
 """The launcher never hangs, and bad input is refused on every rank before any collective."""
 import os
-import re
 import signal
 import subprocess
 import sys
