@@ -202,7 +202,7 @@ def add_dataclass_args(parser, cls, **defaults):
     for f in dataclasses.fields(cls):
         default = defaults.get(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(default, bool):
+        if isinstance(default, bool) or (default is None and f.type == bool | None):  # None: auto
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
         else:
             parser.add_argument(flag, default=default, type=type(default))
@@ -373,8 +373,10 @@ class TPRandom:
 
     OFFSET = 2718  # Megatron's offset between the default seed and the tensor-parallel seeds
 
-    def __init__(self, seed, rank, device):
-        self.device = torch.device(device)
+    def __init__(self, seed, rank, device, enabled=True):
+        # enabled=False (tp=1: nothing is split) makes fork() a no-op, so every mask comes from the
+        # default generator, the one a CUDA graph capture knows how to replay (kernels/graphs.py).
+        self.device, self.enabled = torch.device(device), enabled
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed + self.OFFSET + rank)
         self.state = gen.get_state()
@@ -386,6 +388,9 @@ class TPRandom:
 
     @contextmanager
     def fork(self):
+        if not self.enabled:
+            yield
+            return
         default = self._default()
         saved = default.get_state()
         default.set_state(self.state)
@@ -413,6 +418,33 @@ class Dropout(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# The elementwise pieces of a block. Megatron fuses each into one kernel (Narayanan et al. 2021,
+# Section 4.2); here they are plain PyTorch, and kernels/ supplies fused ones with the same
+# signatures. A model is built with one `ops` object and passes it down to its layers.
+
+
+class Ops:
+    """Unfused PyTorch: each line below is one or more separate kernels on a GPU."""
+
+    name = "pytorch"
+
+    def layer_norm(self, x, w, b, eps):
+        return F.layer_norm(x, x.shape[-1:], w, b, eps)
+
+    def bias_gelu(self, y, b):  # y: (..., n), b: (n,)
+        return F.gelu(y + b, approximate="tanh")
+
+    def bias_dropout_add(self, y, b, residual, p):  # residual + dropout(y + b); p=0 in eval
+        return residual + F.dropout(y + b, p, p > 0)
+
+    def attention(self, q, k, v, p):  # causal; q, k, v: (B, nh, T, hs)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+
+
+TORCH_OPS = Ops()
+
+
+# ----------------------------------------------------------------------------------------------
 # Layers. A split parameter carries .tp_dim (the dim it is split along), .tp_full (its unpadded
 # full size there) and .tp_fused (how many separately split blocks it stacks, 3 for Q,K,V).
 
@@ -425,16 +457,24 @@ def _mark_split(p, dim, full, fused=1):
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by output columns: rank i computes X A_i + b_i, no communication."""
 
-    def __init__(self, n_in, n_out, group, sp=False, fused=1, gather_output=False, **factory):
+    def __init__(self, n_in, n_out, group, sp=False, fused=1, gather_output=False, skip_bias_add=False,
+                 **factory):
         super().__init__()
         tp = tp_size(group)
         if n_out % (fused * tp):
             raise ValueError(f"output size {n_out} must be divisible by {fused} x tp={tp}")
+        if gather_output and skip_bias_add:
+            raise ValueError("skip_bias_add returns the local shard and its bias: not with gather_output")
         self.group, self.sp, self.gather_output, self.tag = group, sp, gather_output, ""
+        # skip_bias_add (Megatron's name): return (X A_i, b_i) and leave the bias to the caller,
+        # which fuses it into the next elementwise op (bias + GeLU).
+        self.skip_bias_add = skip_bias_add
         self.weight = _mark_split(nn.Parameter(torch.empty(n_out // tp, n_in, **factory)), 0, n_out, fused)
         self.bias = _mark_split(nn.Parameter(torch.empty(n_out // tp, **factory)), 0, n_out, fused)
 
     def forward(self, x):  # (B, T, n_in), or (B, T/tp, n_in) with sequence parallelism
+        if self.skip_bias_add:
+            return F.linear(enter_tp(x, self.group, self.sp, self.tag), self.weight), self.bias
         y = F.linear(enter_tp(x, self.group, self.sp, self.tag), self.weight, self.bias)
         if not self.gather_output:
             return y  # (B, T, n_out/tp)
@@ -445,34 +485,35 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X A + b with A split by input rows and X already split: Y = sum_i X_i A_i, then + b once."""
 
-    def __init__(self, n_in, n_out, group, sp=False, **factory):
+    def __init__(self, n_in, n_out, group, sp=False, skip_bias_add=False, **factory):
         super().__init__()
         tp = tp_size(group)
         if n_in % tp:
             raise ValueError(f"input size {n_in} must be divisible by tp={tp}")
-        self.group, self.sp, self.tag = group, sp, ""
+        self.group, self.sp, self.tag, self.skip_bias_add = group, sp, "", skip_bias_add
         self.weight = _mark_split(nn.Parameter(torch.empty(n_out, n_in // tp, **factory)), 1, n_in)
         self.bias = nn.Parameter(torch.empty(n_out, **factory))
 
     def forward(self, x):  # (B, T, n_in/tp)
         y = exit_tp(F.linear(x, self.weight), self.group, self.sp, self.tag)
         # The bias joins after the reduce: added before it, it would be summed tp times.
-        return y + sp_param(self.bias, self.group, self.sp, self.tag + ".bias")
+        b = sp_param(self.bias, self.group, self.sp, self.tag + ".bias")
+        return (y, b) if self.skip_bias_add else y + b  # skip: bias + dropout + residual fused later
 
 
 class LayerNorm(nn.Module):
     """LayerNorm (eps 1e-5) with replicated weights; under sequence parallelism it runs on T/tp."""
 
-    def __init__(self, n, group, sp=False, **factory):
+    def __init__(self, n, group, sp=False, ops=None, **factory):
         super().__init__()
-        self.group, self.sp, self.tag = group, sp, ""
+        self.group, self.sp, self.tag, self.ops = group, sp, "", ops or TORCH_OPS
         self.weight = nn.Parameter(torch.empty(n, **factory))
         self.bias = nn.Parameter(torch.empty(n, **factory))
 
     def forward(self, x):
         w = sp_param(self.weight, self.group, self.sp, self.tag + ".weight")
         b = sp_param(self.bias, self.group, self.sp, self.tag + ".bias")
-        return F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
+        return self.ops.layer_norm(x, w, b, 1e-5)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -543,49 +584,58 @@ def padded_vocab_size(n_vocab, tp, divisible_by=1):
 class ParallelMLP(nn.Module):
     """c_fc column-parallel -> GeLU(tanh) on the shard, no communication -> c_proj row-parallel."""
 
-    def __init__(self, cfg, group, sp=False, **factory):
+    def __init__(self, cfg, group, sp=False, ops=None, skip_bias_add=False, **factory):
         super().__init__()
-        self.c_fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, group, sp, **factory)
-        self.c_proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, group, sp, **factory)
+        self.c_fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, group, sp, skip_bias_add=True, **factory)
+        self.c_proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, group, sp, skip_bias_add, **factory)
+        self.ops = ops or TORCH_OPS
 
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+    def forward(self, x):  # skip_bias_add: returns (output without c_proj's bias, that bias)
+        return self.c_proj(self.ops.bias_gelu(*self.c_fc(x)))
 
 
 class ParallelAttention(nn.Module):
     """Causal self-attention with nh/tp heads per rank: column-parallel QKV, row-parallel output."""
 
-    def __init__(self, cfg, group, rng, sp=False, **factory):
+    def __init__(self, cfg, group, rng, sp=False, ops=None, skip_bias_add=False, **factory):
         super().__init__()
         C = cfg.n_embd
         self.c_attn = ColumnParallelLinear(C, 3 * C, group, sp, fused=3, **factory)
-        self.c_proj = RowParallelLinear(C, C, group, sp, **factory)
-        self.hs, self.p, self.rng = C // cfg.n_head, cfg.dropout, rng
+        self.c_proj = RowParallelLinear(C, C, group, sp, skip_bias_add, **factory)
+        self.hs, self.p, self.rng, self.ops = C // cfg.n_head, cfg.dropout, rng, ops or TORCH_OPS
 
-    def forward(self, x):
+    def forward(self, x):  # skip_bias_add: returns (output without c_proj's bias, that bias)
         qkv = self.c_attn(x)  # (B, T, 3 C/tp)
         # nh is this rank's head count, read off the shape: C/tp = (nh/tp) * hs.
         q, k, v = rearrange(qkv, "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
         p = self.p if self.training else 0.0
         with self.rng.fork() if p else contextlib.nullcontext():  # each rank holds other heads,
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # so other masks
+            y = self.ops.attention(q, k, v, p)  # so other masks
         return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
 
 
 class Block(nn.Module):
     """Pre-LN transformer block: x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x)))."""
 
-    def __init__(self, cfg, group, rng, sp=False, **factory):
+    def __init__(self, cfg, group, rng, sp=False, ops=None, **factory):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.n_embd, group, sp, **factory)
-        self.attn = ParallelAttention(cfg, group, rng, sp, **factory)
-        self.ln_2 = LayerNorm(cfg.n_embd, group, sp, **factory)
-        self.mlp = ParallelMLP(cfg, group, sp, **factory)
-        self.drop = Dropout(cfg.dropout, rng, split=sp)  # with sp the residual stream is split
+        self.ops = ops or TORCH_OPS
+        self.ln_1 = LayerNorm(cfg.n_embd, group, sp, self.ops, **factory)
+        self.attn = ParallelAttention(cfg, group, rng, sp, self.ops, skip_bias_add=True, **factory)
+        self.ln_2 = LayerNorm(cfg.n_embd, group, sp, self.ops, **factory)
+        self.mlp = ParallelMLP(cfg, group, sp, self.ops, skip_bias_add=True, **factory)
+        self.p, self.rng, self.sp = cfg.dropout, rng, sp
 
     def forward(self, x):
-        x = x + self.drop(self.attn(self.ln_1(x)))
-        return x + self.drop(self.mlp(self.ln_2(x)))
+        x = self._residual(*self.attn(self.ln_1(x)), x)
+        return self._residual(*self.mlp(self.ln_2(x)), x)
+
+    def _residual(self, y, bias, x):
+        # Megatron's bias-dropout-add: the branch's last bias, the dropout and the residual add are
+        # one elementwise pass. With sp the residual stream is split, so its masks are too.
+        p = self.p if self.training else 0.0
+        with self.rng.fork() if p and self.sp else contextlib.nullcontext():
+            return self.ops.bias_dropout_add(y, bias, x, p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -598,7 +648,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True,
                  dtype=torch.float32, device="cpu", vocab_divisible_by=1, layers=None,
-                 pre_process=True, post_process=True):
+                 pre_process=True, post_process=True, ops=None):
         super().__init__()
         layers = range(cfg.n_layer) if layers is None else layers
         tp = tp_size(group)
@@ -609,7 +659,8 @@ class GPT(nn.Module):
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and tp > 1
         self.pre_process, self.post_process = pre_process, post_process
         factory = dict(dtype=dtype, device=device)
-        self.rng = TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu")
+        self.rng = TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
+        self.ops = ops or TORCH_OPS
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
         tr = self.transformer = nn.ModuleDict()
         if pre_process or post_process:  # the head is tied to wte: the last chunk holds a copy
@@ -618,9 +669,10 @@ class GPT(nn.Module):
             tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
             tr["drop"] = Dropout(cfg.dropout, self.rng, split=self.sp)
         # Keyed by global layer index, so a chunk's parameter names are the serial model's names.
-        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, **factory) for i in layers})
+        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, self.ops, **factory)
+                                 for i in layers})
         if post_process:
-            tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)
+            tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, self.ops, **factory)
         for name, module in self.named_modules():
             if hasattr(module, "tag"):
                 module.tag = name  # so traced collectives say where they come from
@@ -650,7 +702,8 @@ class GPT(nn.Module):
         return self.head(x, targets, ignore_index) if self.post_process else x
 
     def embed(self, idx):
-        self.check_input(idx)
+        if not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.check_input(idx)  # it reads values back: not allowed inside a CUDA graph
         tr = self.transformer
         x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
         if self.sp:

@@ -372,11 +372,12 @@ class Wire:
 
 
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True,
-            ignore_index=-100, t0=None, wire=None):
+            ignore_index=-100, t0=None, wire=None, call=None):
     """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
     (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in the
     chunks' parameters; the loss of microbatch i is weighted by its share of the tokens, so the
-    sum is the serial model's mean loss."""
+    sum is the serial model's mean loss. call(c, mb, x, targets), if given, runs chunk c's forward
+    instead of chunks[c](x, targets): kernels/graphs.py replays CUDA graphs through it."""
     wire = wire or Wire(act_shape)
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     S = pp * len(chunks)
@@ -429,7 +430,8 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = chunks[a.chunk](x, targets if k == S - 1 else None)
+                tgt = targets if k == S - 1 else None
+                y = chunks[a.chunk](x, tgt) if call is None else call(a.chunk, a.mb, x, tgt)
             if k == S - 1:
                 y = y[1] * (int((targets != ignore_index).sum()) / n_valid)
                 loss = y.detach() if loss is None else loss + y.detach()

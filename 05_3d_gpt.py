@@ -10,7 +10,10 @@ interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline repl
     recomputation, a held-out eval loss, a built-in corpus or --data, a progress bar, metrics;
   - the planner (--plan): what a model costs on a cluster (eqs. 2-4), allocating nothing;
   - checkpoints: sharded, atomic, bit-identical on resume, loadable under any other layout
-    (--save, --resume), and GPT-2 weights in and out (--init-from, --export-hf).
+    (--save, --resume), and GPT-2 weights in and out (--init-from, --export-hf);
+  - operator fusion and CUDA graphs (Section 4.2; kernels/), on by default on a GPU: the fused
+    kernels (--fused-kernels, --kernel-path auto|cuda|reference) and graphs of each stage's
+    forward and backward, or of the whole step at tp = pp = dp = 1 (--cuda-graphs).
 
 Run it (it is the project's main job):
     python 05_3d_gpt.py                                   # tp=2 x pp=2 x dp=2: 8 CPU ranks
@@ -18,6 +21,7 @@ Run it (it is the project's main job):
     python 05_3d_gpt.py --plan 1T --gpus 3072             # the paper's 1T model on 3072 A100s
     python 05_3d_gpt.py --steps 20 --save ckpt && python 05_3d_gpt.py --steps 40 --resume ckpt --tp 1 --pp 4
     torchrun --standalone --nproc_per_node 8 05_3d_gpt.py --tp 8 --pp 1 --dp 1 --dtype bfloat16
+    torchrun --standalone --nproc_per_node 1 05_3d_gpt.py --tp 1 --pp 1 --dp 1   # kernels + a whole-step graph
 The README has multi-node torchrun and SLURM recipes.
 
 The run prints a start-up summary (config, layout, parameters, memory, FLOPs per iteration by
@@ -46,6 +50,8 @@ tp = importlib.import_module("01_tensor_parallel")
 pipe = importlib.import_module("02_pipeline_1f1b")
 inter = importlib.import_module("03_interleaved")
 ddp_mod = importlib.import_module("04_data_parallel")
+import kernels  # noqa: E402  (a package beside the numbered files)
+from kernels import graphs as cuda_graphs  # noqa: E402
 
 
 @dataclass
@@ -80,6 +86,11 @@ class TrainConfig:
     keep: int = 2  # checkpoints kept, the newest
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
+    fused_kernels: bool | None = None  # kernels/ fused ops; unset: on on GPU, off on CPU
+    kernel_path: str = "auto"  # with fused kernels: auto (CUDA where it applies), cuda (forced), reference
+    flash_attention: bool = True  # with fused kernels, False: matmul + fused scaled causal softmax
+    cuda_graphs: bool | None = None  # unset: on on GPU where the layout allows (tp = 1, no recompute)
+    graph_scope: str = "auto"  # auto (the whole step at tp = pp = dp = 1, else per stage), stage, step
 
 
 MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
@@ -115,6 +126,40 @@ def check_config(cfg, tc, world):
                          f"save_every={tc.save_every}, keep={tc.keep}, save={tc.save!r}")
     if tc.dtype not in ("auto", "float32", "float64", "bfloat16"):
         raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {tc.dtype!r}")
+    if tc.kernel_path not in kernels.build.MODES:
+        raise ValueError(f"--kernel-path must be one of {kernels.build.MODES}, got {tc.kernel_path!r}")
+    if tc.graph_scope not in ("auto", "stage", "step"):
+        raise ValueError(f"--graph-scope must be auto, stage or step, got {tc.graph_scope!r}")
+    if tc.graph_scope == "step" and tc.tp * tc.pp * tc.dp > 1:
+        raise ValueError(f"--graph-scope step captures one rank's whole step: it needs tp = pp = dp = 1, "
+                         f"got tp={tc.tp}, pp={tc.pp}, dp={tc.dp}")
+    if tc.cuda_graphs and (tc.tp > 1 or tc.recompute):
+        raise ValueError(f"--cuda-graphs captures whole stages, which here needs tp=1 (a stage with tp > 1 "
+                         f"holds all-reduces) and no --recompute; got tp={tc.tp}, recompute={tc.recompute}")
+
+
+def check_device(tc, device):
+    """What the device decides: CUDA graphs and forced kernels need a GPU (checked on every rank
+    before the first collective)."""
+    if tc.cuda_graphs and device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs a GPU: CUDA graphs record GPU kernel launches, and this "
+                         f"run is on {device.type}. Drop the flag, or run under torchrun on GPUs.")
+    if tc.fused_kernels is not False and tc.kernel_path == "cuda" and device.type != "cuda":
+        raise ValueError(f"--kernel-path cuda forces the CUDA kernels, and this run is on {device.type}; "
+                         f"use --kernel-path reference (same math, PyTorch) or auto")
+
+
+def acceleration(tc, device):
+    """(fused kernels on?, CUDA graphs: None, "stage" or "step"), unset flags resolved: both on on
+    a GPU, graphs where the layout allows them; the whole step is one graph at tp = pp = dp = 1."""
+    gpu = device.type == "cuda"
+    fused = gpu if tc.fused_kernels is None else tc.fused_kernels
+    graphs = (gpu and tc.tp == 1 and not tc.recompute) if tc.cuda_graphs is None else tc.cuda_graphs
+    if not graphs:
+        return fused, None
+    if tc.graph_scope != "auto":
+        return fused, tc.graph_scope
+    return fused, "step" if tc.tp == tc.pp == tc.dp == 1 else "stage"
 
 
 def print_layout(tc):
@@ -839,7 +884,7 @@ def export_gpt2(cfg, full, out):
 # The trainer
 
 
-Run = namedtuple("Run", "env cfg tc groups chunks ddp opt schedule act_shape wire dtype")
+Run = namedtuple("Run", "env cfg tc groups chunks ddp opt schedule act_shape wire dtype ops graphs")
 
 
 def resolve_dtype(tc, device):
@@ -856,9 +901,11 @@ def build(env, cfg, tc, groups):
     # Megatron's CPU initialisation: the full model from the seed (or imported GPT-2 weights),
     # then this rank's part of it.
     full = import_gpt2(tc.init_from)[1] if tc.init_from else tp.init_state_dict(cfg, tc.seed, dtype=dtype)
+    fused, graph_mode = acceleration(tc, env.device)
+    ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else tp.TORCH_OPS
     chunks = pipe.build_chunks(cfg, tc.pp, pp_rank, tc.virtual_stages, groups["tp"],
                                sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
-                               init=False, dtype=dtype, device=env.device)
+                               init=False, dtype=dtype, device=env.device, ops=ops)
     for c in chunks:
         c.load_full_state_dict(full)
         if tc.recompute:
@@ -874,7 +921,9 @@ def build(env, cfg, tc, groups):
     act_shape = (b, tc.seq_len // (tc.tp if tc.sequence_parallel else 1), cfg.n_embd)
     sg = tc.scatter_gather and tc.tp > 1 and not tc.sequence_parallel  # with sp it is split already
     wire = ScatterGather(act_shape, groups["tp"]) if sg else None
-    return Run(env, cfg, tc, groups, chunks, ddp, opt, schedule, act_shape, wire, dtype)
+    # Graphs are captured at the first step, when real batches give the shapes: {"mode", "graph"}.
+    graphs = dict(mode=graph_mode, graph=None)
+    return Run(env, cfg, tc, groups, chunks, ddp, opt, schedule, act_shape, wire, dtype, ops, graphs)
 
 
 def shared_loss(loss, run):
@@ -893,7 +942,17 @@ def train_step(run, idx, targets, lr):
     tc, groups = run.tc, run.groups
     micro = pipe.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
     run.ddp.sync = False  # reduce after the pipeline flush, not during its backwards
-    res = pipe.execute(run.schedule, run.chunks, groups["pp"], micro, run.act_shape, wire=run.wire)
+    if run.graphs["mode"] == "step":
+        step = run.graphs["graph"] = run.graphs["graph"] or cuda_graphs.StepGraph(run.chunks[0], micro, run.ddp)
+        res = pipe.StepResult(step.replay(micro), [], 0, 0, 0)
+    else:
+        call = None
+        if run.graphs["mode"] == "stage":
+            run.graphs["graph"] = run.graphs["graph"] or stage_graphs(run, micro)
+            call = run.graphs["graph"].call
+        # A graph's output is a static buffer it rewrites at the next replay: never deallocated.
+        res = pipe.execute(run.schedule, run.chunks, groups["pp"], micro, run.act_shape, wire=run.wire,
+                           call=call, deallocate=call is None)
     pipe.sync_tied_embeddings(run.chunks, groups["embed"], grad_of=run.ddp.main_grad)
     run.ddp.finish()
     norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
@@ -902,6 +961,19 @@ def train_step(run, idx, targets, lr):
     run.opt.step()
     run.ddp.zero_grad()
     return shared_loss(res.loss, run), norm, res
+
+
+def stage_graphs(run, micro):
+    """Capture this rank's chunks, one copy per microbatch slot, from the first step's shapes."""
+    pp_rank, pp, v = dist.get_rank(run.groups["pp"]), run.tc.pp, len(run.chunks)
+    samples = {}
+    for c in range(v):
+        first = c == 0 and pp_rank == 0
+        x = micro[0][0] if first else torch.randn(run.act_shape, dtype=run.dtype, device=run.env.device,
+                                                   requires_grad=True)
+        samples[c] = (x, micro[0][1])
+    return cuda_graphs.StageGraphs(run.chunks, run.schedule, 0 if pp_rank == 0 else None,
+                                   v - 1 if pp_rank == pp - 1 else None, samples)
 
 
 def evaluate(run, tokens):
@@ -928,6 +1000,7 @@ PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 def train(env, cfg, tc, quiet=False):
     """Train on this rank; returns the per-step losses and gradient norms and the final figures."""
     check_config(cfg, tc, env.world_size)  # everything is refused before the first collective
+    check_device(tc, env.device)
     train_tokens, eval_tokens = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
     groups = ddp_mod.new_groups(env, ddp_mod.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp), tc.timeout_s)
     run = build(env, cfg, tc, groups)
@@ -968,6 +1041,8 @@ def train(env, cfg, tc, quiet=False):
             evals.append((step, record["eval_loss"]))
             shown["eval"] = f"{record['eval_loss']:.3f}"
         bar.set_postfix(shown)
+        if step == start and run.ops is not tp.TORCH_OPS:  # what the dispatcher actually chose
+            say(f"\nkernel paths: {kernels.build.report()}")
         if tc.save and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps):
             save_checkpoint(run, step + 1, tc.save, tc.keep)
         if metrics:
@@ -1014,6 +1089,8 @@ def summary(run, spec, flops, say):
         f"m={tc.microbatches}; {run.dtype} on {env.device.type} ({dist.get_backend()}); "
         f"{'ZeRO-1' if tc.zero1 else 'data parallel'}, scatter/gather {'on' if run.wire else 'off'}, "
         f"sequence parallel {'on' if tc.sequence_parallel else 'off'}, recompute {'on' if tc.recompute else 'off'}")
+    graphs = {None: "off", "stage": "per stage and microbatch", "step": "whole step"}[run.graphs["mode"]]
+    say(f"kernels: {run.ops.name}; CUDA graphs: {graphs}")
     say(f"parameters: {params_exact(spec):,} in the model; per rank {per_rank}")
     opt_bytes = 2 * owned * max(elt, 4) + masters * 4  # two AdamW moments, plus fp32 masters
     say(f"memory on rank 0 (estimate): weights {local * elt / 2**20:.2f} MiB, gradients "
@@ -1087,6 +1164,8 @@ def main():
             print(f"model from {tc.init_from}: {cfg}")
     world = int(os.environ.get("WORLD_SIZE", tc.tp * tc.pp * tc.dp))
     check_config(cfg, tc, world)  # also checked on every rank; here it fails before any fork
+    under_torchrun = "RANK" in os.environ and torch.cuda.is_available()  # as tp.launch decides
+    check_device(tc, torch.device("cuda" if under_torchrun else "cpu"))
     load_tokens(tc.data, cfg.vocab_size, tc.seq_len)
     return bool(tp.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s))
 

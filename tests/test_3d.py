@@ -40,7 +40,10 @@ def _train_all(env, tcs):
 
 LAUNCHES = {  # grouped by world size: one launch runs several trainings in turn
     "world 1": [layout(1, 1, 1)],
-    "world 2": [layout(2, 1, 1), layout(1, 2, 1), layout(1, 1, 2)],
+    "world 2": [layout(2, 1, 1), layout(1, 2, 1), layout(1, 1, 2),
+                # The fused kernels' reference path (same formulas as the CUDA kernels, in PyTorch),
+                # with attention as matmul + the fused scaled causal softmax instead of SDPA.
+                layout(2, 1, 1, fused_kernels=True, kernel_path="reference", flash_attention=False)],
     "world 4": [layout(2, 2, 1, 2), layout(2, 2, 1, 2, scatter_gather=False), layout(1, 4, 1, 2)],
     "world 8": [layout(2, 2, 2), layout(2, 2, 2, scatter_gather=False), layout(2, 2, 2, zero1=True),
                 layout(2, 2, 2, sequence_parallel=True), layout(2, 2, 2, recompute=True)],
@@ -54,7 +57,7 @@ def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks,
     assert max(serial["norms"]) > BASE.grad_clip  # clipping is active, so the norm matters
     for tc, out in zip(tcs, run_ranks(_train_all, world, tcs)[0]):
         what = f"tp={tc.tp} pp={tc.pp} dp={tc.dp} v={tc.virtual_stages} zero1={tc.zero1} " \
-               f"sp={tc.sequence_parallel} recompute={tc.recompute} sg={tc.scatter_gather}"
+               f"sp={tc.sequence_parallel} recompute={tc.recompute} sg={tc.scatter_gather} fused={tc.fused_kernels}"
         for key in ("losses", "norms"):
             got, want = torch.tensor(out[key]), torch.tensor(serial[key])
             assert tp.max_rel_diff(got, want) <= TOL, (what, key, got - want)
@@ -143,6 +146,12 @@ BAD = {
     "bin shorter than a sequence": (["--data", "SHORT"], {}, "fewer than one sequence of seq_len + 1 = 65"),
     "token ids >= vocab_size": (["--data", "BIG"], {}, "token id 1000 >= vocab_size=256"),
     "a bad value": (["--tp", "0"], {}, "--tp must be at least 1, got 0"),
+    "CUDA graphs on a CPU run": (["--cuda-graphs", "--tp", "1"], {}, "--cuda-graphs needs a GPU"),
+    "CUDA graphs with tp > 1": (["--cuda-graphs"], {}, "needs tp=1 (a stage with tp > 1 holds all-reduces)"),
+    "the whole-step graph with world > 1": (["--graph-scope", "step"], {}, "it needs tp = pp = dp = 1, got tp=2"),
+    "CUDA kernels forced on a CPU run": (["--fused-kernels", "--kernel-path", "cuda"], {},
+                                         "--kernel-path cuda forces the CUDA kernels, and this run is on cpu"),
+    "an unknown kernel path": (["--kernel-path", "fast"], {}, "--kernel-path must be one of"),
 }
 
 

@@ -1,0 +1,454 @@
+"""Fused CUDA kernels and CUDA graphs (kernels/): against the unfused PyTorch they replace, on one GPU.
+
+Three sections, each its own function (--only picks some):
+  kernels  each family at GPT-2-medium shapes (B=8, T=1024, C=1024, nh=16), fp32 and bf16, forward
+           and backward timed apart: ours = kernels/<family>.py with mode="cuda", peer = 01's Ops:
+             bias_gelu         y (B T, 4C)       F.gelu(y + b, approximate="tanh")
+             bias_dropout_add  y, r (B T, C)     r + F.dropout(y + b, 0.1)
+             softmax           x (B, nh, T, T)   torch.softmax((scale x).masked_fill(causal, -inf), -1)
+             layernorm         x (B T, C)        F.layer_norm
+           Reported: median time per call, speed-up (peer / ours), GB/s = the minimum bytes the op
+           must move (each case's comment) / time, and that as a fraction of the copy bandwidth
+           measured in the same run (dst.copy_(src) of 1 GiB, counted 2 x 1 GiB).
+           Goals: >= 1.5x the unfused, >= 70% of copy bandwidth.
+  graphs   a small launch-bound GPT step (4 layers, C=256, nh=4, B=4, T=128, V=4096, bf16):
+           forward + backward eagerly against kernels.graphs.StepGraph replaying the captured
+           step, with 01's unfused ops and with kernels.FusedOps. Goal >= 1.3x.
+  e2e      05_3d_gpt.py under torchrun on one GPU (tp=pp=dp=1) for a ~350M GPT (24 layers, C=1024,
+           nh=16) and a ~1.3B GPT (24 layers, C=2048, nh=16), T=2048, V=50304, bf16, built-in byte
+           corpus: fused kernels + CUDA graphs (the GPU defaults) and --no-fused-kernels
+           --no-cuda-graphs. Median tokens/s over the steps after the first --e2e-skip (from
+           --metrics; a step's time_s is the whole iteration, optimizer and loss read-back included),
+           MFU = flops_per_iteration(model, B, recompute=False) / (median time_s x peak): 05's count
+           (Narayanan eq. 3 with 3x instead of 4x, no recomputation), peak = 05's PEAK_BF16_FLOPS
+           for torch.cuda.get_device_name (989e12 H100/H200, 312e12 A100). Goal MFU >= 45% on 1.3B.
+
+Kernel timing: a CUDA event pair around each call, on a queue the CPU fills while the GPU sleeps
+(torch.cuda._sleep), so the events hold device time, not launch time; a 256 MiB memset before each
+call evicts L2, so inputs come from HBM as in a model. Ours and the peer alternate in rounds of
+--iters calls, the first switching each round; medians over all calls. Before timing, each pair is
+checked to compute the same function (CHECK_RTOL); a pair that differs is not timed.
+
+Run it (from the repository root; on a GPU it starts torchrun itself for the e2e section):
+    python benchmarks/bench_kernels.py                  # everything: minutes, the first kernel builds included
+    python benchmarks/bench_kernels.py --only kernels graphs   # where a command's time is limited,
+    python benchmarks/bench_kernels.py --only e2e              # the sections one command each
+    python benchmarks/bench_kernels.py --only e2e --e2e-models 1.3B --e2e-batch 8
+Without CUDA it runs a smoke version (< 1 min): the kernels' PyTorch references against the unfused
+ops at small shapes, the eager graph-section step, a tiny CPU run of 05; no GPU figure is measured.
+"""
+import argparse
+import importlib
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+tp01 = importlib.import_module("01_tensor_parallel")  # module names start with a digit
+dp04 = importlib.import_module("04_data_parallel")
+m05 = importlib.import_module("05_3d_gpt")
+import kernels  # noqa: E402  (a package beside the numbered files)
+from kernels import bias_dropout_add as bda, bias_gelu as bg, graphs, layernorm as ln, softmax as sm  # noqa: E402
+
+GOAL_SPEEDUP, GOAL_COPY, GOAL_GRAPHS, GOAL_MFU = 1.5, 0.70, 1.3, 0.45
+# Same-function check, max |ours - peer| / max |peer| over the output and every input gradient.
+# It refuses to time a broken kernel; the precise tolerances are in tests/test_kernel_*.py. fp32:
+# other summation orders and tanhf/expf give ~1e-6. bf16: both round to 8 bits, at different points
+# (the kernels once, from fp32; PyTorch after each op), a few ulps = ~1e-2 at worst; a wrong
+# formula or mask is off by O(1).
+CHECK_RTOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+P_DROP = 0.1
+MODELS = {"350M": (24, 1024, 16), "1.3B": (24, 2048, 16)}  # n_layer, C, nh
+VARIANTS = {"fused+graphs": ["--fused-kernels", "--cuda-graphs"],
+            "unfused": ["--no-fused-kernels", "--no-cuda-graphs"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+class Timer:
+    """Per-call seconds. CUDA: events around each call (see the docstring); CPU: perf_counter."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if self.cuda else None
+        self.sleep_cycles = 500_000  # per queued call (~0.3 ms); doubled whenever the CPU fell behind
+        self.behind = 0  # blocks where the GPU may have waited for the CPU
+
+    def calls(self, fn, n):
+        if not self.cuda:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+            return out
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(self.sleep_cycles * n)  # the GPU spins while the CPU queues the block
+        woke = torch.cuda.Event()
+        woke.record()
+        for start, end in events:
+            self.flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        if woke.query():  # the sleep ended before everything was queued: gaps may have been timed
+            self.behind += 1
+            self.sleep_cycles = min(2 * self.sleep_cycles, 50_000_000)
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 for s, e in events]
+
+    def block(self, fn, n):
+        """[seconds per call] of n calls back to back, launch time included: what graphs remove."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return [(time.perf_counter() - t0) / n]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()  # the GPU is idle, so start is stamped when the CPU records it
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return [start.elapsed_time(end) / 1e3 / n]
+
+
+def alternate(measure, sides, n, repeats, warmup):
+    """{name: [seconds]}: each side warmed up, then `repeats` rounds of measure(fn, n) per side, the
+    order reversed every round so that drift (clocks, other load) falls on both alike."""
+    for fn in sides.values():
+        for _ in range(warmup):
+            fn()
+    names, times = list(sides), {k: [] for k in sides}
+    for r in range(repeats):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            times[k] += measure(sides[k], n)
+    return times
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Kernels
+
+
+def kernel_cases(B, T, C, nh, dtype, device, mode):
+    """Per family: inputs, ours, peer, the check pair and the minimum bytes forward / backward."""
+    e, R = torch.empty((), dtype=dtype).element_size(), B * T
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
+
+    cases = []
+    # Forward reads y, b, writes out; backward reads grad, y, b (z = y + b is recomputed), writes dy, db.
+    y, b = randn(R, 4 * C), randn(4 * C)
+    N, n = y.numel(), b.numel()
+    cases.append(dict(name="bias_gelu", shape=(R, 4 * C), inputs=(y, b),
+                      ours=lambda y, b: bg.bias_gelu(y, b, mode), peer=lambda y, b: F.gelu(y + b, approximate="tanh"),
+                      bytes=((2 * N + n) * e, (3 * N + 2 * n) * e)))
+    # Forward reads y, b, r, writes out (the mask is a hash: never stored); backward reads grad,
+    # writes dy and db (d r is grad itself). Dropout masks differ between ours and torch, so the
+    # check is against kernels' reference drawing the same mask from the same seed.
+    y, b, r = randn(R, C), randn(C), randn(R, C)
+    N, n = y.numel(), b.numel()
+    cases.append(dict(name="bias_dropout_add", shape=(R, C), inputs=(y, b, r),
+                      ours=lambda y, b, r: bda.bias_dropout_add(y, b, r, P_DROP, mode),
+                      peer=lambda y, b, r: r + F.dropout(y + b, P_DROP, True),
+                      check=(lambda *a: bda.bias_dropout_add(*a, P_DROP, mode, seed=7),
+                             lambda *a: bda.bias_dropout_add(*a, P_DROP, "reference", seed=7)),
+                      bytes=((3 * N + n) * e, (2 * N + n) * e)))
+    # Causal: query i needs keys 0..i only, (T+1)/2T of the scores. Forward reads those, writes every
+    # probability (zeros above the diagonal); backward reads grad and y there, writes every dx.
+    x, scale = randn(B, nh, T, T), (C // nh) ** -0.5
+    N, seen = x.numel(), x.numel() * (T + 1) / (2 * T)
+    mask = sm.causal_mask(T, device)  # built once, as a model keeps it
+    cases.append(dict(name="softmax", shape=(B, nh, T, T), inputs=(x,),
+                      ours=lambda x: sm.scaled_masked_softmax(x, scale, mode),
+                      peer=lambda x: torch.softmax((x * scale).masked_fill(mask, float("-inf")), -1),
+                      bytes=((seen + N) * e, (2 * seen + N) * e)))
+    # Forward reads x, w, b, writes y and the fp32 mean and rstd per row; backward reads grad, x, w,
+    # mean, rstd, writes dx, dw, db. (torch's layer_norm keeps the same statistics.)
+    x, w, b = randn(R, C), randn(C), randn(C)
+    N = x.numel()
+    cases.append(dict(name="layernorm", shape=(R, C), inputs=(x, w, b),
+                      ours=lambda x, w, b: ln.layer_norm(x, w, b, 1e-5, mode),
+                      peer=lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5),
+                      bytes=((2 * N + 2 * C) * e + 8 * R, (3 * N + 3 * C) * e + 8 * R)))
+    return cases
+
+
+def check_case(case):
+    """Worst max_rel_diff over the output and every input gradient, one grad for both sides."""
+    sides = case.get("check", (case["ours"], case["peer"]))
+    results, g = [], None
+    for fn in sides:
+        out = fn(*case["inputs"])
+        g = torch.randn_like(out) if g is None else g
+        results.append([out.detach()] + list(torch.autograd.grad(out, case["inputs"], g)))
+    return max(tp01.max_rel_diff(a.float(), b.float()) for a, b in zip(*results))
+
+
+def time_case(timer, case, args):
+    """{"fwd"/"bwd": {"ours"/"peer": median seconds}}. Forward runs with grad enabled (each op saves
+    what its backward needs, as in training); backward re-runs one retained graph."""
+    x = case["inputs"]
+    fwd = {"ours": lambda: case["ours"](*x), "peer": lambda: case["peer"](*x)}
+    outs = {k: f() for k, f in fwd.items()}
+    g = torch.randn_like(outs["ours"])
+    bwd = {k: (lambda o=o: torch.autograd.grad(o, x, g, retain_graph=True)) for k, o in outs.items()}
+    return {d: {k: statistics.median(v) for k, v in alternate(timer.calls, s, args.iters, args.repeats,
+                                                               args.warmup).items()}
+            for d, s in (("fwd", fwd), ("bwd", bwd))}
+
+
+def copy_bandwidth(timer, device, n, args):
+    """Bytes/s of dst.copy_(src), n bytes each, counted 2 n (read + write): what any op can hope for."""
+    src, dst = torch.zeros(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    times = alternate(timer.calls, {"copy": lambda: dst.copy_(src)}, args.iters, args.repeats, args.warmup)
+    return 2 * n / statistics.median(times["copy"])
+
+
+def kernels_section(args, device, timer):
+    cuda = device.type == "cuda"
+    B, T, C, nh = args.shape
+    mode = "cuda" if cuda else "reference"
+    n = 2**30 if cuda else 2**26
+    copy_bw = copy_bandwidth(timer, device, n, args)
+    # Checked first, both dtypes: the first call of each family builds its kernel (minutes, once),
+    # and the build's messages then come before the table rather than inside it.
+    cases = [(dtype, case, check_case(case)) for dtype in (torch.float32, torch.bfloat16)
+             for case in kernel_cases(B, T, C, nh, dtype, device, mode)]
+    print(f"\n=== kernels: ours = kernels/ with mode={mode!r}, peer = the unfused PyTorch; B={B} T={T} C={C} "
+          f"nh={nh}, p={P_DROP}; {args.repeats} rounds x {args.iters} calls per side (after {args.warmup} warm-up)")
+    print(f"copy bandwidth: dst.copy_(src) of {n / 2**30:g} GiB, counted 2 x {n / 2**30:g} GiB: {copy_bw / 1e9:,.0f} GB/s")
+    print(f"goals: speed-up >= {GOAL_SPEEDUP}x, achieved >= {GOAL_COPY:.0%} of copy bandwidth")
+    print(f"{'family':17s} {'shape':18s} {'dtype':5s} {'dir':3s} {'ours us':>9s} {'peer us':>9s} {'speed-up':>8s} "
+          f"{'GB/s':>7s} {'of copy':>7s} {'1.5x':>4s} {'70%':>4s} {'check':>8s}")
+    ok = True
+    for dtype, case, diff in cases:
+        tag = f"{case['name']:17s} {str(case['shape']):18s} {str(dtype)[6:].replace('loat', ''):5s}"
+        if not diff <= CHECK_RTOL[dtype]:
+            print(f"{tag} FAIL: ours and the peer differ by {diff:.1e} > {CHECK_RTOL[dtype]:g}; not timed")
+            ok = False
+            continue
+        res = time_case(timer, case, args)
+        for d, nbytes in zip(("fwd", "bwd"), case["bytes"]):
+            t = res[d]
+            speed, gbs = t["peer"] / t["ours"], nbytes / t["ours"]
+            print(f"{tag} {d:3s} {t['ours'] * 1e6:9.1f} {t['peer'] * 1e6:9.1f} {speed:7.2f}x {gbs / 1e9:7.0f} "
+                  f"{gbs / copy_bw:7.0%} {'yes' if speed >= GOAL_SPEEDUP else 'no':>4s} "
+                  f"{'yes' if gbs >= GOAL_COPY * copy_bw else 'no':>4s} {diff:8.1e}", flush=True)
+    print(f"paths taken: {kernels.build.report()}")
+    if timer.behind:
+        print(f"note: in {timer.behind} blocks the CPU had not queued every call before the GPU woke; "
+              f"those figures may include launch gaps (the sleep was lengthened each time)")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. CUDA graphs
+
+
+def eager_step(model, micro, ignore_index=-100):
+    """StepGraph._step's work run eagerly: each microbatch's token-weighted loss, then backward."""
+    valid = [t != ignore_index for _, t in micro]
+    n_valid = sum(v.sum() for v in valid)
+    total = torch.zeros((), device=micro[0][0].device)
+    for (idx, targets), v in zip(micro, valid):
+        loss = model(idx, targets)[1] * (v.sum() / n_valid)
+        loss.backward()
+        total += loss.detach().float()
+    return total
+
+
+def graphs_section(args, device, timer):
+    cuda = device.type == "cuda"
+    L, C, nh, B, T, V = args.graph_model
+    cfg = tp01.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=nh, n_embd=C)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    # BucketedDDP (the trainer's gradient buffer, which StepGraph writes through its hooks) asks
+    # for its group's size: a 1-rank gloo group, in this process. sync=False: nothing is reduced.
+    with tempfile.NamedTemporaryFile(delete=False) as f:
+        store = dist.FileStore(f.name, 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    gen = torch.Generator().manual_seed(0)
+    # Two batches: the graph is captured on the first and checked and timed on the second, so a
+    # replay that ignored its new input would fail the check.
+    a, b = ([tuple(torch.randint(V, (2, B, T), generator=gen).to(device))] for _ in range(2))
+    # A replay runs the very kernels eager runs: only atomics' order can differ (flash attention's
+    # backward). A replay that reads a stale batch or misses a gradient write is off by O(1).
+    rtol = CHECK_RTOL[dtype]
+    print(f"\n=== CUDA graphs: one step's forward + backward (no optimizer) of GPT {cfg}, B={B} T={T} {dtype}; "
+          f"eager (as the trainer without graphs: GPT.embed reads the ids back to check them) against "
+          f"kernels.graphs.StepGraph.replay; {args.repeats} rounds x {args.graph_steps} steps per side")
+    print(f"goal: speed-up >= {GOAL_GRAPHS}x")
+    print(f"{'ops':8s} {'eager ms':>9s} {'graph ms':>9s} {'speed-up':>8s} {'check':>8s}")
+    ok = True
+    for name, ops in (("pytorch", tp01.TORCH_OPS), ("fused", kernels.FusedOps("cuda" if cuda else "reference"))):
+        model = tp01.GPT(cfg, None, seed=0, dtype=dtype, device=device, ops=ops)
+        ddp = dp04.BucketedDDP(model.parameters(), dist.group.WORLD, 2_000_000,
+                               grad_dtype=torch.float32 if dtype == torch.bfloat16 else None)
+        ddp.sync = False  # as the trainer: reduction after the step, here never
+
+        def eager():
+            loss = eager_step(model, b)
+            ddp.zero_grad()
+            return loss
+
+        if not cuda:  # capture needs a GPU: time the eager side only
+            t = alternate(timer.block, {"eager": eager}, args.graph_steps, args.repeats, args.warmup)
+            print(f"{name:8s} {statistics.median(t['eager']) * 1e3:9.2f} {'-':>9s} {'-':>8s} {'-':>8s}")
+            continue
+        step = graphs.StepGraph(model, a, ddp)
+        loss_e = eager_step(model, b)
+        grads_e = ddp.grad_buffer.clone()
+        ddp.zero_grad()
+        loss_g = step.replay(b)
+        diff = max(tp01.max_rel_diff(loss_g, loss_e), tp01.max_rel_diff(ddp.grad_buffer, grads_e))
+        ddp.zero_grad()
+        if not diff <= rtol:
+            print(f"{name:8s} FAIL: replay and eager differ by {diff:.1e} > {rtol:g}; not timed")
+            ok = False
+            continue
+
+        def replay():
+            step.replay(b)
+            ddp.zero_grad()
+
+        t = alternate(timer.block, {"eager": eager, "graph": replay}, args.graph_steps, args.repeats, args.warmup)
+        te, tg = statistics.median(t["eager"]), statistics.median(t["graph"])
+        print(f"{name:8s} {te * 1e3:9.2f} {tg * 1e3:9.2f} {te / tg:7.2f}x {diff:8.1e}", flush=True)
+    dist.destroy_process_group()
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. End to end: the trainer
+
+
+def e2e_runs(args, cuda):
+    """(label, variant, model dims, B, T, V, steps, skip, dtype) per run; on CPU one tiny smoke run."""
+    if not cuda:
+        return [("tiny", "unfused", (2, 64, 4), 2, 64, 256, 4, 1, "float32")]
+    return [(m, v, MODELS[m], args.e2e_batch, args.e2e_seq, 50304, args.e2e_steps, args.e2e_skip, "bfloat16")
+            for m in args.e2e_models for v in VARIANTS]
+
+
+def e2e_command(run, cuda, metrics):
+    label, variant, (L, C, nh), B, T, V, steps, _, dtype = run
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if cuda else []
+    return [sys.executable, *launcher, "05_3d_gpt.py", "--tp", "1", "--pp", "1", "--dp", "1",
+            "--n-layer", str(L), "--n-embd", str(C), "--n-head", str(nh), "--vocab-size", str(V),
+            "--block-size", str(T), "--seq-len", str(T), "--batch-size", str(B), "--microbatches", "1",
+            "--steps", str(steps), "--eval-every", "0", "--dtype", dtype,
+            # a 1.3B model at 3e-3 (the default) may diverge within the steps; the rate costs nothing
+            "--lr", "3e-4", "--min-lr", "3e-5", "--warmup-steps", "5", "--timeout-s", "600",
+            "--metrics", str(metrics), *(VARIANTS[variant] if cuda else [])]
+
+
+def e2e_section(args, device, timer):
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()  # the trainer runs in its own process: hand back what we cached
+    name = torch.cuda.get_device_name(device) if cuda else None
+    peak = next((f for k, f in m05.PEAK_BF16_FLOPS.items() if name and k in name), None)
+    print(f"\n=== end to end: 05_3d_gpt.py, tp=pp=dp=1, m=1, built-in byte corpus; peak "
+          f"{peak / 1e12 if peak else 'unknown'} TFLOP/s bf16 for {name or 'CPU'}; goal MFU >= {GOAL_MFU:.0%} on 1.3B")
+    print("MFU = flops_per_iteration(ModelSpec(l, h, nh, V, T), B, recompute=False) / (median time_s x peak)")
+    rows, ok = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in e2e_runs(args, cuda):
+            label, variant, (L, C, nh), B, T, V, steps, skip, dtype = run
+            metrics = Path(tmp) / f"{label}_{variant}.jsonl"
+            cmd = e2e_command(run, cuda, metrics)
+            print(f"\n$ {shlex.join(['python'] + cmd[1:])}", flush=True)
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.e2e_timeout)
+                failed = proc.returncode != 0 and "\n".join(proc.stderr.strip().splitlines()[-15:])
+            except subprocess.TimeoutExpired:
+                failed = f"stopped after {args.e2e_timeout} s"
+            if failed or not metrics.exists():
+                print(f"FAIL ({label}, {variant}):\n{failed or 'no metrics written'}")
+                ok = False
+                continue
+            for line in proc.stdout.splitlines():  # what the trainer says it ran
+                if line.startswith(("kernels:", "kernel paths:", "parameters:", "FLOPs")):
+                    print(f"  {line}")
+            times = [json.loads(s)["time_s"] for s in metrics.read_text().splitlines()][skip:]
+            t = statistics.median(times)
+            spec = m05.ModelSpec(L, C, nh, V, T)
+            flops = m05.flops_per_iteration(spec, B, recompute=False)
+            mfu = flops / (t * peak) if peak and dtype == "bfloat16" else None
+            rows.append((label, variant, m05.params_exact(spec), B, T, t, B * T / t, mfu))
+            print(f"  {len(times)} steps after the first {skip}: median {t * 1e3:.1f} ms (min {min(times) * 1e3:.1f}, "
+                  f"max {max(times) * 1e3:.1f}); {B * T / t:,.0f} tokens/s; "
+                  f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}; run took {time.monotonic() - t0:.0f} s")
+    print(f"\n{'model':6s} {'variant':13s} {'params':>14s} {'B':>3s} {'T':>5s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>6s}")
+    for label, variant, params, B, T, t, tps, mfu in rows:
+        print(f"{label:6s} {variant:13s} {params:14,d} {B:3d} {T:5d} {t * 1e3:9.1f} {tps:10,.0f} "
+              f"{f'{mfu:.1%}' if mfu else 'n/a':>6s}")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", choices=["kernels", "graphs", "e2e"], default=["kernels", "graphs", "e2e"])
+    parser.add_argument("--repeats", type=int, help="rounds of ours-then-peer / peer-then-ours (7 GPU, 3 CPU)")
+    parser.add_argument("--iters", type=int, help="timed kernel calls per side per round (10 GPU, 3 CPU)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls (steps) per side first")
+    parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "T", "C", "NH"),
+                        help="kernel shapes (8 1024 1024 16 GPU, 2 64 64 4 CPU)")
+    parser.add_argument("--graph-model", type=int, nargs=6, metavar=("L", "C", "NH", "B", "T", "V"),
+                        help="the graphs section's GPT and batch (4 256 4 4 128 4096 GPU, 2 64 4 2 32 256 CPU)")
+    parser.add_argument("--graph-steps", type=int, default=10, help="steps per side per round (2 on CPU)")
+    parser.add_argument("--e2e-models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--e2e-batch", type=int, default=8, help="sequences per step (one micro-batch)")
+    parser.add_argument("--e2e-seq", type=int, default=2048)
+    parser.add_argument("--e2e-steps", type=int, default=15)
+    parser.add_argument("--e2e-skip", type=int, default=3, help="first steps left out (capture, kernel builds)")
+    parser.add_argument("--e2e-timeout", type=float, default=540.0, help="seconds per trainer run")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    args.repeats = args.repeats or (7 if cuda else 3)
+    args.iters = args.iters or (10 if cuda else 3)
+    args.shape = args.shape or ([8, 1024, 1024, 16] if cuda else [2, 64, 64, 4])
+    args.graph_model = args.graph_model or ([4, 256, 4, 4, 128, 4096] if cuda else [2, 64, 4, 2, 32, 256])
+    if not cuda:
+        args.warmup, args.graph_steps = 1, 2
+    print(f"$ {shlex.join(['python', 'benchmarks/bench_kernels.py'] + sys.argv[1:])}")
+    print(f"torch {torch.__version__}, " + (f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
+                                            if cuda else "CPU"))
+    if not cuda:
+        print("no CUDA device: GPU figures not measured; running the CPU smoke version (references, small shapes)")
+    torch.manual_seed(0)
+    timer = Timer(device)
+    t0, ok = time.monotonic(), True
+    for section, fn in (("kernels", kernels_section), ("graphs", graphs_section), ("e2e", e2e_section)):
+        if section in args.only:
+            ok &= fn(args, device, timer)
+    print(f"\n{'PASS' if ok else 'FAIL'} (same-function checks and trainer runs); total {time.monotonic() - t0:.0f} s")
+    if not cuda:
+        print("no CUDA device: GPU figures not measured")
+    return ok
+
+
+if __name__ == "__main__":
+    tp01.run_main(main)

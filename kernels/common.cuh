@@ -1,0 +1,85 @@
+// Shared by every kernels/*.cu: dtype conversions, warp and block reductions, dtype dispatch.
+// Plain CUDA C++ with no torch headers, so `nvcc -c` alone compiles each .cu (tests do, for sm_80
+// and sm_90). Launchers take raw pointers and a stream, and return nullptr or an error string.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+// The dtype codes, as kernels/build.py's DTYPE_CODES numbers them.
+enum DType { F32 = 0, F16 = 1, BF16 = 2 };
+
+// Every kernel loads T, computes in fp32 and stores T.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// N consecutive elements moved as one 16-byte load or store when N * sizeof(T) == 16.
+template <typename T, int N> struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Block-wide reductions; every thread gets the result. blockDim.x must be a multiple of 32.
+// `scratch` holds 32 floats of shared memory; the first barrier lets a previous call finish
+// reading it before it is overwritten.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+// Enough blocks to fill the device for a grid-stride loop over `work` items of `threads` each.
+static inline int grid_for(int64_t work, int threads) {
+  int device = 0, sms = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t wanted = (work + threads - 1) / threads, cap = (int64_t)sms * 8;
+  return (int)(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+}
+
+// What a launcher returns: nullptr if the launch went in, else CUDA's message for the error.
+static inline const char* launch_status() {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+// Run `body` with T bound to the element type of dtype code `code`.
+#define DISPATCH_DTYPE(code, T, ...)                 \
+  switch (code) {                                    \
+    case F32: { using T = float; __VA_ARGS__; break; }          \
+    case F16: { using T = __half; __VA_ARGS__; break; }         \
+    case BF16: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
+    default: return "unsupported dtype code";        \
+  }

@@ -1,0 +1,132 @@
+"""CUDA graphs: record a stage's forward and backward once, then replay them.
+
+A GPT layer on a small per-GPU slice launches a few dozen kernels whose work is shorter than
+their launch; a CUDA graph records the launches once and replays them with one call, so the CPU
+stops being the bottleneck (Megatron-LM captures each layer's forward and backward with
+Transformer Engine's make_graphed_callables). Two ways of using them here:
+
+  StageGraphs  per pipeline stage and microbatch (any pp, dp; tp = 1). Each chunk's forward and
+               backward become graphs via torch.cuda.make_graphed_callables. The executor (02)
+               still runs the schedule and does every send and receive between replays: no
+               communication is inside a graph. With tp > 1 a chunk's forward contains the
+               tensor-parallel all-reduces, so it is not captured here.
+  StepGraph    the whole forward + backward of a step as one graph, when tp = pp = dp = 1.
+
+Static buffers. A graph reads its input from, and writes its output and everything autograd saves
+for backward to, fixed addresses. A microbatch holds those until its backward ran, so microbatches
+in flight at the same time need their own copies: slots() reads the schedule (pure data) and gives
+each (chunk, microbatch) the lowest free copy. Each copy is captured with its own memory pool,
+since graphs sharing a pool are only safe when replayed in capture order, which a 1F1B schedule
+is not.
+
+Random numbers. Dropout draws from the default CUDA generator, which PyTorch registers with every
+capture: each replay advances its Philox offset, so every replay draws fresh masks (01's TPRandom
+is off at tp = 1 precisely so that nothing swaps generator states inside a capture). The fused
+dropout kernel reads its seed through a pointer from a tensor drawn inside the graph, for the
+same reason.
+"""
+import torch
+import torch.nn as nn
+
+
+def slots(actions):
+    """{(chunk, mb): slot} and {chunk: number of slots} for one rank's action list: a forward
+    takes the lowest slot its chunk has free, its backward frees it. Forward-only lists (eval)
+    never free: every microbatch gets its own slot."""
+    used, assigned, count = {}, {}, {}
+    for a in actions:
+        key = (a.chunk, a.mb)
+        if a.kind == "F":
+            taken = used.setdefault(a.chunk, set())
+            s = min(set(range(len(taken) + 1)) - taken)
+            taken.add(s)
+            assigned[key] = s
+            count[a.chunk] = max(count.get(a.chunk, 0), s + 1)
+        elif a.kind == "B":
+            used[a.chunk].discard(assigned[key])
+    return assigned, count
+
+
+class _Slot(nn.Module):
+    """One capturable copy of a chunk's forward; make_graphed_callables patches this wrapper's
+    forward, not the chunk's. The last chunk returns only the loss: capturing the logits as an
+    output would allocate, and run backward through, a (B, T, V) gradient of zeros."""
+
+    def __init__(self, chunk, last):
+        super().__init__()
+        self.chunk, self.last = chunk, last
+
+    def forward(self, x, *targets):
+        out = self.chunk(x, *targets)
+        return out[1] if self.last else out
+
+
+class StageGraphs:
+    """This rank's chunks, each captured once per slot. call(c, mb, x, targets) replays chunk c's
+    forward for microbatch mb (the executor's `call` hook); autograd then replays the matching
+    backward graph when the executor runs that microbatch's backward."""
+
+    def __init__(self, chunks, actions, first, last, samples):
+        """first/last: chunk indices holding the embeddings / the loss (None if not on this rank);
+        samples[c]: example (x, targets) of chunk c's real shapes and dtypes (x requires grad
+        unless it is token ids)."""
+        self.slot_of, counts = slots(actions)
+        self.last = last
+        self.graphed = {}
+        for c, n in sorted(counts.items()):
+            x, targets = samples[c]
+            args = (x, targets) if c == last else (x,)
+            for s in range(n):  # separate calls: separate memory pools (see the docstring)
+                self.graphed[c, s] = torch.cuda.make_graphed_callables(_Slot(chunks[c], c == last), args)
+        self.captured = len(self.graphed)
+
+    def call(self, c, mb, x, targets):
+        fn = self.graphed[c, self.slot_of[c, mb]]
+        if c == self.last:
+            return None, fn(x, targets)  # the shape of GPT's (logits, loss); logits not kept
+        return fn(x)
+
+
+class StepGraph:
+    """The whole step's forward and backward over m microbatches, for tp = pp = dp = 1. The
+    gradients go wherever the parameters' hooks put them (04's flat buffer); the loss is the
+    token-weighted mean, computed on the device so that nothing reads a value back in the graph."""
+
+    WARMUP = 3  # eager iterations on a side stream before capture, as torch.cuda.graph requires
+
+    def __init__(self, chunk, micro, ddp, ignore_index=-100):
+        self.chunk, self.ddp, self.ignore_index = chunk, ddp, ignore_index
+        self.static = [(i.clone(), t.clone()) for i, t in micro]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP):
+                self._step()
+                ddp.zero_grad()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self._step()
+        # The hooks ran once, at capture; a replay repeats their writes but not their bookkeeping.
+        # Parameters that got no gradient then get none at any replay.
+        self.unused = set(ddp.unwritten)
+        ddp.zero_grad()
+
+    def _step(self):
+        valid = [t != self.ignore_index for _, t in self.static]
+        n_valid = sum(v.sum() for v in valid)
+        total = torch.zeros((), device=self.static[0][0].device, dtype=torch.float32)
+        for (idx, targets), v in zip(self.static, valid):
+            loss = self.chunk(idx, targets)[1] * (v.sum() / n_valid)
+            loss.backward()
+            total += loss.detach().float()
+        return total
+
+    def replay(self, micro):
+        """Copy the microbatches in, replay; returns the loss (a device scalar)."""
+        for (idx, targets), (i, t) in zip(self.static, micro):
+            idx.copy_(i)
+            targets.copy_(t)
+        self.graph.replay()
+        self.ddp.unwritten = set(self.unused)  # as if the hooks had run: every used gradient written
+        return self.loss

@@ -1,0 +1,199 @@
+"""kernels/layernorm: the reference is F.layer_norm, forward and every gradient; the dispatcher
+falls back on what the kernel does not take; on a GPU the kernel matches the float64 reference.
+
+Tolerances. CPU, float64: the reference and F.layer_norm compute the same statistics in a
+different order (torch may use Welford), a few ulps apart (~1e-16 relative); CPU_TOL = 1e-12
+catches any wrong term. GPU: max|kernel - ref| / max|ref| against the reference in float64 on the
+same (rounded) inputs. fp32 keeps ~7 digits through sums of up to 16384 terms: 1e-5. bf16 and
+fp16 lose most of theirs in the final rounding of y, dx, dw, db (half an ulp: up to 2^-8 and
+2^-11 relative), the fp32 arithmetic before it adds ~1e-6: 1e-2 for bf16, 1e-3 for fp16. The saved
+mean and rstd are fp32 for every dtype, so they meet the fp32 bound.
+
+C = 1 is kept, with its own test: the variance is exactly 0 and xhat exactly 0, so y = b, dx = 0,
+dw = 0 and db = sum g exactly, in the reference and in the kernel. F.layer_norm on CPU leaves
+rounding noise there (~1e-13 where the answer is 0), so against it the bound is absolute.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import build, layernorm
+from test_kernels import CPU_TOL, GPU_TOL, needs_cuda, randn, rel
+
+F64 = torch.float64
+TOL = {**GPU_TOL, torch.float16: 1e-3}
+EPS = 1e-5
+
+
+def inputs(rows_shape, C, seed, dtype=F64, device="cpu"):
+    """x (*rows_shape, C) off-centre and scaled, so subtracting the mean matters; w, b (C,)
+    random, never ones or zeros."""
+    x = randn(*rows_shape, C, seed=seed, dtype=dtype, device=device) * 3 + 2
+    w = randn(C, seed=seed + 1, dtype=dtype, device=device)
+    b = randn(C, seed=seed + 2, dtype=dtype, device=device)
+    return x, w, b
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference, float64 on CPU
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1, 3), (2, 1000)])
+def test_reference_equals_f_layer_norm_forward_and_every_gradient(shape):
+    x, w, b = inputs(shape[:-1], shape[-1], seed=0)
+    a = [t.clone().requires_grad_() for t in (x, w, b)]
+    u = [t.clone().requires_grad_() for t in (x, w, b)]
+    out_a = layernorm.layer_norm(*a, EPS, mode="reference")
+    out_u = F.layer_norm(u[0], shape[-1:], u[1], u[2], EPS)
+    grad = randn(*shape, seed=99)
+    out_a.backward(grad)
+    out_u.backward(grad)
+    assert rel(out_a, out_u) < CPU_TOL
+    for ta, tu in zip(a, u):
+        assert rel(ta.grad, tu.grad) < CPU_TOL
+
+
+def test_one_column_rows_give_the_bias_and_zero_gradients_except_db():
+    x, w, b = (t.requires_grad_() for t in inputs((4,), 1, seed=0))
+    grad = randn(4, 1, seed=99)
+    y = layernorm.layer_norm(x, w, b, EPS, mode="reference")
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), grad)
+    assert torch.equal(y, b.expand(4, 1)) and not dx.any() and not dw.any() and torch.equal(db, grad.sum(0))
+    y_u = F.layer_norm(x, (1,), w, b, EPS)
+    for ours, theirs in zip((y, dx, dw, db), (y_u, *torch.autograd.grad(y_u, (x, w, b), grad))):
+        assert (ours - theirs).abs().max() < CPU_TOL
+
+
+def test_reference_saves_torchs_mean_and_biased_rstd():
+    x, w, b = inputs((6,), 10, seed=3)
+    _, mean, rstd = layernorm.reference_forward(x, w, b, EPS)
+    assert rel(mean, x.mean(-1)) < CPU_TOL
+    assert rel(rstd, (x.var(-1, unbiased=False) + EPS).rsqrt()) < CPU_TOL
+
+
+def test_hand_written_backward_passes_gradcheck():
+    x, w, b = (t.requires_grad_() for t in inputs((3,), 4, seed=4))
+    assert torch.autograd.gradcheck(lambda x, w, b: layernorm.LayerNorm.apply(x, w, b, EPS, None), (x, w, b))
+
+
+def test_reference_computes_half_precision_in_fp32():
+    x, w, b = inputs((5,), 64, seed=5, dtype=torch.bfloat16)
+    y, mean, rstd = layernorm.reference_forward(x, w, b, EPS)
+    assert y.dtype == torch.bfloat16 and mean.dtype == rstd.dtype == torch.float32
+    exact, _, _ = layernorm.reference_forward(x.double(), w.double(), b.double(), EPS)
+    assert rel(y, exact) <= TOL[torch.bfloat16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def test_auto_falls_back_to_the_reference_off_cuda_and_counts_it():
+    build.calls.clear()
+    x, w, b = inputs((4,), 6, seed=0)
+    assert torch.equal(layernorm.layer_norm(x, w, b), layernorm.reference_forward(x, w, b, EPS)[0])
+    assert build.report() == {"layernorm": "reference"}
+
+
+def test_forcing_the_kernel_on_cpu_tensors_names_the_reason():
+    with pytest.raises(ValueError, match="forced.*(no CUDA|not on a CUDA device)"):
+        layernorm.layer_norm(*inputs((4,), 6, seed=0), mode="cuda")
+
+
+def test_rows_longer_than_the_shared_memory_limit_fall_back():
+    C = layernorm.MAX_C + 1
+    x, w, b = inputs((2,), C, seed=0)
+    assert str(layernorm.MAX_C) in layernorm.unsupported(x, w, b)
+    with pytest.raises(ValueError, match=f"forced.*{layernorm.MAX_C}"):
+        layernorm.layer_norm(x, w, b, mode="cuda")
+    build.calls.clear()
+    assert torch.equal(layernorm.layer_norm(x, w, b), layernorm.reference_forward(x, w, b, EPS)[0])
+    assert build.report() == {"layernorm": "reference"}
+
+
+def test_weights_of_the_wrong_shape_and_empty_inputs_are_refused():
+    x, w, b = inputs((2,), 8, seed=0)
+    assert "shape (8,)" in layernorm.unsupported(x, w[:7], b)
+    assert "no rows" in layernorm.unsupported(x[:0], w, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel, on a GPU
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("C", [1, 7, 768, 1000, 1024, 4096, 4097, layernorm.MAX_C])
+@pytest.mark.parametrize("rows", [1, 3, 777])
+def test_kernel_matches_the_float64_reference(rows, C, dtype):
+    ext = build.extension("layernorm", layernorm.BINDING, layernorm.FUNCTIONS)
+    x, w, b = inputs((rows,), C, seed=C + rows, dtype=dtype, device="cuda")
+    g = randn(rows, C, seed=7, dtype=dtype, device="cuda")
+    nan = float("nan")  # every output poisoned: a value the kernel forgets to write stays NaN
+    y, dx = torch.full_like(x, nan), torch.full_like(x, nan)
+    mean = torch.full((rows,), nan, device="cuda")
+    rstd = torch.full_like(mean, nan)
+    partial = torch.full((2, layernorm.backward_blocks(rows, x.device), C), nan, device="cuda")
+    layernorm.kernel_forward(ext, x, w, b, EPS, y, mean, rstd)
+    layernorm.kernel_backward(ext, g, x, w, mean, rstd, dx, partial)
+    dw, db = partial.sum(1)
+
+    ref_y, ref_mean, ref_rstd = layernorm.reference_forward(x.double(), w.double(), b.double(), EPS)
+    ref_dx, ref_dw, ref_db = layernorm.reference_backward(g.double(), x.double(), w.double(), ref_mean,
+                                                          ref_rstd)
+    assert rel(mean, ref_mean) <= TOL[torch.float32]
+    assert rel(rstd, ref_rstd) <= TOL[torch.float32]
+    for out, ref in [(y, ref_y), (dx, ref_dx), (dw.to(dtype), ref_dw), (db.to(dtype), ref_db)]:
+        assert rel(out, ref) <= TOL[dtype]
+
+
+@needs_cuda
+def test_public_function_runs_the_kernel_forward_and_backward_on_any_leading_shape():
+    build.calls.clear()
+    x, w, b = (t.requires_grad_() for t in inputs((2, 5), 96, seed=1, dtype=torch.float32, device="cuda"))
+    y = layernorm.layer_norm(x, w, b, EPS, mode="cuda")
+    grad = randn(2, 5, 96, seed=2, dtype=torch.float32, device="cuda")
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), grad)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = F.layer_norm(x64, (96,), w64, b64, EPS)
+    for out, ref in zip((y, dx, dw, db), (y64, *torch.autograd.grad(y64, (x64, w64, b64), grad.double()))):
+        assert out.shape == ref.shape and rel(out, ref) <= TOL[torch.float32]
+    assert build.report() == {"layernorm": "cuda"}
+
+
+@needs_cuda
+def test_fp32_weights_with_bf16_activations_fall_back_in_auto():
+    build.calls.clear()
+    x, _, _ = inputs((4,), 32, seed=0, dtype=torch.bfloat16, device="cuda")
+    _, w, b = inputs((4,), 32, seed=0, dtype=torch.float32, device="cuda")
+    assert "mixed dtypes" in layernorm.unsupported(x, w, b)
+    assert layernorm.layer_norm(x, w, b).dtype == torch.bfloat16
+    assert build.report() == {"layernorm": "reference"}
+
+
+@needs_cuda
+def test_graph_replay_equals_eager():
+    """C = 8192: backward's 64 KiB of shared memory takes the opt-in path inside the capture."""
+    ext = build.extension("layernorm", layernorm.BINDING, layernorm.FUNCTIONS)
+    rows, C = 64, 8192
+    x, w, b = inputs((rows,), C, seed=0, dtype=torch.float32, device="cuda")
+    g = randn(rows, C, seed=1, dtype=torch.float32, device="cuda")
+    G = layernorm.backward_blocks(rows, x.device)
+
+    def run():
+        y, dx = torch.empty_like(x), torch.empty_like(x)
+        mean, rstd = torch.empty(rows, device="cuda"), torch.empty(rows, device="cuda")
+        partial = torch.empty(2, G, C, device="cuda")
+        layernorm.kernel_forward(ext, x, w, b, EPS, y, mean, rstd)
+        layernorm.kernel_backward(ext, g, x, w, mean, rstd, dx, partial)
+        return y, mean, rstd, dx, partial
+
+    run()  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = run()
+    x.copy_(inputs((rows,), C, seed=5, dtype=torch.float32, device="cuda")[0])
+    g.copy_(randn(rows, C, seed=6, dtype=torch.float32, device="cuda"))
+    graph.replay()
+    for replayed, eager in zip(static, run()):
+        assert torch.equal(replayed, eager)

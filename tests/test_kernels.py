@@ -1,0 +1,129 @@
+"""kernels/: every fused kernel's reference equals the unfused PyTorch it replaces; the dispatcher
+picks the right path; every .cu compiles with nvcc for sm_80 and sm_90; every binding compiles
+against torch's headers. GPU tests (kernel against reference) run only where CUDA is.
+
+Tolerances. CPU, float64: the reference and the unfused composition evaluate the same formula in
+a different order, so they differ by a few ulps (~1e-16 relative); 1e-12 leaves room for the
+tanh/exp chains and catches any wrong term (O(1e-3) or more). GPU: the issue's bounds, 1e-5 in
+fp32 and 1e-2 in bf16, as max|kernel - ref| / max|ref| against the reference in float64 on the
+same (rounded) inputs: fp32 keeps ~7 digits through a few transcendental ops, bf16 ~3 digits.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import load
+from kernels import bias_gelu, build
+
+tp_mod = load("01_tensor_parallel")
+F64 = torch.float64
+CPU_TOL = 1e-12
+GPU_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_nvcc = pytest.mark.skipif(not build.shutil.which("nvcc"), reason="nvcc is not on the PATH")
+
+
+def rel(a, b):
+    return tp_mod.max_rel_diff(a.double(), b.double())
+
+
+def randn(*shape, seed, dtype=F64, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building: no GPU needed.
+
+
+@needs_nvcc
+@pytest.mark.parametrize("cu", build.cu_files(), ids=lambda p: p.name)
+def test_every_cu_file_compiles_with_nvcc_alone_for_sm80_and_sm90(cu):
+    ok, out = build.nvcc_check(cu)
+    assert ok, out
+
+
+def test_every_binding_compiles_against_this_torchs_headers():
+    import kernels
+
+    bindings = {m.__name__.split(".")[-1]: m.BINDING for m in kernels.families()}
+    assert len(bindings) == len(build.cu_files())  # one binding per .cu: none forgotten
+    ok, out = build.binding_check(bindings)
+    assert ok, out[-4000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def test_auto_falls_back_to_the_reference_off_cuda_and_counts_it():
+    build.calls.clear()
+    y, b = randn(4, 6, seed=0), randn(6, seed=1)
+    out = bias_gelu.bias_gelu(y, b)  # CPU tensors: the reference, never a build
+    assert torch.equal(out, bias_gelu.reference_forward(y, b))
+    assert build.report() == {"bias_gelu": "reference"}
+
+
+def test_forcing_the_kernel_on_unsupported_input_names_the_reason():
+    with pytest.raises(ValueError, match="forced.*(no CUDA|not on a CUDA device)"):
+        bias_gelu.bias_gelu(randn(4, 6, seed=0), randn(6, seed=1), mode="cuda")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        bias_gelu.bias_gelu(randn(4, 6, seed=0), randn(6, seed=1), mode="fast")
+
+
+# ----------------------------------------------------------------------------------------------
+# bias + GeLU
+
+
+def _check_against_unfused(fn, unfused, inputs, tol=CPU_TOL):
+    """Forward and every input gradient of fn against the unfused composition, float64."""
+    a = [t.clone().requires_grad_() for t in inputs]
+    b = [t.clone().requires_grad_() for t in inputs]
+    out_a, out_b = fn(*a), unfused(*b)
+    grad = randn(*out_a.shape, seed=99)
+    out_a.backward(grad)
+    out_b.backward(grad)
+    assert rel(out_a, out_b) < tol
+    for x, y in zip(a, b):
+        assert rel(x.grad, y.grad) < tol
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1, 1), (2, 1000)])
+def test_bias_gelu_reference_equals_unfused_add_then_gelu(shape):
+    y, b = randn(*shape, seed=0) * 3, randn(shape[-1], seed=1)
+    _check_against_unfused(lambda y, b: bias_gelu.bias_gelu(y, b, mode="reference"),
+                           lambda y, b: F.gelu(y + b, approximate="tanh"), [y, b])
+
+
+def test_bias_gelu_hand_written_backward_passes_gradcheck():
+    y, b = randn(3, 4, seed=2).requires_grad_(), randn(4, seed=3).requires_grad_()
+    assert torch.autograd.gradcheck(lambda y, b: bias_gelu.BiasGelu.apply(y, b, None), (y, b))
+
+
+SHAPES = [(8, 1024), (3, 1000), (777, 4097), (1, 7), (2, 5, 96)]  # non-multiples of 256 and of 8
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bias_gelu_kernel_matches_the_float64_reference(shape, dtype):
+    ext = build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    y, b, g = (randn(*s, seed=i, dtype=dtype, device="cuda") for i, s in enumerate([shape, shape[-1:], shape]))
+    out, dy = torch.full_like(y, float("nan")), torch.full_like(y, float("nan"))  # poisoned
+    bias_gelu.kernel_forward(ext, y, b, out)
+    bias_gelu.kernel_backward(ext, g, y, b, dy)
+    ref_out = bias_gelu.reference_forward(y.double(), b.double())
+    ref_dy, _ = bias_gelu.reference_backward(g.double(), y.double(), b.double())
+    assert rel(out, ref_out) <= GPU_TOL[dtype]
+    assert rel(dy, ref_dy) <= GPU_TOL[dtype]
+
+
+@needs_cuda
+def test_bias_gelu_graph_replay_equals_eager():
+    y, b = randn(64, 1000, seed=0, device="cuda", dtype=torch.float32), randn(1000, seed=1, device="cuda", dtype=torch.float32)
+    bias_gelu.bias_gelu(y, b, mode="cuda")  # build and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = bias_gelu.bias_gelu(y, b, mode="cuda")
+    y.copy_(randn(64, 1000, seed=5, device="cuda", dtype=torch.float32))
+    graph.replay()
+    assert torch.equal(static_out, bias_gelu.bias_gelu(y, b, mode="cuda"))
