@@ -127,3 +127,20 @@ def test_bias_gelu_graph_replay_equals_eager():
     y.copy_(randn(64, 1000, seed=5, device="cuda", dtype=torch.float32))
     graph.replay()
     assert torch.equal(static_out, bias_gelu.bias_gelu(y, b, mode="cuda"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark script runs (on a CPU it times the references at small shapes and says so).
+
+
+def test_the_kernel_benchmark_runs_and_says_when_gpu_figures_are_not_measured():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py")], capture_output=True,
+                          text=True, timeout=80, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if not torch.cuda.is_available():
+        assert "no CUDA device: GPU figures not measured" in proc.stdout
