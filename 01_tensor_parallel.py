@@ -4,7 +4,9 @@ What this file adds: the foundation. A launcher that runs the same code on 1 CPU
 fork-started CPU ranks (gloo) or under torchrun on GPUs (NCCL); the two conjugate operators f and g
 of the paper's Figure 3 and their sequence-parallel twins (Korthikanti et al. 2022, Section 4.2.2);
 column- and row-parallel linear layers, a vocab-parallel embedding and cross-entropy; and a GPT-2
-built from them in which tp=1 *is* the serial model. Every later file imports this one.
+built from them in which tp=1 *is* the serial model. Every later file imports this one. The
+elementwise pieces of a block (LayerNorm, bias + GeLU, bias + dropout + residual, attention) go
+through one `Ops` object, plain PyTorch here, so that kernels/ can pass fused ones in.
 
 Run it:
     python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
