@@ -68,14 +68,17 @@ def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks,
             assert out["bytes_per_message"] == b * tc.seq_len * CFG.n_embd * 8 / split, what
 
 
-def _dropout_recompute(env):
+def _dropout_recompute(env, fused):
     cfg = replace(CFG, dropout=0.2, n_layer=2)
-    tcs = [replace(BASE, tp=2, steps=3, recompute=r) for r in (False, True)]
+    tcs = [replace(BASE, tp=2, steps=3, recompute=r, fused_kernels=fused, kernel_path="reference",
+                   sequence_parallel=fused) for r in (False, True)]
     return [gpt3d.train(env, cfg, tc, quiet=True)["losses"] for tc in tcs]
 
 
-def test_recomputation_replays_the_dropout_masks_inside_and_outside_tp_regions(run_ranks):
-    plain, recomputed = run_ranks(_dropout_recompute, 2)[0]
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch ops", "fused bias-dropout-add (hashed masks, sp)"])
+def test_recomputation_replays_the_dropout_masks_inside_and_outside_tp_regions(run_ranks, fused):
+    plain, recomputed = run_ranks(_dropout_recompute, 2, fused)[0]
+    assert plain[0] != plain[1]  # the steps differ: training happened
     assert tp.max_rel_diff(torch.tensor(recomputed), torch.tensor(plain)) <= TOL
 
 
