@@ -972,8 +972,7 @@ def stage_graphs(run, micro):
         x = micro[0][0] if first else torch.randn(run.act_shape, dtype=run.dtype, device=run.env.device,
                                                    requires_grad=True)
         samples[c] = (x, micro[0][1])
-    return cuda_graphs.StageGraphs(run.chunks, run.schedule, 0 if pp_rank == 0 else None,
-                                   v - 1 if pp_rank == pp - 1 else None, samples)
+    return cuda_graphs.StageGraphs(run.chunks, run.schedule, v - 1 if pp_rank == pp - 1 else None, samples)
 
 
 def evaluate(run, tokens):

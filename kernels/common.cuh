@@ -39,32 +39,37 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Block-wide reductions; every thread gets the result. blockDim.x must be a multiple of 32.
 // `scratch` holds 32 floats of shared memory; the first barrier lets a previous call finish
-// reading it before it is overwritten.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// reading it before it is overwritten. Each warp reduces, then every warp reduces the warps'
+// results (`identity` fills the lanes beyond the number of warps).
+template <float (*warp_reduce)(float)>
+__device__ __forceinline__ float block_reduce(float v, float* scratch, float identity) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_sum(v);
+  v = warp_reduce(v);
   __syncthreads();
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
-  return warp_sum(v);
+  v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : identity;
+  return warp_reduce(v);
 }
 
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  return block_reduce<warp_sum>(v, scratch, 0.f);
+}
 __device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : -INFINITY;
-  return warp_max(v);
+  return block_reduce<warp_max>(v, scratch, -INFINITY);
 }
 
 // Enough blocks to fill the device for a grid-stride loop over `work` items of `threads` each.
+// The SM count is asked once per device, not at every launch.
 static inline int grid_for(int64_t work, int threads) {
-  int device = 0, sms = 1;
+  static int sms_of[64] = {0};
+  int device = 0, sms = 0;
   cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (device < 64) sms = sms_of[device];
+  if (sms == 0) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (device < 64) sms_of[device] = sms;
+  }
   const int64_t wanted = (work + threads - 1) / threads, cap = (int64_t)sms * 8;
   return (int)(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
 }

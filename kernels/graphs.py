@@ -66,9 +66,8 @@ class StageGraphs:
     forward for microbatch mb (the executor's `call` hook); autograd then replays the matching
     backward graph when the executor runs that microbatch's backward."""
 
-    def __init__(self, chunks, actions, first, last, samples):
-        """first/last: chunk indices holding the embeddings / the loss (None if not on this rank);
-        samples[c]: example (x, targets) of chunk c's real shapes and dtypes (x requires grad
+    def __init__(self, chunks, actions, last, samples):
+        """last: the chunk index holding the loss (None if not on this rank); samples[c]: example (x, targets) of chunk c's real shapes and dtypes (x requires grad
         unless it is token ids)."""
         self.slot_of, counts = slots(actions)
         self.last = last

@@ -81,8 +81,7 @@ def _stage_graphs_match_eager(env, sched_name):
             real, torch.cuda.make_graphed_callables = torch.cuda.make_graphed_callables, lambda mod, args: mod
             try:
                 x = micro[0][0] if rank == 0 else torch.randn(2, 16, 16, dtype=torch.float64, requires_grad=True)
-                sg = graphs.StageGraphs(chunks, actions, 0 if rank == 0 else None,
-                                        0 if rank == pp - 1 else None, {0: (x, micro[0][1])})
+                sg = graphs.StageGraphs(chunks, actions, 0 if rank == pp - 1 else None, {0: (x, micro[0][1])})
             finally:
                 torch.cuda.make_graphed_callables = real
             call = sg.call

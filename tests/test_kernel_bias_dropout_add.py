@@ -20,7 +20,7 @@ import torch
 from conftest import load
 from kernels import bias_dropout_add as bda
 from kernels import build
-from test_kernels import CPU_TOL, GPU_TOL, needs_cuda, randn, rel
+from test_kernels import CPU_TOL, GPU_TOL, _check_against_unfused, needs_cuda, randn, rel
 
 tp_mod = load("01_tensor_parallel")
 M32 = 0xFFFFFFFF
@@ -73,19 +73,6 @@ def test_threshold_is_ceil_p_times_2_to_the_24_and_p_outside_0_1_is_refused():
 
 # ----------------------------------------------------------------------------------------------
 # The reference against the unfused composition, float64 on CPU
-
-
-def _check_against_unfused(fn, unfused, inputs):
-    """Forward and every input gradient of fn against the unfused composition, float64."""
-    a = [t.clone().requires_grad_() for t in inputs]
-    c = [t.clone().requires_grad_() for t in inputs]
-    out_a, out_c = fn(*a), unfused(*c)
-    grad = randn(*out_a.shape, seed=99)
-    out_a.backward(grad)
-    out_c.backward(grad)
-    assert rel(out_a, out_c) < CPU_TOL
-    for x, z in zip(a, c):
-        assert rel(x.grad, z.grad) < CPU_TOL
 
 
 SHAPES = [(3, 5, 7), (1, 1), (2, 1000), (4, 33)]
