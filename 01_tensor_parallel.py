@@ -15,34 +15,30 @@ Run it:
 
 The demo builds the serial GPT-2 and the tensor-parallel one from the same float64 weights, runs
 forward and backward on the same random batch, prints the loss, the max relative difference of the
-logits and of every gradient, and every collective in the order it ran (2 all-reduces per layer
-forward, 2 backward). It exits 1 if any difference exceeds 1e-10.
+logits and of every gradient, and every collective in the order it ran: per layer 2 all-reduces
+forward and 2 backward; with --sequence-parallel 4 all-gathers and reduce-scatters each way, plus 6
+small all-reduces of replicated gradients in backward (the output says why). It exits 1 if any
+difference exceeds 1e-10.
 
 Glossary, used in every file:
     B batch, T sequence length, C = n_embd channels, nh heads, hs = C // nh head size, V vocabulary;
     tp / pp / dp: tensor- / pipeline- / data-parallel sizes, v virtual chunks per rank, m microbatches.
 """
-import argparse
-import ctypes
-import dataclasses
-import math
-import os
-import pickle
-import signal
-import sys
-import time
-import traceback
 import contextlib
+import math
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import connection, get_context
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+
+from plumbing import cli
+from plumbing.launch import launch, printer, run_main  # launch: re-exported for the README's example
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 and 2.12 only have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,143 +47,17 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 50257  # V: GPT-2's BPE vocabulary
+    vocab_size: int = 50257  # V, the vocabulary (GPT-2's BPE has 50257 tokens, bytes 256)
     block_size: int = 1024  # longest sequence; size of the learned position table
     n_layer: int = 12  # transformer blocks
-    n_head: int = 12  # nh
-    n_embd: int = 768  # C
+    n_head: int = 12  # nh, attention heads
+    n_embd: int = 768  # C, channels of the residual stream (hs = C / nh per head)
     dropout: float = 0.0  # on embeddings, attention probabilities and both residual branches
 
 
 # ----------------------------------------------------------------------------------------------
-# Running: one code path from 1 rank to a cluster
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-
-class RankFailure(RuntimeError):
-    """Raised in the launching process when a rank raised, died or missed the deadline."""
-
-
-def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None):
-    """Run worker(env, *args) on every rank and return the ranks' results, in rank order.
-
-    Under torchrun (RANK and WORLD_SIZE set) this process is one rank: it joins the launcher's group
-    (NCCL on its LOCAL_RANK GPU if CUDA is available, else gloo) and returns [its own result].
-    Otherwise nprocs CPU ranks are fork-started here with gloo and one thread each. timeout_s bounds
-    every collective; deadline_s, if given, bounds the whole run. If a rank raises or dies, the
-    others are stopped and RankFailure carries the rank's traceback.
-    """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        env = _join_launcher_group(timeout_s)
-        try:
-            return [worker(env, *args)]
-        finally:
-            dist.destroy_process_group()
-    return _launch_local(worker, nprocs, args, timeout_s, deadline_s)
-
-
-def _join_launcher_group(timeout_s):
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    # env:// reads MASTER_ADDR and MASTER_PORT from the launcher.
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    return RankEnv(rank, world, local_rank, device)
-
-
-def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
-    ctx = get_context("fork")  # fork: no re-import, closures work, start-up in milliseconds
-    procs, pipes = [], []
-    for rank in range(nprocs):
-        ours, theirs = ctx.Pipe()
-        p = ctx.Process(target=_local_rank_main, name=f"rank{rank}", daemon=True,
-                        args=(rank, nprocs, theirs, worker, args, timeout_s))
-        p.start()
-        theirs.close()  # only the child holds its end, so ours reads EOF if the child dies
-        procs.append(p)
-        pipes.append(ours)
-    # The rendezvous store is made after the forks (its server thread must not be forked) on a
-    # port the OS picks, so there is no free-port race; the children learn the port by pipe.
-    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    for pipe in pipes:
-        pipe.send(store.port)
-    results, failures = {}, {}
-    deadline = None if deadline_s is None else time.monotonic() + deadline_s
-    try:
-        while len(results) + len(failures) < nprocs:
-            if failures:  # give the other ranks a moment to report their own error, then stop them
-                wait_s = 1.0
-            else:
-                wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            waiting = [pipes[r] for r in range(nprocs) if r not in results and r not in failures]
-            ready = connection.wait(waiting, timeout=wait_s)
-            if not ready:
-                if not failures:
-                    failures["the run"] = f"passed its deadline of {deadline_s} s\n"
-                break
-            for pipe in ready:
-                rank = pipes.index(pipe)
-                try:
-                    status, payload = pickle.loads(pipe.recv_bytes())
-                except EOFError:
-                    procs[rank].join(5)
-                    status, payload = "error", f"rank {rank} died with exit code {procs[rank].exitcode}\n"
-                (results if status == "ok" else failures)[rank] = payload
-    finally:
-        stopped = [r for r, p in enumerate(procs) if p.is_alive() and r not in {**results, **failures}]
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        del store
-    if failures:
-        first = next(iter(failures))  # the earliest report: the others may be its consequences
-        who = lambda r: r if isinstance(r, str) else f"rank {r}"
-        lines = [f"{who(first)} failed:\n{failures[first]}"]
-        lines += [f"{who(r)} also failed: {failures[r].strip().splitlines()[-1]}"
-                  for r in failures if r != first]
-        if stopped:
-            lines.append(f"stopped ranks {stopped} after the failure")
-        raise RankFailure("\n".join(lines))
-    return [results[r] for r in range(nprocs)]
-
-
-def _local_rank_main(rank, world, pipe, worker, args, timeout_s):
-    torch.set_num_threads(1)  # one thread per rank: ranks share the cores, as GPUs would not
-    try:  # Linux: die with the launching process rather than linger until a timeout
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    code = 0
-    try:
-        store = dist.TCPStore("127.0.0.1", pipe.recv(), world, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)
-        pipe.send_bytes(pickle.dumps(("ok", result)))
-    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
-        code = 1
-        pipe.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown in a forked child
+# Groups. The launcher (plumbing/launch.py) gives each rank its RankEnv; a tp group is a block of
+# tp consecutive ranks, so on a GPU node it stays inside the node's NVLink domain.
 
 
 def new_tp_group(env, tp, timeout_s=60.0):
@@ -199,53 +69,43 @@ def new_tp_group(env, tp, timeout_s=60.0):
     return groups[env.rank // tp]
 
 
-def add_dataclass_args(parser, cls, **defaults):
-    """Add --field-name options for every field of a config dataclass (the CLI is generated from it)."""
-    for f in dataclasses.fields(cls):
-        default = defaults.get(f.name, f.default)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(default, bool) or (default is None and f.type == bool | None):  # None: auto
-            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
-        else:
-            parser.add_argument(flag, default=default, type=type(default))
-
-
-def from_args(cls, args):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-def run_main(main):
-    """Call main() and turn its result into the exit code: 0 if it returned True, else 1."""
-    try:
-        ok = main()
-    except (RankFailure, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    sys.exit(0 if ok else 1)
-
-
 # ----------------------------------------------------------------------------------------------
 # Communication: the conjugate operators. `group=None` means no tensor parallelism (tp=1): every
 # operator is then the identity and nothing needs torch.distributed.
 
 COMM_LOG = None  # a list while trace_comm() is active, else None
+COMM_CLOCK = time.perf_counter
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as trace_comm() saw it; the tag names the layer and forward or backward."""
+    op: str
+    tag: str
+    shape: tuple
+    nbytes: int
+    start: float  # COMM_CLOCK() before and after it
+    end: float
 
 
 @contextmanager
-def trace_comm():
-    """Record every collective as (op, tag, shape, bytes) while the block runs; the tag names the
-    layer and whether it ran in forward or backward."""
-    global COMM_LOG
-    COMM_LOG = []
+def trace_comm(clock=time.perf_counter):
+    """Record every collective of this file as a Collective while the block runs. clock reads the
+    time (05's --trace passes one that first waits for the GPU)."""
+    global COMM_LOG, COMM_CLOCK
+    COMM_LOG, COMM_CLOCK = [], clock
     try:
         yield COMM_LOG
     finally:
-        COMM_LOG = None
+        COMM_LOG, COMM_CLOCK = None, time.perf_counter
 
 
-def _record(op, x, tag):
+@contextmanager
+def _recorded(op, x, tag):
+    start = COMM_CLOCK() if COMM_LOG is not None else 0.0
+    yield
     if COMM_LOG is not None:
-        COMM_LOG.append((op, tag, tuple(x.shape), x.numel() * x.element_size()))
+        COMM_LOG.append(Collective(op, tag, tuple(x.shape), x.numel() * x.element_size(), start, COMM_CLOCK()))
 
 
 def tp_size(group):
@@ -259,8 +119,8 @@ def tp_rank(group):
 def all_reduce(x, group, tag, op=dist.ReduceOp.SUM):
     """In-place all-reduce over the tp group (a no-op for group=None)."""
     if tp_size(group) > 1:
-        _record("all-reduce", x, tag)
-        dist.all_reduce(x, op=op, group=group)
+        with _recorded("all-reduce", x, tag):
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -279,8 +139,8 @@ def _split(x, group, dim, tag):
 def _all_gather(x, group, dim, tag):
     tp, x = tp_size(group), x.contiguous()
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))  # the ranks' tensors stacked along dim 0
-    _record("all-gather", out, tag)
-    all_gather_single(out, x, group=group)
+    with _recorded("all-gather", out, tag):
+        all_gather_single(out, x, group=group)
     return torch.cat(out.chunk(tp), dim)
 
 
@@ -288,8 +148,8 @@ def _reduce_scatter(x, group, dim, tag):
     tp = tp_size(group)
     chunks = torch.cat(x.chunk(tp, dim))  # rank i's part of dim moved to block i of dim 0
     out = chunks.new_empty((chunks.shape[0] // tp, *chunks.shape[1:]))
-    _record("reduce-scatter", chunks, tag)
-    reduce_scatter_single(out, chunks, group=group)
+    with _recorded("reduce-scatter", chunks, tag):
+        reduce_scatter_single(out, chunks, group=group)
     return out
 
 
@@ -813,7 +673,7 @@ def max_rel_diff(a, b):
 
 def demo(env, cfg, args):
     group = new_tp_group(env, args.tp)
-    say = print if env.rank == 0 else (lambda *a, **k: None)
+    say = printer(env)
     say(f"{cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} B={args.batch_size} "
         f"T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
     dt = torch.float64
@@ -843,12 +703,21 @@ def demo(env, cfg, args):
     for name, d in diffs.items():
         say(f"  {d:9.2e}  {name}")
     say("\ncollectives on rank 0 for one forward + backward, in the order they ran:")
-    for op, tag, shape, nbytes in log:
-        say(f"  {op:15s} {tag:48s} {str(shape):16s} {nbytes / 1024:7.1f} KiB")
-    layer0 = [e[1] for e in log if e[1].startswith("transformer.h.0.")]
-    say(f"layer 0: {sum('forward' in t for t in layer0)} forward and "
-        f"{sum('backward' in t for t in layer0)} backward collectives; {len(log)} in all, "
-        f"{sum(e[3] for e in log) / 1024:.1f} KiB")
+    for c in log:
+        say(f"  {c.op:15s} {c.tag:48s} {str(c.shape):16s} {c.nbytes / 1024:7.1f} KiB")
+    layer0 = [c.tag for c in log if c.tag.startswith("transformer.h.0.")]
+    n_fwd, n_bwd = sum("forward" in t for t in layer0), sum("backward" in t for t in layer0)
+    say(f"layer 0: {n_fwd} forward and {n_bwd} backward collectives; {len(log)} in all, "
+        f"{sum(c.nbytes for c in log) / 1024:.1f} KiB")
+    if model.sp:
+        say("  with sequence parallelism each all-reduce of f and g becomes an all-gather and a\n"
+            "  reduce-scatter (Korthikanti 4.2.2): 4 forward and 4 backward, the bytes of 2 all-reduces.\n"
+            "  The other backward ones are small all-reduces of the replicated LayerNorm and row-parallel\n"
+            "  bias gradients, which each rank computed from its T/tp tokens only (Megatron leaves these\n"
+            "  partial until the data-parallel reduction)")
+    else:
+        say("  g after each row-parallel layer in forward, f before each column-parallel layer in\n"
+            "  backward: the paper's Figure 3, 2 all-reduces each way per layer")
     n_local, n_full = sum(p.numel() for p in model.parameters()), sum(t.numel() for t in full.values())
     say(f"parameters on rank 0: {n_local:,} of {n_full:,} ({n_local / n_full:.0%})")
     times = {}
@@ -859,25 +728,36 @@ def demo(env, cfg, args):
             m(idx, targets)[1].backward()
             steps.append(time.perf_counter() - t0)
         times[name] = sorted(steps)[2]
-    say(f"forward+backward: serial {times['serial'] * 1e3:.1f} ms, tp {times['tp'] * 1e3:.1f} ms "
-        f"(ranks share the CPU cores here; BENCHMARKS.md has measured comparisons)")
+    say(f"forward+backward: serial {times['serial'] * 1e3:.1f} ms, tp {times['tp'] * 1e3:.1f} ms")
+    if env.device.type == "cpu" and times["tp"] > times["serial"]:
+        say("  tp is slower than serial here: its ranks are processes sharing this machine's cores,\n"
+            "  one thread each, and every collective is a copy through loopback. On GPUs each rank has\n"
+            "  its own device and NVLink; BENCHMARKS.md times this code against PyTorch's DTensor")
     say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} "
         f"(tolerance 1e-10)")
     return worst <= 1e-10
 
 
+@dataclass
+class DemoConfig:
+    tp: int = 2  # tensor-parallel size: CPU ranks started here, or torchrun's world
+    sequence_parallel: bool = False  # shard the LayerNorm and dropout activations along T (Korthikanti)
+    batch_size: int = 4  # B, sequences in the batch
+    seq_len: int = 32  # T, tokens per sequence
+    seed: int = 1234  # for the weights and the batch
+
+
+def parser():
+    p = cli.make_parser(__doc__)
+    cli.add_dataclass_args(p, DemoConfig, "demo")
+    cli.add_dataclass_args(p, GPTConfig, "model", vocab_size=1001, block_size=64, n_layer=2, n_head=4,
+                           n_embd=64)
+    return p
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (local ranks on CPU)")
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=1234)
-    add_dataclass_args(parser, GPTConfig, vocab_size=1001, block_size=64, n_layer=2, n_head=4,
-                       n_embd=64)
-    args = parser.parse_args()
-    cfg = from_args(GPTConfig, args)
-    return all(launch(demo, args.tp, cfg, args))
+    args = parser().parse_args()
+    return all(launch(demo, args.tp, cli.from_args(GPTConfig, args), args))
 
 
 if __name__ == "__main__":

@@ -25,17 +25,20 @@ Megatron's output deallocation. It exits 1 on a mismatch.
 
 Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
 """
-import argparse
 import importlib
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from fractions import Fraction
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from plumbing import cli
+from plumbing.launch import gather_numbers, printer, run_main
+from plumbing.trace import write_chrome_trace
 
 tp = importlib.import_module("01_tensor_parallel")
 
@@ -279,15 +282,10 @@ def render(timeline, width=100, end=None):
     return "\n".join(rows)
 
 
-def chrome_trace(timeline, path, seconds_per_unit=1e-6):
-    """Write a Chrome trace (open it in ui.perfetto.dev): one track per rank, one slice per action."""
-    events = [{"name": str(a), "cat": a.kind, "ph": "X", "pid": 0, "tid": r,
-               "ts": float(s) * seconds_per_unit * 1e6, "dur": float(e - s) * seconds_per_unit * 1e6}
-              for r, tl in enumerate(timeline) for s, e, a in tl]
-    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-               for r in range(len(timeline))]
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events}, f)
+def trace_tracks(timeline, seconds_per_unit=1e-6):
+    """One Chrome-trace track per rank, one slice per action (plumbing.trace.write_chrome_trace)."""
+    return [(f"rank {r}", [(s * seconds_per_unit, e * seconds_per_unit, str(a), a.kind) for s, e, a in tl])
+            for r, tl in enumerate(timeline)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,6 +353,7 @@ class StepResult:
     peak_activation_bytes: int  # most bytes saved for backward (plus kept outputs) at a boundary
     messages: int
     bytes_sent: int
+    waits: list = field(default_factory=list)  # [(start_s, end_s, n_ops)]: each batched exchange
 
 
 class Wire:
@@ -372,12 +371,13 @@ class Wire:
 
 
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True,
-            ignore_index=-100, t0=None, wire=None, call=None):
+            ignore_index=-100, t0=None, wire=None, call=None, clock=time.perf_counter):
     """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
     (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in the
     chunks' parameters; the loss of microbatch i is weighted by its share of the tokens, so the
     sum is the serial model's mean loss. call(c, mb, x, targets), if given, runs chunk c's forward
-    instead of chunks[c](x, targets): kernels/graphs.py replays CUDA graphs through it."""
+    instead of chunks[c](x, targets): kernels/graphs.py replays CUDA graphs through it. clock()
+    reads the time of the events (05's --trace passes one that waits for the GPU first)."""
     wire = wire or Wire(act_shape)
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     S = pp * len(chunks)
@@ -385,8 +385,8 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
     n_valid = sum(int((t != ignore_index).sum()) for _, t in microbatches)
     params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
     inbox, outbox, inputs, outputs, saved, unsent = {}, {}, {}, {}, {}, set()
-    t0 = time.perf_counter() if t0 is None else t0
-    events, loss, peak, n_msgs, n_bytes = [], None, 0, 0, 0
+    t0 = clock() if t0 is None else t0
+    events, waits, loss, peak, n_msgs, n_bytes = [], [], None, 0, 0, 0
     for kind, step in rank_plan(actions, rank, pp):
         if kind == "comm":
             ops, sent = [], []
@@ -400,11 +400,13 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 else:  # poisoned, so a receive that never happened shows up as NaN
                     inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, inbox[msg], peer))
+            start = clock() - t0
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             for side, _, msg in step:
                 if side == "recv":
                     inbox[msg] = wire.unpack(inbox[msg])
+            waits.append((start, clock() - t0, len(ops)))  # with 05's gather half of scatter/gather
             for kind_, stage, mb in sent:
                 if kind_ == "act":
                     key = ((stage - 1) // pp, mb)  # the chunk that produced it
@@ -415,7 +417,7 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                         outputs[key].untyped_storage().resize_(0)
             peak = max(peak, _stored_bytes(outputs, saved, unsent))
             continue
-        a, start = step, time.perf_counter() - t0
+        a, start = step, clock() - t0
         k = a.chunk * pp + rank
         key = (a.chunk, a.mb)
         idx, targets = microbatches[a.mb]
@@ -456,9 +458,9 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                     inbox[out] = x.grad
                 else:
                     outbox[out] = wire.pack(x.grad)
-        events.append((start, time.perf_counter() - t0, a))
+        events.append((start, clock() - t0, a))
         peak = max(peak, _stored_bytes(outputs, saved, unsent))
-    return StepResult(loss, events, peak, n_msgs, n_bytes)
+    return StepResult(loss, events, peak, n_msgs, n_bytes, waits)
 
 
 def _stored_bytes(outputs, saved, unsent):
@@ -506,10 +508,34 @@ def serial_reference(env, cfg, args, m):
     return microbatches, full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
 
 
+@dataclass
+class RankFigures:
+    """One rank's figures from a demo step, gathered to every rank as numbers (no pickling)."""
+    worst: float  # max relative difference against serial, over its loss and gradients
+    events: list  # [(start_s, end_s, Action)] as executed
+    peak_bytes: int  # peak stored activation bytes, outputs deallocated
+    peak_bytes_kept: int  # the same with outputs kept
+    messages: int
+    bytes_sent: int
+
+
+def gather_figures(worst, res, kept, device):
+    """Every rank's RankFigures: its numbers and its timeline flattened into one list each."""
+    flat = [worst, res.peak_activation_bytes, kept.peak_activation_bytes, res.messages, res.bytes_sent]
+    flat += [x for s, e, a in res.events for x in (s, e, "FB".index(a.kind), a.mb, a.chunk)]
+    out = []
+    for row in gather_numbers(flat, device=device):
+        ev = row[5:]
+        events = [(ev[i], ev[i + 1], Action("FB"[int(ev[i + 2])], int(ev[i + 3]), int(ev[i + 4])))
+                  for i in range(0, len(ev), 5)]
+        out.append(RankFigures(row[0], events, *(int(x) for x in row[1:5])))
+    return out
+
+
 def check_and_report(env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b=2, end=None,
-                     trace=None, width=100):
+                     width=100):
     """Run `schedule`, compare with the serial reference, and print its timelines, bubble, memory
-    and traffic. Returns (ok, the simulation, every rank's (worst, events, bytes, ...) tuple)."""
+    and traffic. Returns (ok, the simulation, every rank's RankFigures)."""
     microbatches, full, ref_loss, ref_grads = ref
     pp, m = len(schedule), len(microbatches)
     chunks, res = pipeline_step(env, cfg, schedule, microbatches, full, embed_group)
@@ -517,32 +543,38 @@ def check_and_report(env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b
     if res.loss is not None:
         diffs["loss"] = tp.max_rel_diff(res.loss, ref_loss)
     kept = pipeline_step(env, cfg, schedule, microbatches, full, embed_group, deallocate=False)[1]
-    ranks = [None] * pp
-    dist.all_gather_object(ranks, (max(diffs.values()), res.events, res.peak_activation_bytes,
-                                   kept.peak_activation_bytes, res.messages, res.bytes_sent))
-    worst = max(r[0] for r in ranks)
+    ranks = gather_figures(max(diffs.values()), res, kept, env.device)
+    worst = max(r.worst for r in ranks)
     sim = simulate(schedule, pp, t_f, t_b)
     v = n_chunks(schedule[0])
     formula = Fraction(pp - 1, v * m)
-    busy = sum(e - s for r in ranks for s, e, _ in r[1])
-    span = max(r[1][-1][1] for r in ranks) - min(r[1][0][0] for r in ranks)
+    busy = sum(e - s for r in ranks for s, e, _ in r.events)
+    span = max(r.events[-1][1] for r in ranks) - min(r.events[0][0] for r in ranks)
     say(f"\n=== {name}: pp={pp} v={v} m={m} ===")
     say(f"simulated timeline (t_f={t_f}, t_b={t_b} per chunk):\n{render(sim.timeline, width, end)}")
     say(f"bubble: simulated {sim.bubble} = {float(sim.bubble):.4f}, formula (pp-1)/(v m) = {formula}"
         f"  {'(equal)' if sim.bubble == formula else '(DIFFERENT)'}")
-    say(f"measured timeline (this run; CPU ranks share the cores, so it is noisy):\n"
-        f"{render([r[1] for r in ranks])}\nmeasured idle / busy: {(pp * span - busy) / busy:.3f}")
+    say(f"measured timeline (this run):\n{render([r.events for r in ranks])}\n"
+        f"measured idle / busy: {(pp * span - busy) / busy:.3f}")
+    if env.device.type == "cpu":
+        say(f"  not the simulated {float(sim.bubble):.3f}: the simulator gives every rank a device of "
+            f"its own, while here\n  {pp} ranks share this machine's cores, and time spent waiting "
+            f"for a core counts as idle")
     say(f"peak microbatches in flight per stage (simulated, all chunks): {sim.peak_in_flight}")
-    say(f"peak stored activation bytes per stage, outputs deallocated: {[r[2] for r in ranks]}")
-    say(f"                                          outputs kept:        {[r[3] for r in ranks]}")
-    say(f"p2p messages sent per stage: {[r[4] for r in ranks]}, bytes: {[r[5] for r in ranks]}")
+    say(f"peak stored activation bytes per stage, outputs deallocated: {[r.peak_bytes for r in ranks]}")
+    say(f"                                          outputs kept:        {[r.peak_bytes_kept for r in ranks]}")
+    say(f"p2p messages sent per stage: {[r.messages for r in ranks]}, bytes: {[r.bytes_sent for r in ranks]}")
     say(f"max relative difference against serial (loss and every gradient): {worst:.2e} "
         f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
-    if trace and env.rank == 0:
-        path = trace.replace(".json", f".{name}.json")
-        chrome_trace([r[1] for r in ranks], path, seconds_per_unit=1.0)
-        say(f"Chrome trace: {path} (open in ui.perfetto.dev)")
     return worst <= 1e-10 and sim.bubble == formula, sim, ranks
+
+
+def write_trace(path, measured, say):
+    """One Chrome trace at `path`: a process per schedule, a track per rank, times in seconds."""
+    write_chrome_trace(path, [(name, trace_tracks([r.events for r in ranks], seconds_per_unit=1.0))
+                              for name, ranks in measured.items()])
+    say(f"\nChrome trace of the measured steps ({', '.join(measured)}): {path} "
+        f"(open it in chrome://tracing or ui.perfetto.dev)")
 
 
 def demo(env, cfg, args):
@@ -550,37 +582,56 @@ def demo(env, cfg, args):
     check_world(pp, env.world_size)  # every check runs before the first collective
     split_layers(cfg.n_layer, pp)
     ref = serial_reference(env, cfg, args, m)
-    say = print if env.rank == 0 else (lambda *a, **k: None)
+    say = printer(env)
     say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
-    ok = True
+    ok, measured = True, {}
     for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
         schedule = [SCHEDULES[name](pp, m, s) for s in range(pp)]
         validate(schedule, pp, m)
-        ok &= check_and_report(env, cfg, name, schedule, ref, embed_group, say, trace=args.trace)[0]
+        good, _, measured[name] = check_and_report(env, cfg, name, schedule, ref, embed_group, say)
+        ok &= good
+    if args.trace and env.rank == 0:
+        write_trace(args.trace, measured, say)
     return ok
 
 
-def add_demo_args(parser, **model_defaults):
-    parser.add_argument("--microbatches", type=int, default=8, help="m")
-    parser.add_argument("--batch-size", type=int, default=None, help="global batch (default 2 m)")
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--trace", default=None, help="write Chrome traces to PATH.<schedule>.json")
-    tp.add_dataclass_args(parser, tp.GPTConfig, **{**dict(vocab_size=1001, block_size=64, n_layer=4,
-                                                          n_head=4, n_embd=64), **model_defaults})
+@dataclass
+class DemoConfig:
+    microbatches: int = 8  # m, microbatches the batch is cut into
+    batch_size: int = 0  # global batch B, in sequences (0: 2 m)
+    seq_len: int = 32  # T, tokens per sequence
+    seed: int = 1234  # for the weights and the batch
+    trace: str = ""  # write the measured steps as one Chrome trace to this file
+
+
+def demo_parser(doc, **model_defaults):
+    """The demo's flags and the model's, shared with 03 (which adds its own)."""
+    parser = cli.make_parser(doc)
+    cli.add_dataclass_args(parser, DemoConfig, "demo")
+    cli.add_dataclass_args(parser, tp.GPTConfig, "model", **{
+        **dict(vocab_size=1001, block_size=64, n_layer=4, n_head=4, n_embd=64), **model_defaults})
+    return parser
+
+
+@dataclass
+class PipelineDemo:
+    pp: int = 4  # pipeline stages: CPU ranks started here, or torchrun's world
+    schedule: Literal["gpipe", "1f1b", "both"] = "both"  # which schedules to run and compare
+
+
+def parser():
+    p = demo_parser(__doc__)
+    cli.add_dataclass_args(p, PipelineDemo, "pipeline")
+    return p
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pp", type=int, default=4, help="pipeline stages (local ranks on CPU)")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "both"], default="both")
-    add_demo_args(parser)
-    args = parser.parse_args()
+    args = parser().parse_args()
     args.batch_size = args.batch_size or 2 * max(args.microbatches, 1)
-    return all(tp.launch(demo, args.pp, tp.from_args(tp.GPTConfig, args), args))
+    return all(tp.launch(demo, args.pp, cli.from_args(tp.GPTConfig, args), args))
 
 
 if __name__ == "__main__":
-    tp.run_main(main)
+    run_main(main)

@@ -22,12 +22,15 @@ float64 (loss and every gradient <= 1e-10), draws their timelines on one time sc
 simulated bubbles against (pp-1)/m and (pp-1)/(v m), the p2p message count and bytes (v times
 more) and each stage's peak stored activation bytes. It exits 1 on a mismatch.
 """
-import argparse
 import importlib
+from dataclasses import dataclass
 from datetime import timedelta
 from fractions import Fraction
 
 import torch.distributed as dist
+
+from plumbing import cli
+from plumbing.launch import printer, run_main
 
 tp = importlib.import_module("01_tensor_parallel")
 pipe = importlib.import_module("02_pipeline_1f1b")
@@ -88,7 +91,7 @@ def demo(env, cfg, args):
     check_interleaving(pp, m, v)
     pipe.split_layers(cfg.n_layer, pp * v)
     ref = pipe.serial_reference(env, cfg, args, m)
-    say = print if env.rank == 0 else (lambda *a, **k: None)
+    say = printer(env)
     say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     say("layers per rank (1-based): " + "; ".join(
@@ -104,7 +107,7 @@ def demo(env, cfg, args):
     for name, schedule in runs.items():
         pipe.validate(schedule, pp, m)
         good, sim, ranks = pipe.check_and_report(env, cfg, name, schedule, ref, embed_group, say,
-                                                 *times[name], end=end, trace=args.trace, width=150)
+                                                 *times[name], end=end, width=150)
         ok &= good
         out[name] = sim, ranks
     (s1, r1), (s2, r2) = out["1f1b"], out["interleaved"]
@@ -112,27 +115,44 @@ def demo(env, cfg, args):
         f"interleaved {s2.bubble} (formula (pp-1)/(v m) = {Fraction(pp - 1, v * m)})")
     say(f"simulated step time: 1F1B {s1.step_time}, interleaved {s2.step_time} "
         f"({float(s2.step_time / s1.step_time):.3f}x)")
-    msgs = [sum(r[4] for r in rs) for rs in (r1, r2)]
-    nbytes = [sum(r[5] for r in rs) for rs in (r1, r2)]
+    msgs = [sum(r.messages for r in rs) for rs in (r1, r2)]
+    nbytes = [sum(r.bytes_sent for r in rs) for rs in (r1, r2)]
     # Each microbatch crosses pp*v - 1 chunk boundaries each way instead of pp - 1: about v times.
     say(f"p2p messages: 1F1B {msgs[0]}, interleaved {msgs[1]} ({msgs[1] / max(msgs[0], 1):.2f}x, "
         f"expected (pp v - 1)/(pp - 1) = {(pp * v - 1) / max(pp - 1, 1):.2f}x); bytes {nbytes[0]} vs "
         f"{nbytes[1]} ({nbytes[1] / max(nbytes[0], 1):.2f}x)")
-    say(f"peak stored activation bytes per stage: 1F1B {[r[2] for r in r1]}, "
-        f"interleaved {[r[2] for r in r2]}")
+    say(f"peak stored activation bytes per stage: 1F1B {[r.peak_bytes for r in r1]}, "
+        f"interleaved {[r.peak_bytes for r in r2]}")
+    # Megatron's interleaved warmup keeps (v+1) pp - 1 chunks in flight on rank 0 (the simulator's
+    # peak), each 1/v of a stage, against 1F1B's pp whole stages.
+    say(f"  interleaving holds more on the first stage: {s2.peak_in_flight[0]} chunks of 1/{v} stage "
+        f"in flight = (v+1) pp - 1, against 1F1B's {s1.peak_in_flight[0]} stages = pp, a ratio of "
+        f"{s2.peak_in_flight[0] / (v * s1.peak_in_flight[0]):.3f}\n  (measured on rank 0: "
+        f"{r2[0].peak_bytes / r1[0].peak_bytes:.3f}); the smaller bubble costs 1 + (pp-1)/(pp v) "
+        f"times the activation memory (Korthikanti 4.2.3)")
+    if args.trace and env.rank == 0:
+        pipe.write_trace(args.trace, {name: ranks for name, (_, ranks) in out.items()}, say)
     say(f"\n{'PASS' if ok else 'FAIL'}")
     return ok
 
 
+@dataclass
+class InterleavedDemo:
+    pp: int = 4  # pipeline ranks: CPU ranks started here, or torchrun's world
+    virtual_stages: int = 2  # v: model chunks per rank
+
+
+def parser():
+    p = pipe.demo_parser(__doc__, n_layer=8)
+    cli.add_dataclass_args(p, InterleavedDemo, "interleaving")
+    return p
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (local ranks on CPU)")
-    parser.add_argument("--virtual-stages", type=int, default=2, help="v: model chunks per rank")
-    pipe.add_demo_args(parser, n_layer=8)
-    args = parser.parse_args()
+    args = parser().parse_args()
     args.batch_size = args.batch_size or 2 * max(args.microbatches, 1)
-    return all(tp.launch(demo, args.pp, tp.from_args(tp.GPTConfig, args), args))
+    return all(tp.launch(demo, args.pp, cli.from_args(tp.GPTConfig, args), args))
 
 
 if __name__ == "__main__":
-    tp.run_main(main)
+    run_main(main)

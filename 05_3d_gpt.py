@@ -20,13 +20,16 @@ Run it (it is the project's main job):
     python 05_3d_gpt.py --print-layout --tp 8 --pp 4 --dp 4
     python 05_3d_gpt.py --plan 1T --gpus 3072             # the paper's 1T model on 3072 A100s
     python 05_3d_gpt.py --steps 20 --save ckpt && python 05_3d_gpt.py --steps 40 --resume ckpt --tp 1 --pp 4
+    python 05_3d_gpt.py --resume ckpt --sample "alice has 3 apples." --top-k 40
     torchrun --standalone --nproc_per_node 8 05_3d_gpt.py --tp 8 --pp 1 --dp 1 --dtype bfloat16
     torchrun --standalone --nproc_per_node 1 05_3d_gpt.py --tp 1 --pp 1 --dp 1   # kernels + a whole-step graph
-The README has multi-node torchrun and SLURM recipes.
+docs/RUNBOOK.md has multi-node torchrun and SLURM recipes.
 
-The run prints a start-up summary (config, layout, parameters, memory, FLOPs per iteration by
-eq. 3, the bubble), a progress bar with loss and tokens/s (and MFU on GPU), a periodic eval loss
-and a final summary. --metrics FILE writes one JSON line per step.
+The run prints a start-up summary (model, data, layout, device, training, files, memory, FLOPs per
+iteration by eq. 3, the bubble), a progress bar with loss and tokens/s (and MFU on GPU), a line per
+save, a periodic eval loss, and at the end a chart of the loss and, on the built-in corpus, how
+many single-digit sums greedy decoding gets right. --metrics FILE writes one JSON line per step;
+--trace FILE one step's timeline on every rank as a Chrome trace.
 """
 import argparse
 import contextlib
@@ -40,18 +43,28 @@ import re
 import time
 from collections import namedtuple
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+import kernels  # a package beside the numbered files
+from kernels import graphs as cuda_graphs
+from plumbing import cli
+from plumbing import sample as sampling
+from plumbing.charts import ascii_chart
+from plumbing.data import global_batch, held_out, load_tokens, replica_batch, split_tokens, tokenizer_of
+from plumbing.data import sum_probe as corpus_sum_probe
+from plumbing.launch import gather_numbers, printer, run_main
+from plumbing.sample import tokenizer_kind
+from plumbing.trace import StepTrace
+
 tp = importlib.import_module("01_tensor_parallel")
 pipe = importlib.import_module("02_pipeline_1f1b")
 inter = importlib.import_module("03_interleaved")
 ddp_mod = importlib.import_module("04_data_parallel")
-import kernels  # noqa: E402  (a package beside the numbered files)
-from kernels import graphs as cuda_graphs  # noqa: E402
 
 
 @dataclass
@@ -62,24 +75,25 @@ class TrainConfig:
     virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
     batch_size: int = 32  # global batch B, in sequences
     microbatches: int = 4  # m per replica; micro-batch size b = B / (dp m)
-    seq_len: int = 64  # T
-    steps: int = 200
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    seq_len: int = 64  # T, tokens per sequence
+    steps: int = 200  # optimizer steps, counted from 0 (a resumed run stops at the same total)
+    lr: float = 3e-3  # peak learning rate, reached after the warmup
+    min_lr: float = 3e-4  # learning rate at the last step, after the cosine decay
+    warmup_steps: int = 20  # linear warmup from lr/(warmup+1) to lr
+    weight_decay: float = 0.1  # AdamW decay of the 2-D weights (not biases or LayerNorms)
+    grad_clip: float = 1.0  # clip the global gradient norm to this
     zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
-    sequence_parallel: bool = False
-    scatter_gather: bool = True  # Section 4.1; only changes anything when tp > 1 without sp
+    sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
+    scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
     recompute: bool = False  # full activation recomputation, per layer
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU; float64 for parity checks
+    dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     bucket_numel: int = 2_000_000  # gradient bucket, in elements
     eval_every: int = 50  # steps between eval losses on the held-out split (0: never)
-    eval_batches: int = 2
-    data: str = ""  # a text file (bytes) or a nanoGPT uint16 .bin; "" = the built-in corpus
-    metrics: str = ""  # write one JSON line per step here
-    seed: int = 1337
+    eval_batches: int = 2  # held-out batches per eval loss
+    data: str = ""  # a text file (its bytes), or a uint16 .bin (scripts/prepare_data.py); none: the built-in corpus
+    trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
+    metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
+    seed: int = 1337  # weights, data order, dropout and sampling
     timeout_s: float = 120.0  # every collective's timeout
     save: str = ""  # write checkpoints under this directory
     save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
@@ -87,10 +101,10 @@ class TrainConfig:
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     fused_kernels: bool | None = None  # kernels/ fused ops; unset: on on GPU, off on CPU
-    kernel_path: str = "auto"  # with fused kernels: auto (CUDA where it applies), cuda (forced), reference
-    flash_attention: bool = True  # with fused kernels, False: matmul + fused scaled causal softmax
+    kernel_path: Literal["auto", "cuda", "reference"] = "auto"  # fused kernels: CUDA where they apply, forced, or the PyTorch references
+    flash_attention: bool = True  # with fused kernels: SDPA attention, or (off) matmul + fused causal softmax
     cuda_graphs: bool | None = None  # unset: on on GPU where the layout allows (tp = 1, no recompute)
-    graph_scope: str = "auto"  # auto (the whole step at tp = pp = dp = 1, else per stage), stage, step
+    graph_scope: Literal["auto", "stage", "step"] = "auto"  # auto: the whole step at tp = pp = dp = 1, else per stage
 
 
 MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
@@ -178,79 +192,6 @@ def print_layout(tc):
         print(f"{r:4d} {coord[r]['tp']:3d} {coord[r]['dp']:2d} {coord[r]['pp']:2d}")
     for kind in ("tp", "dp", "pp", "embed"):
         print(f"{kind} groups: {grid[kind]}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Data: a built-in corpus or a file; every replica reads its own disjoint slice of each batch.
-
-
-@functools.lru_cache(maxsize=1)  # made once in the launching process; forked ranks inherit it
-def builtin_corpus(n_sentences=20000, seed=0):
-    """Deterministic little stories with counting and arithmetic: no download, and a small GPT
-    learns the words, the grammar and the sums within a couple of hundred steps."""
-    g = torch.Generator().manual_seed(seed)
-    pick = lambda xs: xs[int(torch.randint(len(xs), (), generator=g))]  # noqa: E731
-    names = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
-    things = ["apples", "books", "coins", "shells", "stones", "cards"]
-    places = ["the market", "the garden", "the library", "the harbour", "school"]
-    out = []
-    for _ in range(n_sentences):
-        a, b = pick(names), pick(names)
-        x, y = int(torch.randint(10, (), generator=g)), int(torch.randint(10, (), generator=g))
-        thing = pick(things)
-        out.append(pick([
-            f"{a} has {x} {thing}. {b} gives {a} {y} more. now {a} has {x + y} {thing}.",
-            f"{a} walks to {pick(places)} with {b}. they count {x} {thing} and {y} {thing}: {x + y}.",
-            f"{x} plus {y} is {x + y}. {y} plus {x} is {x + y}.",
-        ]))
-    return " ".join(out) + "\n"
-
-
-def load_tokens(path, vocab_size, seq_len):
-    """All tokens of the data, as a 1-D tensor: a nanoGPT .bin (uint16, memory-mapped) or any other
-    file as bytes. Refuses what cannot train: missing, empty, too short, ids >= vocab_size."""
-    if not path:
-        tokens = torch.frombuffer(bytearray(builtin_corpus().encode()), dtype=torch.uint8)
-    else:
-        try:
-            size = os.path.getsize(path)
-            if size == 0:
-                raise ValueError(f"the data file {path!r} is empty")
-            if path.endswith(".bin"):
-                # Memory-mapped, not read: windows are copied out (as int64) only when sampled.
-                tokens = torch.from_file(path, shared=False, size=size // 2, dtype=torch.uint16)
-            else:
-                with open(path, "rb") as f:
-                    tokens = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
-        except OSError as e:
-            raise ValueError(f"cannot read the data file {path!r}: {e.strerror or e}") from None
-    if len(tokens) < seq_len + 1:
-        raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one sequence of "
-                         f"seq_len + 1 = {seq_len + 1}")
-    # In pieces: uint16 tensors have few operations, and a whole-file copy could be gigabytes.
-    top = max(int(piece.to(torch.int32).max()) for piece in tokens.split(1 << 24))
-    if top >= vocab_size:
-        raise ValueError(f"the data holds token id {top} >= vocab_size={vocab_size}")
-    return tokens
-
-
-def split_tokens(tokens, seq_len):
-    """90% to train on, the last 10% held out for the eval loss (at least one sequence)."""
-    n_eval = max(len(tokens) // 10, seq_len + 1)
-    return tokens[:-n_eval], tokens[-n_eval:]
-
-
-def global_batch(tokens, step, tc, salt=0):
-    """Batch `step`: B random windows (B, T) and their next-token targets, the same on every rank."""
-    g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 2 + salt)
-    starts = torch.randint(len(tokens) - tc.seq_len, (tc.batch_size,), generator=g)
-    window = torch.stack([tokens[s: s + tc.seq_len + 1].to(torch.int64) for s in starts.tolist()])
-    return window[:, :-1], window[:, 1:]
-
-
-def replica_batch(tokens, step, tc, dp_rank, salt=0):
-    """This replica's disjoint rows of the global batch."""
-    return ddp_mod.shard_batch(*global_batch(tokens, step, tc, salt), tc.dp, dp_rank)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,7 +323,7 @@ class Layout:
     b: int = 1  # micro-batch size
     v: int = 1  # virtual stages per pipeline rank
     recompute: bool = True  # full activation recomputation, as in the paper's runs
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
     zero1: bool = False
     scatter_gather: bool = True  # Narayanan Section 4.1: pp messages split over the tp ranks
 
@@ -635,21 +576,26 @@ def add_plan_args(parser):
     """--plan NAME|custom, --gpus N and --plan-* options; model flags the parser has (05's
     --n-layer etc. from GPTConfig) are reused for `custom`, not added twice."""
     g = parser.add_argument_group("planner: --plan prints estimates and exits, allocating nothing")
-    g.add_argument("--plan", metavar="NAME", help=f"{', '.join(PAPER_CONFIGS)}, 1T or custom")
-    g.add_argument("--gpus", type=int, default=None, help="n (default: Table 1's)")
+    g.add_argument("--plan", metavar="NAME", help=f"a model of Table 1 ({', '.join(PAPER_CONFIGS)}, "
+                   f"or 1T), or custom (the model flags)")
+    g.add_argument("--gpus", type=int, default=None, help="n GPUs (default: Table 1's for the model)")
     for flag in ("--n-layer", "--n-embd", "--n-head", "--vocab-size", "--seq-len"):
         if flag not in parser._option_string_actions:
-            g.add_argument(flag, type=int, default=None)
-    g.add_argument("--plan-layout", metavar="TP,PP,DP", help="default: the best-ranked")
-    g.add_argument("--plan-batch", type=int, help="global batch B (default: Table 1's)")
-    g.add_argument("--plan-micro-batch", type=int, default=1, help="b")
+            g.add_argument(flag, type=int, default=None, help="model size for --plan custom")
+    g.add_argument("--plan-layout", metavar="TP,PP,DP", help="estimate this layout (default: the best-ranked)")
+    g.add_argument("--plan-batch", type=int, help="global batch B in sequences (default: Table 1's)")
+    g.add_argument("--plan-micro-batch", type=int, default=1, help="micro-batch size b")
     g.add_argument("--plan-v", type=int, default=1, help="virtual stages per pipeline rank")
-    for name in ("recompute", "sequence-parallel", "zero1", "scatter-gather"):
+    for name, what in (("recompute", "full activation recomputation"),
+                       ("sequence-parallel", "sequence parallelism"),
+                       ("zero1", "the ZeRO-1 distributed optimizer"),
+                       ("scatter-gather", "scatter/gather of pipeline messages over tp")):
         g.add_argument(f"--plan-{name}", default=name in ("recompute", "scatter-gather"),
-                       action=argparse.BooleanOptionalAction)
-    g.add_argument("--plan-tokens", type=float, default=300e9, help="token budget T for eq. 4")
-    g.add_argument("--plan-tflops", type=float, help="also give the time at this X per GPU")
-    g.add_argument("--plan-gpu-mem", type=float, default=80.0, help="GB per GPU")
+                       action=argparse.BooleanOptionalAction, help=f"assume {what}")
+    g.add_argument("--plan-tokens", type=float, default=300e9, help="training tokens T for eq. 4")
+    g.add_argument("--plan-tflops", type=float, help="also give the training time at this many "
+                   "TFLOP/s per GPU")
+    g.add_argument("--plan-gpu-mem", type=float, default=80.0, help="GB of memory per GPU")
 
 
 def plan_from_args(args):
@@ -678,8 +624,10 @@ CKPT = re.compile(r"step_(\d+)$")
 KEPT_FIELDS = ("batch_size", "seq_len")  # a resumed run must cut the data exactly as before
 
 
-def save_checkpoint(run, step, root, keep):
-    """Write step `step` (the number of steps done) under root/step_<step>; keep the newest `keep`."""
+def save_checkpoint(run, step, root, keep, say=print):
+    """Write step `step` (the number of steps done) under root/step_<step>; keep the newest `keep`.
+    Rank 0 says where, how many bytes and how long it took."""
+    t0 = time.perf_counter()
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
     os.makedirs(tmp, exist_ok=True)
@@ -706,10 +654,13 @@ def save_checkpoint(run, step, root, keep):
         tc = run.tc
         manifest = dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size,
                         layout=dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1),
-                        train={k: getattr(tc, k) for k in KEPT_FIELDS}, dtype=str(run.dtype))
+                        train={k: getattr(tc, k) for k in KEPT_FIELDS}, dtype=str(run.dtype),
+                        tokenizer=tokenizer_of(tc.data))
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous step intact
+        size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
+        say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB in {time.perf_counter() - t0:.2f} s")
         for old in sorted(d for d in os.listdir(root) if CKPT.match(d))[:-keep]:
             for name in os.listdir(os.path.join(root, old)):
                 os.remove(os.path.join(root, old, name))
@@ -825,12 +776,13 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 
 
 def import_gpt2(path):
-    """(GPTConfig, full state dict) from a local GPT-2 directory (config.json with model.safetensors
-    or pytorch_model.bin) or from a plain serial state dict file (.pt) of our own names."""
+    """(GPTConfig, full state dict, tokenizer) from a local GPT-2 directory (config.json with
+    model.safetensors or pytorch_model.bin) or from a plain serial state dict file (.pt) of our own
+    names. The tokenizer ("bytes", "gpt2", "ids") is known only for a .pt that records it."""
     if os.path.isfile(path):
         full = torch.load(path, map_location="cpu", weights_only=True)
         cfg = tp.GPTConfig(**full.pop("_config")) if "_config" in full else None
-        return cfg, full
+        return cfg, full, full.pop("_tokenizer", None)
     try:
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
@@ -860,7 +812,7 @@ def import_gpt2(path):
            for n, s in want.items() if n not in full or full[n].shape != s]
     if bad:
         raise ValueError(f"{path} does not fit its config.json: " + "; ".join(bad[:5]))
-    return cfg, full
+    return cfg, full, None
 
 
 def export_gpt2(cfg, full, out):
@@ -936,31 +888,44 @@ def shared_loss(loss, run):
     return float(t) / run.tc.dp
 
 
-def train_step(run, idx, targets, lr):
+def train_step(run, idx, targets, lr, trace=None):
     """One iteration: the pipeline over this replica's microbatches, tied-embedding sync, the data-
-    parallel reduction after the flush, clipping, AdamW. Returns (loss, grad norm, StepResult)."""
+    parallel reduction after the flush, clipping, AdamW. Returns (loss, grad norm, StepResult).
+    trace, a plumbing.trace.StepTrace, records the step's timeline."""
     tc, groups = run.tc, run.groups
+    span = trace.span if trace else (lambda name, category: contextlib.nullcontext())
+    timing = dict(t0=trace.t0, clock=trace.clock) if trace else {}
     micro = pipe.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
     run.ddp.sync = False  # reduce after the pipeline flush, not during its backwards
-    if run.graphs["mode"] == "step":
-        step = run.graphs["graph"] = run.graphs["graph"] or cuda_graphs.StepGraph(run.chunks[0], micro, run.ddp)
-        res = pipe.StepResult(step.replay(micro), [], 0, 0, 0)
-    else:
-        call = None
-        if run.graphs["mode"] == "stage":
-            run.graphs["graph"] = run.graphs["graph"] or stage_graphs(run, micro)
-            call = run.graphs["graph"].call
-        # A graph's output is a static buffer it rewrites at the next replay: never deallocated.
-        res = pipe.execute(run.schedule, run.chunks, groups["pp"], micro, run.act_shape, wire=run.wire,
-                           call=call, deallocate=call is None)
-    pipe.sync_tied_embeddings(run.chunks, groups["embed"], grad_of=run.ddp.main_grad)
-    run.ddp.finish()
-    norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
-    for g in run.opt.optimizer.param_groups:
-        g["lr"] = lr
-    run.opt.step()
-    run.ddp.zero_grad()
-    return shared_loss(res.loss, run), norm, res
+    with tp.trace_comm(trace.clock) if trace else contextlib.nullcontext() as collectives:
+        if run.graphs["mode"] == "step":
+            step = run.graphs["graph"] = run.graphs["graph"] or cuda_graphs.StepGraph(run.chunks[0], micro, run.ddp)
+            with span("forward + backward (one CUDA graph)", "compute"):
+                res = pipe.StepResult(step.replay(micro), [], 0, 0, 0)
+        else:
+            call = None
+            if run.graphs["mode"] == "stage":
+                run.graphs["graph"] = run.graphs["graph"] or stage_graphs(run, micro)
+                call = run.graphs["graph"].call
+            # A graph's output is a static buffer it rewrites at the next replay: never deallocated.
+            res = pipe.execute(run.schedule, run.chunks, groups["pp"], micro, run.act_shape, wire=run.wire,
+                               call=call, deallocate=call is None, **timing)
+    if trace:
+        trace.add_pipeline(res, collectives)
+    with span("tied-embedding all-reduce", "collective"):
+        pipe.sync_tied_embeddings(run.chunks, groups["embed"], grad_of=run.ddp.main_grad)
+    with span("data-parallel gradient reduction", "collective"):
+        run.ddp.finish()
+    with span("global gradient norm and clipping", "collective"):
+        norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
+    with span("AdamW" + (" and ZeRO-1 all-gather" if tc.zero1 else ""), "optimizer"):
+        for g in run.opt.optimizer.param_groups:
+            g["lr"] = lr
+        run.opt.step()
+        run.ddp.zero_grad()
+    with span("loss all-reduce", "collective"):
+        loss = shared_loss(res.loss, run)
+    return loss, norm, res
 
 
 def stage_graphs(run, micro):
@@ -975,22 +940,57 @@ def stage_graphs(run, micro):
     return cuda_graphs.StageGraphs(run.chunks, run.schedule, v - 1 if pp_rank == pp - 1 else None, samples)
 
 
-def evaluate(run, tokens):
-    """The mean loss over eval_batches held-out batches, forward only."""
+def forward_only(run, idx, targets, call=None):
+    """This replica's batch through the pipeline, forward only (eval mode, no gradients)."""
     forwards = [pipe.Action("F", a.mb, a.chunk) for a in run.schedule if a.kind == "F"]
-    dp_rank = dist.get_rank(run.groups["dp"])
-    losses = []
+    micro = pipe.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
     for c in run.chunks:
         c.eval()
-    with torch.no_grad():
-        for i in range(run.tc.eval_batches):
-            idx, targets = replica_batch(tokens, i, run.tc, dp_rank, salt=1)
-            micro = pipe.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
-            res = pipe.execute(forwards, run.chunks, run.groups["pp"], micro, run.act_shape, wire=run.wire)
-            losses.append(shared_loss(res.loss, run))
-    for c in run.chunks:
-        c.train()
+    try:
+        with torch.no_grad():
+            return pipe.execute(forwards, run.chunks, run.groups["pp"], micro, run.act_shape, wire=run.wire,
+                                call=call)
+    finally:
+        for c in run.chunks:
+            c.train()
+
+
+def evaluate(run, tokens):
+    """The mean loss over eval_batches held-out batches, forward only."""
+    dp_rank = dist.get_rank(run.groups["dp"])
+    losses = [shared_loss(forward_only(run, *replica_batch(tokens, i, run.tc, dp_rank, salt=1)).loss, run)
+              for i in range(run.tc.eval_batches)]
     return sum(losses) / len(losses)
+
+
+def sum_probe(run):
+    """How many of the 100 single-digit sums greedy decoding gets right, split into the sums the
+    built-in corpus states and the held-out ones it never does: (right, of) for each. The last
+    stage reads its logits through the executor's call hook; the counts are summed over the world."""
+    tc, dp_rank = run.tc, dist.get_rank(run.groups["dp"])
+    counts = torch.zeros(4, dtype=torch.float64, device=run.env.device)  # seen right/of, held right/of
+    rows_per_mb = tc.batch_size // (tc.dp * tc.microbatches)
+    for idx, targets, pairs in corpus_sum_probe(tc.seq_len, tc.batch_size):
+        mine = pairs[dp_rank * (tc.batch_size // tc.dp):(dp_rank + 1) * (tc.batch_size // tc.dp)]
+
+        def call(c, mb, x, tgt):
+            out = run.chunks[c](x, tgt)
+            if tgt is None:
+                return out
+            logits = run.chunks[c].full_logits(out[0])  # (b, T, V): every tp rank holds all of it
+            scored = tgt != -100
+            right = ((logits.argmax(-1) == tgt) | ~scored).all(-1)  # (b,): every scored token right
+            if dist.get_rank(run.groups["tp"]) == 0:
+                for ok, pair in zip(right.tolist(), mine[mb * rows_per_mb:(mb + 1) * rows_per_mb]):
+                    if pair is not None:
+                        k = 2 if held_out(*pair) else 0
+                        counts[k] += ok
+                        counts[k + 1] += 1
+            return out
+
+        forward_only(run, *ddp_mod.shard_batch(idx, targets, tc.dp, dp_rank), call=call)
+    dist.all_reduce(counts)
+    return [int(x) for x in counts.tolist()]
 
 
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
@@ -1004,13 +1004,13 @@ def train(env, cfg, tc, quiet=False):
     groups = ddp_mod.new_groups(env, ddp_mod.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp), tc.timeout_s)
     run = build(env, cfg, tc, groups)
     dp_rank = dist.get_rank(groups["dp"])
-    say = print if env.rank == 0 and not quiet else (lambda *a, **k: None)
+    say = printer(env, quiet)
+    note = (lambda text: tqdm.write(text)) if env.rank == 0 and not quiet else (lambda text: None)
     spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
     flops = flops_per_iteration(spec, tc.batch_size, tc.recompute)
-    summary(run, spec, flops, say)
+    summary(run, spec, flops, len(train_tokens), len(eval_tokens), say)
     name = env.device.type == "cuda" and torch.cuda.get_device_name(env.device)
     peak = next((f for k, f in PEAK_BF16_FLOPS.items() if name and k in name), None)
-    metrics = open(tc.metrics, "a" if tc.resume else "w") if tc.metrics and env.rank == 0 else None
     start = 0
     path = latest_checkpoint(tc.resume, say) if tc.resume else None
     if path:
@@ -1018,17 +1018,29 @@ def train(env, cfg, tc, quiet=False):
         say(f"resumed from {path}: {start} steps done")
     elif tc.resume:
         say(f"no complete checkpoint in {tc.resume}: starting from step 0")
+    metrics = open(tc.metrics, "a" if tc.resume else "w") if tc.metrics and env.rank == 0 else None
+    traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
     losses, norms, evals = [], [], []
     t_start, tokens_per_step = time.perf_counter(), tc.batch_size * tc.seq_len
     bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=env.rank != 0 or quiet,
                desc="train", dynamic_ncols=True)
     for step in bar:
+        trace = StepTrace(env.device) if tc.trace and step == traced else None
+        if trace:
+            dist.barrier()  # every rank's clock starts together
+            trace.start()
         t0 = time.perf_counter()
         lr = lr_at(step, tc)
-        loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dp_rank), lr)
+        loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dp_rank), lr, trace)
         if not math.isfinite(loss):  # the same value on every rank: they all stop here together
             raise FloatingPointError(f"the loss is {loss} at step {step}; stopping instead of training on")
         dt = time.perf_counter() - t0
+        if trace:  # one track per rank, named by its place in the grid (tp fastest, then dp, pp)
+            names = [f"rank {r}: tp {r % tc.tp}, dp {r // tc.tp % tc.dp}, pp {r // (tc.tp * tc.dp)}"
+                     for r in range(env.world_size)] if env.rank == 0 else None
+            trace.write(tc.trace, f"step {step}", names)
+            note(f"trace of step {step}, one track per rank: {tc.trace} (open it in chrome://tracing "
+                 f"or ui.perfetto.dev)")
         losses.append(loss)
         norms.append(norm)
         record = dict(step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tokens_per_step / dt, time_s=dt)
@@ -1041,9 +1053,9 @@ def train(env, cfg, tc, quiet=False):
             shown["eval"] = f"{record['eval_loss']:.3f}"
         bar.set_postfix(shown)
         if step == start and run.ops is not tp.TORCH_OPS:  # what the dispatcher actually chose
-            say(f"\nkernel paths: {kernels.build.report()}")
+            note(f"kernel paths: {kernels.build.report()}")
         if tc.save and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps):
-            save_checkpoint(run, step + 1, tc.save, tc.keep)
+            save_checkpoint(run, step + 1, tc.save, tc.keep, note)
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -1053,25 +1065,43 @@ def train(env, cfg, tc, quiet=False):
     if not losses:
         say(f"nothing to do: {start} of {tc.steps} steps were already done")
         return dict(losses=[], norms=[], evals=[], start=start)
-    per_msg = res.bytes_sent / max(res.messages, 1)
+    out = dict(losses=losses, norms=norms, evals=evals, start=start,
+               bytes_per_message=res.bytes_sent / max(res.messages, 1),
+               peak_activation_bytes=res.peak_activation_bytes)
+    if not tc.data and cfg.vocab_size >= 128:  # the built-in corpus: what did the model learn?
+        out["sums"] = sum_probe(run)
+    report(run, out, wall, say)
+    return out
+
+
+def report(run, out, wall, say):
+    """The end of training: throughput, the loss chart, the message size, the sum probe."""
+    tc, cfg, losses, evals = run.tc, run.cfg, out["losses"], out["evals"]
+    tokens = len(losses) * tc.batch_size * tc.seq_len
+    say(f"\ndone: {len(losses)} steps in {wall:.1f} s ({tokens / wall:,.0f} tokens/s); loss "
+        f"{losses[0]:.3f} -> {losses[-1]:.3f}" + (f"; eval loss {evals[-1][1]:.3f}" if evals else ""))
+    series = {"train loss": ("*", list(enumerate(losses, out["start"])))}
+    if evals:
+        series["eval loss"] = ("o", evals)
+    say(ascii_chart(series))
+    per_msg, elt = out["bytes_per_message"], torch.empty((), dtype=run.dtype).element_size()
     b = tc.batch_size // (tc.dp * tc.microbatches)
-    say(f"\ndone: {len(losses)} steps in {wall:.1f} s ({len(losses) * tokens_per_step / wall:,.0f} tokens/s); "
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" + (f"; eval loss {evals[-1][1]:.3f}" if evals else ""))
-    say(f"p2p per message (rank 0): {per_msg:,.0f} bytes = {per_msg / torch.empty((), dtype=run.dtype).element_size():,.0f}"
-        f" elements; b*T*C = {b * tc.seq_len * cfg.n_embd:,} elements, /tp = "
-        f"{b * tc.seq_len * cfg.n_embd // tc.tp:,} ({'scatter/gather on' if run.wire else 'scatter/gather off'}"
+    say(f"p2p per message (rank 0): {per_msg:,.0f} bytes = {per_msg / elt:,.0f} elements; b*T*C = "
+        f"{b * tc.seq_len * cfg.n_embd:,} elements, /tp = {b * tc.seq_len * cfg.n_embd // tc.tp:,} "
+        f"({'scatter/gather on' if run.wire else 'scatter/gather off'}"
         f"{', sequence parallel' if tc.sequence_parallel else ''})")
-    say(f"peak stored activation bytes on rank 0 (last step): {res.peak_activation_bytes:,}")
-    return dict(losses=losses, norms=norms, evals=evals, bytes_per_message=per_msg, start=start,
-                peak_activation_bytes=res.peak_activation_bytes)
+    say(f"peak stored activation bytes on rank 0 (last step): {out['peak_activation_bytes']:,}")
+    if "sums" in out:
+        seen, of_seen, held, of_held = out["sums"]
+        say(f"sums, greedy \"x plus y is\" for x, y < 10: {seen}/{of_seen} right of those in the "
+            f"corpus, {held}/{of_held} of the held-out ones it never states")
 
 
-def summary(run, spec, flops, say):
-    """The start-up summary (rank 0): config, layout, parameters, memory, FLOPs, bubble."""
+def summary(run, spec, flops, n_train, n_eval, say):
+    """The start-up summary (rank 0): a few grouped lines, not the config's repr."""
     cfg, tc, env = run.cfg, run.tc, run.env
     local = sum(p.numel() for c in run.chunks for p in c.parameters())
-    per_rank = [None] * env.world_size
-    dist.all_gather_object(per_rank, local)
+    per_rank = [int(x[0]) for x in gather_numbers([local], device=env.device)]
     elt = torch.empty((), dtype=run.dtype).element_size()
     grad_elt = run.ddp.grad_buffer.element_size()
     owned = sum(m.numel() for _, _, m, _ in run.opt.pieces)
@@ -1082,20 +1112,33 @@ def summary(run, spec, flops, say):
     act = activation_bytes_per_layer(spec, L) * layers_in_flight(spec, L) * elt / 2
     sim = pipe.simulate([inter.interleaved(tc.pp, tc.microbatches, s, tc.virtual_stages)
                          for s in range(tc.pp)], tc.pp)
-    say(f"{cfg}\n{tc}")
-    say(f"layout: world {env.world_size} = tp {tc.tp} x pp {tc.pp} x dp {tc.dp}, v={tc.virtual_stages} "
-        f"({'interleaved 1F1B' if tc.virtual_stages > 1 else '1F1B'}), b={run.act_shape[0]}, "
-        f"m={tc.microbatches}; {run.dtype} on {env.device.type} ({dist.get_backend()}); "
-        f"{'ZeRO-1' if tc.zero1 else 'data parallel'}, scatter/gather {'on' if run.wire else 'off'}, "
-        f"sequence parallel {'on' if tc.sequence_parallel else 'off'}, recompute {'on' if tc.recompute else 'off'}")
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
     graphs = {None: "off", "stage": "per stage and microbatch", "step": "whole step"}[run.graphs["mode"]]
-    say(f"kernels: {run.ops.name}; CUDA graphs: {graphs}")
-    say(f"parameters: {params_exact(spec):,} in the model; per rank {per_rank}")
+    data = tc.data or "the built-in corpus"
+    say(f"model     GPT-2: {cfg.n_layer} layers, {cfg.n_head} heads, C={cfg.n_embd}, V={cfg.vocab_size}, "
+        f"block {cfg.block_size}, dropout {cfg.dropout:g}; {params_exact(spec):,} parameters"
+        + (f" (from {tc.init_from})" if tc.init_from else ""))
+    say(f"data      {data}: {n_train:,} tokens to train on, {n_eval:,} held out; "
+        f"{tokenizer_of(tc.data)} tokens")
+    say(f"layout    world {env.world_size} = tp {tc.tp} x pp {tc.pp} x dp {tc.dp}; "
+        f"{'interleaved 1F1B, v=' + str(tc.virtual_stages) if tc.virtual_stages > 1 else '1F1B'}, "
+        f"m={tc.microbatches} microbatches of b={run.act_shape[0]}; "
+        f"{'ZeRO-1' if tc.zero1 else 'data parallel'}; scatter/gather {on(run.wire)}, "
+        f"sequence parallel {on(tc.sequence_parallel)}, recompute {on(tc.recompute)}")
+    say(f"device    {run.dtype} on {env.device.type} ({dist.get_backend()}); kernels: {run.ops.name}; "
+        f"CUDA graphs: {graphs}")
+    say(f"training  {tc.steps} steps of B={tc.batch_size} x T={tc.seq_len} = "
+        f"{tc.batch_size * tc.seq_len:,} tokens; AdamW lr {tc.lr:g} -> {tc.min_lr:g} (warmup "
+        f"{tc.warmup_steps}, cosine), weight decay {tc.weight_decay:g}, clip {tc.grad_clip:g}, "
+        f"seed {tc.seed}; eval every {tc.eval_every or 'never'}")
+    say(f"files     checkpoints: {tc.save or 'none'}"
+        + (f" (every {tc.save_every} steps, keep {tc.keep})" if tc.save else "")
+        + f"; resume: {tc.resume or 'no'}; metrics: {tc.metrics or 'none'}; trace: {tc.trace or 'none'}")
     opt_bytes = 2 * owned * max(elt, 4) + masters * 4  # two AdamW moments, plus fp32 masters
-    say(f"memory on rank 0 (estimate): weights {local * elt / 2**20:.2f} MiB, gradients "
+    say(f"memory    rank 0, estimated: weights {local * elt / 2**20:.2f} MiB, gradients "
         f"{local * grad_elt / 2**20:.2f} MiB, optimizer {opt_bytes / 2**20:.2f} MiB, activations "
-        f"{act / 2**20:.2f} MiB (Korthikanti Table 2)")
-    say(f"FLOPs per iteration (eq. 3): {flops:.3e}; pipeline bubble (pp-1)/(v m) = "
+        f"{act / 2**20:.2f} MiB (Korthikanti Table 2); parameters per rank {per_rank}")
+    say(f"compute   FLOPs per iteration (eq. 3): {flops:.3e}; pipeline bubble (pp-1)/(v m) = "
         f"{sim.bubble} (simulated, t_b = 2 t_f)")
 
 
@@ -1126,24 +1169,59 @@ def serial_train(cfg, tc):
 # Main
 
 
+def sample_main(cfg, tc, sc):
+    """--sample: load the weights of --resume (any layout) or --init-from into the serial GPT-2 and
+    print a continuation of the prompt. Nothing is launched: one process samples."""
+    if tc.resume:
+        path = latest_checkpoint(tc.resume)
+        if not path:
+            raise ValueError(f"--resume {tc.resume!r} holds no complete checkpoint to sample from")
+        manifest, full, _ = read_checkpoint(path)
+        cfg = tp.GPTConfig(**manifest["model"])
+        kind = manifest.get("tokenizer") or tokenizer_kind(cfg.vocab_size)
+        print(f"sampling from step {manifest['step']} of {path}")
+    elif tc.init_from:
+        imported, full, kind = import_gpt2(tc.init_from)
+        cfg = imported or cfg  # a .pt without a recorded config: the model flags describe it
+        kind = kind or tokenizer_kind(cfg.vocab_size)
+        print(f"sampling from {tc.init_from}")
+    else:
+        raise ValueError("--sample needs weights: --resume DIR (a checkpoint) or --init-from PATH "
+                         "(an exported .pt or a GPT-2 directory)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tp.GPT(cfg, None, init=False, device=device)
+    model.load_full_state_dict({k: v.float() for k, v in full.items()})
+    sampling.run(model, sc, kind, tc.seed)
+    return True
+
+
+def parser():
+    """Every flag of the trainer: its config dataclasses, the actions, and the planner's."""
+    p = cli.make_parser(__doc__)
+    actions = p.add_argument_group("actions instead of training (each prints and exits)")
+    actions.add_argument("--print-layout", action="store_true", help="print the rank grid and exit")
+    actions.add_argument("--export-hf", metavar="DIR", help="write --resume's newest checkpoint as a "
+                         "Hugging Face GPT-2 directory and exit")
+    actions.add_argument("--export-state-dict", metavar="FILE", help="write --resume's newest checkpoint "
+                         "as a plain serial state dict (.pt) and exit")
+    cli.add_dataclass_args(p, TrainConfig, "training")
+    cli.add_dataclass_args(p, tp.GPTConfig, "model", **MODEL_DEFAULTS)
+    cli.add_dataclass_args(p, sampling.SampleConfig, "sampling (with --resume or --init-from)")
+    add_plan_args(p)
+    return p
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--print-layout", action="store_true", help="print the rank grid and exit")
-    parser.add_argument("--export-hf", metavar="DIR", help="write --resume's checkpoint as a Hugging "
-                        "Face GPT-2 directory and exit")
-    parser.add_argument("--export-state-dict", metavar="FILE", help="write --resume's checkpoint as a "
-                        "plain serial state dict (.pt) and exit")
-    tp.add_dataclass_args(parser, TrainConfig)
-    tp.add_dataclass_args(parser, tp.GPTConfig, **MODEL_DEFAULTS)
-    add_plan_args(parser)
-    args = parser.parse_args()
+    args = parser().parse_args()
     if args.plan:
         print(plan_from_args(args))
         return True
-    tc, cfg = tp.from_args(TrainConfig, args), tp.from_args(tp.GPTConfig, args)
+    tc, cfg = cli.from_args(TrainConfig, args), cli.from_args(tp.GPTConfig, args)
     if args.print_layout:
         print_layout(tc)
         return True
+    if args.sample is not None:
+        return sample_main(cfg, tc, cli.from_args(sampling.SampleConfig, args))
     if args.export_hf or args.export_state_dict:  # offline: the shards are read, nothing started
         path = latest_checkpoint(tc.resume) if tc.resume else None
         if not path:
@@ -1153,11 +1231,12 @@ def main():
         if args.export_hf:
             export_gpt2(cfg, full, args.export_hf)
         else:
-            torch.save({**full, "_config": dataclasses.asdict(cfg)}, args.export_state_dict)
+            torch.save({**full, "_config": dataclasses.asdict(cfg), "_tokenizer": manifest.get("tokenizer")},
+                       args.export_state_dict)
         print(f"exported step {manifest['step']} of {path} to {args.export_hf or args.export_state_dict}")
         return True
     if tc.init_from:  # the imported weights decide the model's shape
-        imported, _ = import_gpt2(tc.init_from)
+        imported, _, _ = import_gpt2(tc.init_from)
         if imported:
             cfg = dataclasses.replace(imported, dropout=cfg.dropout)
             print(f"model from {tc.init_from}: {cfg}")
@@ -1170,4 +1249,4 @@ def main():
 
 
 if __name__ == "__main__":
-    tp.run_main(main)
+    run_main(main)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import load
+from plumbing.launch import RankFailure
 from test_3d import BASE, CFG, TOL
 
 tp = load("01_tensor_parallel")
@@ -89,7 +90,7 @@ def _resume(env, tc):
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(run_ranks, tmp_path, capsys):
     root = str(tmp_path)
-    with pytest.raises(tp.RankFailure, match="rank 1 died"):
+    with pytest.raises(RankFailure, match="rank 1 died"):
         run_ranks(_crash_in_second_save, 2, root)
     assert sorted(os.listdir(root)) == ["step_00000003", "step_00000006.tmp"]
     messages = []
@@ -103,10 +104,10 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(run_ranks
 def _killed_in_step_4(env, root):
     real = gpt3d.train_step
 
-    def step(run, idx, targets, lr):
+    def step(run, idx, targets, lr, *rest):
         if env.rank == 3 and len(os.listdir(root)) and lr == gpt3d.lr_at(4, run.tc):
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(run, idx, targets, lr)
+        return real(run, idx, targets, lr, *rest)
 
     gpt3d.train_step = step
     gpt3d.train(env, CFG, tc_for(2, 2, 1, save=root, save_every=3, timeout_s=20), quiet=True)
@@ -114,7 +115,7 @@ def _killed_in_step_4(env, root):
 
 def test_a_rank_killed_mid_step_stops_everyone_and_resume_loses_only_unsaved_steps(run_ranks, tmp_path):
     root = str(tmp_path)
-    with pytest.raises(tp.RankFailure, match="rank 3 died with exit code -9"):
+    with pytest.raises(RankFailure, match="rank 3 died with exit code -9"):
         run_ranks(_killed_in_step_4, 4, root)
     out = run_ranks(_resume, 4, tc_for(2, 2, 1, resume=root))[0]
     serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
@@ -128,7 +129,7 @@ def test_a_rank_killed_mid_step_stops_everyone_and_resume_loses_only_unsaved_ste
 def test_gpt2_export_then_import_is_bit_identical(tmp_path):
     full = tp.init_state_dict(CFG, 3, dtype=torch.float32, random_all=True)
     gpt3d.export_gpt2(CFG, full, str(tmp_path))
-    cfg, back = gpt3d.import_gpt2(str(tmp_path))
+    cfg, back, _ = gpt3d.import_gpt2(str(tmp_path))
     assert cfg == replace(CFG, dropout=0.0) and back.keys() == full.keys()
     assert all(torch.equal(back[k], full[k]) for k in full)
 
@@ -149,7 +150,7 @@ def test_a_hugging_face_layout_state_dict_runs_the_same_in_any_layout(run_ranks,
     torch.save(hf, tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text('{"vocab_size": 256, "n_positions": 16, "n_layer": 8, '
                                           '"n_head": 2, "n_embd": 16}')
-    cfg, imported = gpt3d.import_gpt2(str(tmp_path))
+    cfg, imported, _ = gpt3d.import_gpt2(str(tmp_path))
     idx = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = run_ranks(_logits, 2, imported, idx)[0]
     ref = tp.GPT(CFG, None, init=False, dtype=torch.float64)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import ROOT, load
+from plumbing.launch import RankFailure, launch
 
 tp_mod = load("01_tensor_parallel")
 
@@ -43,8 +44,8 @@ def _rank1_raises(env):
 
 def test_a_failing_rank_fails_the_run_with_its_traceback_and_stops_the_others():
     t0 = time.monotonic()
-    with pytest.raises(tp_mod.RankFailure) as err:
-        tp_mod.launch(_rank1_raises, 2, timeout_s=30)
+    with pytest.raises(RankFailure) as err:
+        launch(_rank1_raises, 2, timeout_s=30)
     msg = str(err.value)
     assert "rank 1 failed" in msg and "boom on rank one" in msg and "_rank1_raises" in msg
     # Rank 0 either saw its partner's connection close or was stopped; it did not wait it out.
@@ -59,8 +60,8 @@ def _rank1_dies(env):
 
 
 def test_a_killed_rank_fails_the_run_with_its_exit_code():
-    with pytest.raises(tp_mod.RankFailure, match="rank 1 died with exit code -9"):
-        tp_mod.launch(_rank1_dies, 2, timeout_s=30)
+    with pytest.raises(RankFailure, match="rank 1 died with exit code -9"):
+        launch(_rank1_dies, 2, timeout_s=30)
 
 
 def _rank1_stalls(env):
@@ -71,8 +72,8 @@ def _rank1_stalls(env):
 
 def test_collectives_time_out_instead_of_hanging():
     t0 = time.monotonic()
-    with pytest.raises(tp_mod.RankFailure, match="(?s)rank 0 failed.*[Tt]imed out"):
-        tp_mod.launch(_rank1_stalls, 2, timeout_s=2)
+    with pytest.raises(RankFailure, match="(?s)rank 0 failed.*[Tt]imed out"):
+        launch(_rank1_stalls, 2, timeout_s=2)
     assert time.monotonic() - t0 < 7  # rank 0 gave up after its 2 s timeout, not after rank 1
 
 
@@ -82,8 +83,8 @@ def _forever(env):
 
 
 def test_a_run_past_its_deadline_is_stopped():
-    with pytest.raises(tp_mod.RankFailure, match="the run failed:\npassed its deadline of 2 s"):
-        tp_mod.launch(_forever, 2, deadline_s=2)
+    with pytest.raises(RankFailure, match="the run failed:\npassed its deadline of 2 s"):
+        launch(_forever, 2, deadline_s=2)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, load
+from plumbing.trace import write_chrome_trace
 
 tp = load("01_tensor_parallel")
 pipe = load("02_pipeline_1f1b")
@@ -91,7 +92,7 @@ def test_timelines_draw_and_trace(tmp_path):
     text = pipe.render(sim.timeline, width=40)
     assert text.splitlines()[0].startswith("rank 0 |F0") and "B2" in text.splitlines()[1]
     path = tmp_path / "t.json"
-    pipe.chrome_trace(sim.timeline, path)
+    write_chrome_trace(path, [("1f1b", pipe.trace_tracks(sim.timeline))])
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(events) == 2 * 2 * 3 and {e["tid"] for e in events} == {0, 1}
 
@@ -224,7 +225,10 @@ def test_the_demo_passes_prints_the_timeline_and_the_exact_bubble(args, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("PASS") == 2 and proc.stdout.count("(equal)") == 2
     assert "rank 0 |F0" in proc.stdout
-    assert json.loads((tmp_path / "pipe.1f1b.json").read_text())["traceEvents"]
+    events = json.loads(trace.read_text())["traceEvents"]  # one file, the name given
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"gpipe", "1f1b"}
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}  # a track per rank
+    assert f"Chrome trace of the measured steps (gpipe, 1f1b): {trace}" in proc.stdout
 
 
 def test_the_demo_exits_nonzero_on_bad_input():

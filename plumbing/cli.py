@@ -1,0 +1,98 @@
+"""The command line, generated from the config dataclasses: one source for flags, defaults and help.
+
+Every field of a config dataclass becomes a flag (`n_layer` -> `--n-layer`). Its help text is the
+comment written after the field in the source, its default is the field's, and a field typed
+`Literal["a", "b"]` offers exactly those choices. A field without a comment is refused when the
+parser is built, so the help can never fall behind the config:
+
+    @dataclass
+    class TrainConfig:
+        steps: int = 200  # optimizer steps
+        dtype: Literal["auto", "float32"] = "auto"  # parameter dtype; auto: float32 on CPU
+
+    parser = make_parser(__doc__)
+    add_dataclass_args(parser, TrainConfig)
+    tc = from_args(TrainConfig, parser.parse_args())
+"""
+import argparse
+import dataclasses
+import functools
+import inspect
+import io
+import tokenize
+import types
+import typing
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default (an empty string shows as none, None as unset),
+    unless the help already speaks of it; the description and the epilog keep their line breaks."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings \
+                or isinstance(action, argparse._StoreTrueAction):
+            return text  # it says its default itself, or has none worth saying
+        shown = {None: "unset", "": "none"}.get(action.default, "%(default)s") \
+            if isinstance(action.default, (str, type(None))) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def make_parser(doc, **kwargs):
+    """A parser described by the script docstring's first line, with its "Run it:" paragraph (the
+    commands to try) as the epilog."""
+    paragraphs = doc.strip().split("\n\n")
+    run = [p for p in paragraphs if p.startswith("Run it")]
+    return argparse.ArgumentParser(description=paragraphs[0].split("\n")[0],
+                                   epilog=run[0] if run else None, formatter_class=HelpFormatter,
+                                   **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def field_comments(cls):
+    """{field name: the comment after it in cls's source}, read with the tokenizer, so a '#' inside
+    a string default is not mistaken for a comment."""
+    comments, line_field = {}, {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    tokens = tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline)
+    previous = None
+    for tok in tokens:
+        if tok.type == tokenize.OP and tok.string == ":" and previous is not None \
+                and previous.type == tokenize.NAME and previous.string in names:
+            line_field.setdefault(tok.start[0], previous.string)
+        if tok.type == tokenize.COMMENT and tok.start[0] in line_field:
+            comments[line_field[tok.start[0]]] = tok.string.lstrip("#").strip()
+        if tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            previous = tok
+    return comments
+
+
+def choices_of(field):
+    """The values a Literal[...] field allows, or None."""
+    return typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
+
+
+def add_dataclass_args(parser, cls, title=None, **defaults):
+    """Add a --field-name option for every field of cls (defaults= overrides a field's default)."""
+    target = parser.add_argument_group(title) if title else parser
+    comments = field_comments(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in comments:
+            raise TypeError(f"{cls.__name__}.{f.name} has no comment: the comment is its --help text")
+        default = defaults.get(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, bool | None):  # None: decided at run time (say, by the device)
+            target.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
+                                help=comments[f.name])
+        else:
+            kind = next((t for t in typing.get_args(f.type) if t is not type(None)), None) \
+                if typing.get_origin(f.type) in (typing.Union, types.UnionType) else f.type
+            kind = kind if kind in (int, float, str) else type(default)
+            target.add_argument(flag, default=default, type=kind, choices=choices_of(f),
+                                metavar=f.name.upper() if choices_of(f) is None else None,
+                                help=comments[f.name])
+
+
+def from_args(cls, args):
+    """The dataclass cls filled from parsed arguments."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,144 @@
+"""Data: a built-in corpus or a file, cut into the same random windows on every rank.
+
+    --data ""            the built-in corpus below: byte-level, nothing to download
+    --data book.txt      any file that does not end in .bin: its bytes are the tokens (V = 256)
+    --data train.bin     nanoGPT's format: token ids as uint16, little-endian, no header, memory-
+                         mapped; scripts/prepare_data.py writes one (byte-level, or GPT-2 BPE with
+                         tiktoken) and a sidecar train.json naming its tokenizer
+
+The last 10% of the tokens are held out for the eval loss. Batch `step` is a function of (seed,
+step) alone, so a resumed run, in any layout, reads exactly the batches it would have read.
+"""
+import functools
+import json
+import os
+
+import torch
+
+# Sums the built-in corpus never states, in either order: the end-of-run probe asks for them too, to
+# tell what the model memorised from what it worked out.
+HELD_OUT_SUMS = {(1, 8), (2, 7), (3, 5), (4, 9), (6, 6)}
+
+
+def held_out(x, y):
+    return (min(x, y), max(x, y)) in HELD_OUT_SUMS
+
+
+@functools.lru_cache(maxsize=1)  # made once in the launching process; forked ranks inherit it
+def builtin_corpus(n_sentences=20000, seed=0):
+    """Deterministic little stories with counting and single-digit sums, as text (about 1 MB).
+    What the default run (200 steps) learns of it is measured at the end of training: see
+    sum_probe and the README."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (), generator=g))]  # noqa: E731
+    digit = lambda: int(torch.randint(10, (), generator=g))  # noqa: E731
+    names = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
+    things = ["apples", "books", "coins", "shells", "stones", "cards"]
+    places = ["the market", "the garden", "the library", "the harbour", "school"]
+    out = []
+    for _ in range(n_sentences):
+        a, b = pick(names), pick(names)
+        x, y = digit(), digit()
+        while held_out(x, y):
+            x, y = digit(), digit()
+        thing = pick(things)
+        out.append(pick([
+            f"{a} has {x} {thing}. {b} gives {a} {y} more. now {a} has {x + y} {thing}.",
+            f"{a} walks to {pick(places)} with {b}. they count {x} {thing} and {y} {thing}: {x + y}.",
+            f"{x} plus {y} is {x + y}. {y} plus {x} is {x + y}.",
+        ]))
+    return " ".join(out) + "\n"
+
+
+def tokenizer_of(path):
+    """How the tokens of --data PATH decode: "bytes" (the built-in corpus, any non-.bin file), or
+    what a .bin's sidecar JSON says ("bytes" or "gpt2"), or "ids" when a .bin has none."""
+    if not path or not path.endswith(".bin"):
+        return "bytes"
+    sidecar = path[: -len(".bin")] + ".json"
+    try:
+        with open(sidecar) as f:
+            kind = json.load(f).get("tokenizer", "ids")
+    except (OSError, ValueError, AttributeError):
+        return "ids"
+    return kind if kind in ("bytes", "gpt2") else "ids"
+
+
+def load_tokens(path, vocab_size, seq_len):
+    """All tokens of the data, as a 1-D tensor: a nanoGPT .bin (uint16, memory-mapped) or any other
+    file as bytes. Refuses what cannot train: missing, empty, too short, ids >= vocab_size."""
+    if not path:
+        tokens = torch.frombuffer(bytearray(builtin_corpus().encode()), dtype=torch.uint8)
+    else:
+        try:
+            size = os.path.getsize(path)
+            if size == 0:
+                raise ValueError(f"the data file {path!r} is empty")
+            if path.endswith(".bin"):
+                # Memory-mapped, not read: windows are copied out (as int64) only when sampled.
+                tokens = torch.from_file(path, shared=False, size=size // 2, dtype=torch.uint16)
+            else:
+                with open(path, "rb") as f:
+                    tokens = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+        except OSError as e:
+            raise ValueError(f"cannot read the data file {path!r}: {e.strerror or e}") from None
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one sequence of "
+                         f"seq_len + 1 = {seq_len + 1}")
+    # In pieces: uint16 tensors have few operations, and a whole-file copy could be gigabytes.
+    top = max(int(piece.to(torch.int32).max()) for piece in tokens.split(1 << 24))
+    if top >= vocab_size:
+        raise ValueError(f"the data holds token id {top} >= vocab_size={vocab_size}")
+    return tokens
+
+
+def split_tokens(tokens, seq_len):
+    """90% to train on, the last 10% held out for the eval loss (at least one sequence)."""
+    n_eval = max(len(tokens) // 10, seq_len + 1)
+    return tokens[:-n_eval], tokens[-n_eval:]
+
+
+def global_batch(tokens, step, tc, salt=0):
+    """Batch `step`: B random windows (B, T) and their next-token targets, the same on every rank."""
+    g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 2 + salt)
+    starts = torch.randint(len(tokens) - tc.seq_len, (tc.batch_size,), generator=g)
+    window = torch.stack([tokens[s: s + tc.seq_len + 1].to(torch.int64) for s in starts.tolist()])
+    return window[:, :-1], window[:, 1:]
+
+
+def replica_batch(tokens, step, tc, dp_rank, salt=0):
+    """This replica's disjoint rows of the global batch (the rows are split as 04 does)."""
+    idx, targets = global_batch(tokens, step, tc, salt)
+    if tc.batch_size % tc.dp:
+        raise ValueError(f"the global batch of {tc.batch_size} sequences is not divisible by dp={tc.dp}")
+    return idx.chunk(tc.dp)[dp_rank], targets.chunk(tc.dp)[dp_rank]
+
+
+# ----------------------------------------------------------------------------------------------
+# The sum probe: what the default run learns, measured rather than claimed.
+
+
+def sum_probe(seq_len, batch_size, ignore_index=-100):
+    """Every single-digit sum "x plus y is z." as a batch of windows, scored only on z and the
+    full stop: a row counts as right when the model's greedy prediction of each of those tokens,
+    given everything before it, is the true one. That is exactly what greedy decoding from the
+    prompt "... x plus y is " would write. Each window starts with a filler sentence of another
+    kind (cut from the left to fit seq_len), so the prompt sits where the corpus puts it.
+
+    Returns a list of global batches (idx, targets, pairs): idx and targets (B, T); pairs[i] is
+    row i's (x, y), or None for a row that only pads the last batch."""
+    filler = "alice walks to the garden with bob. they count 3 coins and 4 coins: 7. " * 8
+    rows = []
+    for x in range(10):
+        for y in range(10):
+            prompt, answer = f"{x} plus {y} is ", f"{x + y}."
+            text = (filler + prompt + answer).encode()[-(seq_len + 1):]
+            ids = torch.tensor(list(text))
+            targets = torch.full((seq_len,), ignore_index)
+            targets[-len(answer):] = ids[-len(answer):]
+            rows.append((ids[:-1], targets, (x, y)))
+    while len(rows) % batch_size:  # padding: a copy of the first row, not counted
+        rows.append((*rows[0][:2], None))
+    return [(torch.stack([r[0] for r in rows[i:i + batch_size]]),
+             torch.stack([r[1] for r in rows[i:i + batch_size]]),
+             [r[2] for r in rows[i:i + batch_size]]) for i in range(0, len(rows), batch_size)]
