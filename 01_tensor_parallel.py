@@ -1,24 +1,20 @@
 """01 - Tensor parallelism on an exact GPT-2 (Shoeybi et al. 2019, "Megatron-LM", Section 3).
 
-What this file adds: the foundation. A launcher that runs the same code on 1 CPU process, on N
-fork-started CPU ranks (gloo) or under torchrun on GPUs (NCCL); the two conjugate operators f and g
-of the paper's Figure 3 and their sequence-parallel twins (Korthikanti et al. 2022, Section 4.2.2);
-column- and row-parallel linear layers, a vocab-parallel embedding and cross-entropy; and a GPT-2
-built from them in which tp=1 *is* the serial model. Every later file imports this one. The
-elementwise pieces of a block (LayerNorm, bias + GeLU, bias + dropout + residual, attention) go
-through one `Ops` object, plain PyTorch here, so that kernels/ can pass fused ones in.
+What this file adds: the foundation. The two conjugate operators of the paper's Figure 3, f
+(identity forward, all-reduce backward) and g (all-reduce forward, identity backward), come first;
+then their sequence-parallel twins (Korthikanti et al. 2022, Section 4.2.2), column- and row-
+parallel linear layers, a vocab-parallel embedding and cross-entropy, the tp random-number tracker,
+and a GPT-2 built from them in which tp=1 *is* the serial model. Every later file imports this one.
 
 Run it:
     python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
     python 01_tensor_parallel.py --tp 4 --sequence-parallel
     torchrun --nproc-per-node 8 01_tensor_parallel.py --tp 8   # one GPU per rank (NCCL)
 
-The demo builds the serial GPT-2 and the tensor-parallel one from the same float64 weights, runs
-forward and backward on the same random batch, prints the loss, the max relative difference of the
-logits and of every gradient, and every collective in the order it ran: per layer 2 all-reduces
-forward and 2 backward; with --sequence-parallel 4 all-gathers and reduce-scatters each way, plus 6
-small all-reduces of replicated gradients in backward (the output says why). It exits 1 if any
-difference exceeds 1e-10.
+The demo runs the serial GPT-2 and the tensor-parallel one, from the same float64 weights, forward
+and backward on the same batch; it prints the max relative difference of the logits and of every
+gradient, and every collective in the order it ran (per layer 2 all-reduces each way, and what
+sequence parallelism makes of them). It exits 1 if any difference exceeds 1e-10.
 
 Glossary, used in every file:
     B batch, T sequence length, C = n_embd channels, nh heads, hs = C // nh head size, V vocabulary;
@@ -38,74 +34,50 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from plumbing import cli
-from plumbing.launch import launch, printer, run_main  # launch: re-exported for the README's example
-
-# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 and 2.12 only have the old names.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 50257  # V, the vocabulary (GPT-2's BPE has 50257 tokens, bytes 256)
-    block_size: int = 1024  # longest sequence; size of the learned position table
-    n_layer: int = 12  # transformer blocks
-    n_head: int = 12  # nh, attention heads
-    n_embd: int = 768  # C, channels of the residual stream (hs = C / nh per head)
-    dropout: float = 0.0  # on embeddings, attention probabilities and both residual branches
+from plumbing.launch import launch, median_seconds, printer, run_main  # launch: for the README
+from plumbing.trace import recorded, trace_comm
 
 
 # ----------------------------------------------------------------------------------------------
-# Groups. The launcher (plumbing/launch.py) gives each rank its RankEnv; a tp group is a block of
-# tp consecutive ranks, so on a GPU node it stays inside the node's NVLink domain.
+# f and g, the conjugate operators (Figure 3). A tp group of size 1, or group=None, is no tensor
+# parallelism: both are then the identity, and nothing needs torch.distributed.
 
 
-def new_tp_group(env, tp, timeout_s=60.0):
-    """Split the world into blocks of tp consecutive ranks; return this rank's block as a group."""
-    if tp < 1 or tp > env.world_size or env.world_size % tp:
-        raise ValueError(f"tp={tp} must be between 1 and the world size {env.world_size} and divide it")
-    groups = [dist.new_group(list(range(s, s + tp)), timeout=timedelta(seconds=timeout_s))
-              for s in range(0, env.world_size, tp)]
-    return groups[env.rank // tp]
+class CopyToTP(torch.autograd.Function):
+    """f: identity in forward, all-reduce in backward. It enters a tp region: every rank uses the
+    same input, so the input's gradient is the sum of the ranks' partial gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), ctx.group, ctx.tag + " backward"), None, None
 
 
-# ----------------------------------------------------------------------------------------------
-# Communication: the conjugate operators. `group=None` means no tensor parallelism (tp=1): every
-# operator is then the identity and nothing needs torch.distributed.
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce in forward, identity in backward. It leaves a tp region: the output is the sum
+    of the ranks' partial outputs, and each partial output's gradient is the whole gradient."""
 
-COMM_LOG = None  # a list while trace_comm() is active, else None
-COMM_CLOCK = time.perf_counter
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        return all_reduce(x.clone(), group, tag + " forward")  # clone: never write into an input
 
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective as trace_comm() saw it; the tag names the layer and forward or backward."""
-    op: str
-    tag: str
-    shape: tuple
-    nbytes: int
-    start: float  # COMM_CLOCK() before and after it
-    end: float
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
 
 
-@contextmanager
-def trace_comm(clock=time.perf_counter):
-    """Record every collective of this file as a Collective while the block runs. clock reads the
-    time (05's --trace passes one that first waits for the GPU)."""
-    global COMM_LOG, COMM_CLOCK
-    COMM_LOG, COMM_CLOCK = [], clock
-    try:
-        yield COMM_LOG
-    finally:
-        COMM_LOG, COMM_CLOCK = None, time.perf_counter
+def copy_to_tp(x, group, tag=""):
+    """f: identity forward, all-reduce backward (before a column-parallel layer)."""
+    return x if tp_size(group) == 1 else CopyToTP.apply(x, group, tag)
 
 
-@contextmanager
-def _recorded(op, x, tag):
-    start = COMM_CLOCK() if COMM_LOG is not None else 0.0
-    yield
-    if COMM_LOG is not None:
-        COMM_LOG.append(Collective(op, tag, tuple(x.shape), x.numel() * x.element_size(), start, COMM_CLOCK()))
+def reduce_from_tp(x, group, tag=""):
+    """g: all-reduce forward, identity backward (after a row-parallel layer)."""
+    return x if tp_size(group) == 1 else ReduceFromTP.apply(x, group, tag)
 
 
 def tp_size(group):
@@ -116,20 +88,20 @@ def tp_rank(group):
     return 0 if group is None else dist.get_rank(group)
 
 
+# ----------------------------------------------------------------------------------------------
+# The collectives under them, each recorded while plumbing.trace.trace_comm() is on (the demo
+# lists them). torch 2.13 renamed the tensor-in/tensor-out ones; 2.11 and 2.12 have the old names.
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_reduce(x, group, tag, op=dist.ReduceOp.SUM):
     """In-place all-reduce over the tp group (a no-op for group=None)."""
     if tp_size(group) > 1:
-        with _recorded("all-reduce", x, tag):
+        with recorded("all-reduce", x, tag):
             dist.all_reduce(x, op=op, group=group)
     return x
-
-
-def _identity(x, group, dim, tag):
-    return x
-
-
-def _all_reduce(x, group, dim, tag):
-    return all_reduce(x.clone(), group, tag)  # clone: never write into an autograd input
 
 
 def _split(x, group, dim, tag):
@@ -139,7 +111,7 @@ def _split(x, group, dim, tag):
 def _all_gather(x, group, dim, tag):
     tp, x = tp_size(group), x.contiguous()
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))  # the ranks' tensors stacked along dim 0
-    with _recorded("all-gather", out, tag):
+    with recorded("all-gather", out, tag):
         all_gather_single(out, x, group=group)
     return torch.cat(out.chunk(tp), dim)
 
@@ -148,9 +120,14 @@ def _reduce_scatter(x, group, dim, tag):
     tp = tp_size(group)
     chunks = torch.cat(x.chunk(tp, dim))  # rank i's part of dim moved to block i of dim 0
     out = chunks.new_empty((chunks.shape[0] // tp, *chunks.shape[1:]))
-    with _recorded("reduce-scatter", chunks, tag):
+    with recorded("reduce-scatter", chunks, tag):
         reduce_scatter_single(out, chunks, group=group)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence parallelism (Korthikanti et al. 2022, Section 4.2.2) and the other splits: each is a
+# pair of conjugate collectives, one in forward and the other in backward, like f and g.
 
 
 class _Conjugate(torch.autograd.Function):
@@ -166,46 +143,22 @@ class _Conjugate(torch.autograd.Function):
         return ctx.bwd(grad, ctx.group, ctx.dim, ctx.tag + " backward"), None, None, None, None, None
 
 
-def _conjugate(x, fwd, bwd, group, dim, tag):
-    return x if tp_size(group) == 1 else _Conjugate.apply(x, fwd, bwd, group, dim, tag)
+def _conjugate(fwd, bwd, dim, contract):
+    """The operator x -> fwd(x) whose backward is bwd: the identity when tp is 1."""
+    def operator(x, group, tag=""):
+        return x if tp_size(group) == 1 else _Conjugate.apply(x, fwd, bwd, group, dim, tag)
+    operator.__doc__ = contract
+    return operator
 
 
 SEQ_DIM = 1  # activations are (B, T, C); sequence parallelism shards T
-
-
-def copy_to_tp(x, group, tag=""):
-    """f: identity forward, all-reduce backward (enters a tp region from replicated activations)."""
-    return _conjugate(x, _identity, _all_reduce, group, -1, tag)
-
-
-def reduce_from_tp(x, group, tag=""):
-    """g: all-reduce forward, identity backward (sums the ranks' partial outputs)."""
-    return _conjugate(x, _all_reduce, _identity, group, -1, tag)
-
-
-def scatter_to_tp(x, group, tag=""):
-    """Keep this rank's slice of the last dim forward; all-gather it backward."""
-    return _conjugate(x, _split, _all_gather, group, -1, tag)
-
-
-def gather_from_tp(x, group, tag=""):
-    """All-gather the last dim forward; keep this rank's slice backward."""
-    return _conjugate(x, _all_gather, _split, group, -1, tag)
-
-
-def scatter_to_sp(x, group, tag=""):
-    """Keep this rank's slice of T forward; all-gather T backward."""
-    return _conjugate(x, _split, _all_gather, group, SEQ_DIM, tag)
-
-
-def gather_from_sp(x, group, tag=""):
-    """g-bar of sequence parallelism: all-gather T forward; reduce-scatter T backward."""
-    return _conjugate(x, _all_gather, _reduce_scatter, group, SEQ_DIM, tag)
-
-
-def reduce_scatter_to_sp(x, group, tag=""):
-    """g of sequence parallelism: reduce-scatter T forward; all-gather T backward."""
-    return _conjugate(x, _reduce_scatter, _all_gather, group, SEQ_DIM, tag)
+scatter_to_tp = _conjugate(_split, _all_gather, -1, "Keep this rank's slice of the last dim; all-gather back.")
+gather_from_tp = _conjugate(_all_gather, _split, -1, "All-gather the last dim; keep this rank's slice back.")
+scatter_to_sp = _conjugate(_split, _all_gather, SEQ_DIM, "Keep this rank's slice of T; all-gather T back.")
+gather_from_sp = _conjugate(_all_gather, _reduce_scatter, SEQ_DIM,
+                            "g-bar of sequence parallelism: all-gather T; reduce-scatter T back.")
+reduce_scatter_to_sp = _conjugate(_reduce_scatter, _all_gather, SEQ_DIM,
+                                  "g of sequence parallelism: reduce-scatter T; all-gather T back.")
 
 
 def enter_tp(x, group, sp, tag=""):
@@ -219,41 +172,55 @@ def exit_tp(y, group, sp, tag=""):
 
 
 def sp_param(p, group, sp, tag=""):
-    """A replicated parameter used on T-sharded activations: each rank sees T/tp of the tokens,
-    so its gradient is all-reduced (f on the parameter). Without sequence parallelism: identity."""
+    """f on a replicated parameter used on T/tp of the tokens, so its gradient sums all of them."""
     return copy_to_tp(p, group, tag) if sp else p
 
 
 # ----------------------------------------------------------------------------------------------
+# Groups, the model's config, and the random numbers of its dropout
+
+
+def new_tp_group(env, tp, timeout_s=60.0):
+    """Split the world into blocks of tp consecutive ranks (on a GPU node: inside its NVLink
+    domain); return this rank's block as a group. env comes from plumbing.launch.launch."""
+    if tp < 1 or tp > env.world_size or env.world_size % tp:
+        raise ValueError(f"tp={tp} must be between 1 and the world size {env.world_size} and divide it")
+    groups = [dist.new_group(list(range(s, s + tp)), timeout=timedelta(seconds=timeout_s))
+              for s in range(0, env.world_size, tp)]
+    return groups[env.rank // tp]
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257  # V, the vocabulary (GPT-2's BPE has 50257 tokens, bytes 256)
+    block_size: int = 1024  # longest sequence; size of the learned position table
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # nh, attention heads
+    n_embd: int = 768  # C, channels of the residual stream (hs = C / nh per head)
+    dropout: float = 0.0  # on embeddings, attention probabilities and both residual branches
+
+
 # Random numbers: replicated activations draw identical dropout masks on every tp rank (from the
 # default generator, seeded alike); split activations draw different ones (a tracked generator
 # seeded by tp rank), as Megatron's RNG tracker does.
 
 
 class TPRandom:
-    """A tracked generator for tp-split activations; fork() swaps it in for the default one."""
-
-    OFFSET = 2718  # Megatron's offset between the default seed and the tensor-parallel seeds
+    """A tracked generator for tp-split activations; fork() swaps it in for the default one. At
+    tp=1 nothing is split (enabled=False): fork() does nothing and every mask is the default's."""
 
     def __init__(self, seed, rank, device, enabled=True):
-        # enabled=False (tp=1: nothing is split) makes fork() a no-op, so every mask comes from the
-        # default generator, the one a CUDA graph capture knows how to replay (kernels/graphs.py).
         self.device, self.enabled = torch.device(device), enabled
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed + self.OFFSET + rank)
-        self.state = gen.get_state()
-
-    def _default(self):
-        if self.device.type == "cuda":
-            return torch.cuda.default_generators[self.device.index or 0]
-        return torch.default_generator
+        # 2718: Megatron's offset between the default seed and the tensor-parallel seeds.
+        self.state = torch.Generator(device=self.device).manual_seed(seed + 2718 + rank).get_state()
 
     @contextmanager
     def fork(self):
         if not self.enabled:
             yield
             return
-        default = self._default()
+        default = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
+            else torch.default_generator
         saved = default.get_state()
         default.set_state(self.state)
         try:
@@ -263,26 +230,11 @@ class TPRandom:
             default.set_state(saved)
 
 
-class Dropout(nn.Module):
-    """Dropout whose mask comes from the tp-rank stream if the activation is split across tp."""
-
-    def __init__(self, p, rng, split):
-        super().__init__()
-        self.p, self.rng, self.split = p, rng, split
-
-    def forward(self, x):
-        if not self.training or self.p == 0:
-            return x
-        if self.split:
-            with self.rng.fork():
-                return F.dropout(x, self.p, True)
-        return F.dropout(x, self.p, True)
-
-
 # ----------------------------------------------------------------------------------------------
-# The elementwise pieces of a block. Megatron fuses each into one kernel (Narayanan et al. 2021,
-# Section 4.2); here they are plain PyTorch, and kernels/ supplies fused ones with the same
-# signatures. A model is built with one `ops` object and passes it down to its layers.
+# The elementwise pieces of a block, in one object: the seam kernels/ plugs into. Megatron fuses
+# each into one kernel (Narayanan et al. 2021, Section 4.2); here they are plain PyTorch, and
+# kernels.FusedOps has the same methods. skip_bias_add (Megatron's name) on the linears below hands
+# their bias to the op after them, which adds it in the same pass.
 
 
 class Ops:
@@ -328,18 +280,15 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and skip_bias_add:
             raise ValueError("skip_bias_add returns the local shard and its bias: not with gather_output")
         self.group, self.sp, self.gather_output, self.tag = group, sp, gather_output, ""
-        # skip_bias_add (Megatron's name): return (X A_i, b_i) and leave the bias to the caller,
-        # which fuses it into the next elementwise op (bias + GeLU).
-        self.skip_bias_add = skip_bias_add
+        self.skip_bias_add = skip_bias_add  # return (X A_i, b_i): the next op adds the bias
         self.weight = _mark_split(nn.Parameter(torch.empty(n_out // tp, n_in, **factory)), 0, n_out, fused)
         self.bias = _mark_split(nn.Parameter(torch.empty(n_out // tp, **factory)), 0, n_out, fused)
 
     def forward(self, x):  # (B, T, n_in), or (B, T/tp, n_in) with sequence parallelism
-        if self.skip_bias_add:
-            return F.linear(enter_tp(x, self.group, self.sp, self.tag), self.weight), self.bias
-        y = F.linear(enter_tp(x, self.group, self.sp, self.tag), self.weight, self.bias)
+        y = F.linear(enter_tp(x, self.group, self.sp, self.tag), self.weight,
+                     None if self.skip_bias_add else self.bias)  # (B, T, n_out/tp)
         if not self.gather_output:
-            return y  # (B, T, n_out/tp)
+            return (y, self.bias) if self.skip_bias_add else y
         y = gather_from_tp(y, self.group, self.tag)  # blocks ordered rank-major: reorder them
         return rearrange(y, "... (tp f c) -> ... (f tp c)", tp=tp_size(self.group), f=self.weight.tp_fused)
 
@@ -400,7 +349,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, n_vocab, ignore_index, tag):
-        N, Vl = logits.shape
+        Vl = logits.shape[1]  # logits (N, V/tp): N = B T rows
         start = tp_rank(group) * Vl
         padded = torch.arange(start, start + Vl, device=logits.device) >= n_vocab
         logits = logits.masked_fill(padded, -math.inf)  # padded columns are never a possible token
@@ -499,7 +448,6 @@ class Block(nn.Module):
         with self.rng.fork() if p and self.sp else contextlib.nullcontext():
             return self.ops.bias_dropout_add(y, bias, x, p)
 
-
 # ----------------------------------------------------------------------------------------------
 # GPT-2. With group=None (tp=1) this is the plain serial GPT-2: the same class, not a twin.
 
@@ -529,7 +477,6 @@ class GPT(nn.Module):
             tr["wte"] = VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory)
         if pre_process:
             tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
-            tr["drop"] = Dropout(cfg.dropout, self.rng, split=self.sp)
         # Keyed by global layer index, so a chunk's parameter names are the serial model's names.
         tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, self.ops, **factory)
                                  for i in layers})
@@ -548,15 +495,14 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length T={T} exceeds block_size={self.cfg.block_size}")
         if self.sp and T % tp:
             raise ValueError(f"sequence parallelism needs T={T} divisible by tp={tp}")
-        lo, hi = torch.aminmax(idx)
-        lo, hi = int(lo), int(hi)  # (on a GPU, reading them back waits for the device)
+        lo, hi = (int(t) for t in torch.aminmax(idx))  # (on a GPU, reading them back waits for it)
         if lo < 0 or hi >= V:
             raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
 
     def forward(self, x, targets=None, ignore_index=-100):
-        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss.
-        Without pre_process x is the previous chunk's hidden state; without post_process the
-        hidden state (B, T, C) (T/tp with sequence parallelism) is returned instead."""
+        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss;
+        a chunk without pre_process takes, and one without post_process returns, the hidden state
+        (B, T, C), or (B, T/tp, C) with sequence parallelism."""
         if self.pre_process:
             x = self.embed(x)
         for block in self.transformer.h.values():
@@ -570,7 +516,9 @@ class GPT(nn.Module):
         x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
         if self.sp:
             x = scatter_to_sp(x, self.group, "transformer.wpe")  # (B, T/tp, C)
-        return tr.drop(x)
+        p = self.cfg.dropout if self.training else 0.0
+        with self.rng.fork() if p and self.sp else contextlib.nullcontext():  # split: its own masks
+            return F.dropout(x, p, p > 0)
 
     def head(self, x, targets, ignore_index=-100):
         x = self.transformer.ln_f(x)
@@ -586,10 +534,10 @@ class GPT(nn.Module):
         own = dict(self.named_parameters())
         load_full_state_dict(self, {k: v for k, v in full.items() if k in own}, self.group)
 
-    def full_state_dict(self):
+    def full_state_dict(self):  # every parameter, gathered to its serial shape
         return gather_full(self, self.group)
 
-    def full_grads(self):
+    def full_grads(self):  # every gradient, likewise
         return gather_full(self, self.group, grads=True)
 
     def full_logits(self, logits):
@@ -645,19 +593,14 @@ def gather_full(module, group, grads=False):
 def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
     """The full GPT-2 weights from a seed: N(0, 0.02), c_proj N(0, 0.02/sqrt(2 n_layer)), zero
     biases, unit LayerNorms. random_all draws biases and LayerNorms at random too (for tests)."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes = {n: p.shape for n, p in GPT(cfg, device="meta").named_parameters()}
-    out = {}
-    for name, shape in shapes.items():
-        std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
-        t = torch.randn(shape, generator=gen, dtype=torch.float64)
-        is_ln = ".ln_" in name
-        if name.endswith(".bias") or is_ln:
-            t = t * 0.1 if random_all else torch.zeros(shape, dtype=torch.float64)
-            if is_ln and name.endswith(".weight"):
-                t = t + 1
+    gen, out = torch.Generator().manual_seed(seed), {}
+    for name, p in GPT(cfg, device="meta").named_parameters():
+        t = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        if name.endswith(".bias") or ".ln_" in name:
+            t = t * 0.1 if random_all else torch.zeros_like(t)
+            t = t + 1 if ".ln_" in name and name.endswith(".weight") else t
         else:
-            t = t * std
+            t = t * (0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02)
         out[name] = t.to(dtype)
     return out
 
@@ -672,24 +615,19 @@ def max_rel_diff(a, b):
 
 
 def demo(env, cfg, args):
-    group = new_tp_group(env, args.tp)
-    say = printer(env)
+    group, say, dt = new_tp_group(env, args.tp), printer(env), torch.float64
     say(f"{cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} B={args.batch_size} "
         f"T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
-    dt = torch.float64
     full = init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
-    idx, targets = idx.to(env.device), targets.to(env.device)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
     serial = GPT(cfg, None, init=False, dtype=dt, device=env.device)
-    model = GPT(cfg, group, sequence_parallel=args.sequence_parallel, init=False, dtype=dt,
-                device=env.device)
+    model = GPT(cfg, group, sequence_parallel=args.sequence_parallel, init=False, dtype=dt, device=env.device)
     serial.load_full_state_dict(full)
     model.load_full_state_dict(full)
-
     ref_logits, ref_loss = serial(idx, targets)
     ref_loss.backward()
-    with trace_comm() as log:
+    with trace_comm() as log:  # every collective of one forward + backward
         logits, loss = model(idx, targets)
         loss.backward()
     diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),
@@ -697,44 +635,28 @@ def demo(env, cfg, args):
     ref_grads = {n: p.grad for n, p in serial.named_parameters()}
     diffs.update({"grad " + n: max_rel_diff(g, ref_grads[n]) for n, g in model.full_grads().items()})
     worst = max(diffs.values())
-
     say(f"\nloss: serial {ref_loss.item():.12f}  tp {loss.item():.12f}")
     say(f"max relative difference against serial ({len(diffs)} tensors):")
-    for name, d in diffs.items():
-        say(f"  {d:9.2e}  {name}")
+    say("\n".join(f"  {d:9.2e}  {name}" for name, d in diffs.items()))
     say("\ncollectives on rank 0 for one forward + backward, in the order they ran:")
-    for c in log:
-        say(f"  {c.op:15s} {c.tag:48s} {str(c.shape):16s} {c.nbytes / 1024:7.1f} KiB")
+    say("\n".join(f"  {c.op:15s} {c.tag:48s} {str(c.shape):16s} {c.nbytes / 1024:7.1f} KiB" for c in log))
     layer0 = [c.tag for c in log if c.tag.startswith("transformer.h.0.")]
-    n_fwd, n_bwd = sum("forward" in t for t in layer0), sum("backward" in t for t in layer0)
-    say(f"layer 0: {n_fwd} forward and {n_bwd} backward collectives; {len(log)} in all, "
-        f"{sum(c.nbytes for c in log) / 1024:.1f} KiB")
-    if model.sp:
-        say("  with sequence parallelism each all-reduce of f and g becomes an all-gather and a\n"
-            "  reduce-scatter (Korthikanti 4.2.2): 4 forward and 4 backward, the bytes of 2 all-reduces.\n"
-            "  The other backward ones are small all-reduces of the replicated LayerNorm and row-parallel\n"
-            "  bias gradients, which each rank computed from its T/tp tokens only (Megatron leaves these\n"
-            "  partial until the data-parallel reduction)")
-    else:
-        say("  g after each row-parallel layer in forward, f before each column-parallel layer in\n"
-            "  backward: the paper's Figure 3, 2 all-reduces each way per layer")
+    say(f"layer 0: {sum('forward' in t for t in layer0)} forward and {sum('backward' in t for t in layer0)} "
+        f"backward collectives; {len(log)} in all, {sum(c.nbytes for c in log) / 1024:.1f} KiB")
+    say("  sequence parallelism turns each all-reduce of f and g into an all-gather and a reduce-\n"
+        "  scatter (the bytes of 2 all-reduces; Korthikanti 4.2.2); the other backward ones sum the\n"
+        "  gradients of the replicated LayerNorms and biases, each rank having seen T/tp tokens" if model.sp
+        else "  g after each row-parallel layer in forward, f before each column-parallel layer in\n"
+             "  backward: the paper's Figure 3, 2 all-reduces each way per layer")
     n_local, n_full = sum(p.numel() for p in model.parameters()), sum(t.numel() for t in full.values())
     say(f"parameters on rank 0: {n_local:,} of {n_full:,} ({n_local / n_full:.0%})")
-    times = {}
-    for name, m in (("serial", serial), ("tp", model)):  # warm steps, median of 5
-        steps = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            m(idx, targets)[1].backward()
-            steps.append(time.perf_counter() - t0)
-        times[name] = sorted(steps)[2]
+    times = {name: median_seconds(lambda: m(idx, targets)[1].backward())  # warm: after the first
+             for name, m in (("serial", serial), ("tp", model))}
     say(f"forward+backward: serial {times['serial'] * 1e3:.1f} ms, tp {times['tp'] * 1e3:.1f} ms")
     if env.device.type == "cpu" and times["tp"] > times["serial"]:
-        say("  tp is slower than serial here: its ranks are processes sharing this machine's cores,\n"
-            "  one thread each, and every collective is a copy through loopback. On GPUs each rank has\n"
-            "  its own device and NVLink; BENCHMARKS.md times this code against PyTorch's DTensor")
-    say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} "
-        f"(tolerance 1e-10)")
+        say("  tp is slower here: its ranks share this machine's cores and every collective copies\n"
+            "  through loopback; on GPUs each rank has a device and NVLink (BENCHMARKS.md compares)")
+    say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} (tolerance 1e-10)")
     return worst <= 1e-10
 
 
@@ -748,11 +670,8 @@ class DemoConfig:
 
 
 def parser():
-    p = cli.make_parser(__doc__)
-    cli.add_dataclass_args(p, DemoConfig, "demo")
-    cli.add_dataclass_args(p, GPTConfig, "model", vocab_size=1001, block_size=64, n_layer=2, n_head=4,
-                           n_embd=64)
-    return p
+    return cli.demo_parser(__doc__, DemoConfig, GPTConfig, vocab_size=1001, block_size=64, n_layer=2,
+                           n_head=4, n_embd=64)
 
 
 def main():

@@ -27,6 +27,7 @@ Layer split: n_layer must be divisible by the number of stages; uneven splits ar
 """
 import importlib
 import time
+from contextlib import contextmanager
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,9 +39,9 @@ import torch.distributed as dist
 
 from plumbing import cli
 from plumbing.launch import gather_numbers, printer, run_main
-from plumbing.trace import write_chrome_trace
+from plumbing.trace import write_timelines
 
-tp = importlib.import_module("01_tensor_parallel")
+tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,12 +283,6 @@ def render(timeline, width=100, end=None):
     return "\n".join(rows)
 
 
-def trace_tracks(timeline, seconds_per_unit=1e-6):
-    """One Chrome-trace track per rank, one slice per action (plumbing.trace.write_chrome_trace)."""
-    return [(f"rank {r}", [(s * seconds_per_unit, e * seconds_per_unit, str(a), a.kind) for s, e, a in tl])
-            for r, tl in enumerate(timeline)]
-
-
 # ----------------------------------------------------------------------------------------------
 # Stages: the GPT-2 of 01, cut into contiguous chunks of layers.
 
@@ -307,7 +302,7 @@ def build_chunks(cfg, pp, rank, v=1, group=None, **gpt_kwargs):
     """This rank's model chunks: chunk c is virtual stage c*pp + rank of pp*v (v=1 in this file)."""
     ranges = split_layers(cfg.n_layer, pp * v)
     S = pp * v
-    return [tp.GPT(cfg, group, layers=ranges[c * pp + rank], pre_process=c * pp + rank == 0,
+    return [tensor_parallel.GPT(cfg, group, layers=ranges[c * pp + rank], pre_process=c * pp + rank == 0,
                    post_process=c * pp + rank == S - 1, **gpt_kwargs) for c in range(v)]
 
 
@@ -344,6 +339,10 @@ def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
 
 # ----------------------------------------------------------------------------------------------
 # The executor: runs exactly one rank's list, with the messages rank_plan derives from it.
+# Later files plug into it through optional arguments, each named here once: wire= is how a
+# boundary tensor travels (05's scatter/gather), call= runs a chunk's forward (kernels/graphs.py
+# replays a CUDA graph through it), clock= reads the time of its events (05's --trace); and
+# sync_tied_embeddings' grad_of= says where a gradient lives (04's flat buffer, in 05).
 
 
 @dataclass
@@ -357,8 +356,7 @@ class StepResult:
 
 
 class Wire:
-    """How a stage's output (or input gradient) travels: as itself, in buffers of `shape`.
-    05 replaces it with scatter/gather (each tp rank sends 1/tp, the receiver all-gathers)."""
+    """A boundary tensor travels as itself, in buffers of `shape`."""
 
     def __init__(self, shape):
         self.shape = shape
@@ -370,142 +368,120 @@ class Wire:
         return buf
 
 
+class ActivationMeter:
+    """The activation bytes a rank holds for backward: what autograd saves (parameters excluded)
+    for each microbatch in flight, plus each stage output still held after it was sent; every
+    storage counted once. `peak` is the most seen at any boundary or after any action."""
+
+    def __init__(self, chunks, outputs):
+        self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        self.outputs, self.saved, self.unsent, self.peak = outputs, {}, set(), 0
+
+    @contextmanager
+    def forward(self, key):
+        """Count what autograd saves while microbatch `key`'s forward runs."""
+        saved = self.saved[key] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in self.params:
+                saved[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def measure(self):
+        live = {}
+        for key, y in self.outputs.items():
+            live.update(self.saved[key])
+            if y.dim() and key not in self.unsent:
+                live[y.untyped_storage().data_ptr()] = y.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(live.values()))
+
+
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True,
             ignore_index=-100, t0=None, wire=None, call=None, clock=time.perf_counter):
     """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
     (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in the
     chunks' parameters; the loss of microbatch i is weighted by its share of the tokens, so the
-    sum is the serial model's mean loss. call(c, mb, x, targets), if given, runs chunk c's forward
-    instead of chunks[c](x, targets): kernels/graphs.py replays CUDA graphs through it. clock()
-    reads the time of the events (05's --trace passes one that waits for the GPU first)."""
+    sum is the serial model's mean loss."""
     wire = wire or Wire(act_shape)
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     S = pp * len(chunks)
     dtype, device = next(chunks[0].parameters()).dtype, next(chunks[0].parameters()).device
     n_valid = sum(int((t != ignore_index).sum()) for _, t in microbatches)
-    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-    inbox, outbox, inputs, outputs, saved, unsent = {}, {}, {}, {}, {}, set()
-    t0 = clock() if t0 is None else t0
-    events, waits, loss, peak, n_msgs, n_bytes = [], [], None, 0, 0, 0
+    inbox, outbox, inputs, outputs = {}, {}, {}, {}
+    meter, t0 = ActivationMeter(chunks, outputs), clock() if t0 is None else t0
+    events, waits, loss, n_msgs, n_bytes = [], [], None, 0, 0
     for kind, step in rank_plan(actions, rank, pp):
-        if kind == "comm":
-            ops, sent = [], []
+        if kind == "comm":  # one batch: this boundary's sends and receives, posted together
+            ops, start = [], clock() - t0
             for side, peer, msg in step:
-                peer = dist.get_global_rank(pp_group, peer)
                 if side == "send":
                     t = outbox.pop(msg)
-                    ops.append(dist.P2POp(dist.isend, t, peer))
-                    sent.append(msg)
+                    ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(pp_group, peer)))
                     n_msgs, n_bytes = n_msgs + 1, n_bytes + t.numel() * t.element_size()
                 else:  # poisoned, so a receive that never happened shows up as NaN
                     inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
-                    ops.append(dist.P2POp(dist.irecv, inbox[msg], peer))
-            start = clock() - t0
+                    ops.append(dist.P2POp(dist.irecv, inbox[msg], dist.get_global_rank(pp_group, peer)))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             for side, _, msg in step:
                 if side == "recv":
                     inbox[msg] = wire.unpack(inbox[msg])
-            waits.append((start, clock() - t0, len(ops)))  # with 05's gather half of scatter/gather
-            for kind_, stage, mb in sent:
-                if kind_ == "act":
-                    key = ((stage - 1) // pp, mb)  # the chunk that produced it
-                    unsent.discard(key)
-                    if deallocate:
-                        # Megatron's trick: the output has been sent; keep its autograd graph but
-                        # free its storage (backward does not read it: the last op is an add).
-                        outputs[key].untyped_storage().resize_(0)
-            peak = max(peak, _stored_bytes(outputs, saved, unsent))
+                elif msg[0] == "act":  # sent: the output's storage is no longer needed
+                    key = ((msg[1] - 1) // pp, msg[2])  # the chunk that produced it
+                    meter.unsent.discard(key)
+                    if deallocate:  # Megatron's trick: backward does not read it (the last op is
+                        outputs[key].untyped_storage().resize_(0)  # an add), so free it, keep its graph
+            waits.append((start, clock() - t0, len(ops)))
+            meter.measure()
             continue
         a, start = step, clock() - t0
-        k = a.chunk * pp + rank
-        key = (a.chunk, a.mb)
+        k, key = a.chunk * pp + rank, (a.chunk, a.mb)
         idx, targets = microbatches[a.mb]
-        if a.kind == "F":
+        if a.kind == "F":  # receive -> forward -> send
             x = idx if k == 0 else inbox.pop(("act", k, a.mb)).requires_grad_()
-            saved[key] = {}  # storage -> bytes of every tensor autograd keeps for backward
-
-            def pack(t):
-                st = t.untyped_storage()
-                if st.data_ptr() not in params:
-                    saved[key][st.data_ptr()] = st.nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with meter.forward(key):
                 tgt = targets if k == S - 1 else None
                 y = chunks[a.chunk](x, tgt) if call is None else call(a.chunk, a.mb, x, tgt)
             if k == S - 1:
                 y = y[1] * (int((targets != ignore_index).sum()) / n_valid)
                 loss = y.detach() if loss is None else loss + y.detach()
+            elif (k + 1) % pp == rank:  # the next stage is this rank's own next chunk
+                inbox[("act", k + 1, a.mb)] = y.detach()
             else:
-                out = ("act", k + 1, a.mb)
-                if (k + 1) % pp == rank:
-                    inbox[out] = y.detach()
-                else:
-                    outbox[out] = wire.pack(y.detach())
-                    unsent.add(key)
+                outbox[("act", k + 1, a.mb)] = wire.pack(y.detach())
+                meter.unsent.add(key)
             inputs[key], outputs[key] = x, y
-        else:
+        else:  # receive the output's gradient -> backward -> send the input's gradient
             x, y = inputs.pop(key), outputs.pop(key)
-            saved.pop(key)
-            if k == S - 1:
-                torch.autograd.backward(y)
-            else:
-                torch.autograd.backward(y, inbox.pop(("grad", k, a.mb)))
+            meter.saved.pop(key)
+            torch.autograd.backward(y, None if k == S - 1 else inbox.pop(("grad", k, a.mb)))
             if k > 0:
-                out = ("grad", k - 1, a.mb)
-                if (k - 1) % pp == rank:
-                    inbox[out] = x.grad
-                else:
-                    outbox[out] = wire.pack(x.grad)
+                box = inbox if (k - 1) % pp == rank else outbox
+                box[("grad", k - 1, a.mb)] = x.grad if box is inbox else wire.pack(x.grad)
         events.append((start, clock() - t0, a))
-        peak = max(peak, _stored_bytes(outputs, saved, unsent))
-    return StepResult(loss, events, peak, n_msgs, n_bytes, waits)
-
-
-def _stored_bytes(outputs, saved, unsent):
-    """Activations kept for backward: what autograd saved (parameters excluded) for every
-    microbatch in flight, plus each stage output still held after it was sent; each storage once."""
-    live = {}
-    for k, y in outputs.items():
-        live.update(saved[k])
-        if y.dim() and k not in unsent:
-            live[y.untyped_storage().data_ptr()] = y.untyped_storage().nbytes()
-    return sum(live.values())
+        meter.measure()
+    return StepResult(loss, events, meter.peak, n_msgs, n_bytes, waits)
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch.
-
-
-def pipeline_step(env, cfg, schedule, microbatches, full, embed_group, deallocate=True):
-    """Build this rank's chunks from the full weights and run one step of `schedule` (all ranks'
-    lists) over the world group; return the chunks (with gradients) and the StepResult."""
-    pp, v = len(schedule), n_chunks(schedule[env.rank])
-    chunks = build_chunks(cfg, pp, env.rank, v, init=False, dtype=torch.float64, device=env.device)
-    for c in chunks:
-        c.load_full_state_dict(full)
-    B, T = microbatches[0][0].shape
-    dist.barrier()
-    res = execute(schedule[env.rank], chunks, dist.group.WORLD, microbatches, (B, T, cfg.n_embd),
-                  deallocate=deallocate)
-    sync_tied_embeddings(chunks, embed_group)
-    return chunks, res
+# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch (03 reuses it).
 
 
 def serial_reference(env, cfg, args, m):
-    """What every demo compares against: the batch, its microbatches, the full float64 weights,
-    and the serial model's loss and gradients on that batch."""
+    """What every demo compares against: the batch cut into m microbatches, the full float64
+    weights, and the serial model's loss and gradients on that batch."""
     gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
-    idx, targets = idx.to(env.device), targets.to(env.device)
-    microbatches = split_batch(idx, targets, m)
-    full = tp.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    serial = tp.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
     serial.load_full_state_dict(full)
     loss = serial(idx, targets)[1]
     loss.backward()
-    return microbatches, full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
+    return split_batch(idx, targets, m), full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
 
 
 @dataclass
@@ -519,35 +495,38 @@ class RankFigures:
     bytes_sent: int
 
 
-def gather_figures(worst, res, kept, device):
-    """Every rank's RankFigures: its numbers and its timeline flattened into one list each."""
-    flat = [worst, res.peak_activation_bytes, kept.peak_activation_bytes, res.messages, res.bytes_sent]
-    flat += [x for s, e, a in res.events for x in (s, e, "FB".index(a.kind), a.mb, a.chunk)]
-    out = []
-    for row in gather_numbers(flat, device=device):
-        ev = row[5:]
-        events = [(ev[i], ev[i + 1], Action("FB"[int(ev[i + 2])], int(ev[i + 3]), int(ev[i + 4])))
-                  for i in range(0, len(ev), 5)]
-        out.append(RankFigures(row[0], events, *(int(x) for x in row[1:5])))
-    return out
+def run_and_compare(env, cfg, schedule, ref, embed_group):
+    """One step of `schedule` (every rank's list) from the reference's weights, twice (outputs
+    deallocated, then kept); every rank's RankFigures."""
+    microbatches, full, ref_loss, ref_grads = ref
+    B, T = microbatches[0][0].shape
+    runs = []
+    for deallocate in (True, False):
+        chunks = build_chunks(cfg, len(schedule), env.rank, n_chunks(schedule[env.rank]), init=False,
+                              dtype=torch.float64, device=env.device)
+        for c in chunks:
+            c.load_full_state_dict(full)
+        dist.barrier()
+        runs.append(execute(schedule[env.rank], chunks, dist.group.WORLD, microbatches, (B, T, cfg.n_embd),
+                            deallocate=deallocate))
+        sync_tied_embeddings(chunks, embed_group)
+        if deallocate:
+            diffs = [tensor_parallel.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
+            diffs += [tensor_parallel.max_rel_diff(runs[0].loss, ref_loss)] if runs[0].loss is not None else []
+    res, kept = runs
+    flat = [max(diffs), res.peak_activation_bytes, kept.peak_activation_bytes, res.messages, res.bytes_sent]
+    flat += [t for s, e, _ in res.events for t in (s, e)]  # the i-th event is the i-th action of the list
+    return [RankFigures(row[0], [(row[5 + 2 * i], row[6 + 2 * i], a) for i, a in enumerate(schedule[r])],
+                        *(int(x) for x in row[1:5]))
+            for r, row in enumerate(gather_numbers(flat, device=env.device))]
 
 
-def check_and_report(env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b=2, end=None,
-                     width=100):
+def check_and_report(env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b=2, end=None, width=100):
     """Run `schedule`, compare with the serial reference, and print its timelines, bubble, memory
     and traffic. Returns (ok, the simulation, every rank's RankFigures)."""
-    microbatches, full, ref_loss, ref_grads = ref
-    pp, m = len(schedule), len(microbatches)
-    chunks, res = pipeline_step(env, cfg, schedule, microbatches, full, embed_group)
-    diffs = {n: tp.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()}
-    if res.loss is not None:
-        diffs["loss"] = tp.max_rel_diff(res.loss, ref_loss)
-    kept = pipeline_step(env, cfg, schedule, microbatches, full, embed_group, deallocate=False)[1]
-    ranks = gather_figures(max(diffs.values()), res, kept, env.device)
-    worst = max(r.worst for r in ranks)
-    sim = simulate(schedule, pp, t_f, t_b)
-    v = n_chunks(schedule[0])
-    formula = Fraction(pp - 1, v * m)
+    pp, m, v = len(schedule), len(ref[0]), n_chunks(schedule[0])
+    ranks = run_and_compare(env, cfg, schedule, ref, embed_group)
+    worst, sim, formula = max(r.worst for r in ranks), simulate(schedule, pp, t_f, t_b), Fraction(pp - 1, v * m)
     busy = sum(e - s for r in ranks for s, e, _ in r.events)
     span = max(r.events[-1][1] for r in ranks) - min(r.events[0][0] for r in ranks)
     say(f"\n=== {name}: pp={pp} v={v} m={m} ===")
@@ -569,20 +548,11 @@ def check_and_report(env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b
     return worst <= 1e-10 and sim.bubble == formula, sim, ranks
 
 
-def write_trace(path, measured, say):
-    """One Chrome trace at `path`: a process per schedule, a track per rank, times in seconds."""
-    write_chrome_trace(path, [(name, trace_tracks([r.events for r in ranks], seconds_per_unit=1.0))
-                              for name, ranks in measured.items()])
-    say(f"\nChrome trace of the measured steps ({', '.join(measured)}): {path} "
-        f"(open it in chrome://tracing or ui.perfetto.dev)")
-
-
 def demo(env, cfg, args):
-    pp, m = args.pp, args.microbatches
+    pp, m, say = args.pp, args.microbatches, printer(env)
     check_world(pp, env.world_size)  # every check runs before the first collective
     split_layers(cfg.n_layer, pp)
     ref = serial_reference(env, cfg, args, m)
-    say = printer(env)
     say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
@@ -593,12 +563,14 @@ def demo(env, cfg, args):
         good, _, measured[name] = check_and_report(env, cfg, name, schedule, ref, embed_group, say)
         ok &= good
     if args.trace and env.rank == 0:
-        write_trace(args.trace, measured, say)
+        write_timelines(args.trace, {n: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)
+        say(f"\nChrome trace of the measured steps ({', '.join(measured)}): {args.trace} "
+            f"(open it in chrome://tracing or ui.perfetto.dev)")
     return ok
 
 
 @dataclass
-class DemoConfig:
+class PipelineDemoConfig:  # the flags 02's demo and 03's share
     microbatches: int = 8  # m, microbatches the batch is cut into
     batch_size: int = 0  # global batch B, in sequences (0: 2 m)
     seq_len: int = 32  # T, tokens per sequence
@@ -606,31 +578,22 @@ class DemoConfig:
     trace: str = ""  # write the measured steps as one Chrome trace to this file
 
 
-def demo_parser(doc, **model_defaults):
-    """The demo's flags and the model's, shared with 03 (which adds its own)."""
-    parser = cli.make_parser(doc)
-    cli.add_dataclass_args(parser, DemoConfig, "demo")
-    cli.add_dataclass_args(parser, tp.GPTConfig, "model", **{
-        **dict(vocab_size=1001, block_size=64, n_layer=4, n_head=4, n_embd=64), **model_defaults})
-    return parser
-
-
 @dataclass
-class PipelineDemo:
+class DemoConfig(PipelineDemoConfig):
     pp: int = 4  # pipeline stages: CPU ranks started here, or torchrun's world
     schedule: Literal["gpipe", "1f1b", "both"] = "both"  # which schedules to run and compare
 
 
 def parser():
-    p = demo_parser(__doc__)
-    cli.add_dataclass_args(p, PipelineDemo, "pipeline")
-    return p
+    return cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=4,
+                           n_head=4, n_embd=64)
 
 
-def main():
+def main(parser=parser, demo=demo):
+    """Parse, launch `demo` on pp ranks, exit 0 if every rank passed (03 passes its own pair)."""
     args = parser().parse_args()
     args.batch_size = args.batch_size or 2 * max(args.microbatches, 1)
-    return all(tp.launch(demo, args.pp, cli.from_args(tp.GPTConfig, args), args))
+    return all(tensor_parallel.launch(demo, args.pp, cli.from_args(tensor_parallel.GPTConfig, args), args))
 
 
 if __name__ == "__main__":

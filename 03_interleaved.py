@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 from plumbing import cli
 from plumbing.launch import printer, run_main
+from plumbing.trace import write_timelines
 
-tp = importlib.import_module("01_tensor_parallel")
-pipe = importlib.import_module("02_pipeline_1f1b")
+tensor_parallel = importlib.import_module("01_tensor_parallel")
+pipeline = importlib.import_module("02_pipeline_1f1b")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,13 +55,13 @@ def interleaved(pp, m, stage, v):
     """Interleaved 1F1B on rank `stage`: m*v forwards and m*v backwards over its v chunks."""
     check_interleaving(pp, m, v)
     if v == 1:
-        return pipe.one_f_one_b(pp, m, stage)
+        return pipeline.one_f_one_b(pp, m, stage)
 
     def at(k, forward):
         # Virtual step k: groups of pp microbatches visit chunk 0, then chunk 1, ... (backwards
         # visit them in reverse), before the next group of pp microbatches starts.
         chunk = (k % (pp * v)) // pp
-        return pipe.Action("F" if forward else "B", (k // (pp * v)) * pp + k % pp,
+        return pipeline.Action("F" if forward else "B", (k // (pp * v)) * pp + k % pp,
                            chunk if forward else v - 1 - chunk)
 
     total = m * v
@@ -71,13 +72,13 @@ def interleaved(pp, m, stage, v):
     acts = [at(k, True) for k in range(warmup)]
     for i in range(total - warmup):
         f, b = at(warmup + i, True), at(i, False)
-        acts += [pipe.Action("F", f.mb, f.chunk, steady=True), pipe.Action("B", b.mb, b.chunk, steady=True)]
+        acts += [pipeline.Action("F", f.mb, f.chunk, steady=True), pipeline.Action("B", b.mb, b.chunk, steady=True)]
     return acts + [at(k, False) for k in range(total - warmup, total)]
 
 
 def chunk_layers(n_layer, pp, v, rank):
     """The layer ranges of rank's chunks: chunk c is virtual stage c*pp + rank."""
-    ranges = pipe.split_layers(n_layer, pp * v)
+    ranges = pipeline.split_layers(n_layer, pp * v)
     return [ranges[c * pp + rank] for c in range(v)]
 
 
@@ -87,10 +88,10 @@ def chunk_layers(n_layer, pp, v, rank):
 
 def demo(env, cfg, args):
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
-    pipe.check_world(pp, env.world_size)  # every check runs before the first collective
+    pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
     check_interleaving(pp, m, v)
-    pipe.split_layers(cfg.n_layer, pp * v)
-    ref = pipe.serial_reference(env, cfg, args, m)
+    pipeline.split_layers(cfg.n_layer, pp * v)
+    ref = pipeline.serial_reference(env, cfg, args, m)
     say = printer(env)
     say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
@@ -98,15 +99,15 @@ def demo(env, cfg, args):
         f"rank {r}: " + ", ".join(f"{c.start + 1}-{c.stop}" for c in chunk_layers(cfg.n_layer, pp, v, r))
         for r in range(pp)))
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
-    runs = {"1f1b": [pipe.one_f_one_b(pp, m, s) for s in range(pp)],
+    runs = {"1f1b": [pipeline.one_f_one_b(pp, m, s) for s in range(pp)],
             "interleaved": [interleaved(pp, m, s, v) for s in range(pp)]}
     # The same work per rank: a whole stage costs t_f=1, t_b=2, a chunk of it 1/v of that.
     times = {"1f1b": (1, 2), "interleaved": (Fraction(1, v), Fraction(2, v))}
-    end = max(pipe.simulate(runs[n], pp, *times[n]).step_time for n in runs)
+    end = max(pipeline.simulate(runs[n], pp, *times[n]).step_time for n in runs)
     ok, out = True, {}
     for name, schedule in runs.items():
-        pipe.validate(schedule, pp, m)
-        good, sim, ranks = pipe.check_and_report(env, cfg, name, schedule, ref, embed_group, say,
+        pipeline.validate(schedule, pp, m)
+        good, sim, ranks = pipeline.check_and_report(env, cfg, name, schedule, ref, embed_group, say,
                                                  *times[name], end=end, width=150)
         ok &= good
         out[name] = sim, ranks
@@ -131,28 +132,23 @@ def demo(env, cfg, args):
         f"{r2[0].peak_bytes / r1[0].peak_bytes:.3f}); the smaller bubble costs 1 + (pp-1)/(pp v) "
         f"times the activation memory (Korthikanti 4.2.3)")
     if args.trace and env.rank == 0:
-        pipe.write_trace(args.trace, {name: ranks for name, (_, ranks) in out.items()}, say)
+        write_timelines(args.trace, {n: [r.events for r in ranks] for n, (_, ranks) in out.items()}, 1.0)
+        say(f"\nChrome trace of the measured steps (1f1b, interleaved): {args.trace} "
+            f"(open it in chrome://tracing or ui.perfetto.dev)")
     say(f"\n{'PASS' if ok else 'FAIL'}")
     return ok
 
 
 @dataclass
-class InterleavedDemo:
+class DemoConfig(pipeline.PipelineDemoConfig):
     pp: int = 4  # pipeline ranks: CPU ranks started here, or torchrun's world
     virtual_stages: int = 2  # v: model chunks per rank
 
 
 def parser():
-    p = pipe.demo_parser(__doc__, n_layer=8)
-    cli.add_dataclass_args(p, InterleavedDemo, "interleaving")
-    return p
-
-
-def main():
-    args = parser().parse_args()
-    args.batch_size = args.batch_size or 2 * max(args.microbatches, 1)
-    return all(tp.launch(demo, args.pp, cli.from_args(tp.GPTConfig, args), args))
+    return cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=8,
+                           n_head=4, n_embd=64)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(lambda: pipeline.main(parser, demo))

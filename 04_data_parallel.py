@@ -1,7 +1,7 @@
 """04 - Data parallelism from scratch: naive, bucketed and overlapped, and ZeRO-1.
 
-What this file adds on top of 01 (and composes with 02/03): dp replicas of the model each see
-1/dp of the batch; averaging their gradients keeps them identical. Step by step:
+What this file adds on top of 01: dp replicas of the model each see 1/dp of the batch; averaging
+their gradients keeps them identical. Step by step:
   1. naive: after backward, all-reduce every gradient and divide by dp;
   2. bucketed and overlapped: gradients are accumulated into one flat buffer laid out in reverse
      parameter order (the order backward produces them), cut into buckets; a hook marks each
@@ -11,22 +11,18 @@ What this file adds on top of 01 (and composes with 02/03): dp replicas of the m
   4. ZeRO-1, Megatron's distributed optimizer (Rajbhandari et al. 2020, stage 1): reduce-scatter
      instead of all-reduce, each rank keeps AdamW state (and an fp32 master copy when parameters are
      lower precision) only for its 1/dp of every bucket, updates it, and all-gathers parameters
-     (DistributedAdamW);
-  5. composition with the pipeline (Narayanan et al. 2021, Section 3): the reduction runs after the
-     pipeline flush, on each stage's own dp group. The rank grid uses Megatron's order.
+     (FlatAdamW, which without ZeRO-1 updates every element of the same flat buffer).
+05 composes this with the pipeline: each stage reduces over its own dp group (Narayanan §3).
 
 Run it:
     python 04_data_parallel.py                    # dp=4 CPU ranks
     python 04_data_parallel.py --dp 2 --bucket-numel 1000 --steps 5
     torchrun --nproc-per-node 8 04_data_parallel.py --dp 8
 
-The demo trains a few AdamW steps three ways (naive, bucketed+overlapped, ZeRO-1) and compares each
-with serial training on the whole batch in float64 (loss and every parameter, <= 1e-10). It prints
-the buckets and when each reduction launched during backward, a checksum of every replica's weights
-and the optimizer-state bytes per rank. It exits 1 on a mismatch.
+The demo trains a few AdamW steps three ways (naive, bucketed+overlapped, ZeRO-1) against serial
+training on the whole batch in float64 (loss and every parameter, <= 1e-10), and prints when each
+bucket's reduction launched, every replica's checksum and the optimizer state per rank.
 """
-import ctypes
-import hashlib
 import importlib
 import math
 import time
@@ -37,42 +33,13 @@ import torch
 import torch.distributed as dist
 
 from plumbing import cli
-from plumbing.launch import gather_numbers, printer, run_main
+from plumbing.launch import checksum, gather_numbers, printer, run_main
 
-tp = importlib.import_module("01_tensor_parallel")
+tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# The rank grid: Megatron's order, tp fastest, then dp, then pp, so a tp group is adjacent ranks
-# (one node) and a pipeline crosses nodes. Pure: it can be checked without any process.
-
-
-def rank_grid(world, tp=1, dp=1, pp=1):
-    """Every group of each kind as lists of global ranks: {"tp", "dp", "pp", "embed"}."""
-    if tp * dp * pp != world:
-        raise ValueError(f"the world size {world} does not match tp={tp} x dp={dp} x pp={pp}")
-    rank = lambda t, d, p: (p * dp + d) * tp + t  # noqa: E731
-    grid = {
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-    }
-    # The tied embedding lives on the first and the last stage of every pipeline.
-    grid["embed"] = [[g[0], g[-1]] for g in grid["pp"]] if pp > 1 else []
-    return grid
-
-
-def new_groups(env, grid, timeout_s=60.0):
-    """Create every group of the grid (a collective call: all ranks, same order) and return this
-    rank's group of each kind (None for an embedding group it is not in)."""
-    mine = {}
-    for kind, groups in grid.items():
-        mine[kind] = None
-        for ranks in groups:
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-            if env.rank in ranks:
-                mine[kind] = group
-    return mine
+# 1. Naive data parallelism: every replica sees its own rows of the batch
 
 
 def shard_batch(idx, targets, dp, dp_rank):
@@ -80,10 +47,6 @@ def shard_batch(idx, targets, dp, dp_rank):
     if idx.shape[0] % dp:
         raise ValueError(f"the global batch of {idx.shape[0]} sequences is not divisible by dp={dp}")
     return idx.chunk(dp)[dp_rank], targets.chunk(dp)[dp_rank]
-
-
-# ----------------------------------------------------------------------------------------------
-# 1. Naive data parallelism
 
 
 def allreduce_gradients(params, group):
@@ -102,7 +65,7 @@ def allreduce_gradients(params, group):
 class BucketedDDP:
     """Gradients go into one flat buffer (reverse parameter order) cut into buckets of
     `bucket_numel` elements; each bucket's reduction is launched as soon as all its parameters'
-    gradients are in. zero=True reduce-scatters instead (ZeRO-1: see DistributedAdamW)."""
+    gradients are in. zero=True reduce-scatters instead (ZeRO-1: see FlatAdamW)."""
 
     def __init__(self, params, group, bucket_numel, zero=False, overlap=True, grad_dtype=None):
         if bucket_numel <= 0:
@@ -114,8 +77,7 @@ class BucketedDDP:
         for p in reversed(self.params):  # backward produces the last layers' gradients first
             self.offsets[p] = n
             n += p.numel()
-        step = -(-bucket_numel // dp) * dp
-        total = -(-n // dp) * dp
+        step, total = -(-bucket_numel // dp) * dp, -(-n // dp) * dp  # both rounded up to multiples of dp
         self.buckets = [(lo, min(lo + step, total)) for lo in range(0, total, step)]
         p0 = self.params[0]
         self.grad_buffer = torch.zeros(total, dtype=grad_dtype or p0.dtype, device=p0.device)
@@ -166,7 +128,7 @@ class BucketedDDP:
         self.events.append(("launch", i, time.perf_counter()))
         if self.zero:
             shard = bucket.new_empty((hi - lo) // self.dp)
-            self.works[i] = (tp.reduce_scatter_single(shard, bucket, group=self.group, async_op=True), shard)
+            self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, group=self.group, async_op=True), shard)
         else:
             self.works[i] = (dist.all_reduce(bucket, group=self.group, async_op=True), None)
 
@@ -181,7 +143,7 @@ class BucketedDDP:
         for i, (work, shard) in self.works.items():
             work.wait()
             if shard is not None:
-                self.local_shard(self.grad_buffer, i).copy_(shard)
+                self.grad_buffer[slice(*self.shard_range(i))].copy_(shard)
         if not self.zero:
             for p in self.params:
                 p.grad = self.main_grad(p).to(p.dtype)
@@ -198,56 +160,59 @@ class BucketedDDP:
         n, r = (hi - lo) // self.dp, dist.get_rank(self.group)
         return lo + r * n, lo + (r + 1) * n
 
-    def local_shard(self, buffer, i):
-        a, b = self.shard_range(i)
-        return buffer[a:b]
+
+@dataclass
+class Piece:
+    """The elements of one parameter that this rank's optimizer owns, as views of the buffers."""
+    param: torch.nn.Parameter  # the parameter they belong to
+    weights: torch.Tensor  # in the flat parameter buffer
+    master: torch.Tensor  # what AdamW updates: `weights` itself, or their fp32 copy (bf16, fp16)
+    grad: torch.Tensor  # in the flat gradient buffer
 
 
-class DistributedAdamW:
-    """AdamW over the elements this rank owns: with ZeRO-1 (ddp.zero) its 1/dp of every bucket,
-    after which the updated parameters are all-gathered, so the state per rank is 1/dp of plain
-    data parallelism's; without, every element. Low-precision parameters get an fp32 master copy."""
+class FlatAdamW:
+    """AdamW over the elements of the flat buffer this rank owns: with ZeRO-1 (ddp.zero) its 1/dp of
+    every bucket, after which the updated parameters are all-gathered, so the state per rank is 1/dp
+    of plain data parallelism's; without, every element. Low-precision weights get fp32 masters."""
 
     def __init__(self, ddp, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, no_decay=()):
         self.ddp, no_decay = ddp, {id(p) for p in no_decay}
         groups = {True: [], False: []}
-        self.pieces = []  # (parameter, its piece of the flat buffer, optimizer tensor, gradient)
+        self.pieces = []
         for i in range(len(ddp.buckets)):
             a, b = ddp.shard_range(i)
             for p in ddp.params:  # the pieces of parameters that fall into this shard
-                lo = max(a, ddp.offsets[p])
-                hi = min(b, ddp.offsets[p] + p.numel())
+                lo, hi = max(a, ddp.offsets[p]), min(b, ddp.offsets[p] + p.numel())
                 if lo >= hi:
                     continue
-                piece = ddp.param_buffer[lo:hi]
-                low_precision = piece.dtype in (torch.float16, torch.bfloat16)
-                master = piece.float().clone() if low_precision else piece  # fp32 master copy
-                self.pieces.append((p, piece, master, ddp.grad_buffer[lo:hi]))
+                weights = ddp.param_buffer[lo:hi]
+                master = weights.float().clone() if weights.dtype in (torch.float16, torch.bfloat16) else weights
+                self.pieces.append(Piece(p, weights, master, ddp.grad_buffer[lo:hi]))
                 groups[id(p) not in no_decay].append(master)
         self.optimizer = torch.optim.AdamW(
             [{"params": groups[True], "weight_decay": weight_decay}, {"params": groups[False], "weight_decay": 0.0}],
             lr=lr, betas=betas, eps=eps)
 
     def step(self):
-        for _, piece, master, grad in self.pieces:
-            master.grad = grad.to(master.dtype)
+        for piece in self.pieces:
+            piece.master.grad = piece.grad.to(piece.master.dtype)
         self.optimizer.step()
-        for _, piece, master, grad in self.pieces:
-            if master is not piece:
-                piece.copy_(master)
+        for piece in self.pieces:
+            if piece.master is not piece.weights:
+                piece.weights.copy_(piece.master)
         ddp = self.ddp
         if not ddp.zero:
             return
         works = []  # every rank's updated shard, to every rank: all launched, then all waited for
         for i, (lo, hi) in enumerate(ddp.buckets):
-            mine = ddp.local_shard(ddp.param_buffer, i).clone()  # kept alive until the wait
-            works.append((tp.all_gather_single(ddp.param_buffer[lo:hi], mine, group=ddp.group,
-                                               async_op=True), mine))
+            mine = ddp.param_buffer[slice(*ddp.shard_range(i))].clone()  # kept alive until the wait
+            work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, group=ddp.group, async_op=True)
+            works.append((work, mine))
         for work, _ in works:
             work.wait()
 
     def state_bytes(self):
-        masters = sum(m.numel() * m.element_size() for _, piece, m, _ in self.pieces if m is not piece)
+        masters = sum(p.master.numel() * p.master.element_size() for p in self.pieces if p.master is not p.weights)
         return optimizer_state_bytes(self.optimizer) + masters
 
 
@@ -257,16 +222,6 @@ def optimizer_state_bytes(optimizer):
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def checksum(module):
-    """A hash of every weight's bytes, as a 48-bit int: equal on two replicas only if they are
-    bit-identical (a float64 carries it exactly through gather_numbers)."""
-    h = hashlib.sha1()
-    for p in module.parameters():
-        t = p.detach().cpu().contiguous()
-        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))  # no numpy needed
-    return int(h.hexdigest()[:12], 16)
-
-
 # ----------------------------------------------------------------------------------------------
 # Demo: three ways of training on dp replicas, each against serial training on the whole batch.
 
@@ -274,15 +229,11 @@ def checksum(module):
 def train_replica(env, cfg, args, mode, group, full, batches):
     """`args.steps` AdamW steps of this replica in `mode`; returns its figures."""
     dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
-    model = tp.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
     model.load_full_state_dict(full)
     adamw = dict(lr=args.lr, weight_decay=0.1)
-    ddp = None
-    if mode == "naive":
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
-    else:
-        ddp = BucketedDDP(model.parameters(), group, args.bucket_numel, zero=mode == "zero1")
-        opt = DistributedAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
+    ddp = None if mode == "naive" else BucketedDDP(model.parameters(), group, args.bucket_numel, zero=mode == "zero1")
+    opt = FlatAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
     losses, timeline = [], None
     for idx, targets in batches:
         idx, targets = shard_batch(idx, targets, dp, dp_rank)
@@ -303,13 +254,14 @@ def train_replica(env, cfg, args, mode, group, full, batches):
             allreduce_gradients(model.parameters(), group)
         opt.step()
         ddp.zero_grad() if ddp else opt.zero_grad()
-        losses.append(float(tp.all_reduce(total, group, "loss") / dp))
+        losses.append(float(tensor_parallel.all_reduce(total, group, "loss") / dp))
     state = opt.state_bytes() if mode == "zero1" else optimizer_state_bytes(opt)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, timeline, state, checksum(model)
 
 
 def serial_training(cfg, args, full, batches):
-    model = tp.GPT(cfg, None, init=False, dtype=torch.float64)
+    """The reference: the same AdamW steps on one serial model and the whole batch."""
+    model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64)
     model.load_full_state_dict(full)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     losses = []
@@ -324,15 +276,16 @@ def serial_training(cfg, args, full, batches):
 
 def demo(env, cfg, args):
     dp = args.dp
-    grid = rank_grid(env.world_size, dp=dp)  # checks the world before any collective
+    if env.world_size != dp:  # every check runs before the first collective
+        raise ValueError(f"the world size {env.world_size} does not match dp={dp} (one replica per rank)")
     if args.batch_size % (dp * args.microbatches):
         raise ValueError(f"the global batch of {args.batch_size} sequences is not divisible by "
                          f"dp x m = {dp} x {args.microbatches}")
-    group = new_groups(env, grid)["dp"]
+    group = dist.new_group(list(range(dp)), timeout=timedelta(seconds=60))
     gen = torch.Generator().manual_seed(args.seed + 1)
     batches = [tuple(torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen))
                for _ in range(args.steps)]
-    full = tp.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
     ref_losses, ref_params = serial_training(cfg, args, full, batches)
     say = printer(env)
     say(f"{cfg}\ndp={dp} steps={args.steps} global batch B={args.batch_size} (m={args.microbatches} "
@@ -340,8 +293,8 @@ def demo(env, cfg, args):
     ok, state = True, {}
     for mode in ("naive", "bucketed", "zero1"):
         losses, params, timeline, state[mode], digest = train_replica(env, cfg, args, mode, group, full, batches)
-        worst = max([tp.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
-                    + [tp.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
+        worst = max([tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
+                    + [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
         digests = [f"{int(d[0]):012x}" for d in gather_numbers([digest], group, env.device)]
         good = worst <= 1e-10 and len(set(digests)) == 1
         ok &= good
@@ -353,11 +306,9 @@ def demo(env, cfg, args):
         if timeline:
             start, end, events, n_buckets = timeline
             launches = [(i, t) for kind, i, t in events if kind == "launch"]
-            during = sum(t < end for _, t in launches)
-            say(f"{n_buckets} buckets; reductions launched, in ms after the last backward started "
-                f"(it ran {1e3 * (end - start):.1f} ms): " + ", ".join(
-                    f"b{i}@{1e3 * (t - start):.1f}" for i, t in launches))
-            say(f"{during} of {n_buckets} launched before backward finished")
+            say(f"{n_buckets} buckets; reductions launched, in ms after the last backward started (it ran "
+                f"{1e3 * (end - start):.1f} ms): " + ", ".join(f"b{i}@{1e3 * (t - start):.1f}" for i, t in launches))
+            say(f"{sum(t < end for _, t in launches)} of {n_buckets} launched before backward finished")
     say(f"\nthe losses stay near ln V = {math.log(cfg.vocab_size):.3f} and drift up: every step draws "
         f"new random tokens,\nwhich no model predicts better than uniformly, so fitting earlier "
         f"batches only costs on the next.\nThe demo checks that each mode follows serial training "
@@ -381,16 +332,13 @@ class DemoConfig:
 
 
 def parser():
-    p = cli.make_parser(__doc__)
-    cli.add_dataclass_args(p, DemoConfig, "demo")
-    cli.add_dataclass_args(p, tp.GPTConfig, "model", vocab_size=1001, block_size=64, n_layer=2, n_head=4,
-                           n_embd=64)
-    return p
+    return cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64,
+                           n_layer=2, n_head=4, n_embd=64)
 
 
 def main():
     args = parser().parse_args()
-    return all(tp.launch(demo, args.dp, cli.from_args(tp.GPTConfig, args), args))
+    return all(tensor_parallel.launch(demo, args.dp, cli.from_args(tensor_parallel.GPTConfig, args), args))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,20 @@
-"""Plumbing: what the numbered files need to run, but not what they teach. Skip it on a first read.
+"""Plumbing: what the numbered files need in order to run, but not what they teach. Skip it on a
+first read; each module opens with what it does and how it is called.
 
     launch.py      one code path from 1 CPU rank to a cluster: fork-started gloo ranks on a laptop,
-                   torchrun's environment (NCCL) on GPUs; failures and hangs become clear errors
-    cli.py         the command line generated from the config dataclasses (help from field comments)
+                   torchrun's environment (NCCL) on GPUs; a failing rank or a hang is a clear error;
+                   tensor-only gathers of the demos' figures (no pickling, no numpy)
+    cli.py         the command line, generated from the config dataclasses (help from comments)
+    trace.py       every collective as it runs (01's demo lists them), Chrome traces of timelines
+    charts.py      the loss curve as an ASCII chart
+    data.py        the built-in corpus, text and .bin files, batches every rank agrees on
+    checks.py      05's config checked before any process group exists
+    checkpoint.py  sharded atomic checkpoints, loadable in any layout
+    gpt2.py        GPT-2 weights in and out (Hugging Face's layout)
+    sample.py      text from a trained model of any layout
+    report.py      what 05 prints: the rank grid, the summary, the progress bar, the end report
 
-Nothing here imports a numbered file: the numbered files import this package, never the reverse.
+Dependencies run one way: the numbered files import this package, and a module here imports only
+numbered files below the one it serves (checkpoint.py reads 01's sharding, report.py 02's
+simulator), never 05, so there is no cycle.
 """

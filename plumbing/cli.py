@@ -52,7 +52,11 @@ def make_parser(doc, **kwargs):
 def field_comments(cls):
     """{field name: the comment after it in cls's source}, read with the tokenizer, so a '#' inside
     a string default is not mistaken for a comment."""
-    comments, line_field = {}, {}
+    comments = {}
+    for base in reversed(cls.__mro__[1:]):  # inherited fields keep their base class's comments
+        if dataclasses.is_dataclass(base):
+            comments.update(field_comments(base))
+    line_field = {}
     names = {f.name for f in dataclasses.fields(cls)}
     tokens = tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline)
     previous = None
@@ -91,6 +95,14 @@ def add_dataclass_args(parser, cls, title=None, **defaults):
             target.add_argument(flag, default=default, type=kind, choices=choices_of(f),
                                 metavar=f.name.upper() if choices_of(f) is None else None,
                                 help=comments[f.name])
+
+
+def demo_parser(doc, demo_cls, model_cls, **model_defaults):
+    """The parser of a numbered file's demo: its own flags, then the model's (defaults overridden)."""
+    parser = make_parser(doc)
+    add_dataclass_args(parser, demo_cls, "demo")
+    add_dataclass_args(parser, model_cls, "model", **model_defaults)
+    return parser
 
 
 def from_args(cls, args):

@@ -6,6 +6,8 @@
     run_main(main)             a script's exit code: 0 if main() returned True, 1 (and the message)
                                on a RankFailure or a ValueError, so bad input never ends in a trace
     printer(env)               print on rank 0 only
+    median_seconds(fn)         the median time of a few calls, for a demo's rough figures
+    checksum(module)           a hash of its weights' bytes, to show replicas bit-identical
     gather_numbers(values)     every rank's list of numbers, by tensor collectives (no pickling)
     gather_json(obj)           every rank's JSON-able object, as UTF-8 bytes in a tensor
 
@@ -14,6 +16,7 @@ stopped at once and RankFailure carries that rank's traceback. Under torchrun th
 does the stopping.
 """
 import ctypes
+import hashlib
 import json
 import os
 import pickle
@@ -166,9 +169,28 @@ def run_main(main):
     sys.exit(0 if ok else 1)
 
 
+def median_seconds(fn, n=5):
+    """The median wall time of n calls of fn() (the demos' rough timings; benchmarks/ does better)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
+
+
 def printer(env, quiet=False):
     """print on rank 0 (unless quiet), nothing elsewhere: a demo's report is written once."""
     return print if env.rank == 0 and not quiet else (lambda *a, **k: None)
+
+
+def checksum(module):
+    """A 48-bit hash of every weight's bytes: equal on two replicas only if they are bit-identical."""
+    h = hashlib.sha1()
+    for p in module.parameters():
+        t = p.detach().cpu().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))  # no numpy needed
+    return int(h.hexdigest()[:12], 16)
 
 
 def gather_numbers(values, group=None, device="cpu"):

@@ -13,10 +13,16 @@ output. How the prompt is read and the output written follows the data the model
             else token ids written as numbers
     ids     a .bin without a sidecar: token ids written as numbers, in and out
 """
+import importlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from plumbing.checkpoint import latest_checkpoint, read_checkpoint
+from plumbing.gpt2 import import_gpt2
+
+tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 @dataclass
@@ -122,3 +128,29 @@ def run(model, sc, kind, seed, say=print):
         f"top-k {sc.top_k or 'all'}, seed {seed}, {kind} tokens):")
     say(decode(out, kind))
     return out
+
+
+def from_weights(cfg, tc, sc):
+    """05's --sample: load the weights of --resume (any layout) or --init-from into the serial
+    GPT-2 and print a continuation of the prompt. Nothing is launched: one process samples."""
+    if tc.resume:
+        path = latest_checkpoint(tc.resume)
+        if not path:
+            raise ValueError(f"--resume {tc.resume!r} holds no complete checkpoint to sample from")
+        manifest, full, _ = read_checkpoint(path)
+        cfg = tensor_parallel.GPTConfig(**manifest["model"])
+        kind = manifest.get("tokenizer") or tokenizer_kind(cfg.vocab_size)
+        print(f"sampling from step {manifest['step']} of {path}")
+    elif tc.init_from:
+        imported, full, kind = import_gpt2(tc.init_from)
+        cfg = imported or cfg  # a .pt without a recorded config: the model flags describe it
+        kind = kind or tokenizer_kind(cfg.vocab_size)
+        print(f"sampling from {tc.init_from}")
+    else:
+        raise ValueError("--sample needs weights: --resume DIR (a checkpoint) or --init-from PATH "
+                         "(an exported .pt or a GPT-2 directory)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tensor_parallel.GPT(cfg, None, init=False, device=device)
+    model.load_full_state_dict({k: v.float() for k, v in full.items()})
+    run(model, sc, kind, tc.seed)
+    return True

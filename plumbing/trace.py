@@ -1,17 +1,64 @@
-"""Traces: timelines as Chrome trace JSON, which chrome://tracing and ui.perfetto.dev open offline
-(Perfetto runs in the browser and uploads nothing).
+"""Traces: every collective as it runs, and timelines as Chrome trace JSON, which chrome://tracing
+and ui.perfetto.dev open offline (Perfetto runs in the browser and uploads nothing).
 
+    with trace_comm() as log:  ...   every collective 01 runs in the block, as a Collective
     write_chrome_trace(path, [(process, [(track, [(start_s, end_s, name, category)])])])
+    write_timelines(path, {name: per-rank [(start, end, action)]})   02's and 03's schedules
     StepTrace        one training step's timeline on this rank (05's --trace): compute, waits for
                      point-to-point messages, and collectives, each a span
 """
 import json
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from plumbing.launch import gather_json
+
+# ----------------------------------------------------------------------------------------------
+# Collectives: 01 runs each one inside recorded(), which logs it while trace_comm() is on.
+
+_log, _clock = None, time.perf_counter  # the list trace_comm() fills, and how it reads the time
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as trace_comm() saw it; the tag names the layer and forward or backward."""
+    op: str
+    tag: str
+    shape: tuple
+    nbytes: int
+    start: float  # the clock before and after it
+    end: float
+
+
+@contextmanager
+def trace_comm(clock=time.perf_counter):
+    """Record every collective of 01 as a Collective while the block runs. clock reads the time
+    (05's --trace passes one that first waits for the GPU)."""
+    global _log, _clock
+    _log, _clock = [], clock
+    try:
+        yield _log
+    finally:
+        _log, _clock = None, time.perf_counter
+
+
+@contextmanager
+def recorded(op, x, tag):
+    """Around one collective on tensor x: logged, with its bytes and times, if trace_comm() is on."""
+    if _log is None:
+        yield
+        return
+    start = _clock()
+    yield
+    _log.append(Collective(op, tag, tuple(x.shape), x.numel() * x.element_size(), start, _clock()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chrome traces
 
 
 def write_chrome_trace(path, processes):
@@ -29,6 +76,14 @@ def write_chrome_trace(path, processes):
                        for s, e, name, cat in spans]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def write_timelines(path, timelines, seconds_per_unit=1e-6):
+    """{name: per-rank [(start, end, action)]} as one trace: a process per name, a track per rank,
+    a slice per action, named str(action), its category action.kind."""
+    write_chrome_trace(path, [(name, [(f"rank {r}", [(s * seconds_per_unit, e * seconds_per_unit, str(a), a.kind)
+                                                     for s, e, a in tl]) for r, tl in enumerate(per_rank)])
+                              for name, per_rank in timelines.items()])
 
 
 class StepTrace:
@@ -63,5 +118,5 @@ class StepTrace:
     def write(self, path, title, track_names, group=None):
         """Gather every rank's spans (a collective: every rank calls it); rank 0 writes the file."""
         every = gather_json(sorted(self.spans), group, self.device)
-        if track_names is not None:
+        if dist.get_rank(group) == 0:
             write_chrome_trace(path, [(title, list(zip(track_names, every)))])

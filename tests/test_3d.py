@@ -13,17 +13,17 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import ROOT, load
+from conftest import ROOT, TOL, TRAINER_BASE, TRAINER_CFG, load
+from plumbing import data
 from plumbing.launch import RankFailure
 
-tp = load("01_tensor_parallel")
+tensor_parallel = load("01_tensor_parallel")
+pipeline = load("02_pipeline_1f1b")
+data_parallel = load("04_data_parallel")
 gpt3d = load("05_3d_gpt")
-TOL = 1e-10
-CFG = tp.GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=2, n_embd=16)
-BASE = gpt3d.TrainConfig(tp=1, pp=1, dp=1, batch_size=8, microbatches=2, seq_len=16, steps=10, lr=1e-2,
-                         min_lr=1e-3, warmup_steps=3, grad_clip=0.5, dtype="float64", eval_every=0,
-                         bucket_numel=500, timeout_s=30)
+CFG, BASE = TRAINER_CFG, TRAINER_BASE
 
 
 def layout(tp_, pp, dp, v=1, **kw):
@@ -62,7 +62,7 @@ def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks,
                f"sp={tc.sequence_parallel} recompute={tc.recompute} sg={tc.scatter_gather} fused={tc.fused_kernels}"
         for key in ("losses", "norms"):
             got, want = torch.tensor(out[key]), torch.tensor(serial[key])
-            assert tp.max_rel_diff(got, want) <= TOL, (what, key, got - want)
+            assert tensor_parallel.max_rel_diff(got, want) <= TOL, (what, key, got - want)
         # The p2p message between stages: b*T*C float64 elements, 1/tp of it with scatter/gather.
         if tc.pp > 1:
             b = tc.batch_size // (tc.dp * tc.microbatches)
@@ -81,14 +81,14 @@ def _dropout_recompute(env, fused):
 def test_recomputation_replays_the_dropout_masks_inside_and_outside_tp_regions(run_ranks, fused):
     plain, recomputed = run_ranks(_dropout_recompute, 2, fused)[0]
     assert plain[0] != plain[1]  # the steps differ: training happened
-    assert tp.max_rel_diff(torch.tensor(recomputed), torch.tensor(plain)) <= TOL
+    assert tensor_parallel.max_rel_diff(torch.tensor(recomputed), torch.tensor(plain)) <= TOL
 
 
 def test_each_replica_reads_a_disjoint_slice_and_together_they_read_the_global_batch():
     tokens = torch.arange(5000) % 256
     tc = replace(BASE, dp=4, batch_size=16)
-    idx, targets = gpt3d.global_batch(tokens, 7, tc)
-    parts = [gpt3d.replica_batch(tokens, 7, tc, r) for r in range(4)]
+    idx, targets = data.global_batch(tokens, 7, tc)
+    parts = [data.replica_batch(tokens, 7, tc, r) for r in range(4)]
     assert torch.equal(torch.cat([p[0] for p in parts]), idx)
     assert torch.equal(torch.cat([p[1] for p in parts]), targets)
     assert torch.equal(targets[:, :-1], idx[:, 1:])  # next-token targets
@@ -96,13 +96,75 @@ def test_each_replica_reads_a_disjoint_slice_and_together_they_read_the_global_b
 
 @pytest.mark.parametrize("world,tp_,pp,dp", [(8, 2, 2, 2), (16, 2, 4, 2), (12, 3, 2, 2), (6, 1, 3, 2)])
 def test_the_grid_puts_every_rank_in_one_group_of_each_kind(world, tp_, pp, dp):
-    grid = load("04_data_parallel").rank_grid(world, tp_, dp, pp)
+    grid = gpt3d.rank_grid(world, tp_, dp, pp)
     for kind, size in (("tp", tp_), ("dp", dp), ("pp", pp)):
         assert all(len(g) == size for g in grid[kind])
         assert sorted(r for g in grid[kind] for r in g) == list(range(world))
     assert grid["tp"][0] == list(range(tp_))  # adjacent ranks
     assert grid["pp"][0] == [k * tp_ * dp for k in range(pp)]
     assert all(e == [g[0], g[-1]] for e, g in zip(grid["embed"], grid["pp"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# 04 composed with 02 on the rank grid: dp x pp, the reduction after the pipeline flush.
+
+DP_CFG = tensor_parallel.GPTConfig(vocab_size=53, block_size=16, n_layer=1, n_head=2, n_embd=16)
+
+
+def _dp_batches(steps, B, T=8, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(DP_CFG.vocab_size, (2, B, T), generator=gen)) for _ in range(steps)]
+
+
+def _dp_pp(env, dp, pp, zero, steps):
+    cfg = tensor_parallel.GPTConfig(**{**DP_CFG.__dict__, "n_layer": 2})
+    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, dp=dp, pp=pp))
+    dp_rank, pp_rank = dist.get_rank(groups.dp), dist.get_rank(groups.pp)
+    full = tensor_parallel.init_state_dict(cfg, 3, dtype=torch.float64, random_all=True)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64)
+    serial.load_full_state_dict(full)
+    ref_opt = torch.optim.AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1)
+    chunks = pipeline.build_chunks(cfg, pp, pp_rank, init=False, dtype=torch.float64)
+    chunks[0].load_full_state_dict(full)
+    params = [p for c in chunks for p in c.parameters()]
+    ddp = data_parallel.BucketedDDP(params, groups.dp, 50, zero=zero)
+    opt = data_parallel.FlatAdamW(ddp, lr=1e-2, weight_decay=0.1) if zero else \
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    worst, m = 0.0, 2
+    for idx, targets in _dp_batches(steps, 8):
+        serial(idx, targets)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = data_parallel.shard_batch(idx, targets, dp, dp_rank)
+        ddp.sync = False  # the pipeline runs every microbatch first; then the flush, then the reduction
+        schedule = pipeline.one_f_one_b(pp, m, pp_rank)
+        pipeline.execute(schedule, chunks, groups.pp, pipeline.split_batch(*mine, m), (2, 8, cfg.n_embd))
+        pipeline.sync_tied_embeddings(chunks, groups.embed, grad_of=ddp.main_grad)
+        ddp.finish()
+        opt.step()
+        ddp.zero_grad()
+        ref = dict(serial.named_parameters())
+        worst = max([worst] + [tensor_parallel.max_rel_diff(p.detach(), ref[n].detach()) for n, p in chunks[0].named_parameters()])
+    return worst
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["dp", "zero1"])
+def test_dp2_x_pp2_equals_serial(run_ranks, zero):
+    assert all(w <= TOL for w in run_ranks(_dp_pp, 4, 2, 2, zero, 3))
+
+
+def test_the_rank_grid_follows_megatrons_order_tp_fastest_then_dp_then_pp():
+    g = gpt3d.rank_grid(16, tp=2, dp=2, pp=4)
+    assert g["tp"][:2] == [[0, 1], [2, 3]]  # adjacent ranks: one node
+    assert g["dp"][:2] == [[0, 2], [1, 3]]
+    assert g["pp"][0] == [0, 4, 8, 12] and g["embed"][0] == [0, 12]
+    for kind in ("tp", "dp", "pp"):  # every rank in exactly one group of each kind
+        assert sorted(r for grp in g[kind] for r in grp) == list(range(16))
+
+
+def test_a_world_that_does_not_match_dp_is_refused():
+    with pytest.raises(ValueError, match="world size 4 does not match tp=1 x dp=2 x pp=1"):
+        gpt3d.rank_grid(4, dp=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +237,7 @@ def test_an_unknown_flag_is_refused():
 
 
 def _nan_at_step_3(env):
-    real, calls = gpt3d.pipe.execute, [0]
+    real, calls = gpt3d.pipeline.execute, [0]
 
     def poisoned(*args, **kwargs):
         res = real(*args, **kwargs)
@@ -184,7 +246,7 @@ def _nan_at_step_3(env):
             res.loss = res.loss * float("nan")
         return res
 
-    gpt3d.pipe.execute = poisoned  # this forked rank's copy of the module only
+    gpt3d.pipeline.execute = poisoned  # this forked rank's copy of the module only
     gpt3d.train(env, CFG, replace(BASE, pp=2, microbatches=2), quiet=True)
 
 
@@ -194,10 +256,10 @@ def test_a_nan_loss_stops_the_run_naming_the_step(run_ranks):
 
 
 def test_the_forward_only_eval_lists_cannot_deadlock():
-    pipe, inter = load("02_pipeline_1f1b"), load("03_interleaved")
+    pipeline, interleaved = load("02_pipeline_1f1b"), load("03_interleaved")
     for pp in range(1, 9):
         for v in range(1, 5):
             for m in range(pp, 33, pp):
-                lists = [[pipe.Action("F", a.mb, a.chunk) for a in inter.interleaved(pp, m, s, v) if a.kind == "F"]
+                lists = [[pipeline.Action("F", a.mb, a.chunk) for a in interleaved.interleaved(pp, m, s, v) if a.kind == "F"]
                          for s in range(pp)]
-                pipe._check_channels_and_progress([pipe.rank_plan(a, r, pp) for r, a in enumerate(lists)], pp)
+                pipeline._check_channels_and_progress([pipeline.rank_plan(a, r, pp) for r, a in enumerate(lists)], pp)

@@ -12,12 +12,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import load
+from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load
+from plumbing import checkpoint, gpt2
 from plumbing.launch import RankFailure
-from test_3d import BASE, CFG, TOL
 
-tp = load("01_tensor_parallel")
+tensor_parallel = load("01_tensor_parallel")
 gpt3d = load("05_3d_gpt")
+CFG, BASE = TRAINER_CFG, TRAINER_BASE
 STEPS = 6
 
 
@@ -62,7 +63,7 @@ def test_a_checkpoint_loads_in_another_layout_and_the_trajectory_continues(run_r
     serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
     out = run_ranks(_reshard, before.tp * before.pp * before.dp, before, after, str(tmp_path))[0]
     assert out["start"] == 3
-    assert tp.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
+    assert tensor_parallel.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def _crash_in_second_save(env, root):
             os._exit(1)
         real(obj, path)
 
-    gpt3d.torch.save = dying_save
+    torch.save = dying_save  # this forked rank's torch only
     gpt3d.train(env, CFG, tc_for(1, 2, 1, save=root, save_every=3), quiet=True)
 
 
@@ -94,11 +95,11 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(run_ranks
         run_ranks(_crash_in_second_save, 2, root)
     assert sorted(os.listdir(root)) == ["step_00000003", "step_00000006.tmp"]
     messages = []
-    assert gpt3d.latest_checkpoint(root, messages.append).endswith("step_00000003")
+    assert checkpoint.latest_checkpoint(root, messages.append).endswith("step_00000003")
     assert "an interrupted save" in messages[0]
     out = run_ranks(_resume, 2, tc_for(1, 2, 1, resume=root))[0]
     serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
-    assert out["start"] == 3 and tp.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
+    assert out["start"] == 3 and tensor_parallel.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
 
 
 def _killed_in_step_4(env, root):
@@ -119,7 +120,7 @@ def test_a_rank_killed_mid_step_stops_everyone_and_resume_loses_only_unsaved_ste
         run_ranks(_killed_in_step_4, 4, root)
     out = run_ranks(_resume, 4, tc_for(2, 2, 1, resume=root))[0]
     serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
-    assert out["start"] == 3 and tp.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
+    assert out["start"] == 3 and tensor_parallel.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,35 +128,35 @@ def test_a_rank_killed_mid_step_stops_everyone_and_resume_loses_only_unsaved_ste
 
 
 def test_gpt2_export_then_import_is_bit_identical(tmp_path):
-    full = tp.init_state_dict(CFG, 3, dtype=torch.float32, random_all=True)
-    gpt3d.export_gpt2(CFG, full, str(tmp_path))
-    cfg, back, _ = gpt3d.import_gpt2(str(tmp_path))
+    full = tensor_parallel.init_state_dict(CFG, 3, dtype=torch.float32, random_all=True)
+    gpt2.export_gpt2(CFG, full, str(tmp_path))
+    cfg, back, _ = gpt2.import_gpt2(str(tmp_path))
     assert cfg == replace(CFG, dropout=0.0) and back.keys() == full.keys()
     assert all(torch.equal(back[k], full[k]) for k in full)
 
 
 def _logits(env, full, idx):
-    group = tp.new_tp_group(env, env.world_size)
-    model = tp.GPT(CFG, group, init=False, dtype=torch.float64)
+    group = tensor_parallel.new_tp_group(env, env.world_size)
+    model = tensor_parallel.GPT(CFG, group, init=False, dtype=torch.float64)
     model.load_full_state_dict(full)
     return model.full_logits(model(idx)[0].detach())
 
 
 def test_a_hugging_face_layout_state_dict_runs_the_same_in_any_layout(run_ranks, tmp_path):
-    full = tp.init_state_dict(CFG, 4, dtype=torch.float64, random_all=True)
+    full = tensor_parallel.init_state_dict(CFG, 4, dtype=torch.float64, random_all=True)
     # What GPT2LMHeadModel.state_dict() holds: Conv1D weights (in, out), mask buffers, lm_head.
-    hf = {k: (v.t() if k.endswith(gpt3d.CONV1D) else v) for k, v in full.items()}
+    hf = {k: (v.t() if k.endswith(gpt2.CONV1D) else v) for k, v in full.items()}
     hf["lm_head.weight"] = full["transformer.wte.weight"]
     hf.update({f"transformer.h.{i}.attn.bias": torch.ones(1, 1, 16, 16) for i in range(CFG.n_layer)})
     torch.save(hf, tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text('{"vocab_size": 256, "n_positions": 16, "n_layer": 8, '
                                           '"n_head": 2, "n_embd": 16}')
-    cfg, imported, _ = gpt3d.import_gpt2(str(tmp_path))
+    cfg, imported, _ = gpt2.import_gpt2(str(tmp_path))
     idx = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = run_ranks(_logits, 2, imported, idx)[0]
-    ref = tp.GPT(CFG, None, init=False, dtype=torch.float64)
+    ref = tensor_parallel.GPT(CFG, None, init=False, dtype=torch.float64)
     ref.load_full_state_dict(full)
-    assert tp.max_rel_diff(logits, ref(idx)[0].detach()) <= TOL
+    assert tensor_parallel.max_rel_diff(logits, ref(idx)[0].detach()) <= TOL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,9 +175,9 @@ def saved(run_ranks, tmp_path):
 
 def test_a_checkpoint_of_another_model_or_batch_is_refused_naming_the_difference(saved):
     with pytest.raises(ValueError, match=r"n_layer=8 \(this run 4\)"):
-        gpt3d.read_checkpoint(saved, replace(CFG, n_layer=4), BASE)
+        checkpoint.read_checkpoint(saved, replace(CFG, n_layer=4), BASE)
     with pytest.raises(ValueError, match=r"batch_size=8 \(this run 16\)"):
-        gpt3d.read_checkpoint(saved, CFG, replace(BASE, batch_size=16))
+        checkpoint.read_checkpoint(saved, CFG, replace(BASE, batch_size=16))
 
 
 def test_a_truncated_shard_or_a_missing_manifest_is_refused(saved):
@@ -184,12 +185,12 @@ def test_a_truncated_shard_or_a_missing_manifest_is_refused(saved):
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(ValueError, match="rank_00001.pt is missing, truncated or corrupt"):
-        gpt3d.read_checkpoint(saved)
+        checkpoint.read_checkpoint(saved)
     os.remove(os.path.join(saved, "manifest.json"))
     with pytest.raises(ValueError, match="no readable manifest.json"):
-        gpt3d.read_checkpoint(saved)
+        checkpoint.read_checkpoint(saved)
     messages = []
-    assert gpt3d.latest_checkpoint(os.path.dirname(saved), messages.append) is None
+    assert checkpoint.latest_checkpoint(os.path.dirname(saved), messages.append) is None
     assert "has no manifest.json" in messages[0]
 
 
@@ -197,8 +198,8 @@ def test_a_gpt2_directory_without_weights_or_with_wrong_shapes_is_refused(tmp_pa
     (tmp_path / "config.json").write_text('{"vocab_size": 256, "n_positions": 16, "n_layer": 8, '
                                           '"n_head": 2, "n_embd": 16}')
     with pytest.raises(ValueError, match="holds no weights"):
-        gpt3d.import_gpt2(str(tmp_path))
-    full = tp.init_state_dict(replace(CFG, n_embd=32), 0)
+        gpt2.import_gpt2(str(tmp_path))
+    full = tensor_parallel.init_state_dict(replace(CFG, n_embd=32), 0)
     torch.save(full, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"does not fit its config.json: transformer.wte.weight: \(256, 32\) instead of \(256, 16\)"):
-        gpt3d.import_gpt2(str(tmp_path))
+        gpt2.import_gpt2(str(tmp_path))

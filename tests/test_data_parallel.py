@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from conftest import ROOT, load
 
-tp = load("01_tensor_parallel")
-pipe = load("02_pipeline_1f1b")
-ddp_mod = load("04_data_parallel")
+tensor_parallel = load("01_tensor_parallel")
+pipeline = load("02_pipeline_1f1b")
+data_parallel = load("04_data_parallel")
 TOL = 1e-10
-CFG = tp.GPTConfig(vocab_size=53, block_size=16, n_layer=1, n_head=2, n_embd=16)
+CFG = tensor_parallel.GPTConfig(vocab_size=53, block_size=16, n_layer=1, n_head=2, n_embd=16)
 
 
 def _batches(steps, B, T=8, seed=2):
@@ -32,14 +32,14 @@ def _args(**kw):
 
 
 def _modes(env, args, batches):
-    group = ddp_mod.new_groups(env, ddp_mod.rank_grid(env.world_size, dp=env.world_size))["dp"]
-    full = tp.init_state_dict(CFG, 3, dtype=torch.float64, random_all=True)
-    ref_losses, ref_params = ddp_mod.serial_training(CFG, args, full, batches)
+    group = dist.new_group(list(range(env.world_size)))  # every rank a replica
+    full = tensor_parallel.init_state_dict(CFG, 3, dtype=torch.float64, random_all=True)
+    ref_losses, ref_params = data_parallel.serial_training(CFG, args, full, batches)
     out = {}
     for mode in ("naive", "bucketed", "zero1"):
-        losses, params, timeline, state, digest = ddp_mod.train_replica(env, CFG, args, mode, group, full, batches)
-        diffs = [tp.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
-        diffs += [tp.max_rel_diff(params[n], ref_params[n].detach()) for n in params]
+        losses, params, timeline, state, digest = data_parallel.train_replica(env, CFG, args, mode, group, full, batches)
+        diffs = [tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
+        diffs += [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params]
         out[mode] = (max(diffs), digest, state, timeline)
     return out
 
@@ -75,17 +75,17 @@ def test_with_overlap_a_bucket_is_launched_before_backward_has_produced_every_gr
 
 
 def _zero_state(env):
-    group = ddp_mod.new_groups(env, ddp_mod.rank_grid(env.world_size, dp=env.world_size))["dp"]
+    group = dist.new_group(list(range(env.world_size)))  # every rank a replica
     # 18 (V + 247) parameters: with V=52 that is 5382, not a multiple of dp=4.
-    cfg = tp.GPTConfig(vocab_size=52, block_size=16, n_layer=1, n_head=2, n_embd=18)
-    model = tp.GPT(cfg, None, seed=1, dtype=torch.float64)
-    ddp = ddp_mod.BucketedDDP(model.parameters(), group, 100, zero=True)
-    opt = ddp_mod.DistributedAdamW(ddp, lr=1e-3)
+    cfg = tensor_parallel.GPTConfig(vocab_size=52, block_size=16, n_layer=1, n_head=2, n_embd=18)
+    model = tensor_parallel.GPT(cfg, None, seed=1, dtype=torch.float64)
+    ddp = data_parallel.BucketedDDP(model.parameters(), group, 100, zero=True)
+    opt = data_parallel.FlatAdamW(ddp, lr=1e-3)
     idx, targets = _batches(1, 4)[0]
     model(idx, targets)[1].backward()
     ddp.finish()
     opt.step()
-    owned = sum(m.numel() for _, _, m, _ in opt.pieces)
+    owned = sum(piece.master.numel() for piece in opt.pieces)
     return opt.state_bytes(), owned, sum(p.numel() for p in model.parameters()), len(ddp.grad_buffer)
 
 
@@ -101,67 +101,12 @@ def test_zero1_keeps_1_over_dp_of_the_adamw_state_and_pads_an_uneven_parameter_c
 
 
 # ----------------------------------------------------------------------------------------------
-# dp x pp: the reduction runs after the pipeline flush, on each stage's dp group.
-
-
-def _dp_pp(env, dp, pp, zero, steps):
-    cfg = tp.GPTConfig(**{**CFG.__dict__, "n_layer": 2})
-    groups = ddp_mod.new_groups(env, ddp_mod.rank_grid(env.world_size, dp=dp, pp=pp))
-    dp_rank, pp_rank = dist.get_rank(groups["dp"]), dist.get_rank(groups["pp"])
-    full = tp.init_state_dict(cfg, 3, dtype=torch.float64, random_all=True)
-    serial = tp.GPT(cfg, None, init=False, dtype=torch.float64)
-    serial.load_full_state_dict(full)
-    ref_opt = torch.optim.AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1)
-    chunks = pipe.build_chunks(cfg, pp, pp_rank, init=False, dtype=torch.float64)
-    chunks[0].load_full_state_dict(full)
-    params = [p for c in chunks for p in c.parameters()]
-    ddp = ddp_mod.BucketedDDP(params, groups["dp"], 50, zero=zero)
-    opt = ddp_mod.DistributedAdamW(ddp, lr=1e-2, weight_decay=0.1) if zero else \
-        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    worst, m = 0.0, 2
-    for idx, targets in _batches(steps, 8):
-        serial(idx, targets)[1].backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mine = ddp_mod.shard_batch(idx, targets, dp, dp_rank)
-        ddp.sync = False  # the pipeline runs every microbatch first; then the flush, then the reduction
-        schedule = pipe.one_f_one_b(pp, m, pp_rank)
-        pipe.execute(schedule, chunks, groups["pp"], pipe.split_batch(*mine, m), (2, 8, cfg.n_embd))
-        pipe.sync_tied_embeddings(chunks, groups["embed"], grad_of=ddp.main_grad)
-        ddp.finish()
-        opt.step()
-        ddp.zero_grad()
-        ref = dict(serial.named_parameters())
-        worst = max([worst] + [tp.max_rel_diff(p.detach(), ref[n].detach()) for n, p in chunks[0].named_parameters()])
-    return worst
-
-
-@pytest.mark.parametrize("zero", [False, True], ids=["dp", "zero1"])
-def test_dp2_x_pp2_equals_serial(run_ranks, zero):
-    assert all(w <= TOL for w in run_ranks(_dp_pp, 4, 2, 2, zero, 3))
-
-
-def test_the_rank_grid_follows_megatrons_order_tp_fastest_then_dp_then_pp():
-    g = ddp_mod.rank_grid(16, tp=2, dp=2, pp=4)
-    assert g["tp"][:2] == [[0, 1], [2, 3]]  # adjacent ranks: one node
-    assert g["dp"][:2] == [[0, 2], [1, 3]]
-    assert g["pp"][0] == [0, 4, 8, 12] and g["embed"][0] == [0, 12]
-    for kind in ("tp", "dp", "pp"):  # every rank in exactly one group of each kind
-        assert sorted(r for grp in g[kind] for r in grp) == list(range(16))
-
-
-# ----------------------------------------------------------------------------------------------
 # Bad input, before any collective.
-
-
-def test_a_world_that_does_not_match_dp_is_refused():
-    with pytest.raises(ValueError, match="world size 4 does not match tp=1 x dp=2 x pp=1"):
-        ddp_mod.rank_grid(4, dp=2)
 
 
 def _bucket_zero(env):
     try:
-        ddp_mod.BucketedDDP(tp.GPT(CFG, None).parameters(), dist.group.WORLD, 0)
+        data_parallel.BucketedDDP(tensor_parallel.GPT(CFG, None).parameters(), dist.group.WORLD, 0)
     except ValueError as e:
         return str(e)
 

@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from conftest import ROOT, load
 
-tp = load("01_tensor_parallel")
-pipe = load("02_pipeline_1f1b")
-inter = load("03_interleaved")
+tensor_parallel = load("01_tensor_parallel")
+pipeline = load("02_pipeline_1f1b")
+interleaved = load("03_interleaved")
 from kernels import graphs  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-CFG = tp.GPTConfig(vocab_size=97, block_size=16, n_layer=4, n_head=2, n_embd=16)
+CFG = tensor_parallel.GPTConfig(vocab_size=97, block_size=16, n_layer=4, n_head=2, n_embd=16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ def _in_flight_never_share(actions, slot_of):
 @pytest.mark.parametrize("pp,m", [(1, 1), (2, 4), (4, 8), (4, 3)])
 def test_1f1b_needs_pp_minus_stage_graph_copies_and_gpipe_needs_m(pp, m):
     for r in range(pp):
-        f1b, gp = pipe.one_f_one_b(pp, m, r), pipe.gpipe(pp, m, r)
+        f1b, gp = pipeline.one_f_one_b(pp, m, r), pipeline.gpipe(pp, m, r)
         assert graphs.slots(f1b)[1] == {0: min(pp - r, m)}
         assert graphs.slots(gp)[1] == {0: m}
         _in_flight_never_share(f1b, graphs.slots(f1b)[0])
@@ -54,11 +54,11 @@ def test_1f1b_needs_pp_minus_stage_graph_copies_and_gpipe_needs_m(pp, m):
 @pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4)])
 def test_interleaved_slots_never_give_two_in_flight_microbatches_one_copy(pp, m, v):
     for r in range(pp):
-        actions = inter.interleaved(pp, m, r, v)
+        actions = interleaved.interleaved(pp, m, r, v)
         slot_of, counts = graphs.slots(actions)
         _in_flight_never_share(actions, slot_of)
         assert set(counts) == set(range(v)) and all(1 <= n <= m for n in counts.values())
-        assert counts == {c: pipe.peak_in_flight([a for a in actions if a.chunk == c]) for c in range(v)}
+        assert counts == {c: pipeline.peak_in_flight([a for a in actions if a.chunk == c]) for c in range(v)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,14 +68,14 @@ def test_interleaved_slots_never_give_two_in_flight_microbatches_one_copy(pp, m,
 def _stage_graphs_match_eager(env, sched_name):
     pp, rank = env.world_size, env.rank
     torch.manual_seed(0)
-    micro = pipe.split_batch(torch.randint(97, (8, 16)), torch.randint(97, (8, 16)), 4)
-    full = tp.init_state_dict(CFG, 3, dtype=torch.float64, random_all=True)
+    micro = pipeline.split_batch(torch.randint(97, (8, 16)), torch.randint(97, (8, 16)), 4)
+    full = tensor_parallel.init_state_dict(CFG, 3, dtype=torch.float64, random_all=True)
     results = []
     for graphed in (False, True):
-        chunks = pipe.build_chunks(CFG, pp, rank, 1, None, init=False, dtype=torch.float64)
+        chunks = pipeline.build_chunks(CFG, pp, rank, 1, None, init=False, dtype=torch.float64)
         for c in chunks:
             c.load_full_state_dict(full)
-        actions = pipe.SCHEDULES[sched_name](pp, 4, rank)
+        actions = pipeline.SCHEDULES[sched_name](pp, 4, rank)
         call = None
         if graphed:  # the stand-in "capture" returns the wrapper itself: replays are plain calls
             real, torch.cuda.make_graphed_callables = torch.cuda.make_graphed_callables, lambda mod, args: mod
@@ -86,7 +86,7 @@ def _stage_graphs_match_eager(env, sched_name):
                 torch.cuda.make_graphed_callables = real
             call = sg.call
             assert sg.captured == graphs.slots(actions)[1][0]
-        res = pipe.execute(actions, chunks, dist.group.WORLD, micro, (2, 16, 16), call=call, deallocate=not graphed)
+        res = pipeline.execute(actions, chunks, dist.group.WORLD, micro, (2, 16, 16), call=call, deallocate=not graphed)
         results.append((None if res.loss is None else float(res.loss),
                         {n: p.grad.clone() for n, p in chunks[0].named_parameters()}))
     return results
@@ -97,7 +97,7 @@ def test_replays_through_the_executor_give_the_eager_loss_and_gradients(run_rank
     for (loss_e, grads_e), (loss_g, grads_g) in run_ranks(_stage_graphs_match_eager, 2, sched_name):
         assert loss_e == loss_g
         for n in grads_e:
-            assert tp.max_rel_diff(grads_g[n], grads_e[n]) <= 1e-12, n
+            assert tensor_parallel.max_rel_diff(grads_g[n], grads_e[n]) <= 1e-12, n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_whole_step_graph_trains_like_eager(tmp_path):
     eager, _ = _torchrun(tmp_path, "eager", "--no-cuda-graphs", "--no-fused-kernels")
     graphed, out = _torchrun(tmp_path, "graphed", "--cuda-graphs", "--no-fused-kernels")
     assert "CUDA graphs: whole step" in out
-    assert tp.max_rel_diff(graphed, eager) <= 1e-6
+    assert tensor_parallel.max_rel_diff(graphed, eager) <= 1e-6
 
 
 @needs_cuda
@@ -129,7 +129,7 @@ def test_stage_graphs_train_like_eager_with_microbatches(tmp_path):
     # One GPU, so pp=1: --graph-scope stage takes the per-stage path the whole step would replace.
     graphed, out = _torchrun(tmp_path, "graphed", "--cuda-graphs", "--graph-scope", "stage", *args)
     assert "CUDA graphs: per stage and microbatch" in out
-    assert tp.max_rel_diff(graphed, eager) <= 1e-6
+    assert tensor_parallel.max_rel_diff(graphed, eager) <= 1e-6
 
 
 @needs_cuda
@@ -139,4 +139,4 @@ def test_the_kernel_path_trains_like_the_reference_path(tmp_path):
     fused, out = _torchrun(tmp_path, "fused", "--fused-kernels", "--kernel-path", "cuda", "--no-flash-attention",
                            "--no-cuda-graphs")
     assert "kernel paths" in out and "reference" not in out.split("kernel paths")[1].splitlines()[0]
-    assert tp.max_rel_diff(fused, ref) <= 1e-4
+    assert tensor_parallel.max_rel_diff(fused, ref) <= 1e-4

@@ -8,12 +8,11 @@ from fractions import Fraction
 
 import pytest
 
-from conftest import ROOT, load
-from test_pipeline import CFG, TOL, _train
+from conftest import PIPELINE_CFG, ROOT, TOL, load, pipeline_train
 
-tp = load("01_tensor_parallel")
-pipe = load("02_pipeline_1f1b")
-inter = load("03_interleaved")
+tensor_parallel = load("01_tensor_parallel")
+pipeline = load("02_pipeline_1f1b")
+interleaved = load("03_interleaved")
 
 
 def legal():
@@ -24,25 +23,25 @@ def legal():
 
 
 def lists(pp, m, v):
-    return [inter.interleaved(pp, m, s, v) for s in range(pp)]
+    return [interleaved.interleaved(pp, m, s, v) for s in range(pp)]
 
 
 def test_the_validator_accepts_every_interleaved_list_up_to_pp_8_v_4_m_32():
     for pp, v, m in legal():
-        pipe.validate(lists(pp, m, v), pp, m)
+        pipeline.validate(lists(pp, m, v), pp, m)
 
 
 @pytest.mark.parametrize("t_f,t_b", [(1, 1), (1, 2), (Fraction(1, 3), Fraction(5, 7))])
 def test_the_simulated_bubble_is_exactly_pp_minus_1_over_v_m_for_uniform_chunk_times(t_f, t_b):
     for pp, v, m in legal():
-        assert pipe.simulate(lists(pp, m, v), pp, t_f, t_b).bubble == Fraction(pp - 1, v * m), (pp, v, m)
+        assert pipeline.simulate(lists(pp, m, v), pp, t_f, t_b).bubble == Fraction(pp - 1, v * m), (pp, v, m)
 
 
 def test_v_equal_1_is_exactly_02s_1f1b():
     for pp in range(1, 9):
         for m in range(1, 33):
             for s in range(pp):
-                got, want = inter.interleaved(pp, m, s, 1), pipe.one_f_one_b(pp, m, s)
+                got, want = interleaved.interleaved(pp, m, s, 1), pipeline.one_f_one_b(pp, m, s)
                 assert got == want and [a.steady for a in got] == [a.steady for a in want]
 
 
@@ -68,15 +67,15 @@ def test_forward_step_k_runs_chunk_k_mod_pp_v_div_pp_on_microbatch_k_div_pp_v_ti
 
 
 def test_rank_r_holds_chunks_r_r_plus_pp_and_so_on():
-    assert inter.chunk_layers(16, 4, 2, 0) == [range(0, 2), range(8, 10)]  # layers 1-2 and 9-10
-    assert inter.chunk_layers(16, 4, 2, 3) == [range(6, 8), range(14, 16)]  # layers 7-8 and 15-16
+    assert interleaved.chunk_layers(16, 4, 2, 0) == [range(0, 2), range(8, 10)]  # layers 1-2 and 9-10
+    assert interleaved.chunk_layers(16, 4, 2, 3) == [range(6, 8), range(14, 16)]  # layers 7-8 and 15-16
 
 
 @pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 8), (2, 3, 6), (4, 1, 4), (1, 2, 2)])
 def test_interleaved_equals_serial_over_adamw_steps(run_ranks, pp, v, m):
-    make = lambda pp_, m_, s: inter.interleaved(pp_, m_, s, v)  # noqa: E731
-    cfg = tp.GPTConfig(**{**CFG.__dict__, "n_layer": pp * v})
-    results = run_ranks(_train, pp, make, m, 3, v, cfg)
+    make = lambda pp_, m_, s: interleaved.interleaved(pp_, m_, s, v)  # noqa: E731
+    cfg = tensor_parallel.GPTConfig(**{**PIPELINE_CFG.__dict__, "n_layer": pp * v})
+    results = run_ranks(pipeline_train, pp, make, m, 3, v, cfg)
     for r, (diffs, orders) in enumerate(results):
         bad = {k: x for k, x in diffs.items() if not x <= TOL and "messages" not in k}
         assert not bad, (r, bad)
@@ -98,12 +97,12 @@ BAD = {
 def test_bad_interleaving_input_is_refused(case):
     (pp, m, v), message = BAD[case]
     with pytest.raises(ValueError, match=message):
-        inter.interleaved(pp, m, 0, v)
+        interleaved.interleaved(pp, m, 0, v)
 
 
 def test_a_layer_count_that_does_not_split_into_pp_v_chunks_is_refused():
     with pytest.raises(ValueError, match="n_layer=12 is not divisible by 8 pipeline stages"):
-        inter.chunk_layers(12, 4, 2, 0)
+        interleaved.chunk_layers(12, 4, 2, 0)
 
 
 def test_the_demo_passes_and_reports_both_bubbles():

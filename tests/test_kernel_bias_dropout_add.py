@@ -20,9 +20,9 @@ import torch
 from conftest import load
 from kernels import bias_dropout_add as bda
 from kernels import build
-from test_kernels import CPU_TOL, GPU_TOL, _check_against_unfused, needs_cuda, randn, rel
+from conftest import CPU_TOL, GPU_TOL, check_against_unfused, needs_cuda, randn, rel
 
-tp_mod = load("01_tensor_parallel")
+tensor_parallel = load("01_tensor_parallel")
 M32 = 0xFFFFFFFF
 
 
@@ -84,7 +84,7 @@ def _inputs(shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_with_p_0_the_reference_is_residual_plus_y_plus_b(shape):
-    _check_against_unfused(lambda y, b, r: bda.bias_dropout_add(y, b, r, 0.0, mode="reference"),
+    check_against_unfused(lambda y, b, r: bda.bias_dropout_add(y, b, r, 0.0, mode="reference"),
                            lambda y, b, r: r + (y + b), _inputs(shape))
 
 
@@ -93,7 +93,7 @@ def test_with_p_0_the_reference_is_residual_plus_y_plus_b(shape):
 def test_the_reference_is_residual_plus_masked_y_plus_b_over_1_minus_p(shape, p):
     seed = seed_tensor(1234)
     mask = bda.keep_mask(seed, shape, p).double()
-    _check_against_unfused(lambda y, b, r: bda.bias_dropout_add(y, b, r, p, mode="reference", seed=seed),
+    check_against_unfused(lambda y, b, r: bda.bias_dropout_add(y, b, r, p, mode="reference", seed=seed),
                            lambda y, b, r: r + (y + b) * mask / (1 - p), _inputs(shape))
 
 
@@ -163,7 +163,7 @@ def test_tp_random_fork_gives_each_tp_rank_its_own_mask_and_restores_the_default
     state = torch.get_rng_state()
     outs = []
     for rank in [0, 1]:
-        with tp_mod.TPRandom(0, rank, "cpu").fork():
+        with tensor_parallel.TPRandom(0, rank, "cpu").fork():
             outs.append(bda.bias_dropout_add(y, b, r, 0.5))
     assert not torch.equal(outs[0], outs[1])
     assert torch.equal(torch.get_rng_state(), state)

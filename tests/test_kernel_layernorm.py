@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import build, layernorm
-from test_kernels import CPU_TOL, GPU_TOL, needs_cuda, randn, rel
+from conftest import CPU_TOL, GPU_TOL, needs_cuda, randn, rel
 
 F64 = torch.float64
 TOL = {**GPU_TOL, torch.float16: 1e-3}

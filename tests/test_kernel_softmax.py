@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import build, softmax
-from test_kernels import CPU_TOL, GPU_TOL, needs_cuda, randn, rel
+from conftest import CPU_TOL, GPU_TOL, needs_cuda, randn, rel
 
 F64 = torch.float64
 

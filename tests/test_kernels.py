@@ -12,25 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import load
+from conftest import CPU_TOL, GPU_TOL, check_against_unfused, load, needs_cuda, needs_nvcc, randn, rel
 from kernels import bias_gelu, build
 
-tp_mod = load("01_tensor_parallel")
-F64 = torch.float64
-CPU_TOL = 1e-12
-GPU_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_nvcc = pytest.mark.skipif(not build.shutil.which("nvcc"), reason="nvcc is not on the PATH")
-
-
-def rel(a, b):
-    return tp_mod.max_rel_diff(a.double(), b.double())
-
-
-def randn(*shape, seed, dtype=F64, device="cpu"):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype=dtype, device=device)
-
-
+tensor_parallel = load("01_tensor_parallel")
 # ----------------------------------------------------------------------------------------------
 # Building: no GPU needed.
 
@@ -74,23 +59,10 @@ def test_forcing_the_kernel_on_unsupported_input_names_the_reason():
 # bias + GeLU
 
 
-def _check_against_unfused(fn, unfused, inputs, tol=CPU_TOL):
-    """Forward and every input gradient of fn against the unfused composition, float64."""
-    a = [t.clone().requires_grad_() for t in inputs]
-    b = [t.clone().requires_grad_() for t in inputs]
-    out_a, out_b = fn(*a), unfused(*b)
-    grad = randn(*out_a.shape, seed=99)
-    out_a.backward(grad)
-    out_b.backward(grad)
-    assert rel(out_a, out_b) < tol
-    for x, y in zip(a, b):
-        assert rel(x.grad, y.grad) < tol
-
-
 @pytest.mark.parametrize("shape", [(3, 5, 7), (1, 1), (2, 1000)])
 def test_bias_gelu_reference_equals_unfused_add_then_gelu(shape):
     y, b = randn(*shape, seed=0) * 3, randn(shape[-1], seed=1)
-    _check_against_unfused(lambda y, b: bias_gelu.bias_gelu(y, b, mode="reference"),
+    check_against_unfused(lambda y, b: bias_gelu.bias_gelu(y, b, mode="reference"),
                            lambda y, b: F.gelu(y + b, approximate="tanh"), [y, b])
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from conftest import ROOT, load
 from plumbing.launch import RankFailure, launch
 
-tp_mod = load("01_tensor_parallel")
+tensor_parallel = load("01_tensor_parallel")
 
 
 def run_script(*args, timeout=120):
@@ -95,11 +95,11 @@ SMALL = dict(vocab_size=50, block_size=16, n_layer=1, n_head=4, n_embd=16)
 
 
 def _bad(env, case):
-    cfg = tp_mod.GPTConfig(**{**SMALL, **case.get("cfg", {})})
-    with tp_mod.trace_comm() as log:
+    cfg = tensor_parallel.GPTConfig(**{**SMALL, **case.get("cfg", {})})
+    with tensor_parallel.trace_comm() as log:
         try:
-            group = tp_mod.new_tp_group(env, case.get("tp", 2))
-            model = tp_mod.GPT(cfg, group, sequence_parallel=case.get("sp", False))
+            group = tensor_parallel.new_tp_group(env, case.get("tp", 2))
+            model = tensor_parallel.GPT(cfg, group, sequence_parallel=case.get("sp", False))
             model(case.get("idx", torch.zeros(2, 8, dtype=torch.long) + 3))
         except ValueError as e:
             return str(e), list(log)  # returned, not raised: every rank reports for itself

@@ -12,18 +12,17 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import ROOT, load
-from plumbing.trace import write_chrome_trace
+from conftest import PIPELINE_CFG, ROOT, TOL, load, pipeline_batch, pipeline_train
+from plumbing.trace import write_timelines
 
-tp = load("01_tensor_parallel")
-pipe = load("02_pipeline_1f1b")
-F, B = (lambda i: pipe.Action("F", i)), (lambda i: pipe.Action("B", i))
-TOL = 1e-10
-CFG = tp.GPTConfig(vocab_size=97, block_size=16, n_layer=4, n_head=2, n_embd=16)
+tensor_parallel = load("01_tensor_parallel")
+pipeline = load("02_pipeline_1f1b")
+F, B = (lambda i: pipeline.Action("F", i)), (lambda i: pipeline.Action("B", i))
+CFG = PIPELINE_CFG
 
 
 def lists(name, pp, m):
-    return [pipe.SCHEDULES[name](pp, m, s) for s in range(pp)]
+    return [pipeline.SCHEDULES[name](pp, m, s) for s in range(pp)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -31,10 +30,10 @@ def lists(name, pp, m):
 
 
 def test_the_validator_accepts_gpipe_and_1f1b_for_every_pp_up_to_8_and_m_up_to_32():
-    for name in pipe.SCHEDULES:
+    for name in pipeline.SCHEDULES:
         for pp in range(1, 9):
             for m in range(1, 33):
-                pipe.validate(lists(name, pp, m), pp, m)
+                pipeline.validate(lists(name, pp, m), pp, m)
 
 
 BROKEN = {
@@ -51,8 +50,8 @@ BROKEN = {
 @pytest.mark.parametrize("case", BROKEN, ids=list(BROKEN))
 def test_the_validator_rejects_hand_broken_lists(case):
     schedule, message = BROKEN[case]
-    with pytest.raises(pipe.ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        pipe.validate(schedule, 2, 2)
+    with pytest.raises(pipeline.ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pipeline.validate(schedule, 2, 2)
 
 
 def test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards():
@@ -69,7 +68,7 @@ def test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards():
 def test_the_simulated_bubble_is_exactly_pp_minus_1_over_m_for_uniform_times(name, t_f, t_b):
     for pp in range(1, 9):
         for m in range(1, 33):
-            sim = pipe.simulate(lists(name, pp, m), pp, t_f, t_b)
+            sim = pipeline.simulate(lists(name, pp, m), pp, t_f, t_b)
             assert sim.bubble == Fraction(pp - 1, m), (pp, m)
             assert sim.step_time == (m + pp - 1) * (t_f + t_b)
 
@@ -77,22 +76,22 @@ def test_the_simulated_bubble_is_exactly_pp_minus_1_over_m_for_uniform_times(nam
 def test_1f1b_keeps_at_most_pp_minus_stage_microbatches_in_flight_and_gpipe_keeps_m():
     for pp in range(1, 9):
         for m in range(1, 33):
-            assert pipe.simulate(lists("1f1b", pp, m), pp).peak_in_flight == [min(pp - s, m) for s in range(pp)]
-            assert pipe.simulate(lists("gpipe", pp, m), pp).peak_in_flight == [m] * pp
+            assert pipeline.simulate(lists("1f1b", pp, m), pp).peak_in_flight == [min(pp - s, m) for s in range(pp)]
+            assert pipeline.simulate(lists("gpipe", pp, m), pp).peak_in_flight == [m] * pp
 
 
 def test_communication_time_adds_to_the_step_but_not_to_the_busy_time():
-    sim = pipe.simulate(lists("1f1b", 4, 8), 4, 1, 2, t_comm=1)
+    sim = pipeline.simulate(lists("1f1b", 4, 8), 4, 1, 2, t_comm=1)
     assert sim.step_time > (8 + 3) * 3
     assert all(sim.step_time - idle == 8 * 3 for idle in sim.idle)
 
 
 def test_timelines_draw_and_trace(tmp_path):
-    sim = pipe.simulate(lists("1f1b", 2, 3), 2)
-    text = pipe.render(sim.timeline, width=40)
+    sim = pipeline.simulate(lists("1f1b", 2, 3), 2)
+    text = pipeline.render(sim.timeline, width=40)
     assert text.splitlines()[0].startswith("rank 0 |F0") and "B2" in text.splitlines()[1]
     path = tmp_path / "t.json"
-    write_chrome_trace(path, [("1f1b", pipe.trace_tracks(sim.timeline))])
+    write_timelines(path, {"1f1b": sim.timeline})
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(events) == 2 * 2 * 3 and {e["tid"] for e in events} == {0, 1}
 
@@ -101,72 +100,26 @@ def test_timelines_draw_and_trace(tmp_path):
 # The executor against the serial model.
 
 
-def _batch(m, rows_per_mb=2, T=16, seed=3):
-    gen = torch.Generator().manual_seed(seed)
-    idx, targets = torch.randint(CFG.vocab_size, (2, m * rows_per_mb, T), generator=gen)
-    targets[0, :5] = -100  # some ignored positions, all in the first microbatch: uneven counts
-    return idx, targets
-
-
-def _train(env, make_schedule, m, steps, v=1, cfg=CFG):
-    """Train `steps` AdamW steps through the pipeline and the serial model side by side."""
-    pp = env.world_size
-    embed_group = torch.distributed.new_group([0, pp - 1]) if pp > 1 else None
-    full = tp.init_state_dict(cfg, 5, dtype=torch.float64, random_all=True)
-    serial = tp.GPT(cfg, None, init=False, dtype=torch.float64)
-    serial.load_full_state_dict(full)
-    chunks = pipe.build_chunks(cfg, pp, env.rank, v, init=False, dtype=torch.float64)
-    for c in chunks:
-        c.load_full_state_dict(full)
-    params = [p for c in chunks for p in c.parameters()]
-    opt, ref_opt = (torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in (params, serial.parameters()))
-    diffs, orders = {}, []
-    for step in range(steps):
-        idx, targets = _batch(m, seed=step)
-        ref_loss = serial(idx, targets)[1]
-        ref_loss.backward()
-        schedule = [make_schedule(pp, m, s) for s in range(pp)]
-        res = pipe.execute(schedule[env.rank], chunks, torch.distributed.group.WORLD,
-                           pipe.split_batch(idx, targets, m), (2, 16, cfg.n_embd))
-        pipe.sync_tied_embeddings(chunks, embed_group)
-        orders.append([a for _, _, a in res.events] == schedule[env.rank])
-        if res.loss is not None:
-            diffs[f"step {step} loss"] = tp.max_rel_diff(res.loss, ref_loss.detach())
-        diffs[f"step {step} messages"] = res.messages
-        ref = {n: p.grad for n, p in serial.named_parameters()}
-        for c in chunks:
-            for n, p in c.named_parameters():
-                diffs[f"step {step} grad {n}"] = tp.max_rel_diff(p.grad, ref[n])
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        ref = dict(serial.named_parameters())
-        for c in chunks:
-            for n, p in c.named_parameters():
-                diffs[f"step {step} param {n}"] = tp.max_rel_diff(p.detach(), ref[n].detach())
-    return diffs, orders
-
-
 @pytest.mark.parametrize("pp,m", [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (4, 1), (4, 4), (4, 9)])
 def test_pipeline_equals_serial_over_adamw_steps_with_tied_embeddings(run_ranks, pp, m):
     for name in ("gpipe", "1f1b"):
-        results = run_ranks(_train, pp, pipe.SCHEDULES[name], m, 3)
+        results = run_ranks(pipeline_train, pp, pipeline.SCHEDULES[name], m, 3)
         for r, (diffs, orders) in enumerate(results):
             bad = {k: v for k, v in diffs.items() if not v <= TOL and "messages" not in k}
             assert not bad, (name, r, bad)
             assert all(orders), "the executor ran another order than the schedule's list"
         assert sum("loss" in k for k in results[-1][0]) == 3  # the last stage checked the loss
         n_params = sum(len([k for k in d if k.startswith("step 0 grad")]) for d, _ in results)
-        assert n_params == len(tp.init_state_dict(CFG, 0)) + (pp > 1)  # wte on first and last
+        assert n_params == len(tensor_parallel.init_state_dict(CFG, 0)) + (pp > 1)  # wte on first and last
 
 
 def _memory(env, name, m, deallocate):
-    chunks = pipe.build_chunks(CFG, env.world_size, env.rank, init=False, dtype=torch.float64)
+    chunks = pipeline.build_chunks(CFG, env.world_size, env.rank, init=False, dtype=torch.float64)
     for c in chunks:
-        c.load_full_state_dict(tp.init_state_dict(CFG, 5, dtype=torch.float64))
-    idx, targets = _batch(m)
-    res = pipe.execute(lists(name, env.world_size, m)[env.rank], chunks, torch.distributed.group.WORLD,
-                       pipe.split_batch(idx, targets, m), (2, 16, CFG.n_embd), deallocate=deallocate)
+        c.load_full_state_dict(tensor_parallel.init_state_dict(CFG, 5, dtype=torch.float64))
+    idx, targets = pipeline_batch(m)
+    res = pipeline.execute(lists(name, env.world_size, m)[env.rank], chunks, torch.distributed.group.WORLD,
+                       pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), deallocate=deallocate)
     return res.peak_activation_bytes
 
 
@@ -192,11 +145,11 @@ def test_counted_activation_bytes_follow_the_microbatches_in_flight(run_ranks):
 
 def _bad(env, case):
     try:
-        cfg = tp.GPTConfig(**{**CFG.__dict__, **case.get("cfg", {})})
+        cfg = tensor_parallel.GPTConfig(**{**CFG.__dict__, **case.get("cfg", {})})
         pp = case.get("pp", env.world_size)
-        pipe.check_world(pp, env.world_size)
-        pipe.build_chunks(cfg, pp, env.rank)
-        pipe.split_batch(*_batch(2), case.get("m", 2))
+        pipeline.check_world(pp, env.world_size)
+        pipeline.build_chunks(cfg, pp, env.rank)
+        pipeline.split_batch(*pipeline_batch(2), case.get("m", 2))
     except ValueError as e:
         return str(e)
     return "no error"
@@ -219,7 +172,7 @@ def test_bad_pipeline_input_is_refused_on_every_rank(run_ranks, case):
 
 @pytest.mark.parametrize("args", [["--pp", "2", "--microbatches", "3"]], ids=["pp2-m3"])
 def test_the_demo_passes_prints_the_timeline_and_the_exact_bubble(args, tmp_path):
-    trace = tmp_path / "pipe.json"
+    trace = tmp_path / "pipeline.json"
     proc = subprocess.run([sys.executable, "02_pipeline_1f1b.py", *args, "--trace", str(trace)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

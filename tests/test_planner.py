@@ -1,4 +1,4 @@
-"""05_3d_gpt's planner (--plan): closed forms against the paper's numbers and against 01's GPT-2.
+"""planner.py (05's --plan): closed forms against the paper's numbers and against 01's GPT-2.
 
 Tolerances: exact for parameter counts of our own model; Table 1 prints one decimal, so eq. 2 is
 held to 1% or that rounding; eq. 4 to 5% of the paper's quoted training times (its inputs are
@@ -9,35 +9,31 @@ import math
 
 import pytest
 
+import planner
 from conftest import load
 
-plan = load("05_3d_gpt")
+tensor_parallel = load("01_tensor_parallel")
 
-ONE_T = plan.model_spec("1T")
-GPT3 = plan.ModelSpec(n_layer=96, n_embd=12288, n_head=96)  # Narayanan Section 5.1's example
-
-
-@pytest.fixture(scope="module")
-def tp01():
-    return load("01_tensor_parallel")
+ONE_T = planner.model_spec("1T")
+GPT3 = planner.ModelSpec(n_layer=96, n_embd=12288, n_head=96)  # Narayanan Section 5.1's example
 
 
 @pytest.mark.parametrize("V, s, l, a, h", [(101, 16, 2, 2, 8), (1001, 64, 3, 4, 64),
                                            (50, 7, 1, 1, 12), (257, 32, 4, 6, 48)])
-def test_exact_count_is_the_real_gpt(tp01, V, s, l, a, h):
-    cfg = tp01.GPTConfig(vocab_size=V, block_size=s, n_layer=l, n_head=a, n_embd=h)
+def test_exact_count_is_the_real_gpt(V, s, l, a, h):
+    cfg = tensor_parallel.GPTConfig(vocab_size=V, block_size=s, n_layer=l, n_head=a, n_embd=h)
     # init=False: the same modules, without init_state_dict's meta-device model, whose first
     # normal_ makes torch import its reference kernels (~2 s).
-    real = sum(p.numel() for p in tp01.GPT(cfg, init=False).parameters())
-    assert plan.params_exact(plan.model_spec(cfg)) == real
-    assert plan.params_exact(plan.model_spec(cfg)) - plan.params_eq2(plan.model_spec(cfg)) \
+    real = sum(p.numel() for p in tensor_parallel.GPT(cfg, init=False).parameters())
+    assert planner.params_exact(planner.model_spec(cfg)) == real
+    assert planner.params_exact(planner.model_spec(cfg)) - planner.params_eq2(planner.model_spec(cfg)) \
         == pytest.approx(2 * h)  # eq. 2 leaves out the final LayerNorm
 
 
-@pytest.mark.parametrize("name", list(plan.PAPER_CONFIGS))
+@pytest.mark.parametrize("name", list(planner.PAPER_CONFIGS))
 def test_eq2_reproduces_table1(name):
-    row, m = plan.PAPER_CONFIGS[name], plan.model_spec(name)
-    billions = plan.params_eq2(m) / 1e9
+    row, m = planner.PAPER_CONFIGS[name], planner.model_spec(name)
+    billions = planner.params_eq2(m) / 1e9
     # Table 1 prints one decimal: 1.7B is 1.652B and 3.6B is 3.562B (1.3% off, within rounding),
     # so the check is 1% or the table's rounding, and the rounded value must match exactly.
     assert abs(billions - row.billions) <= max(0.01 * row.billions, 0.05)
@@ -45,62 +41,62 @@ def test_eq2_reproduces_table1(name):
     assert (m.vocab_size, m.seq_len) == (51200, 2048)
 
 
-@pytest.mark.parametrize("name", list(plan.PAPER_CONFIGS))
+@pytest.mark.parametrize("name", list(planner.PAPER_CONFIGS))
 def test_eq3_gives_plausible_iteration_times(name):
-    row, m = plan.PAPER_CONFIGS[name], plan.model_spec(name)
-    seconds = plan.flops_per_iteration(m, row.batch) / (row.n_gpus * row.tflops * 1e12)
+    row, m = planner.PAPER_CONFIGS[name], planner.model_spec(name)
+    seconds = planner.flops_per_iteration(m, row.batch) / (row.n_gpus * row.tflops * 1e12)
     assert math.isfinite(seconds) and 1 < seconds < 200
-    assert plan.layout_problems(m, plan.Layout(row.tp, row.pp, row.n_gpus // (row.tp * row.pp),
+    assert planner.layout_problems(m, planner.Layout(row.tp, row.pp, row.n_gpus // (row.tp * row.pp),
                                                row.batch), row.n_gpus) == []
 
 
 def test_eq3_terms():
     B, s, l, h, V = 8, ONE_T.seq_len, ONE_T.n_layer, ONE_T.n_embd, ONE_T.vocab_size
     paper = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
-    assert plan.flops_per_iteration(ONE_T, B) == pytest.approx(paper, rel=1e-12)
+    assert planner.flops_per_iteration(ONE_T, B) == pytest.approx(paper, rel=1e-12)
     # Without recomputation exactly one forward of the layers goes, the logit layer stays.
-    saved = paper - plan.flops_per_iteration(ONE_T, B, recompute=False)
+    saved = paper - planner.flops_per_iteration(ONE_T, B, recompute=False)
     assert saved == pytest.approx(24 * B * s * l * h**2 * (1 + s / (6 * h)), rel=1e-12)
 
 
 def test_eq4_training_days_within_5_percent_of_the_paper():
-    assert plan.training_days(450e9, plan.params_eq2(ONE_T), 3072, 163) == pytest.approx(84, rel=0.05)
-    assert plan.training_days(300e9, plan.params_eq2(GPT3), 1024, 140) == pytest.approx(34, rel=0.05)
-    assert plan.training_days(1, 1, 1, 1, recompute=False) == pytest.approx(
-        0.75 * plan.training_days(1, 1, 1, 1))
+    assert planner.training_days(450e9, planner.params_eq2(ONE_T), 3072, 163) == pytest.approx(84, rel=0.05)
+    assert planner.training_days(300e9, planner.params_eq2(GPT3), 1024, 140) == pytest.approx(34, rel=0.05)
+    assert planner.training_days(1, 1, 1, 1, recompute=False) == pytest.approx(
+        0.75 * planner.training_days(1, 1, 1, 1))
 
 
 def test_bubble():
-    assert plan.bubble_fraction(8, 32) == 7 / 32
-    assert plan.bubble_fraction(8, 32, v=2) == 7 / 64
-    assert plan.bubble_fraction(1, 5) == 0
+    assert planner.bubble_fraction(8, 32) == 7 / 32
+    assert planner.bubble_fraction(8, 32, v=2) == 7 / 64
+    assert planner.bubble_fraction(1, 5) == 0
 
 
 def test_layers_in_flight_follow_korthikanti():
     l = ONE_T.n_layer
-    L = plan.Layout(8, 16, 24, 3072)
-    assert plan.layers_in_flight(ONE_T, L) == l  # 1F1B: pp microbatches x l/pp layers
-    Lv = plan.Layout(8, 16, 24, 3072, v=4)
-    assert plan.layers_in_flight(ONE_T, Lv) == pytest.approx(l * (1 + 15 / (16 * 4)))
-    few = plan.Layout(8, 16, 24, 24 * 4)  # m = 4 < pp: only 4 microbatches exist
-    assert plan.layers_in_flight(ONE_T, few) == 4 * l / 16
+    L = planner.Layout(8, 16, 24, 3072)
+    assert planner.layers_in_flight(ONE_T, L) == l  # 1F1B: pp microbatches x l/pp layers
+    Lv = planner.Layout(8, 16, 24, 3072, v=4)
+    assert planner.layers_in_flight(ONE_T, Lv) == pytest.approx(l * (1 + 15 / (16 * 4)))
+    few = planner.Layout(8, 16, 24, 24 * 4)  # m = 4 < pp: only 4 microbatches exist
+    assert planner.layers_in_flight(ONE_T, few) == 4 * l / 16
 
 
 def test_activation_formulas_agree_at_tp1_and_sp_divides_by_tp():
-    m = plan.model_spec("145.6B")
+    m = planner.model_spec("145.6B")
     ref = m.seq_len * m.n_embd * (34 + 5 * m.n_head * m.seq_len / m.n_embd)
     for sp in (False, True):
-        L = plan.Layout(1, 1, 1, 1, recompute=False, sequence_parallel=sp)
-        assert plan.activation_bytes_per_layer(m, L) == pytest.approx(ref)
-    L8 = plan.Layout(8, 1, 1, 1, recompute=False, sequence_parallel=True)
-    assert plan.activation_bytes_per_layer(m, L8) == pytest.approx(ref / 8)
-    full = plan.Layout(8, 1, 1, 1, recompute=True, sequence_parallel=True)
-    assert plan.activation_bytes_per_layer(m, full) == 2 * m.seq_len * m.n_embd / 8
+        L = planner.Layout(1, 1, 1, 1, recompute=False, sequence_parallel=sp)
+        assert planner.activation_bytes_per_layer(m, L) == pytest.approx(ref)
+    L8 = planner.Layout(8, 1, 1, 1, recompute=False, sequence_parallel=True)
+    assert planner.activation_bytes_per_layer(m, L8) == pytest.approx(ref / 8)
+    full = planner.Layout(8, 1, 1, 1, recompute=True, sequence_parallel=True)
+    assert planner.activation_bytes_per_layer(m, full) == 2 * m.seq_len * m.n_embd / 8
 
 
 def test_memory_falls_as_tp_pp_dp_grow():
-    m, B = plan.model_spec("145.6B"), 2304
-    total = lambda **k: plan.memory_per_gpu(m, plan.Layout(batch=B, **k))["total"]  # noqa: E731
+    m, B = planner.model_spec("145.6B"), 2304
+    total = lambda **k: planner.memory_per_gpu(m, planner.Layout(batch=B, **k))["total"]  # noqa: E731
     tps = [total(tp=t, pp=8, dp=8) for t in (1, 2, 4, 8)]
     pps = [total(tp=8, pp=p, dp=8) for p in (1, 2, 4, 8, 16)]
     dps = [total(tp=8, pp=8, dp=d, zero1=True) for d in (1, 2, 4, 8)]
@@ -109,9 +105,9 @@ def test_memory_falls_as_tp_pp_dp_grow():
 
 
 def test_zero1_divides_only_optimizer_bytes_by_dp():
-    m = plan.model_spec("145.6B")
-    plain = plan.memory_per_gpu(m, plan.Layout(8, 8, 12, 2304))
-    zero = plan.memory_per_gpu(m, plan.Layout(8, 8, 12, 2304, zero1=True))
+    m = planner.model_spec("145.6B")
+    plain = planner.memory_per_gpu(m, planner.Layout(8, 8, 12, 2304))
+    zero = planner.memory_per_gpu(m, planner.Layout(8, 8, 12, 2304, zero1=True))
     assert zero["optimizer"] == pytest.approx(plain["optimizer"] / 12)
     assert plain["optimizer"] == pytest.approx(12 * plain["params"])
     for k in ("params", "weights", "gradients", "activations"):
@@ -120,42 +116,42 @@ def test_zero1_divides_only_optimizer_bytes_by_dp():
 
 
 def test_params_per_gpu_split_the_model():
-    m = plan.model_spec("145.6B")
-    whole = plan.params_per_gpu(m, plan.Layout(1, 1, 1, 1))
-    assert whole == pytest.approx(plan.params_exact(m))
+    m = planner.model_spec("145.6B")
+    whole = planner.params_per_gpu(m, planner.Layout(1, 1, 1, 1))
+    assert whole == pytest.approx(planner.params_exact(m))
     # P / (tp pp) plus the embeddings that only the first stage has (over tp).
-    first = plan.params_per_gpu(m, plan.Layout(8, 8, 1, 8))
-    assert plan.params_eq2(m) / 64 < first < plan.params_eq2(m) / 64 + (51200 + 2048) * m.n_embd / 8
+    first = planner.params_per_gpu(m, planner.Layout(8, 8, 1, 8))
+    assert planner.params_eq2(m) / 64 < first < planner.params_eq2(m) / 64 + (51200 + 2048) * m.n_embd / 8
 
 
 def test_comm_volumes():
-    m = plan.model_spec("145.6B")
-    sg = plan.comm_bytes_per_gpu(m, plan.Layout(8, 8, 12, 2304))
-    no_sg = plan.comm_bytes_per_gpu(m, plan.Layout(8, 8, 12, 2304, scatter_gather=False))
+    m = planner.model_spec("145.6B")
+    sg = planner.comm_bytes_per_gpu(m, planner.Layout(8, 8, 12, 2304))
+    no_sg = planner.comm_bytes_per_gpu(m, planner.Layout(8, 8, 12, 2304, scatter_gather=False))
     assert sg["pp"] == pytest.approx(no_sg["pp"] / 8)  # scatter/gather divides pp bytes by tp
-    inter = plan.comm_bytes_per_gpu(m, plan.Layout(8, 8, 12, 2304, v=2))
+    inter = planner.comm_bytes_per_gpu(m, planner.Layout(8, 8, 12, 2304, v=2))
     assert inter["pp"] == pytest.approx(2 * sg["pp"])
     bsh, mb = m.seq_len * m.n_embd, 2304 // 12
     assert no_sg["pp"] == 2 * mb * 2 * bsh  # act + grad per microbatch, bf16
     assert sg["tp"] == pytest.approx(6 * mb * (80 / 8) * 2 * bsh * 2 * 7 / 8)
-    norc = plan.comm_bytes_per_gpu(m, plan.Layout(8, 8, 12, 2304, recompute=False))
+    norc = planner.comm_bytes_per_gpu(m, planner.Layout(8, 8, 12, 2304, recompute=False))
     assert norc["tp"] == pytest.approx(sg["tp"] * 4 / 6)
-    n = plan.params_per_gpu(m, plan.Layout(8, 8, 12, 2304))
+    n = planner.params_per_gpu(m, planner.Layout(8, 8, 12, 2304))
     assert sg["dp"] == pytest.approx(2 * 11 / 12 * n * 4)
-    zero = plan.comm_bytes_per_gpu(m, plan.Layout(8, 8, 12, 2304, zero1=True))
+    zero = planner.comm_bytes_per_gpu(m, planner.Layout(8, 8, 12, 2304, zero1=True))
     assert zero["dp"] == pytest.approx(11 / 12 * n * (4 + 2))  # fp32 grads out, bf16 weights in
-    alone = plan.comm_bytes_per_gpu(m, plan.Layout(1, 1, 1, 2304))
+    alone = planner.comm_bytes_per_gpu(m, planner.Layout(1, 1, 1, 2304))
     assert alone == dict(tp=0, pp=0, dp=0)
 
 
 def test_ranking_1t_on_3072():
-    c = plan.Cluster()
-    ranked = plan.rank_layouts(ONE_T, 3072, 3072)
+    c = planner.Cluster()
+    ranked = planner.rank_layouts(ONE_T, 3072, 3072)
     assert ranked
     for L, est in ranked:
         assert L.tp <= 8 and L.tp * L.pp * L.dp == 3072
         assert ONE_T.n_layer % L.pp == 0 and 3072 % (L.dp * L.b) == 0
-        assert plan.memory_per_gpu(ONE_T, L)["total"] <= c.gpu_mem_gb * 1e9
+        assert planner.memory_per_gpu(ONE_T, L)["total"] <= c.gpu_mem_gb * 1e9
     rates = [est["tflops"] for _, est in ranked]
     assert rates == sorted(rates, reverse=True)
     best = ranked[0][0]
@@ -164,42 +160,42 @@ def test_ranking_1t_on_3072():
     assert (8, 64, 6) in layouts  # the paper's own layout runs
     assert (8, 32, 12) not in layouts  # 87 GB without ZeRO-1
     assert any("GB of 80" in why for why in
-               plan.layout_problems(ONE_T, plan.Layout(8, 32, 12, 3072), 3072))
+               planner.layout_problems(ONE_T, planner.Layout(8, 32, 12, 3072), 3072))
     assert any("spans nodes" in why for why in
-               plan.layout_problems(ONE_T, plan.Layout(16, 32, 6, 3072), 3072))
+               planner.layout_problems(ONE_T, planner.Layout(16, 32, 6, 3072), 3072))
     # More memory per GPU, or ZeRO-1, admits more layouts.
-    assert len(plan.rank_layouts(ONE_T, 3072, 3072, zero1=True)) > len(ranked)
+    assert len(planner.rank_layouts(ONE_T, 3072, 3072, zero1=True)) > len(ranked)
 
 
 def test_estimate_is_near_the_measured_throughput_for_1t():
-    est = plan.estimate_iteration(ONE_T, plan.Layout(8, 64, 6, 3072), 3072)
+    est = planner.estimate_iteration(ONE_T, planner.Layout(8, 64, 6, 3072), 3072)
     assert est["tflops"] == pytest.approx(163, rel=0.1)
     assert est["total"] == pytest.approx(sum(v for k, v in est.items()
                                              if k not in ("total", "tflops")))
 
 
 def test_names_and_report():
-    assert plan.paper_row("1T").billions == 1008.0 and plan.paper_row("145.6B").n_layer == 80
+    assert planner.paper_row("1T").billions == 1008.0 and planner.paper_row("145.6B").n_layer == 80
     with pytest.raises(ValueError):
-        plan.paper_row("2T")
-    text = plan.plan_report("1T", 3072, tokens=450e9)
+        planner.paper_row("2T")
+    text = planner.plan_report("1T", 3072, tokens=450e9)
     for needle in ("tp=8 pp=64 dp=6", "(eq. 2)", "EFLOP", "12.3%", "days", "GB", "TFLOP/s"):
         assert needle in text
-    given = plan.plan_report("1T", 3072, layout=(8, 32, 12))
+    given = planner.plan_report("1T", 3072, layout=(8, 32, 12))
     assert "CANNOT RUN" in given
     with pytest.raises(ValueError):
-        plan.plan_report(GPT3, 1024)  # no Table 1 batch to fall back on
-    assert "tp=" in plan.plan_report(GPT3, 1024, batch=1536)
+        planner.plan_report(GPT3, 1024)  # no Table 1 batch to fall back on
+    assert "tp=" in planner.plan_report(GPT3, 1024, batch=1536)
 
 
 def test_cli_helpers():
     p = argparse.ArgumentParser()
     p.add_argument("--n-layer", type=int, default=2)  # as 05's GPTConfig flags would be
     p.add_argument("--seq-len", type=int, default=32)
-    plan.add_plan_args(p)
-    assert "tp=8 pp=64 dp=6" in plan.plan_from_args(p.parse_args(["--plan", "1T"]))
+    planner.add_plan_args(p)
+    assert "tp=8 pp=64 dp=6" in planner.plan_from_args(p.parse_args(["--plan", "1T"]))
     args = p.parse_args("--plan custom --gpus 64 --n-layer 24 --n-embd 2048 --n-head 16 "
                         "--vocab-size 51200 --seq-len 2048 --plan-batch 512 "
                         "--plan-layout 2,2,16 --plan-zero1".split())
-    text = plan.plan_from_args(args)
+    text = planner.plan_from_args(args)
     assert "layout (given): tp=2 pp=2 dp=16" in text and "ZeRO-1" in text

@@ -12,14 +12,14 @@ import torch.nn.functional as F
 
 from conftest import load
 
-tp_mod = load("01_tensor_parallel")
+tensor_parallel = load("01_tensor_parallel")
 TOL = 1e-10
 F64 = torch.float64
-CFG = tp_mod.GPTConfig(vocab_size=101, block_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+CFG = tensor_parallel.GPTConfig(vocab_size=101, block_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 
 
 def rel(a, b):
-    return tp_mod.max_rel_diff(a, b)
+    return tensor_parallel.max_rel_diff(a, b)
 
 
 def randn(*shape, seed):
@@ -41,17 +41,17 @@ def randomize(module, seed):
 # "T" split along the sequence when sp is on (else full), "C" split along the last dim.
 
 BLOCKS = {
-    "ColumnParallelLinear": (lambda g, sp: tp_mod.ColumnParallelLinear(32, 48, g, sp, dtype=F64), "T", "C"),
+    "ColumnParallelLinear": (lambda g, sp: tensor_parallel.ColumnParallelLinear(32, 48, g, sp, dtype=F64), "T", "C"),
     "ColumnParallelLinear(gather_output)": (
-        lambda g, sp: tp_mod.ColumnParallelLinear(32, 48, g, sp, gather_output=True, dtype=F64), "T", "full"),
+        lambda g, sp: tensor_parallel.ColumnParallelLinear(32, 48, g, sp, gather_output=True, dtype=F64), "T", "full"),
     "ColumnParallelLinear(fused=3)": (
-        lambda g, sp: tp_mod.ColumnParallelLinear(32, 96, g, sp, fused=3, gather_output=True, dtype=F64), "T", "full"),
-    "RowParallelLinear": (lambda g, sp: tp_mod.RowParallelLinear(48, 32, g, sp, dtype=F64), "C", "T"),
-    "LayerNorm": (lambda g, sp: tp_mod.LayerNorm(32, g, sp, dtype=F64), "T", "T"),
-    "ParallelMLP": (lambda g, sp: tp_mod.ParallelMLP(CFG, g, sp, dtype=F64), "T", "T"),
+        lambda g, sp: tensor_parallel.ColumnParallelLinear(32, 96, g, sp, fused=3, gather_output=True, dtype=F64), "T", "full"),
+    "RowParallelLinear": (lambda g, sp: tensor_parallel.RowParallelLinear(48, 32, g, sp, dtype=F64), "C", "T"),
+    "LayerNorm": (lambda g, sp: tensor_parallel.LayerNorm(32, g, sp, dtype=F64), "T", "T"),
+    "ParallelMLP": (lambda g, sp: tensor_parallel.ParallelMLP(CFG, g, sp, dtype=F64), "T", "T"),
     "ParallelAttention": (
-        lambda g, sp: tp_mod.ParallelAttention(CFG, g, tp_mod.TPRandom(0, 0, "cpu"), sp, dtype=F64), "T", "T"),
-    "Block": (lambda g, sp: tp_mod.Block(CFG, g, tp_mod.TPRandom(0, 0, "cpu"), sp, dtype=F64), "T", "T"),
+        lambda g, sp: tensor_parallel.ParallelAttention(CFG, g, tensor_parallel.TPRandom(0, 0, "cpu"), sp, dtype=F64), "T", "T"),
+    "Block": (lambda g, sp: tensor_parallel.Block(CFG, g, tensor_parallel.TPRandom(0, 0, "cpu"), sp, dtype=F64), "T", "T"),
 }
 
 
@@ -64,15 +64,15 @@ def _local(t, layout, sp, tp, rank):
 
 
 def _compare_blocks(env, tp):
-    group = tp_mod.new_tp_group(env, tp)
-    rank = tp_mod.tp_rank(group)
+    group = tensor_parallel.new_tp_group(env, tp)
+    rank = tensor_parallel.tp_rank(group)
     diffs = {}
     for sp in (False, True):
         for i, (name, (make, lin, lout)) in enumerate(BLOCKS.items()):
             serial = make(None, False)
             full = randomize(serial, seed=10 + i)
             block = make(group, sp)
-            tp_mod.load_full_state_dict(block, full, group)
+            tensor_parallel.load_full_state_dict(block, full, group)
             n_in = 48 if lin == "C" else 32
             x = randn(2, 8, n_in, seed=100 + i).requires_grad_()
             y = serial(x)
@@ -85,7 +85,7 @@ def _compare_blocks(env, tp):
             diffs[key + " forward"] = rel(y_local, _local(y.detach(), lout, sp, tp, rank))
             diffs[key + " input grad"] = rel(x_local.grad, _local(x.grad, lin, sp, tp, rank))
             ref = {n: p.grad for n, p in serial.named_parameters()}
-            for n, g in tp_mod.gather_full(block, group, grads=True).items():
+            for n, g in tensor_parallel.gather_full(block, group, grads=True).items():
                 diffs[f"{key} grad {n}"] = rel(g, ref[n])
     return diffs
 
@@ -109,14 +109,14 @@ def _conjugates(env):
     for name in ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
                  "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp"):
         xi = (x * (r + 1)).requires_grad_()  # and so does each rank's input
-        y = getattr(tp_mod, name)(xi, group)
+        y = getattr(tensor_parallel, name)(xi, group)
         y.backward(randn(*y.shape, seed=3 + r))  # each rank's upstream gradient differs
         out[name] = (y.detach(), xi.grad)
     return out
 
 
 def env_group(env):
-    group = tp_mod.new_tp_group(env, env.world_size)
+    group = tensor_parallel.new_tp_group(env, env.world_size)
     return group, env.world_size, env.rank
 
 
@@ -152,14 +152,14 @@ def test_conjugate_operators_do_what_their_contracts_say(run_ranks):
 
 def _cross_entropy(env, V, ignore_index):
     group, tp, r = env_group(env)
-    V_pad = tp_mod.padded_vocab_size(V, tp)
+    V_pad = tensor_parallel.padded_vocab_size(V, tp)
     N = 24
     full = randn(N, V, seed=5) * 3
     target = torch.randint(V, (N,), generator=torch.Generator().manual_seed(6))
     target[::5] = ignore_index  # some positions are ignored
     padded = torch.cat([full, torch.full((N, V_pad - V), 1e4, dtype=F64)], 1)  # poison the padding
     local = padded.chunk(tp, 1)[r].clone().requires_grad_()
-    loss = tp_mod.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index)
+    loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index)
     dloss = 0.7  # a non-unit upstream gradient
     loss.backward(torch.tensor(dloss, dtype=F64))
     ref_in = full.clone().requires_grad_()
@@ -182,10 +182,10 @@ def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_with_padding_and_ig
 
 
 def test_padded_vocab_size_rounds_up_to_a_multiple_of_tp_times_divisor():
-    assert tp_mod.padded_vocab_size(50257, 1) == 50257
-    assert tp_mod.padded_vocab_size(50257, 2) == 50258
-    assert tp_mod.padded_vocab_size(50257, 4, divisible_by=128) == 50688  # 99 * 512
-    assert tp_mod.padded_vocab_size(3, 4) == 4
+    assert tensor_parallel.padded_vocab_size(50257, 1) == 50257
+    assert tensor_parallel.padded_vocab_size(50257, 2) == 50258
+    assert tensor_parallel.padded_vocab_size(50257, 4, divisible_by=128) == 50688  # 99 * 512
+    assert tensor_parallel.padded_vocab_size(3, 4) == 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_padded_vocab_size_rounds_up_to_a_multiple_of_tp_times_divisor():
 def _rng(env):
     group, tp, r = env_group(env)
     torch.manual_seed(0)  # the default stream is seeded alike on every rank
-    rng = tp_mod.TPRandom(0, tp_mod.tp_rank(group), "cpu")
+    rng = tensor_parallel.TPRandom(0, tensor_parallel.tp_rank(group), "cpu")
     before = torch.rand(4)
     with rng.fork():
         forked = torch.rand(4)
@@ -203,20 +203,20 @@ def _rng(env):
     torch.manual_seed(0)
     plain = torch.rand(8)  # the same draws with no fork in between
     # Attention: give every head the same weights, so the heads differ only by their dropout mask.
-    cfg = tp_mod.GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.5)
-    serial = tp_mod.ParallelAttention(cfg, None, rng, dtype=F64)
+    cfg = tensor_parallel.GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.5)
+    serial = tensor_parallel.ParallelAttention(cfg, None, rng, dtype=F64)
     full = randomize(serial, 3)
     w = full["c_attn.weight"].view(3, 2, 4, 8)
     full["c_attn.weight"] = w[:, :1].expand(3, 2, 4, 8).reshape(24, 8)
     b = full["c_attn.bias"].view(3, 2, 4)
     full["c_attn.bias"] = b[:, :1].expand(3, 2, 4).reshape(24)
-    attn = tp_mod.ParallelAttention(cfg, group, rng, dtype=F64)
-    tp_mod.load_full_state_dict(attn, full, group)
+    attn = tensor_parallel.ParallelAttention(cfg, group, rng, dtype=F64)
+    tensor_parallel.load_full_state_dict(attn, full, group)
     heads = []
     attn.c_proj.register_forward_pre_hook(lambda m, args: heads.append(args[0].detach()))
     attn(randn(2, 8, 8, seed=4))
     # The residual stream of a whole model with dropout on stays identical across tp ranks.
-    model = tp_mod.GPT(cfg, group, seed=1, dtype=F64)
+    model = tensor_parallel.GPT(cfg, group, seed=1, dtype=F64)
     hidden = []
     model.transformer.h["0"].register_forward_hook(lambda m, a, out: hidden.append(out.detach()))
     torch.manual_seed(5)
@@ -239,12 +239,12 @@ def test_dropout_differs_across_tp_ranks_inside_tp_regions_and_matches_on_replic
 
 def _round_trip(env):
     group, tp, r = env_group(env)
-    cfg = tp_mod.GPTConfig(vocab_size=1001, block_size=16, n_layer=2, n_head=4, n_embd=16)
-    full = tp_mod.init_state_dict(cfg, 3, dtype=F64, random_all=True)
-    model = tp_mod.GPT(cfg, group, init=False, dtype=F64)
+    cfg = tensor_parallel.GPTConfig(vocab_size=1001, block_size=16, n_layer=2, n_head=4, n_embd=16)
+    full = tensor_parallel.init_state_dict(cfg, 3, dtype=F64, random_all=True)
+    model = tensor_parallel.GPT(cfg, group, init=False, dtype=F64)
     model.load_full_state_dict(full)
     back = model.full_state_dict()
-    from_seed = tp_mod.GPT(cfg, group, seed=9, dtype=F64).full_state_dict()
+    from_seed = tensor_parallel.GPT(cfg, group, seed=9, dtype=F64).full_state_dict()
     # Fused QKV: rank r holds rows [q_r; k_r; v_r], each C/tp rows, not a contiguous block.
     C, w = 16, full["transformer.h.0.attn.c_attn.weight"]
     expect = torch.cat([w[j * C + r * C // tp: j * C + (r + 1) * C // tp] for j in range(3)])
@@ -254,8 +254,8 @@ def _round_trip(env):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_full_state_dict_splits_and_gathers_back_bit_equal(run_ranks, tp):
-    cfg = tp_mod.GPTConfig(vocab_size=1001, block_size=16, n_layer=2, n_head=4, n_embd=16)
-    serial_from_seed = tp_mod.GPT(cfg, None, seed=9, dtype=F64).state_dict()
+    cfg = tensor_parallel.GPTConfig(vocab_size=1001, block_size=16, n_layer=2, n_head=4, n_embd=16)
+    serial_from_seed = tensor_parallel.GPT(cfg, None, seed=9, dtype=F64).state_dict()
     for full, back, from_seed, qkv_ok in run_ranks(_round_trip, tp):
         assert qkv_ok
         assert full.keys() == back.keys()
@@ -270,9 +270,9 @@ def test_full_state_dict_splits_and_gathers_back_bit_equal(run_ranks, tp):
 
 def _whole_model(env, sp):
     group, tp, r = env_group(env)
-    full = tp_mod.init_state_dict(CFG, 4, dtype=F64, random_all=True)
-    serial = tp_mod.GPT(CFG, None, init=False, dtype=F64)
-    model = tp_mod.GPT(CFG, group, sequence_parallel=sp, init=False, dtype=F64)
+    full = tensor_parallel.init_state_dict(CFG, 4, dtype=F64, random_all=True)
+    serial = tensor_parallel.GPT(CFG, None, init=False, dtype=F64)
+    model = tensor_parallel.GPT(CFG, group, sequence_parallel=sp, init=False, dtype=F64)
     serial.load_full_state_dict(full)
     model.load_full_state_dict(full)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (serial, model)]
@@ -305,4 +305,4 @@ def test_tp_gpt2_equals_serial_gpt2_loss_grads_and_adamw_steps(run_ranks, tp, sp
     for diffs in run_ranks(_whole_model, tp, sp):
         bad = {k: v for k, v in diffs.items() if not v <= TOL}
         assert not bad, bad
-        assert sum("grad" in k for k in diffs) == 3 * len(tp_mod.init_state_dict(CFG, 0))
+        assert sum("grad" in k for k in diffs) == 3 * len(tensor_parallel.init_state_dict(CFG, 0))

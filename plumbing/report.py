@@ -1,0 +1,181 @@
+"""What 05 prints: the rank grid, the start-up summary, the end-of-run report, and the sum probe.
+
+    print_layout(tc, grid)     --print-layout: every rank's (tp, dp, pp) and every group
+    summary(run, ...)          a few grouped lines: model, data, layout, device, training, files,
+                               memory and FLOPs by the planner's formulas
+    report(run, out, ...)      throughput, a chart of the loss, the message size, the sum probe
+    sum_probe(run, forward)    how many single-digit sums greedy decoding gets right (built-in corpus)
+    Progress                   the loop's progress bar, notes above it, and --metrics lines
+"""
+import importlib
+import json
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from planner import PEAK_BF16_FLOPS, Layout, activation_bytes_per_layer, layers_in_flight, params_exact
+from plumbing.charts import ascii_chart
+from plumbing.data import held_out, tokenizer_of
+from plumbing.data import sum_probe as probe_batches
+from plumbing.launch import gather_numbers
+
+pipeline = importlib.import_module("02_pipeline_1f1b")
+interleaved = importlib.import_module("03_interleaved")
+
+
+def print_layout(tc, grid):
+    """The rank grid (05's rank_grid) for tp x pp x dp, without starting anything (--print-layout)."""
+    world = tc.tp * tc.pp * tc.dp
+    coord = {}
+    for kind in ("tp", "dp", "pp"):
+        for g in grid[kind]:
+            for i, r in enumerate(g):
+                coord.setdefault(r, {})[kind] = i
+    print(f"world={world}: tp={tc.tp} x dp={tc.dp} x pp={tc.pp}, Megatron's order (tp fastest, "
+          f"then dp, then pp)")
+    print("rank  tp dp pp")
+    for r in range(world):
+        print(f"{r:4d} {coord[r]['tp']:3d} {coord[r]['dp']:2d} {coord[r]['pp']:2d}")
+    for kind in ("tp", "dp", "pp", "embed"):
+        print(f"{kind} groups: {grid[kind]}")
+
+
+def summary(run, spec, flops, n_train, n_eval, say):
+    """The start-up summary (rank 0): a few grouped lines, not the config's repr."""
+    cfg, tc, env = run.cfg, run.tc, run.env
+    local = sum(p.numel() for c in run.chunks for p in c.parameters())
+    per_rank = [int(x[0]) for x in gather_numbers([local], device=env.device)]
+    elt = torch.empty((), dtype=run.dtype).element_size()
+    grad_elt = run.ddp.grad_buffer.element_size()
+    owned = sum(p.master.numel() for p in run.opt.pieces)
+    masters = sum(p.master.numel() for p in run.opt.pieces if p.master is not p.weights)
+    L = Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=run.act_shape[0], v=tc.virtual_stages,
+               recompute=tc.recompute, sequence_parallel=tc.sequence_parallel)
+    # Korthikanti's activation bytes assume 2-byte (bf16) activations: rescale to ours.
+    act = activation_bytes_per_layer(spec, L) * layers_in_flight(spec, L) * elt / 2
+    sim = pipeline.simulate([interleaved.interleaved(tc.pp, tc.microbatches, s, tc.virtual_stages)
+                         for s in range(tc.pp)], tc.pp)
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
+    graphs = {None: "off", "stage": "per stage and microbatch", "step": "whole step"}[run.graph_mode]
+    data = tc.data or "the built-in corpus"
+    say(f"model     GPT-2: {cfg.n_layer} layers, {cfg.n_head} heads, C={cfg.n_embd}, V={cfg.vocab_size}, "
+        f"block {cfg.block_size}, dropout {cfg.dropout:g}; {params_exact(spec):,} parameters"
+        + (f" (from {tc.init_from})" if tc.init_from else ""))
+    say(f"data      {data}: {n_train:,} tokens to train on, {n_eval:,} held out; "
+        f"{tokenizer_of(tc.data)} tokens")
+    say(f"layout    world {env.world_size} = tp {tc.tp} x pp {tc.pp} x dp {tc.dp}; "
+        f"{'interleaved 1F1B, v=' + str(tc.virtual_stages) if tc.virtual_stages > 1 else '1F1B'}, "
+        f"m={tc.microbatches} microbatches of b={run.act_shape[0]}; "
+        f"{'ZeRO-1' if tc.zero1 else 'data parallel'}; scatter/gather {on(run.wire)}, "
+        f"sequence parallel {on(tc.sequence_parallel)}, recompute {on(tc.recompute)}")
+    say(f"device    {run.dtype} on {env.device.type} ({dist.get_backend()}); kernels: {run.ops.name}; "
+        f"CUDA graphs: {graphs}")
+    say(f"training  {tc.steps} steps of B={tc.batch_size} x T={tc.seq_len} = "
+        f"{tc.batch_size * tc.seq_len:,} tokens; AdamW lr {tc.lr:g} -> {tc.min_lr:g} (warmup "
+        f"{tc.warmup_steps}, cosine), weight decay {tc.weight_decay:g}, clip {tc.grad_clip:g}, "
+        f"seed {tc.seed}; eval every {tc.eval_every or 'never'}")
+    say(f"files     checkpoints: {tc.save or 'none'}"
+        + (f" (every {tc.save_every} steps, keep {tc.keep})" if tc.save else "")
+        + f"; resume: {tc.resume or 'no'}; metrics: {tc.metrics or 'none'}; trace: {tc.trace or 'none'}")
+    opt_bytes = 2 * owned * max(elt, 4) + masters * 4  # two AdamW moments, plus fp32 masters
+    say(f"memory    rank 0, estimated: weights {local * elt / 2**20:.2f} MiB, gradients "
+        f"{local * grad_elt / 2**20:.2f} MiB, optimizer {opt_bytes / 2**20:.2f} MiB, activations "
+        f"{act / 2**20:.2f} MiB (Korthikanti Table 2); parameters per rank {per_rank}")
+    say(f"compute   FLOPs per iteration (eq. 3): {flops:.3e}; pipeline bubble (pp-1)/(v m) = "
+        f"{sim.bubble} (simulated, t_b = 2 t_f)")
+
+
+def report(run, out, wall, say):
+    """The end of training: throughput, the loss chart, the message size, the sum probe."""
+    tc, cfg, losses, evals = run.tc, run.cfg, out["losses"], out["evals"]
+    tokens = len(losses) * tc.batch_size * tc.seq_len
+    say(f"\ndone: {len(losses)} steps in {wall:.1f} s ({tokens / wall:,.0f} tokens/s); loss "
+        f"{losses[0]:.3f} -> {losses[-1]:.3f}" + (f"; eval loss {evals[-1][1]:.3f}" if evals else ""))
+    series = {"train loss": ("*", list(enumerate(losses, out["start"])))}
+    if evals:
+        series["eval loss"] = ("o", evals)
+    say(ascii_chart(series))
+    per_msg, elt = out["bytes_per_message"], torch.empty((), dtype=run.dtype).element_size()
+    b = tc.batch_size // (tc.dp * tc.microbatches)
+    say(f"p2p per message (rank 0): {per_msg:,.0f} bytes = {per_msg / elt:,.0f} elements; b*T*C = "
+        f"{b * tc.seq_len * cfg.n_embd:,} elements, /tp = {b * tc.seq_len * cfg.n_embd // tc.tp:,} "
+        f"({'scatter/gather on' if run.wire else 'scatter/gather off'}"
+        f"{', sequence parallel' if tc.sequence_parallel else ''})")
+    say(f"peak stored activation bytes on rank 0 (last step): {out['peak_activation_bytes']:,}")
+    if "sums" in out:
+        seen, of_seen, held, of_held = out["sums"]
+        say(f"sums, greedy \"x plus y is\" for x, y < 10: {seen}/{of_seen} right of those in the "
+            f"corpus, {held}/{of_held} of the held-out ones it never states")
+
+
+def sum_probe(run, forward_only):
+    """How many of the 100 single-digit sums greedy decoding gets right, split into the sums the
+    built-in corpus states and the held-out ones it never does: [right, of, right, of]. 05's
+    forward_only(run, idx, targets, call) runs the pipeline; the last stage reads its logits
+    through the executor's call hook, and the counts are summed over the world."""
+    tc, dp_rank = run.tc, dist.get_rank(run.groups.dp)
+    counts = torch.zeros(4, dtype=torch.float64, device=run.env.device)  # seen right/of, held right/of
+    rows_per_mb = tc.batch_size // (tc.dp * tc.microbatches)
+    for idx, targets, pairs in probe_batches(tc.seq_len, tc.batch_size):
+        mine = pairs[dp_rank * (tc.batch_size // tc.dp):(dp_rank + 1) * (tc.batch_size // tc.dp)]
+
+        def call(c, mb, x, tgt):
+            out = run.chunks[c](x, tgt)
+            if tgt is None:
+                return out
+            logits = run.chunks[c].full_logits(out[0])  # (b, T, V): every tp rank holds all of it
+            scored = tgt != -100
+            right = ((logits.argmax(-1) == tgt) | ~scored).all(-1)  # (b,): every scored token right
+            if dist.get_rank(run.groups.tp) == 0:
+                for ok, pair in zip(right.tolist(), mine[mb * rows_per_mb:(mb + 1) * rows_per_mb]):
+                    if pair is not None:
+                        k = 2 if held_out(*pair) else 0
+                        counts[k] += ok
+                        counts[k + 1] += 1
+            return out
+
+        rows = slice(dp_rank * tc.batch_size // tc.dp, (dp_rank + 1) * tc.batch_size // tc.dp)
+        forward_only(run, idx[rows], targets[rows], call=call)  # this replica's rows
+    dist.all_reduce(counts)
+    return [int(x) for x in counts.tolist()]
+
+
+class Progress:
+    """The training loop's output on rank 0: a progress bar (loss, tokens/s, MFU on a GPU, the eval
+    loss), notes printed above it, and one --metrics JSON line per step (appended when resuming)."""
+
+    def __init__(self, env, tc, flops, start, dtype, quiet=False):
+        self.show = env.rank == 0 and not quiet
+        self.tokens = tc.batch_size * tc.seq_len
+        name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else ""
+        peak = next((f for gpu, f in PEAK_BF16_FLOPS.items() if gpu in name), None)
+        # MFU: eq. 3's FLOPs per iteration over the step time and every GPU's dense bf16 peak.
+        self.mfu_seconds = flops / (env.world_size * peak) if peak and dtype == torch.bfloat16 else None
+        self.metrics = open(tc.metrics, "a" if tc.resume else "w") if tc.metrics and env.rank == 0 else None
+        self.bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=not self.show,
+                        desc="train", dynamic_ncols=True)
+
+    def __iter__(self):
+        return iter(self.bar)
+
+    def note(self, text):
+        if self.show:
+            tqdm.write(text)
+
+    def log(self, record):
+        """record: step, loss, lr, grad_norm, time_s, and eval_loss on eval steps."""
+        record["tokens_per_s"] = self.tokens / record["time_s"]
+        shown = dict(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        if self.mfu_seconds:
+            shown["mfu"] = f"{self.mfu_seconds / record['time_s']:.1%}"
+        if "eval_loss" in record:
+            shown["eval"] = f"{record['eval_loss']:.3f}"
+        self.bar.set_postfix(shown)
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def close(self):
+        if self.metrics:
+            self.metrics.close()
