@@ -1,75 +1,25 @@
 """3D step time: our tp x pp x dp trainer (05_3d_gpt.py) against PyTorch's own 3D composition.
 
-What it measures: the wall time of one full training step (forward and backward of every
-microbatch through a 1F1B pipeline, the tied-embedding gradient sum, the data-parallel gradient
-reduction, global-norm clipping, AdamW) of the same GPT-2 on the same batches, at tp=2 x pp=2 x
-dp=2 on 8 CPU ranks fork-started with gloo by 01's launch (one thread each). Contenders:
-
-    ours        05's build() + train_step(): 01's TP layers, 02's 1F1B executor, 04's bucketed
-                data parallelism (all-reduce after the pipeline flush), 05's clipping and
-                scatter/gather (each tp rank sends 1/tp of a boundary tensor, the receiver
-                all-gathers it). TrainConfig defaults: plain DP (not ZeRO-1), scatter/gather on.
-    ours-nosg   the same with TrainConfig(scatter_gather=False): every tp rank sends the whole
-                boundary tensor. Paired with `ours` to measure Section 4.1's optimisation.
-    torch-ddp   PyTorch's composition over init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=
-                ("pp", "dp", "tp")): parallelize_module with ColwiseParallel / RowwiseParallel on
-                the tp sub-mesh (torchtitan's plan without sequence parallelism), the vocab-sharded
-                logits kept as a DTensor and the cross-entropy under loss_parallel() (--loss
-                gathered: Replicate logits and a plain cross-entropy instead), then
-                DistributedDataParallel(stage, device_mesh=mesh["dp"]), then PipelineStage +
-                Schedule1F1B over the pp sub-mesh's group. Clipping with
-                torch.nn.utils.get_total_norm / clip_grads_with_norm_, AdamW.
-    torch-fsdp  the same with FSDP2 (fully_shard per block and per stage over mesh["dp"],
-                reshard_after_forward=False, torchtitan's setting under pipelining) instead of DDP.
-
-DDP over TP DTensor parameters composes only when it is given the dp sub-mesh (device_mesh=):
-DDP then swaps the DTensors for their local shards, which it reduces, and wraps those back into
-DTensors in a forward pre-hook (torch's own DDP + TP path). With process_group= it fails, and
-Schedule1F1B's default gradient scaling misses the TP weights under DDP; 3d_results.md has the
-messages, TorchRun's comments the workaround (the loss divided by m). The torch side is
-built from plain serial stage modules (written here, parameter names as 01's) that load the same
-full state dict as ours: init_state_dict, c_attn rows reordered head-major so that a contiguous
-Shard(0) gives each tp rank whole heads, the output layer loaded from wte. Neither side ties the
-two wte copies across pipeline ranks by itself: both sum their gradients over the first and last
-stage (02's embedding group) after the pipeline. The mesh's rank order is checked against 04's
-rank_grid (Megatron's: tp fastest, then dp, then pp) before anything runs.
-
-Same function: from identical weights (random biases and LayerNorms too) every contender runs two
-steps on the same two batches; the loss and the global gradient norm of both steps must agree with
-ours (and step 1 with the serial model on the whole batch) within LOSS_RTOL / NORM_RTOL, or
-nothing is timed. The norm covers every gradient (scale, dp averaging, the tied-embedding sum,
-each element counted once); step 2's loss and norm depend on step 1's update. AdamW's first
-update hardly depends on the gradient's scale, so it is the norms that catch a scale error.
-
-Timing: --repeats rounds; each round runs --warmup untimed steps of every contender, then --steps
-sweeps, a sweep timing one step of each contender, a barrier before each, in an order that
-rotates every sweep (so each goes first equally often, and two contenders' steps run back to back
-under the same machine load). A step's wall time is its slowest rank's; its CPU time (process
-time: all threads, gloo's too) is summed over the 8 ranks. Reported: medians, the ratio
-ours/torch of the medians, the median of the paired ratios (same sweep), the per-round ratios,
-and p2p bytes per message with scatter/gather on and off. --profile adds, for rank 0, a phase
-breakdown of each step (pipeline, tied embeddings, DP reduction, clipping, optimizer, loss) and
-a torch.profiler table of one step.
+One full training step of 05's trainer (tp=2 x pp=2 x dp=2, 8 CPU ranks) against PyTorch's
+composition on a 3-D DeviceMesh (DTensor TP, DDP or FSDP2, pipelining); ours also without
+scatter/gather.
+benchmarks/README.md has what each side runs, the checks and the method.
 
 Run it (from the repository root; it starts its own ranks, do not use torchrun):
     python benchmarks/bench_3d.py                        # default: about 2-2.5 minutes on 2 cores
     python benchmarks/bench_3d.py --profile              # plus where the time goes on rank 0
     python benchmarks/bench_3d.py --contenders ours torch-ddp --repeats 7
     python benchmarks/bench_3d.py --loss gathered        # peer: gathered logits, plain loss
-    python benchmarks/bench_3d.py --zero1                # ours with ZeRO-1 (DistributedAdamW)
+    python benchmarks/bench_3d.py --zero1                # ours with ZeRO-1 (FlatAdamW)
 """
-import argparse
 import contextlib
-import importlib
 import logging
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -84,16 +34,13 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_tp  # noqa: E402  the peer's transformer block: plain nn modules, head-major fused QKV
-tp01 = importlib.import_module("01_tensor_parallel")  # the names start with a digit
-pipe = importlib.import_module("02_pipeline_1f1b")
-ddp_mod = importlib.import_module("04_data_parallel")
-gpt3d = importlib.import_module("05_3d_gpt")
+import bench_tp  # the peer's transformer block: plain nn modules, head-major fused QKV
+import harness
+from harness import gpt3d, pipeline, tensor_parallel
+from plumbing.checks import check_config
+from plumbing.data import global_batch, load_tokens, replica_batch, split_tokens
+from plumbing.trace import trace_comm
 
 CONTENDERS = ("ours", "ours-nosg", "torch-ddp", "torch-fsdp")
 
@@ -188,7 +135,7 @@ class TorchRun:
     def __init__(self, cfg, tc, mesh, full, data_parallel, loss, embed_group):
         pp_group = mesh["pp"].get_group()
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        layers = pipe.split_layers(cfg.n_layer, pp)[pp_rank]
+        layers = pipeline.split_layers(cfg.n_layer, pp)[pp_rank]
         stage = TorchStage(cfg, layers, first=pp_rank == 0, last=pp_rank == pp - 1)
         stage.load_full(full, cfg)
         parallelize_module(stage, mesh["tp"], tp_plan(stage, loss))
@@ -315,8 +262,8 @@ def _params_by_grad_mesh(params):
 
 def ours_step(run, tokens):
     def step(i):
-        dp_rank = dist.get_rank(run.groups["dp"])
-        idx, targets = gpt3d.replica_batch(tokens, i, run.tc, dp_rank)
+        dp_rank = dist.get_rank(run.groups.dp)
+        idx, targets = replica_batch(tokens, i, run.tc, dp_rank)
         loss, norm, res = gpt3d.train_step(run, idx, targets, gpt3d.lr_at(i, run.tc))
         return loss, norm, (res.messages, res.bytes_sent)
     return step
@@ -324,7 +271,7 @@ def ours_step(run, tokens):
 
 def torch_step(trun, tc, tokens):
     def step(i):
-        idx, targets = gpt3d.replica_batch(tokens, i, tc, dist.get_rank(trun.dp_group))
+        idx, targets = replica_batch(tokens, i, tc, dist.get_rank(trun.dp_group))
         loss, norm = trun.step(idx, targets, gpt3d.lr_at(i, tc))
         return loss, norm, None
     return step
@@ -341,40 +288,18 @@ def load_ours(run, full):
 # Measuring
 
 
-def timed_block(step, first, n):
-    """n steps after a barrier. Per step: this rank's wall seconds, its process CPU seconds (all
-    threads) and its main thread's CPU seconds (the rest is gloo's threads)."""
-    out = []
-    dist.barrier()
-    for i in range(first, first + n):
-        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
-        step(i)
-        out.append((time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0))
-    return out
-
-
-def combine(block):
-    """Per step: the slowest rank's wall time, the CPU times summed over ranks (called after the
-    block, so the reduction is not timed)."""
-    wall, cpu, main = (torch.tensor(col, dtype=torch.float64) for col in zip(*block))
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu)
-    dist.all_reduce(main)
-    return list(zip(wall.tolist(), cpu.tolist(), main.tolist()))
-
-
 def ours_phases(run, tokens, i):
     """05's train_step, call for call, with a clock between the phases (only for --profile; the
     comparison times train_step itself). Also the compute time inside the pipeline (the sum of
     the F and B actions' durations, from 02's StepResult.events)."""
     tc, groups = run.tc, run.groups
-    idx, targets = gpt3d.replica_batch(tokens, i, tc, dist.get_rank(groups["dp"]))
+    idx, targets = replica_batch(tokens, i, tc, dist.get_rank(groups.dp))
     t = [time.perf_counter()]
-    micro = pipe.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
+    micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
     run.ddp.sync = False
-    res = pipe.execute(run.schedule, run.chunks, groups["pp"], micro, run.act_shape, wire=run.wire)
+    res = pipeline.execute(run.schedule, run.chunks, groups.pp, micro, run.act_shape, wire=run.wire)
     t.append(time.perf_counter())
-    pipe.sync_tied_embeddings(run.chunks, groups["embed"], grad_of=run.ddp.main_grad)
+    pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)
     t.append(time.perf_counter())
     run.ddp.finish()
     t.append(time.perf_counter())
@@ -395,7 +320,7 @@ def torch_phases(trun, tokens, i):
     """TorchRun.step with a clock between the same phases (DDP/FSDP2 reduce inside the pipeline
     step, on the last backward, so the DP column is empty here)."""
     tc = trun.tc
-    idx, targets = gpt3d.replica_batch(tokens, i, tc, dist.get_rank(trun.dp_group))
+    idx, targets = replica_batch(tokens, i, tc, dist.get_rank(trun.dp_group))
     t = [time.perf_counter()]
     losses = trun.pipeline_step(idx, targets)
     t.append(time.perf_counter())
@@ -434,14 +359,14 @@ def worker(env, cfg, tc, args):
     # With --loss gathered the last FSDP2 stage returns a view (the gathered logits); FSDP2 warns
     # about in-place ops on it, and the loss_fn makes none.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    grid = ddp_mod.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp)
-    groups = ddp_mod.new_groups(env, grid, tc.timeout_s)
+    grid = gpt3d.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp)
+    groups = gpt3d.new_groups(env, grid, tc.timeout_s)
     mesh = init_device_mesh("cpu", (tc.pp, tc.dp, tc.tp), mesh_dim_names=("pp", "dp", "tp"))
     check_mesh_order(env, mesh, grid)
-    tokens, _ = gpt3d.split_tokens(gpt3d.load_tokens("", cfg.vocab_size, tc.seq_len), tc.seq_len)
+    tokens, _ = split_tokens(load_tokens("", cfg.vocab_size, tc.seq_len), tc.seq_len)
     # Random biases and LayerNorms too (05 starts them at 0 and 1), so that the check exercises
     # them from step 1. Ours is built by 05's build() and then loaded with these weights.
-    full = tp01.init_state_dict(cfg, tc.seed + 1, dtype=torch.float32, random_all=True)
+    full = tensor_parallel.init_state_dict(cfg, tc.seed + 1, dtype=torch.float32, random_all=True)
 
     contenders = {}
     for name in args.contenders:
@@ -450,7 +375,7 @@ def worker(env, cfg, tc, args):
             load_ours(run, full)
             contenders[name] = (run, ours_step(run, tokens))
         else:
-            trun = TorchRun(cfg, tc, mesh, full, name.split("-")[1], args.loss, groups["embed"])
+            trun = TorchRun(cfg, tc, mesh, full, name.split("-")[1], args.loss, groups.embed)
             contenders[name] = (trun, torch_step(trun, tc, tokens))
 
     # Same function: two steps of each from the same weights on batches 0 and 1.
@@ -465,35 +390,19 @@ def worker(env, cfg, tc, args):
     if serial is not None:
         ok &= all(abs(c[0][0] - serial[0]) / serial[0] <= LOSS_RTOL[0]
                   and abs(c[0][1] - serial[1]) / serial[1] <= NORM_RTOL[0] for c in check.values())
-    oks = [None] * env.world_size
-    dist.all_gather_object(oks, ok)
-    result = {"check": check, "serial": serial, "diffs": diffs, "same": all(oks)}
+    result = {"check": check, "serial": serial, "diffs": diffs, "same": harness.agree(ok)}
     if not result["same"]:
         return result if env.rank == 0 else None
 
-    # Timing. Every contender keeps training on its own (batches keep coming in the same order).
-    # The load on a shared machine drifts over seconds, so the contenders alternate step by step:
-    # a sweep times one step of each, after a barrier each, in an order that rotates every sweep.
-    names = list(contenders)
-    counter = {name: 2 for name in names}
-    times = {name: [] for name in names}
-    rounds = []  # per round: {name: [(wall, CPU, main-thread CPU) per sweep]}
-    for r in range(args.repeats):
-        for name in names:
-            for _ in range(args.warmup):
-                contenders[name][1](counter[name])
-                counter[name] += 1
-        raw = {name: [] for name in names}
-        for i in range(args.steps):
-            k = (r * args.steps + i) % len(names)
-            for name in names[k:] + names[:k]:
-                raw[name] += timed_block(contenders[name][1], counter[name], 1)
-                counter[name] += 1
-        this_round = {name: combine(block) for name, block in raw.items()}  # not timed
-        for name, block in this_round.items():
-            times[name] += block
-        rounds.append(this_round)
-    result.update(times=times, rounds=rounds)
+    # Every contender keeps training on its own: batches keep coming in the same order.
+    counter = {name: 2 for name in contenders}
+
+    def next_step(name):
+        contenders[name][1](counter[name])
+        counter[name] += 1
+
+    steps = {name: (lambda name=name: next_step(name)) for name in contenders}
+    result["rounds"] = harness.alternate(steps, args.repeats, args.steps, args.warmup, sweeps=True)
 
     # p2p traffic of one step of ours, with scatter/gather on and off, over all ranks.
     traffic = {}
@@ -523,9 +432,9 @@ def torch_boundary_bytes(tc, cfg):
 
 def serial_reference(cfg, tc, tokens, full):
     """Step 1 on one serial GPT-2 on the whole global batch: its loss and gradient norm."""
-    model = tp01.GPT(cfg, None, init=False)
+    model = tensor_parallel.GPT(cfg, None, init=False)
     model.load_full_state_dict(full)
-    idx, targets = gpt3d.global_batch(tokens, 0, tc)
+    idx, targets = global_batch(tokens, 0, tc)
     loss = model(idx, targets)[1]
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), tc.grad_clip)
@@ -551,19 +460,14 @@ def profile_all(env, contenders, tokens, counter, args):
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         phases[name] = (med.tolist(), worst.tolist())
         dist.barrier()
-        if env.rank == 0:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                step(counter[name])
-            tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
-        else:
-            step(counter[name])
+        tables[name] = harness.profile_table(lambda: step(counter[name]), args.profile_rows)
         counter[name] += 1
         if name.startswith("ours"):
             # 01's layers log their own collectives (not 02's p2p, 04's or 05's reductions).
-            with tp01.trace_comm() as log:
+            with trace_comm() as log:
                 step(counter[name])
             counter[name] += 1
-            tp_comm[name] = (len(log), sum(e[3] for e in log))
+            tp_comm[name] = (len(log), sum(c.nbytes for c in log))
     return phases, tables, tp_comm
 
 
@@ -592,31 +496,14 @@ def report(cfg, tc, args, res, seconds):
         return False
     say(f"  all within tolerance: {tol}; step 1 also against the serial model")
 
-    times = res["times"]
-    med = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
-    cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
-    main_cpu = {k: statistics.median(t[2] for t in v) for k, v in times.items()}
-    say(f"\n{args.repeats} rounds x {args.steps} sweeps ({args.warmup} warm-up step(s) of each per "
-        f"round; a sweep times one step of each contender, barrier before each, order rotating); "
-        f"ms per step, slowest rank; CPU = process time summed over the {tc.tp * tc.pp * tc.dp} ranks")
-    say(f"  {'':10s} {'median':>8s} {'min':>8s} {'max':>8s} {'CPU':>8s} {'main thr':>8s} {'CPU/cores':>9s}")
-    cores = os.cpu_count()
-    for k, v in times.items():
-        w = [t[0] for t in v]
-        say(f"  {k:10s} {med[k] * 1e3:8.1f} {min(w) * 1e3:8.1f} {max(w) * 1e3:8.1f} {cpu[k] * 1e3:8.1f} "
-            f"{main_cpu[k] * 1e3:8.1f} {cpu[k] / min(cores, tc.tp * tc.pp * tc.dp) * 1e3:9.1f}")
-    say(f"  CPU/cores: the step's CPU spread over the {cores} cores, the fastest it could be here")
-    pairs = [(a, b) for a, b in (("ours", "torch-ddp"), ("ours", "torch-fsdp"), ("ours", "ours-nosg"))
-             if a in med and b in med]
-    say("\nratios ours/other (goal: ours <= 0.7 x torch): of the medians; paired = median [quartiles] "
-        "over sweeps of\nthe two steps run back to back; CPU = of the CPU medians; then the per-round ratios")
-    for a, b in pairs:
-        paired = sorted(x[0] / y[0] for rnd in res["rounds"] for x, y in zip(rnd[a], rnd[b]))
-        per_round = [statistics.median(t[0] for t in rnd[a]) / statistics.median(t[0] for t in rnd[b])
-                     for rnd in res["rounds"]]
-        q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
-        say(f"  {a}/{b:10s} {med[a] / med[b]:.3f}  paired {q[1]:.3f} [{q[0]:.2f}, {q[2]:.2f}]  "
-            f"CPU {cpu[a] / cpu[b]:.3f}  rounds {' '.join(f'{x:.2f}' for x in per_round)}")
+    rounds, world = res["rounds"], tc.tp * tc.pp * tc.dp
+    say(f"\n{args.repeats} rounds x {args.steps} sweeps ({args.warmup} warm-up step(s) of each per round), "
+        f"ms per step:\n{harness.time_table(rounds, world)}")
+    say(f"  the fastest a step could be here is its CPU spread over the {min(os.cpu_count(), world)} usable cores")
+    say("ratios (goal: ours <= 0.7 x torch):")
+    for a, b in (("ours", "torch-ddp"), ("ours", "torch-fsdp"), ("ours", "ours-nosg")):
+        if a in rounds[0] and b in rounds[0]:
+            say("  " + harness.pair_line(rounds, a, b))
 
     if res["traffic"]:
         say("\np2p of one step of ours (02's StepResult), scatter/gather on and off:")
@@ -652,46 +539,35 @@ def report(cfg, tc, args, res, seconds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, repeats=5, steps=6, warmup=1, deadline=900.0, vocab_size=256,
+                            block_size=64, n_layer=4, n_head=4, n_embd=128)
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS),
                         help="the first is the reference of the loss check; ratios need 'ours'")
     parser.add_argument("--loss", choices=["parallel", "gathered"], default="parallel",
                         help="torch side: loss_parallel() on vocab-sharded logits, or gathered logits")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel replicas")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch B")
     parser.add_argument("--microbatches", type=int, default=4, help="m per replica")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=64, help="T")
     parser.add_argument("--zero1", action="store_true", help="ours with ZeRO-1 instead of plain DP")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds; the order rotates")
-    parser.add_argument("--steps", type=int, default=6,
-                        help="sweeps per round (one timed step of each contender per sweep)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each per round")
-    parser.add_argument("--profile", action="store_true", help="phase times and a profiler table")
-    parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--profile-rows", type=int, default=20)
-    parser.add_argument("--deadline", type=float, default=900.0, help="seconds before the run is stopped")
-    tp01.add_dataclass_args(parser, tp01.GPTConfig, vocab_size=256, block_size=64, n_layer=4,
-                            n_head=4, n_embd=128)
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps per phase breakdown")
     args = parser.parse_args()
-    cfg = tp01.from_args(tp01.GPTConfig, args)
+    cfg = harness.model_config(args)
+    harness.needs_numpy("torch.distributed.pipelining")
     tc = gpt3d.TrainConfig(tp=args.tp, pp=args.pp, dp=args.dp, batch_size=args.batch_size,
                            microbatches=args.microbatches, seq_len=args.seq_len, zero1=args.zero1,
                            dtype="float32", eval_every=0)
-    if "RANK" in os.environ:
-        raise ValueError("run this directly, not under torchrun: it starts its own CPU ranks")
-    if cfg.dropout:
-        raise ValueError("the torch side has no dropout; run with --dropout 0")
     if args.microbatches < args.pp:
         raise ValueError(f"torch's Schedule1F1B needs m >= pp; got m={args.microbatches}, pp={args.pp}")
-    gpt3d.check_config(cfg, tc, tc.tp * tc.pp * tc.dp)  # refuse bad sizes before forking
-    gpt3d.load_tokens("", cfg.vocab_size, tc.seq_len)  # the corpus is cached; the ranks inherit it
+    check_config(cfg, tc, tc.tp * tc.pp * tc.dp)  # refuse bad sizes before forking
+    load_tokens("", cfg.vocab_size, tc.seq_len)  # the corpus is cached; the ranks inherit it
     t0 = time.perf_counter()
-    results = tp01.launch(worker, tc.tp * tc.pp * tc.dp, cfg, tc, args, timeout_s=tc.timeout_s,
-                          deadline_s=args.deadline)
+    results = harness.launch(worker, tc.tp * tc.pp * tc.dp, cfg, tc, args, timeout_s=tc.timeout_s,
+                             deadline_s=args.deadline)
     return report(cfg, tc, args, results[0], time.perf_counter() - t0)
 
 
 if __name__ == "__main__":
-    tp01.run_main(main)
+    harness.run_main(main)

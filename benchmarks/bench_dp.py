@@ -1,31 +1,8 @@
 """Data-parallel step time and ZeRO-1 memory: 04_data_parallel.py against PyTorch's own.
 
-What it measures, on CPU ranks fork-started with gloo (one thread each), for the same small GPT-2
-(01's serial GPT, float32) with the same weights and the same per-rank batch:
-
-  (a) dp    one training step (forward, backward, gradient reduction, AdamW step, zero_grad) of
-            ours  BucketedDDP(zero=False) from 04 + torch.optim.AdamW: gradients accumulated into a
-                  flat buffer by post-accumulate-grad hooks, one async all-reduce per bucket
-                  launched as soon as the bucket is complete, waited for in finish();
-            peer  torch.nn.parallel.DistributedDataParallel + torch.optim.AdamW, with bucket_cap_mb
-                  set to our bucket size in bytes (bucket_numel x 4 bytes).
-  (b) zero  the same step with ZeRO-1, plus the optimizer-state bytes each rank holds:
-            ours  BucketedDDP(zero=True) + DistributedAdamW from 04: reduce-scatter per bucket,
-                  AdamW on this rank's 1/dp of every bucket, all-gather of the updated parameters;
-            peer  DistributedDataParallel (same buckets) + torch.distributed.optim.
-                  ZeroRedundancyOptimizer(optimizer_class=torch.optim.AdamW): all-reduce, AdamW on
-                  the whole parameters this rank was assigned, broadcast of them from their owners.
-
-Before timing, each pair is trained --check-steps steps from the same weights on the same batches:
-the reduced gradients of the first step, then every parameter, must agree within the tolerances
-GRAD_RTOL and PARAM_TOL_LR (their choice is explained where they are set), or the pair is not
-timed. Timing alternates ours and the peer in one run: after --warmup untimed steps of each,
---repeats rounds of --steps timed steps of one and then of the other (the first alternates between
-rounds), a barrier before each timed block. Each step's wall time is taken on every rank and the
-slowest rank's kept; its CPU time (every thread of every rank, gloo's included) is summed, a second
-view that moves much less than wall time when other jobs share the machine. Rank 0 prints the
-medians, the ratios ours/peer (of the medians, and the median of the per-round ratios), a per-phase
-breakdown, the optimizer-state bytes of every rank and both bucket layouts.
+One training step of 04's bucketed DP against DDP, and of 04's ZeRO-1 against DDP +
+ZeroRedundancyOptimizer, same model, weights, batch and buckets; with the optimizer state per rank.
+benchmarks/README.md has what each side runs, the checks and the method.
 
 Run it (from the repository root; CPU only, it starts its own ranks: not under torchrun):
     python benchmarks/bench_dp.py                        # dp=2 and dp=4, both parts: 40 s idle,
@@ -35,29 +12,19 @@ Run it (from the repository root; CPU only, it starts its own ranks: not under t
     python benchmarks/bench_dp.py --bucket-numel 262144  # 1 MiB buckets on both sides
     python benchmarks/bench_dp.py --dp 2 --parts dp --profile   # where each step's time goes
     python benchmarks/bench_dp.py --gradient-as-bucket-view --zero-bucket-view  # peer's fast options
-
-On a 2-core machine dp=4 runs four single-threaded ranks on two cores: the ranks time-share the
-cores, which slows both sides alike; the ratio ours/peer is the figure to read, not the times.
 """
-import argparse
-import importlib
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-tp01 = importlib.import_module("01_tensor_parallel")  # module names start with a digit
-dp04 = importlib.import_module("04_data_parallel")
+import harness
+from harness import data_parallel, tensor_parallel
 
 # What "the same function" means here, in float32. Both sides run the same forward and backward
 # kernels on the same data; only the gradient reduction differs: the buckets have other boundaries
@@ -111,16 +78,16 @@ class Side:
 
 
 def new_model(cfg, full):
-    model = tp01.GPT(cfg, None, init=False, dtype=torch.float32)
+    model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float32)
     model.load_full_state_dict(full)
     return model
 
 
 def build_ours(cfg, full, group, args, zero):
     model = new_model(cfg, full)
-    ddp = dp04.BucketedDDP(model.parameters(), group, args.bucket_numel, zero=zero)
+    ddp = data_parallel.BucketedDDP(model.parameters(), group, args.bucket_numel, zero=zero)
     if zero:
-        opt = dp04.DistributedAdamW(ddp, lr=args.lr, weight_decay=args.weight_decay)
+        opt = data_parallel.FlatAdamW(ddp, lr=args.lr, weight_decay=args.weight_decay)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
@@ -203,7 +170,7 @@ def batches_for_rank(cfg, args, dp, rank, n):
     out = []
     for _ in range(n):
         idx, targets = torch.randint(cfg.vocab_size, (2, dp * args.batch_size, args.seq_len), generator=gen)
-        out.append(dp04.shard_batch(idx, targets, dp, rank))
+        out.append(data_parallel.shard_batch(idx, targets, dp, rank))
     return out
 
 
@@ -236,43 +203,15 @@ def check_same(ours, peer, batches, lr):
     for k, (x, y) in enumerate(batches):
         after = grab if k == 0 else None
         losses.append((ours.step(x, y, after).item(), peer.step(x, y, after).item()))
-    grad_rel = max(tp01.max_rel_diff(g[held], grads["peer"][name][held])
+    grad_rel = max(tensor_parallel.max_rel_diff(g[held], grads["peer"][name][held])
                    for name, (g, held) in grads["ours"].items() if held.any())
     theirs = dict(peer.model.named_parameters())
     pairs = [(p.detach(), theirs[name].detach()) for name, p in ours.model.named_parameters()]
     param_lr = max((a - b).abs().max().item() for a, b in pairs) / lr
-    param_rel = max(tp01.max_rel_diff(a, b) for a, b in pairs)
+    param_rel = max(tensor_parallel.max_rel_diff(a, b) for a, b in pairs)
     worst = torch.tensor([grad_rel, param_lr, param_rel], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return dict(zip(("grad_rel", "param_lr", "param_rel"), worst.tolist())), losses
-
-
-def timed_block(side, x, y, n):
-    """n steps after a barrier. Per step: the wall seconds of the slowest rank, and the CPU seconds
-    of all ranks together (every thread, gloo's included). On a shared machine the wall time
-    depends on what else runs; the CPU time is the work done, and moves much less."""
-    wall = torch.zeros(n, dtype=torch.float64)
-    cpu = torch.zeros(n, dtype=torch.float64)
-    dist.barrier()
-    for i in range(n):
-        t0, c0 = time.perf_counter(), time.process_time()
-        side.step(x, y)
-        wall[i], cpu[i] = time.perf_counter() - t0, time.process_time() - c0
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # after the block, so it is not timed
-    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-    return wall.tolist(), cpu.tolist()
-
-
-def profile_step(side, x, y, rows, steps=3):
-    """Profiler table of a few steps on rank 0 (a single step is too noisy on a shared machine)."""
-    side.step(x, y)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            side.step(x, y)
-    if dist.get_rank() == 0:
-        print(f"\n--- profile of {steps} {side.name} steps ({side.kind}, dp={dist.get_world_size()}), rank 0, "
-              f"top {rows} by self CPU time", flush=True)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
 
 
 def run_part(env, cfg, args, full, group, part):
@@ -288,40 +227,26 @@ def run_part(env, cfg, args, full, group, part):
     # Optimizer state after a step (the moments exist from the first step on).
     if zero:
         result["state_bytes"] = {"ours": ours.optimizer.state_bytes(),
-                                 "peer": dp04.optimizer_state_bytes(peer.optimizer.optim)}
+                                 "peer": data_parallel.optimizer_state_bytes(peer.optimizer.optim)}
     else:
-        result["state_bytes"] = {"ours": dp04.optimizer_state_bytes(ours.optimizer),
-                                 "peer": dp04.optimizer_state_bytes(peer.optimizer)}
+        result["state_bytes"] = {"ours": data_parallel.optimizer_state_bytes(ours.optimizer),
+                                 "peer": data_parallel.optimizer_state_bytes(peer.optimizer)}
     result["our_buckets"] = [hi - lo for lo, hi in ours.ddp.buckets]
     if not result["same"]:
         return result
 
     x, y = batches[0]  # timing reuses one batch: the data does not change the work
     sides = [ours, peer]
-    if args.profile:
-        for side in sides:
-            profile_step(side, x, y, args.profile_rows)
+    steps = {side.name: (lambda side=side: side.step(x, y)) for side in sides}
+    if args.profile:  # a few steps: one is too noisy on a shared machine
+        result["tables"] = {name: harness.profile_table(step, args.profile_rows, steps=3)
+                            for name, step in steps.items()}
     for _ in range(args.warmup):  # the check steps warmed up too (DDP has rebuilt its buckets)
-        for side in sides:
-            side.step(x, y)
+        for step in steps.values():
+            step()
     for side in sides:
         side.phases.clear()  # the breakdown covers the timed steps only
-    times = {s.name: [] for s in sides}
-    cpu = {s.name: [] for s in sides}
-    rounds = []
-    for r in range(args.repeats):
-        # Short blocks, alternated, with who goes first switching every round: on a shared machine
-        # the load drifts, and each round's ratio compares two blocks run back to back.
-        order = sides if r % 2 == 0 else sides[::-1]
-        this_round = {}
-        for side in order:
-            wall, cpu_s = timed_block(side, x, y, args.steps)
-            times[side.name] += wall
-            cpu[side.name] += cpu_s
-            this_round[side.name] = statistics.median(wall)
-        rounds.append(this_round)
-    first = [("ours", "peer")[r % 2] for r in range(args.repeats)]
-    result.update(times=times, cpu=cpu, rounds=rounds, first=first)
+    result["rounds"] = harness.alternate(steps, args.repeats, args.steps)
     # Phase medians over the timed steps, this rank's own clock: "where does the time go".
     result["phases"] = {s.name: {k: statistics.median(v) for k, v in s.phases.items()} for s in sides}
     return result
@@ -330,7 +255,7 @@ def run_part(env, cfg, args, full, group, part):
 def worker(env, cfg, args):
     group = dist.group.WORLD
     # random_all: non-zero biases and LayerNorm weights, so the check exercises them as well.
-    full = tp01.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
     out = {"parts": {}}
     x, y = batches_for_rank(cfg, args, env.world_size, env.rank, 1)[0]
     out["ddp_buckets"] = ddp_bucket_numels(cfg, full, group, args, x, y)
@@ -357,7 +282,7 @@ def fmt_buckets(numels):
 
 def report(cfg, args, dp, results):
     r0 = results[0]
-    n_params = sum(t.numel() for t in tp01.init_state_dict(cfg, 0).values())
+    n_params = sum(t.numel() for t in tensor_parallel.init_state_dict(cfg, 0).values())
     print(f"\n=== dp={dp}: {dp} gloo ranks x 1 thread on {os.cpu_count()} cores"
           + (" (ranks time-share the cores)" if dp > (os.cpu_count() or 1) else ""))
     print(f"per-rank batch B={args.batch_size} T={args.seq_len}, {n_params:,} parameters, float32; "
@@ -382,20 +307,17 @@ def report(cfg, args, dp, results):
             print("FAIL: the two differ; refusing to time different functions")
             ok = False
             continue
-        wall, cpu = res["times"], res["cpu"]
-        med = {k: statistics.median(v) for k, v in wall.items()}
-        cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
-        per_round = [r["ours"] / r["peer"] for r in res["rounds"]]
+        rounds = res["rounds"]
         print(f"timing: {args.repeats} rounds x {args.steps} steps of each (after {args.check_steps} check and "
-              f"{args.warmup} warm-up steps; first in each round: {' '.join(res['first'])})")
-        print(f"  ms per step  {'wall median':>11s} {'min':>7s} {'max':>7s}   {'CPU, all ranks':>14s}")
-        for k in wall:
-            print(f"  {k:11s}  {med[k] * 1e3:11.1f} {min(wall[k]) * 1e3:7.1f} {max(wall[k]) * 1e3:7.1f}   "
-                  f"{cpu_med[k] * 1e3:14.1f}")
-        ratio, cpu_ratio = med["ours"] / med["peer"], cpu_med["ours"] / cpu_med["peer"]
-        print(f"  ours/peer    {ratio:11.3f} {'':7s} {'':7s}   {cpu_ratio:14.3f}")
-        print(f"  per-round wall ratios: {' '.join(f'{x:.3f}' for x in per_round)} "
-              f"(median {statistics.median(per_round):.3f})")
+              f"{args.warmup} warm-up steps), ms per step:\n{harness.time_table(rounds, dp)}")
+        print("  " + harness.pair_line(rounds, "ours", "peer", goal=1.0 if part == "dp" else None))
+        med = {k: harness.median_of(rounds, k) for k in ("ours", "peer")}
+        ratio = med["ours"] / med["peer"]
+        cpu_ratio = harness.median_of(rounds, "ours", 1) / harness.median_of(rounds, "peer", 1)
+        per_round = [statistics.median(t[0] for t in r["ours"]) / statistics.median(t[0] for t in r["peer"])
+                     for r in rounds]
+        for name, table in res.get("tables", {}).items():
+            print(f"\n--- profile of 3 {name} steps ({part}, dp={dp}), rank 0\n{table}")
         ph = res["phases"]
         names = list(ph["ours"])
         print(f"  phases, median ms on rank 0: {'':3s}" + " ".join(f"{n:>9s}" for n in names))
@@ -424,37 +346,25 @@ def print_summary(summary):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, repeats=7, steps=2, warmup=2, deadline=900.0, vocab_size=512,
+                            block_size=128, n_layer=4, n_head=4, n_embd=256)
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="data-parallel sizes, one run each")
     parser.add_argument("--parts", nargs="+", choices=["dp", "zero"], default=["dp", "zero"],
                         help="dp: BucketedDDP vs DDP; zero: ZeRO-1 vs ZeroRedundancyOptimizer")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=128, help="T")
     parser.add_argument("--bucket-numel", type=int, default=2**19,
                         help="elements per bucket, ours; DDP gets bucket_cap_mb = this x 4 bytes")
-    parser.add_argument("--repeats", type=int, default=7, help="rounds of ours-then-peer / peer-then-ours")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per side per round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each side before the rounds")
     parser.add_argument("--check-steps", type=int, default=3, help="steps of the same-function check")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     parser.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="peer DDP option: gradients are views into its buckets (no copy)")
     parser.add_argument("--zero-bucket-view", action="store_true",
                         help="peer ZeroRedundancyOptimizer option parameters_as_bucket_view "
                              "(one broadcast per rank instead of one per parameter)")
-    parser.add_argument("--profile", action="store_true", help="print a profiler table of 3 steps of each (rank 0)")
-    parser.add_argument("--profile-rows", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--deadline", type=float, default=900.0, help="seconds before a run is stopped")
-    tp01.add_dataclass_args(parser, tp01.GPTConfig, vocab_size=512, block_size=128, n_layer=4,
-                            n_head=4, n_embd=256)
     args = parser.parse_args()
-    cfg = tp01.from_args(tp01.GPTConfig, args)
-    if "RANK" in os.environ:
-        raise ValueError("run this directly, not under torchrun: it starts its own CPU ranks")
-    if cfg.dropout:
-        raise ValueError("the two sides would draw different dropout masks; run with --dropout 0")
+    cfg = harness.model_config(args)
     print(f"config: {cfg}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores; AdamW lr={args.lr} "
           f"weight_decay={args.weight_decay}; peer DDP gradient_as_bucket_view="
@@ -463,7 +373,7 @@ def main():
     ok, summary = True, []
     t0 = time.monotonic()
     for dp in args.dp:
-        results = tp01.launch(worker, dp, cfg, args, timeout_s=300.0, deadline_s=args.deadline)
+        results = harness.launch(worker, dp, cfg, args, timeout_s=300.0, deadline_s=args.deadline)
         good, rows = report(cfg, args, dp, results)
         ok &= good
         summary.append((dp, rows))
@@ -473,4 +383,4 @@ def main():
 
 
 if __name__ == "__main__":
-    tp01.run_main(main)
+    harness.run_main(main)

@@ -1,44 +1,16 @@
 """Fused CUDA kernels and CUDA graphs (kernels/): against the unfused PyTorch they replace, on one GPU.
 
-Three sections, each its own function (--only picks some):
-  kernels  each family at GPT-2-medium shapes (B=8, T=1024, C=1024, nh=16), fp32 and bf16, forward
-           and backward timed apart: ours = kernels/<family>.py with mode="cuda", peer = 01's Ops:
-             bias_gelu         y (B T, 4C)       F.gelu(y + b, approximate="tanh")
-             bias_dropout_add  y, r (B T, C)     r + F.dropout(y + b, 0.1)
-             softmax           x (B, nh, T, T)   torch.softmax((scale x).masked_fill(causal, -inf), -1)
-             layernorm         x (B T, C)        F.layer_norm
-           Reported: median time per call, speed-up (peer / ours), GB/s = the minimum bytes the op
-           must move (each case's comment) / time, and that as a fraction of the copy bandwidth
-           measured in the same run (dst.copy_(src) of 1 GiB, counted 2 x 1 GiB).
-           Goals: >= 1.5x the unfused, >= 70% of copy bandwidth.
-  graphs   a small launch-bound GPT step (4 layers, C=256, nh=4, B=4, T=128, V=4096, bf16):
-           forward + backward eagerly against kernels.graphs.StepGraph replaying the captured
-           step, with 01's unfused ops and with kernels.FusedOps. Goal >= 1.3x.
-  e2e      05_3d_gpt.py under torchrun on one GPU (tp=pp=dp=1) for a ~350M GPT (24 layers, C=1024,
-           nh=16) and a ~1.3B GPT (24 layers, C=2048, nh=16), T=2048, V=50304, bf16, built-in byte
-           corpus: fused kernels + CUDA graphs (the GPU defaults) and --no-fused-kernels
-           --no-cuda-graphs. Median tokens/s over the steps after the first --e2e-skip (from
-           --metrics; a step's time_s is the whole iteration, optimizer and loss read-back included),
-           MFU = flops_per_iteration(model, B, recompute=False) / (median time_s x peak): 05's count
-           (Narayanan eq. 3 with 3x instead of 4x, no recomputation), peak = 05's PEAK_BF16_FLOPS
-           for torch.cuda.get_device_name (989e12 H100/H200, 312e12 A100). Goal MFU >= 45% on 1.3B.
-
-Kernel timing: a CUDA event pair around each call, on a queue the CPU fills while the GPU sleeps
-(torch.cuda._sleep), so the events hold device time, not launch time; a 256 MiB memset before each
-call evicts L2, so inputs come from HBM as in a model. Ours and the peer alternate in rounds of
---iters calls, the first switching each round; medians over all calls. Before timing, each pair is
-checked to compute the same function (CHECK_RTOL); a pair that differs is not timed.
+kernels/ on one GPU: each fused kernel against the unfused PyTorch, eager against a CUDA
+graph for a launch-bound step, and 05 end to end (tokens/s, MFU). Without CUDA, a smoke run.
+benchmarks/README.md has what each side runs, the checks and the method.
 
 Run it (from the repository root; on a GPU it starts torchrun itself for the e2e section):
     python benchmarks/bench_kernels.py                  # everything: minutes, the first kernel builds included
     python benchmarks/bench_kernels.py --only kernels graphs   # where a command's time is limited,
     python benchmarks/bench_kernels.py --only e2e              # the sections one command each
     python benchmarks/bench_kernels.py --only e2e --e2e-models 1.3B --e2e-batch 8
-Without CUDA it runs a smoke version (< 1 min): the kernels' PyTorch references against the unfused
-ops at small shapes, the eager graph-section step, a tiny CPU run of 05; no GPU figure is measured.
 """
 import argparse
-import importlib
 import json
 import shlex
 import statistics
@@ -52,13 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-tp01 = importlib.import_module("01_tensor_parallel")  # module names start with a digit
-dp04 = importlib.import_module("04_data_parallel")
-m05 = importlib.import_module("05_3d_gpt")
-import kernels  # noqa: E402  (a package beside the numbered files)
-from kernels import bias_dropout_add as bda, bias_gelu as bg, graphs, layernorm as ln, softmax as sm  # noqa: E402
+import harness
+import kernels  # a package beside the numbered files
+import planner
+from harness import ROOT, data_parallel, tensor_parallel
+from kernels import bias_dropout_add as bda, bias_gelu as bg, graphs, layernorm as ln, softmax as sm
 
 GOAL_SPEEDUP, GOAL_COPY, GOAL_GRAPHS, GOAL_MFU = 1.5, 0.70, 1.3, 0.45
 # Same-function check, max |ours - peer| / max |peer| over the output and every input gradient.
@@ -197,7 +167,7 @@ def check_case(case):
         out = fn(*case["inputs"])
         g = torch.randn_like(out) if g is None else g
         results.append([out.detach()] + list(torch.autograd.grad(out, case["inputs"], g)))
-    return max(tp01.max_rel_diff(a.float(), b.float()) for a, b in zip(*results))
+    return max(tensor_parallel.max_rel_diff(a.float(), b.float()) for a, b in zip(*results))
 
 
 def time_case(timer, case, args):
@@ -276,7 +246,7 @@ def eager_step(model, micro, ignore_index=-100):
 def graphs_section(args, device, timer):
     cuda = device.type == "cuda"
     L, C, nh, B, T, V = args.graph_model
-    cfg = tp01.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=nh, n_embd=C)
+    cfg = tensor_parallel.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=nh, n_embd=C)
     dtype = torch.bfloat16 if cuda else torch.float32
     # BucketedDDP (the trainer's gradient buffer, which StepGraph writes through its hooks) asks
     # for its group's size: a 1-rank gloo group, in this process. sync=False: nothing is reduced.
@@ -296,9 +266,9 @@ def graphs_section(args, device, timer):
     print(f"goal: speed-up >= {GOAL_GRAPHS}x")
     print(f"{'ops':8s} {'eager ms':>9s} {'graph ms':>9s} {'speed-up':>8s} {'check':>8s}")
     ok = True
-    for name, ops in (("pytorch", tp01.TORCH_OPS), ("fused", kernels.FusedOps("cuda" if cuda else "reference"))):
-        model = tp01.GPT(cfg, None, seed=0, dtype=dtype, device=device, ops=ops)
-        ddp = dp04.BucketedDDP(model.parameters(), dist.group.WORLD, 2_000_000,
+    for name, ops in (("pytorch", tensor_parallel.TORCH_OPS), ("fused", kernels.FusedOps("cuda" if cuda else "reference"))):
+        model = tensor_parallel.GPT(cfg, None, seed=0, dtype=dtype, device=device, ops=ops)
+        ddp = data_parallel.BucketedDDP(model.parameters(), dist.group.WORLD, 2_000_000,
                                grad_dtype=torch.float32 if dtype == torch.bfloat16 else None)
         ddp.sync = False  # as the trainer: reduction after the step, here never
 
@@ -316,7 +286,7 @@ def graphs_section(args, device, timer):
         grads_e = ddp.grad_buffer.clone()
         ddp.zero_grad()
         loss_g = step.replay(b)
-        diff = max(tp01.max_rel_diff(loss_g, loss_e), tp01.max_rel_diff(ddp.grad_buffer, grads_e))
+        diff = max(tensor_parallel.max_rel_diff(loss_g, loss_e), tensor_parallel.max_rel_diff(ddp.grad_buffer, grads_e))
         ddp.zero_grad()
         if not diff <= rtol:
             print(f"{name:8s} FAIL: replay and eager differ by {diff:.1e} > {rtol:g}; not timed")
@@ -363,7 +333,7 @@ def e2e_section(args, device, timer):
     if cuda:
         torch.cuda.empty_cache()  # the trainer runs in its own process: hand back what we cached
     name = torch.cuda.get_device_name(device) if cuda else None
-    peak = next((f for k, f in m05.PEAK_BF16_FLOPS.items() if name and k in name), None)
+    peak = next((f for k, f in planner.PEAK_BF16_FLOPS.items() if name and k in name), None)
     print(f"\n=== end to end: 05_3d_gpt.py, tp=pp=dp=1, m=1, built-in byte corpus; peak "
           f"{peak / 1e12 if peak else 'unknown'} TFLOP/s bf16 for {name or 'CPU'}; goal MFU >= {GOAL_MFU:.0%} on 1.3B")
     print("MFU = flops_per_iteration(ModelSpec(l, h, nh, V, T), B, recompute=False) / (median time_s x peak)")
@@ -389,10 +359,10 @@ def e2e_section(args, device, timer):
                     print(f"  {line}")
             times = [json.loads(s)["time_s"] for s in metrics.read_text().splitlines()][skip:]
             t = statistics.median(times)
-            spec = m05.ModelSpec(L, C, nh, V, T)
-            flops = m05.flops_per_iteration(spec, B, recompute=False)
+            spec = planner.ModelSpec(L, C, nh, V, T)
+            flops = planner.flops_per_iteration(spec, B, recompute=False)
             mfu = flops / (t * peak) if peak and dtype == "bfloat16" else None
-            rows.append((label, variant, m05.params_exact(spec), B, T, t, B * T / t, mfu))
+            rows.append((label, variant, planner.params_exact(spec), B, T, t, B * T / t, mfu))
             print(f"  {len(times)} steps after the first {skip}: median {t * 1e3:.1f} ms (min {min(times) * 1e3:.1f}, "
                   f"max {max(times) * 1e3:.1f}); {B * T / t:,.0f} tokens/s; "
                   f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}; run took {time.monotonic() - t0:.0f} s")
@@ -451,4 +421,4 @@ def main():
 
 
 if __name__ == "__main__":
-    tp01.run_main(main)
+    harness.run_main(main)

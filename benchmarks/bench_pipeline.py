@@ -1,37 +1,9 @@
 """Pipeline schedules: ours (02_pipeline_1f1b.py, 03_interleaved.py) against torch's pipelining.
 
-What it measures, on CPU ranks fork-started with gloo by 01's launch (one thread each):
-
-  (a) the step time of our GPipe and our 1F1B against torch's ScheduleGPipe and Schedule1F1B;
-  (b) our interleaved 1F1B against torch's ScheduleInterleaved1F1B (v PipelineStages per rank);
-  (c) our interleaved step time against our own 1F1B step time, beside the ratio 02's simulator
-      predicts for the same schedules (per-chunk times t_f/v and t_b/v);
-  (d) the peak stored activation bytes per stage of our GPipe and our 1F1B (StepResult).
-
-A step is one training step without the optimizer: every microbatch forward and backward through
-the whole pipeline, gradients accumulated in the chunks. Both sides run the SAME modules: the GPT
-chunks that build_chunks() returns, with the same weights, on the same microbatches. torch's
-PipelineStage wraps those very chunk objects; only the last one gets a small adapter, because
-torch wants the last stage to return an output and computes the loss with the schedule's loss_fn
-(our cross-entropy function, so the arithmetic is identical). torch's schedules divide every
-gradient by m at the end (scale_grads=True) and report unscaled per-microbatch losses; our
-executor weights each microbatch loss by its share of the tokens (1/m here) before backward. Both
-give the mean loss over the batch and its gradient; the check below proves it before any timing.
-
-Tied embeddings: the first and the last stage each hold a copy of wte (the output layer is tied
-to it). Neither runtime ties across ranks by itself, so both get the same fix, 02's
-sync_tied_embeddings() (an all-reduce of the two copies' gradients), after the step. It runs in
-the correctness check and is left out of the timed region, for both.
-
-Timing: every contender runs one untimed step first (torch's first step infers shapes), then the
-check. Each of --repeats rounds (after --warmup extra untimed steps of each) runs, per schedule,
---steps timed steps of ours and of the peer alternately, step by step, with who goes first
-alternating between steps and between rounds; a barrier precedes each timed step. A step's wall
-time is its slowest rank's; its CPU time (main thread, and the other threads: gloo's) is summed
-over ranks. Reported per schedule: the medians, the ratio of the medians, the median of the
-paired ratios (ours step i / peer step i, run back to back, so under the same machine load) with
-its quartiles, and the per-round ratios. The machine is usually shared: read the paired ratio and
-the CPU columns, and treat differences of less than about 10 % as noise.
+One step without the optimizer of our GPipe, 1F1B (02) and interleaved 1F1B (03) against
+torch.distributed.pipelining's schedules over the very same chunk modules; also our
+interleaved step against the simulator's prediction, and each stage's peak activations.
+benchmarks/README.md has what each side runs, the checks and the method.
 
 Run it (from the repository root; it starts its own ranks, do not use torchrun):
     python benchmarks/bench_pipeline.py                                  # pp=2 and pp=4, all schedules
@@ -39,28 +11,20 @@ Run it (from the repository root; it starts its own ranks, do not use torchrun):
     python benchmarks/bench_pipeline.py --pp 2 --n-embd 256 --seq-len 128 --microbatch-size 4
     python benchmarks/bench_pipeline.py --pp 4 --profile                 # where the time goes
 """
-import argparse
-import importlib
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
 from fractions import Fraction
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
-from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-tp = importlib.import_module("01_tensor_parallel")  # the names start with a digit
-pipe = importlib.import_module("02_pipeline_1f1b")
-inter = importlib.import_module("03_interleaved")
+import harness
+from harness import interleaved, pipeline, rel, tensor_parallel
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -104,7 +68,7 @@ class Ours:
         self.last = None  # the last StepResult: its events and peak activation bytes
 
     def step(self):
-        self.last = pipe.execute(self.actions, self.chunks, dist.group.WORLD, self.microbatches,
+        self.last = pipeline.execute(self.actions, self.chunks, dist.group.WORLD, self.microbatches,
                                  self.act_shape)
         return self.last.loss
 
@@ -123,7 +87,7 @@ class Peer:
             stages.append(PipelineStage(module, k, S, torch.device("cpu"), group=dist.group.WORLD))
 
         def loss_fn(logits, target):  # our cross-entropy (tp=1): the same arithmetic as our last chunk
-            return tp.vocab_parallel_cross_entropy(logits, target, None, vocab_size)
+            return tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, vocab_size)
 
         cls = TORCH_SCHEDULES[name]
         single = cls is not ScheduleInterleaved1F1B
@@ -156,10 +120,6 @@ def grads_of(chunks):
             for n, p in chunk.named_parameters()}
 
 
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
 # ----------------------------------------------------------------------------------------------
 # The worker: one launch per pp. It builds every contender, checks that ours and the peer compute
 # the same loss and gradients, then times them alternately.
@@ -168,19 +128,8 @@ def rel(a, b):
 def actions_of(name, pp, m, rank, v):
     """Our action list for `rank`: 02's GPipe or 1F1B, or 03's interleaved 1F1B over v chunks."""
     if name == "interleaved":
-        return inter.interleaved(pp, m, rank, v)
-    return pipe.SCHEDULES[name](pp, m, rank)
-
-
-def timed_step(run):
-    """One step after a barrier. Returns this rank's wall seconds (the report keeps the slowest
-    rank's), its main thread's CPU seconds and its other threads' (gloo's TCP loop). CPU time is
-    what the step cost whatever else runs on the machine; the report sums it over ranks."""
-    dist.barrier()
-    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-    run()
-    wall, main = time.perf_counter() - t0, time.thread_time() - c0
-    return wall, main, time.process_time() - p0 - main
+        return interleaved.interleaved(pp, m, rank, v)
+    return pipeline.SCHEDULES[name](pp, m, rank)
 
 
 def check_same(ours, peer, embed_group, serial_grads, serial_loss):
@@ -189,11 +138,11 @@ def check_same(ours, peer, embed_group, serial_grads, serial_loss):
     for side in (ours, peer):
         zero_grads(side.chunks)
         loss = side.step()
-        pipe.sync_tied_embeddings(side.chunks, embed_group)
+        pipeline.sync_tied_embeddings(side.chunks, embed_group)
         out[side] = (None if loss is None else loss.detach().item(), grads_of(side.chunks))
     (l_ours, g_ours), (l_peer, g_peer) = out[ours], out[peer]
-    peer_grad = max(tp.max_rel_diff(g_peer[k], g_ours[k]) for k in g_ours)
-    serial_grad = max(tp.max_rel_diff(g, serial_grads[n]) for (_, n), g in g_ours.items())
+    peer_grad = max(tensor_parallel.max_rel_diff(g_peer[k], g_ours[k]) for k in g_ours)
+    serial_grad = max(tensor_parallel.max_rel_diff(g, serial_grads[n]) for (_, n), g in g_ours.items())
     res = {"peer grad": peer_grad, "serial grad": serial_grad}
     if l_ours is not None:
         res.update({"ours loss": l_ours, "peer loss": l_peer, "serial loss": serial_loss,
@@ -202,24 +151,18 @@ def check_same(ours, peer, embed_group, serial_grads, serial_loss):
     return res
 
 
-def profile_table(run, rows):
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-
-
 def worker(env, cfg, args):
     pp, rank, m = env.world_size, env.rank, args.microbatches
     b, T = args.microbatch_size, args.seq_len
     # random_all: non-zero biases and LayerNorm weights, so the check exercises them too.
-    full = tp.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx, targets = torch.randint(cfg.vocab_size, (2, m * b, T), generator=gen)
-    microbatches = pipe.split_batch(idx, targets, m)
+    microbatches = pipeline.split_batch(idx, targets, m)
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=args.timeout))
 
     # Every rank computes the serial model's gradients on the whole batch once, for the check.
-    serial = tp.GPT(cfg, None, init=False)
+    serial = tensor_parallel.GPT(cfg, None, init=False)
     serial.load_full_state_dict(full)
     loss = serial(idx, targets)[1]
     loss.backward()
@@ -230,7 +173,7 @@ def worker(env, cfg, args):
 
     def chunks_for(v):
         if v not in chunk_sets:
-            chunk_sets[v] = pipe.build_chunks(cfg, pp, rank, v, init=False, dtype=torch.float32)
+            chunk_sets[v] = pipeline.build_chunks(cfg, pp, rank, v, init=False, dtype=torch.float32)
             for c in chunk_sets[v]:
                 c.load_full_state_dict(full)
         return chunk_sets[v]
@@ -238,7 +181,7 @@ def worker(env, cfg, args):
     pairs = {}
     for name in args.schedules:
         v = args.virtual_stages if name == "interleaved" else 1
-        pipe.validate([actions_of(name, pp, m, r, v) for r in range(pp)], pp, m)
+        pipeline.validate([actions_of(name, pp, m, r, v) for r in range(pp)], pp, m)
         chunks = chunks_for(v)
         ours = Ours(name, chunks, actions_of(name, pp, m, rank, v), microbatches, (b, T, cfg.n_embd))
         pairs[name] = (ours, Peer(name, chunks, pp, rank, m, idx, targets, cfg.vocab_size))
@@ -257,44 +200,29 @@ def worker(env, cfg, args):
     ok = all(c["peer grad"] <= PEER_GRAD_RTOL and c["serial grad"] <= SERIAL_GRAD_RTOL
              and c.get("peer loss diff", 0) <= PEER_LOSS_RTOL
              and c.get("serial loss diff", 0) <= SERIAL_LOSS_RTOL for c in checks.values())
-    oks = [None] * pp
-    dist.all_gather_object(oks, ok)  # every rank must agree before any of them times anything
-    if not all(oks):
+    if not harness.agree(ok):  # every rank must agree before any of them times anything
         return {"same": False, "checks": checks}
-
-    # rounds[i][(schedule, "ours" | "peer")] = [timed_step() per step] on this rank. The machine is
-    # shared, so ours and the peer alternate step by step (the load drifts over seconds); who goes
-    # first alternates too, between steps and between rounds.
-    rounds = []
-    for r in range(args.repeats):
-        for pair in pairs.values():
-            for side in pair:
-                for _ in range(args.warmup):
-                    zero_grads(side.chunks)
-                    side.step()
-        this_round = {(name, s): [] for name in pairs for s in ("ours", "peer")}
-        for name, (ours, peer) in pairs.items():
-            for i in range(args.steps):
-                order = [("ours", ours), ("peer", peer)][:: 1 if (r + i) % 2 == 0 else -1]
-                for side_name, side in order:
-                    zero_grads(side.chunks)  # not timed: the same for both
-                    this_round[(name, side_name)].append(timed_step(side.step))
-        rounds.append(this_round)
+    for pair in pairs.values():
+        for side in pair:
+            for _ in range(args.warmup):
+                zero_grads(side.chunks)
+                side.step()
+    rounds = {name: harness.alternate({"ours": ours.step, "peer": peer.step}, args.repeats, args.steps,
+                                      sweeps=True, setup=lambda side, o=ours, p=peer: zero_grads(
+                                          (o if side == "ours" else p).chunks))
+              for name, (ours, peer) in pairs.items()}
     # Our last timed step of each schedule: its action timeline and message count.
     events = {name: ours.last.events for name, (ours, _) in pairs.items()}
     messages = {name: ours.last.messages for name, (ours, _) in pairs.items()}
-
     profiles = {}
     if args.profile:
         for name, pair in pairs.items():
             for side_name, side in zip(("ours", "peer"), pair):
                 zero_grads(side.chunks)
                 dist.barrier()
-                if rank == args.profile_rank:
-                    profiles[(name, side_name)] = profile_table(side.step, args.profile_rows)
-                else:
-                    side.step()
-
+                table = harness.profile_table(side.step, args.profile_rows)
+                if rank == 0:
+                    profiles[(name, side_name)] = table
     return {"same": True, "checks": checks, "memory": memory, "rounds": rounds, "events": events,
             "messages": messages, "profiles": profiles}
 
@@ -302,14 +230,6 @@ def worker(env, cfg, args):
 # ----------------------------------------------------------------------------------------------
 # Report: combine the ranks' numbers. A step is as slow as its slowest rank; its CPU cost is the
 # sum over ranks.
-
-
-def step_times(results, i, key):
-    """Round i's steps of `key` as (slowest rank's wall s, main-thread CPU s summed over ranks,
-    other threads' CPU s summed over ranks)."""
-    per_rank = [r["rounds"][i][key] for r in results]
-    return [(max(t[0] for t in ts), sum(t[1] for t in ts), sum(t[2] for t in ts))
-            for ts in zip(*per_rank)]
 
 
 def action_times(events, v=1):
@@ -341,44 +261,24 @@ def report(args, pp, results):
         return False
     say(f"  all within tolerance ({tols})")
 
-    rows = {}
+    rounds = results[0]["rounds"]  # combined over the ranks: every rank holds the same figures
+    say(f"\nstep time, ms: {args.repeats} rounds x {args.steps} sweeps (goal: ours <= 0.8 x torch)")
     for name in args.schedules:
-        row = {}
-        steps = {}
-        for side in ("ours", "peer"):
-            per_round = [step_times(results, i, (name, side)) for i in range(args.repeats)]
-            steps[side] = [t for rnd in per_round for t in rnd]
-            row[side] = tuple(statistics.median(t[j] for t in steps[side]) for j in range(3))
-            row[side + " rounds"] = [statistics.median(t[0] for t in rnd) for rnd in per_round]
-        row["ratio"] = row["ours"][0] / row["peer"][0]
-        row["round ratios"] = [o / p for o, p in zip(row["ours rounds"], row["peer rounds"])]
-        # Step i of ours and step i of the peer ran back to back: their ratio sees the same load.
-        paired = sorted(o[0] / p[0] for o, p in zip(steps["ours"], steps["peer"]))
-        n = len(paired)
-        row["paired"] = (statistics.median(paired), paired[n // 4], paired[(3 * n) // 4])
-        rows[name] = row
-    say(f"\nstep time, ms: median of {args.repeats} rounds x {args.steps} steps, wall = slowest rank; "
-        f"CPU summed over ranks, main thread + other threads (gloo); goal: ours <= 0.8 x torch")
-    say(f"  {'schedule':11s} {'ours':>7s} {'torch':>7s} {'ratio':>6s} {'paired [quartiles]':>19s}   "
-        f"{'CPU ours':>13s} {'CPU torch':>13s}   per-round ratios")
-    for name, row in rows.items():
-        (o, om, og), (p, pm, pg) = row["ours"], row["peer"]
-        pm_, q1, q3 = row["paired"]
-        say(f"  {name:11s} {o * 1e3:7.1f} {p * 1e3:7.1f} {row['ratio']:6.3f} "
-            f"{pm_:6.3f} [{q1:.2f}, {q3:.2f}]   "
-            f"{om * 1e3:6.1f} + {og * 1e3:4.1f} {pm * 1e3:6.1f} + {pg * 1e3:4.1f}   "
-            f"{' '.join(f'{x:.2f}' for x in row['round ratios'])}")
-    say("  ratio = ours median / torch median; paired = median over steps of ours step i / torch "
-        "step i, which ran back to back (the better gauge on a loaded machine)")
+        say(f"{name}:\n{harness.time_table(rounds[name], pp)}\n  {harness.pair_line(rounds[name], 'ours', 'peer', 0.8)}")
+    rows = {name: {"ours": tuple(harness.median_of(rounds[name], "ours", col) for col in range(3))}
+            for name in args.schedules}
+    for row in rows.values():  # (wall, main-thread CPU, other threads' CPU: gloo's)
+        wall, cpu_all, cpu_main = row["ours"]
+        row["ours"] = (wall, cpu_main, cpu_all - cpu_main)
 
     if "1f1b" in rows and "interleaved" in rows:
         # Uniform per-stage times from our measured 1F1B actions; a chunk of the interleaved
         # schedule holds 1/v of a stage's layers, so the simulator gives it t_f/v and t_b/v.
         t_f, t_b = action_times([r["events"]["1f1b"] for r in results])
         c_f, c_b = action_times([r["events"]["interleaved"] for r in results], v)
-        one = pipe.simulate([pipe.one_f_one_b(pp, m, s) for s in range(pp)], pp,
+        one = pipeline.simulate([pipeline.one_f_one_b(pp, m, s) for s in range(pp)], pp,
                             Fraction(t_f), Fraction(t_b))
-        il = pipe.simulate([inter.interleaved(pp, m, s, v) for s in range(pp)], pp,
+        il = pipeline.simulate([interleaved.interleaved(pp, m, s, v) for s in range(pp)], pp,
                            Fraction(t_f) / v, Fraction(t_b) / v)
         predicted = float(il.step_time / one.step_time)
         measured = rows["interleaved"]["ours"][0] / rows["1f1b"]["ours"][0]
@@ -406,11 +306,9 @@ def report(args, pp, results):
         say(f"  1f1b/gpipe  {' '.join(f'{a / g:7.3f}' for a, g in zip(mem['1f1b'], mem['gpipe']))}"
             f"   (in flight (pp - stage) / m = {' '.join(f'{(pp - s) / m:.3f}' for s in range(pp))})")
 
-    for r in results:
-        for (name, side), table in r["profiles"].items():
-            say(f"\n--- profile: {'torch' if side == 'peer' else 'ours'} {name}, rank "
-                f"{args.profile_rank}, top {args.profile_rows} by self CPU time")
-            say(table)
+    for (name, side), table in results[0]["profiles"].items():
+        say(f"\n--- profile: {'torch' if side == 'peer' else 'ours'} {name}, rank 0, "
+            f"top {args.profile_rows} by self CPU time\n{table}")
     return True
 
 
@@ -419,45 +317,33 @@ def report(args, pp, results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, repeats=5, steps=3, warmup=0, vocab_size=512, block_size=128,
+                            n_layer=8, n_head=4, n_embd=128)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4],
                         help="pipeline sizes to run, one launch (pp CPU ranks) each")
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
+                        help="which of ours against torch's")
     parser.add_argument("--virtual-stages", type=int, default=2, help="v for the interleaved schedule")
     parser.add_argument("--microbatches", type=int, default=8, help="m")
     parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per microbatch")
     parser.add_argument("--seq-len", type=int, default=64, help="T")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds; who goes first alternates")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per contender per round")
-    parser.add_argument("--warmup", type=int, default=0,
-                        help="extra untimed steps of each per round (one of each always runs first)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--profile", action="store_true", help="profile one step of each contender")
-    parser.add_argument("--profile-rank", type=int, default=0)
-    parser.add_argument("--profile-rows", type=int, default=15)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
-    parser.add_argument("--deadline", type=float, default=600.0, help="seconds per launch")
-    tp.add_dataclass_args(parser, tp.GPTConfig, vocab_size=512, block_size=128, n_layer=8,
-                          n_head=4, n_embd=128)
     args = parser.parse_args()
-    cfg = tp.from_args(tp.GPTConfig, args)
-    if "RANK" in os.environ:
-        raise ValueError("run this directly, not under torchrun: it starts its own CPU ranks")
+    cfg = harness.model_config(args)
+    harness.needs_numpy("torch.distributed.pipelining")
     if args.seq_len > cfg.block_size:
         raise ValueError(f"--seq-len {args.seq_len} exceeds --block-size {cfg.block_size}")
     v = args.virtual_stages
     for pp in args.pp:  # refuse what cannot run before starting any rank
-        pipe.split_layers(cfg.n_layer, pp * (v if "interleaved" in args.schedules else 1))
+        pipeline.split_layers(cfg.n_layer, pp * (v if "interleaved" in args.schedules else 1))
         if "interleaved" in args.schedules:
-            inter.check_interleaving(pp, args.microbatches, v)
+            interleaved.check_interleaving(pp, args.microbatches, v)
         if args.microbatches < pp:
             raise ValueError(f"torch's Schedule1F1B needs m >= pp; got m={args.microbatches}, pp={pp}")
-        if args.profile and not 0 <= args.profile_rank < pp:
-            raise ValueError(f"--profile-rank {args.profile_rank} is not a rank of pp={pp}")
     print(f"config: {cfg}; float32, tied embeddings; torch {torch.__version__}")
     for pp in args.pp:
         t0 = time.perf_counter()
-        results = tp.launch(worker, pp, cfg, args, timeout_s=args.timeout, deadline_s=args.deadline)
+        results = harness.launch(worker, pp, cfg, args, timeout_s=args.timeout, deadline_s=args.deadline)
         ok = report(args, pp, results)
         print(f"(pp={pp} took {time.perf_counter() - t0:.0f} s)")
         if not ok:
@@ -466,4 +352,4 @@ def main():
 
 
 if __name__ == "__main__":
-    tp.run_main(main)
+    harness.run_main(main)

@@ -1,42 +1,18 @@
 """Tensor-parallel step time: our GPT-2 (01_tensor_parallel.py) against PyTorch's DTensor TP.
 
-What it measures: the wall time of one training step without the optimizer (zero_grad, forward,
-loss, backward) of the same small GPT-2 at tp=2, on CPU ranks fork-started with gloo (one thread
-each, so the two ranks share the machine's cores the way two GPUs would not share anything).
+One training step without the optimizer of the same GPT-2 at tp=2 on gloo CPU ranks: 01's
+GPT against a plain model parallelized with DTensor as torchtitan does (loss_parallel).
+benchmarks/README.md has what each side runs, the checks and the method.
 
-    ours  GPT(cfg, tp_group) from 01: hand-written conjugate operators f/g, vocab-parallel
-          embedding and cross-entropy.
-    peer  a plain serial nanoGPT-style model with the same weights, parallelized the way torchtitan
-          does it: parallelize_module over a 1-D DeviceMesh with ColwiseParallel/RowwiseParallel,
-          RowwiseParallel on the token embedding, ColwiseParallel output layer that keeps its
-          Shard(-1) logits as a DTensor, and loss_parallel() around the cross-entropy.
-
-Both models tie the output layer to the token embedding. Before timing, every rank checks that the
-loss and every gradient of ours and of the peer equal the serial model's (tp=1) within a
-tolerance. Timing alternates the two in one run: each round runs a few warm-up steps of both, then
---steps timed steps of one and --steps of the other (the first alternates between rounds), with a
-barrier before each timed block. Each step is timed on every rank and the slower rank's time is
-kept; the table reports the median over all timed steps of each and the ratio ours/peer.
-
-Run it (from the repository root):
+Run it (from the repository root; CPU only, it starts its own ranks):
     python benchmarks/bench_tp.py
     python benchmarks/bench_tp.py --repeats 9 --steps 8 --n-layer 6 --n-embd 384 --n-head 6
     python benchmarks/bench_tp.py --serial       # also time tp=1: the no-communication floor
     python benchmarks/bench_tp.py --profile      # also print where each spends its time (rank 0)
-
-CPU only: it starts its own gloo ranks, so do not run it under torchrun.
 """
-import argparse
-import importlib
 import math
-import os
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
@@ -44,11 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
-from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-tp01 = importlib.import_module("01_tensor_parallel")  # its name starts with a digit
+import harness
+from harness import rel, tensor_parallel
 
 # float32, and the sharded sums run in a different order than the serial ones; a real mistake
 # (an untied or misplaced weight) shows up at 1e-2 or more. Gradients: max |a - b| / max |b|.
@@ -221,50 +195,24 @@ def _local(t):
 # The worker: build both, check they compute the same function, then time them alternately.
 
 
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
 def worst_grad_diff(grads, ref):
     if set(grads) != set(ref):
         return math.inf
-    return max(tp01.max_rel_diff(grads[name], ref[name]) for name in ref)
-
-
-def timed_block(step, n):
-    """n steps after a barrier; per-step seconds, each the slower of the ranks."""
-    times = torch.zeros(n, dtype=torch.float64)
-    dist.barrier()
-    for i in range(n):
-        t0 = time.perf_counter()
-        step()
-        times[i] = time.perf_counter() - t0
-    # After the block, so the reduction is not timed: a step is as slow as its slowest rank.
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return times.tolist()
-
-
-def profile_step(name, step, rows):
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    if dist.get_rank() == 0:
-        print(f"\n--- profile of one {name} step, rank 0, top {rows} by self CPU time")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    return max(tensor_parallel.max_rel_diff(grads[name], ref[name]) for name in ref)
 
 
 def worker(env, cfg, args):
-    group = tp01.new_tp_group(env, args.tp)
+    group = tensor_parallel.new_tp_group(env, args.tp)
     mesh = init_device_mesh("cpu", (args.tp,))
     # random_all: non-zero biases and LayerNorm weights, so the check below exercises them too.
-    full = tp01.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen)
     targets = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen)
 
-    serial = tp01.GPT(cfg, None, init=False)
+    serial = tensor_parallel.GPT(cfg, None, init=False)
     serial.load_full_state_dict(full)
-    ours = tp01.GPT(cfg, group, init=False)
+    ours = tensor_parallel.GPT(cfg, group, init=False)
     ours.load_full_state_dict(full)
     peer = PeerGPT(cfg, args.peer_qkv)
     peer.load_full(full, cfg)
@@ -291,28 +239,10 @@ def worker(env, cfg, args):
         # Every rank runs the whole serial model on its one thread at the same time, so this is
         # the tp=1 step on an equally loaded machine; half of it is the no-communication floor.
         steps["serial"] = lambda: step_ours(serial, idx, targets)
-    else:
-        del serial
-    if args.profile:
-        for name, step in steps.items():
-            profile_step(name, step, args.profile_rows)
-
-    names = list(steps)
-    times = {name: [] for name in names}
-    rounds = []
-    for r in range(args.repeats):
-        for _ in range(args.warmup):
-            for step in steps.values():
-                step()
-        # Rotate who goes first, so neither always runs right after the warm-up or the other.
-        order = names[r % len(names):] + names[:r % len(names)]
-        this_round = {}
-        for name in order:
-            block = timed_block(steps[name], args.steps)
-            times[name] += block
-            this_round[name] = statistics.median(block)
-        rounds.append(this_round)
-    return {"same": True, "check": check, "times": times, "rounds": rounds}
+    tables = {name: harness.profile_table(step, args.profile_rows) for name, step in steps.items()} \
+        if args.profile else {}
+    return {"same": True, "check": check, "tables": tables,
+            "rounds": harness.alternate(steps, args.repeats, args.steps, args.warmup)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,49 +264,33 @@ def report(cfg, args, result):
               f"refusing to time different functions")
         return False
     print(f"  equal within {LOSS_RTOL:g} (loss, relative) and {GRAD_RTOL:g} (gradients)")
-    t = result["times"]
-    med = {k: statistics.median(v) for k, v in t.items()}
-    print(f"\n{args.repeats} rounds x {args.steps} timed steps each (after {args.warmup} warm-up "
-          f"steps of each per round); ms per step, slower rank")
-    print(f"  {'':6s} {'median':>9s} {'min':>9s} {'max':>9s}")
-    for k, v in t.items():
-        print(f"  {k:6s} {med[k] * 1e3:9.2f} {min(v) * 1e3:9.2f} {max(v) * 1e3:9.2f}")
-    if "serial" in med:
-        print(f"  serial/2 (perfect tp=2 scaling, no communication): {med['serial'] / 2 * 1e3:.2f}")
-    per_round = [r["ours"] / r["peer"] for r in result["rounds"]]
-    print(f"\nratio ours/peer of the medians: {med['ours'] / med['peer']:.3f}")
-    print(f"per-round ratios: {' '.join(f'{x:.3f}' for x in per_round)} "
-          f"(median {statistics.median(per_round):.3f})")
+    rounds = result["rounds"]
+    print(f"\n{args.repeats} rounds x {args.steps} timed steps of each (after {args.warmup} warm-up steps "
+          f"of each per round), ms per step:\n{harness.time_table(rounds, args.tp)}")
+    if "serial" in rounds[0]:
+        print(f"  serial/2 (perfect tp=2 scaling, no communication): "
+              f"{harness.median_of(rounds, 'serial') / 2 * 1e3:.2f}")
+    print(harness.pair_line(rounds, "ours", "peer", goal=0.7))
+    for name, table in result["tables"].items():
+        print(f"\n--- profile of one {name} step, rank 0\n{table}")
     return True
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, repeats=7, steps=8, warmup=2, vocab_size=512, block_size=128,
+                            n_layer=4, n_head=4, n_embd=256)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size = local CPU ranks")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=7, help="rounds of ours-then-peer or peer-then-ours")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per model per round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each per round")
+    parser.add_argument("--batch-size", type=int, default=8, help="B")
+    parser.add_argument("--seq-len", type=int, default=128, help="T")
     parser.add_argument("--peer-qkv", choices=["fused", "split"], default="fused",
                         help="peer attention input projection: one head-major GEMM or q, k, v Linears")
     parser.add_argument("--serial", action="store_true",
                         help="also time the tp=1 model on every rank (the no-communication floor)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--profile", action="store_true", help="print a profiler table per model")
-    parser.add_argument("--profile-rows", type=int, default=15)
-    parser.add_argument("--deadline", type=float, default=600.0, help="seconds before the run is stopped")
-    tp01.add_dataclass_args(parser, tp01.GPTConfig, vocab_size=512, block_size=128, n_layer=4,
-                            n_head=4, n_embd=256)
     args = parser.parse_args()
-    cfg = tp01.from_args(tp01.GPTConfig, args)
-    if "RANK" in os.environ:
-        raise ValueError("run this directly, not under torchrun: it starts its own CPU ranks")
-    if cfg.dropout:
-        raise ValueError("the peer model has no dropout; run with --dropout 0")
-    results = tp01.launch(worker, args.tp, cfg, args, timeout_s=120.0, deadline_s=args.deadline)
+    cfg = harness.model_config(args)
+    results = harness.launch(worker, args.tp, cfg, args, timeout_s=120.0, deadline_s=args.deadline)
     return report(cfg, args, results[0])
 
 
 if __name__ == "__main__":
-    tp01.run_main(main)
+    harness.run_main(main)

@@ -26,9 +26,9 @@ def held_out(x, y):
 
 @functools.lru_cache(maxsize=1)  # made once in the launching process; forked ranks inherit it
 def builtin_corpus(n_sentences=20000, seed=0):
-    """Deterministic little stories with counting and single-digit sums, as text (about 1 MB).
-    What the default run (200 steps) learns of it is measured at the end of training: see
-    sum_probe and the README."""
+    """Deterministic little stories with counting and single-digit sums, as text (about 1 MB). The
+    default run (200 steps) learns its words and sentence shapes (a byte-level loss near 0.84) but,
+    measured by sum_probe at the end of training, none of its sums: 0 of 100 right."""
     g = torch.Generator().manual_seed(seed)
     pick = lambda xs: xs[int(torch.randint(len(xs), (), generator=g))]  # noqa: E731
     digit = lambda: int(torch.randint(10, (), generator=g))  # noqa: E731

@@ -1,0 +1,174 @@
+"""What every benchmark shares: the numbered files, alternation, timed steps, ratios, profiles.
+
+Method (benchmarks/README.md says why): ours and the peer run the same function, checked before
+anything is timed (a pair that differs is refused); then they alternate in one run, so that a
+machine whose load drifts slows both alike:
+
+    rounds = alternate({"ours": step_a, "peer": step_b}, repeats=7, steps=8)   # every rank
+    print(pair_line(rounds, "ours", "peer"))                                     # rank 0
+
+A step's wall time is its slowest rank's; its CPU time (process time: every thread, gloo's too) is
+summed over the ranks, a second view that moves much less than wall time on a shared machine.
+"""
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from plumbing import cli  # noqa: E402  (the repository root is on the path from here on)
+from plumbing.launch import launch, run_main  # noqa: E402, F401  (the scripts' launcher and exit)
+
+tensor_parallel = importlib.import_module("01_tensor_parallel")  # the names start with a digit
+pipeline = importlib.import_module("02_pipeline_1f1b")
+interleaved = importlib.import_module("03_interleaved")
+data_parallel = importlib.import_module("04_data_parallel")
+gpt3d = importlib.import_module("05_3d_gpt")
+
+
+def rel(a, b):
+    """|a - b| / |b| of two numbers (tensors: tensor_parallel.max_rel_diff)."""
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def agree(ok, group=None):
+    """True on every rank iff ok is True on every rank: a tensor all-reduce, nothing pickled."""
+    flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+def timed(step, n=1):
+    """n calls of step() after a barrier: per call this rank's (wall, CPU, main-thread CPU) seconds."""
+    out = []
+    dist.barrier()
+    for _ in range(n):
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+        step()
+        out.append((time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0))
+    return out
+
+
+def combine(block):
+    """Per step: the slowest rank's wall time and the CPU times summed over ranks. Called after the
+    timed steps, so the reduction itself is not timed."""
+    wall, cpu, main = (torch.tensor(col, dtype=torch.float64) for col in zip(*block))
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    dist.all_reduce(main)
+    return list(zip(wall.tolist(), cpu.tolist(), main.tolist()))
+
+
+def alternate(contenders, repeats, steps, warmup=0, sweeps=False, setup=None):
+    """Time every contender (name -> step()) in turn, on every rank. Each of `repeats` rounds
+    first runs `warmup` untimed steps of each, then either a block of `steps` steps of each, the
+    first contender rotating between rounds, or (sweeps=True) `steps` sweeps of one step of each,
+    the order rotating every sweep, so that two contenders' steps run back to back. setup(name),
+    if given, runs untimed before each timed step. Returns, per round, {name: [(wall, CPU,
+    main-thread CPU) per step]}, combined over the ranks."""
+    names, rounds = list(contenders), []
+    for r in range(repeats):
+        for name in names:
+            for _ in range(warmup):
+                contenders[name]()
+        raw = {name: [] for name in names}
+        for i in range(steps if sweeps else 1):
+            k = (r * steps + i if sweeps else r) % len(names)
+            for name in names[k:] + names[:k]:
+                for _ in range(1 if sweeps else steps):
+                    if setup:
+                        setup(name)
+                    raw[name] += timed(contenders[name])
+        rounds.append({name: combine(block) for name, block in raw.items()})
+    return rounds
+
+
+def steps_of(rounds, name, col=0):
+    """Every timed step of `name`, one column: 0 wall, 1 CPU, 2 main-thread CPU."""
+    return [t[col] for rnd in rounds for t in rnd[name]]
+
+
+def median_of(rounds, name, col=0):
+    return statistics.median(steps_of(rounds, name, col))
+
+
+def pair_line(rounds, a, b, goal=None):
+    """a against b in one line: the ratio of the wall medians, the paired ratio (median and
+    quartiles over steps run back to back, the better gauge on a loaded machine), the ratio of the
+    CPU medians, and the per-round ratios."""
+    paired = sorted(x[0] / y[0] for rnd in rounds for x, y in zip(rnd[a], rnd[b]))
+    q = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+    per_round = [statistics.median(t[0] for t in rnd[a]) / statistics.median(t[0] for t in rnd[b])
+                 for rnd in rounds]
+    return (f"{a}/{b}: {median_of(rounds, a) / median_of(rounds, b):.3f} of the medians; paired "
+            f"{q[1]:.3f} [{q[0]:.2f}, {q[2]:.2f}]; CPU {median_of(rounds, a, 1) / median_of(rounds, b, 1):.3f}; "
+            f"rounds {' '.join(f'{x:.2f}' for x in per_round)}" + (f"  (goal <= {goal:g})" if goal else ""))
+
+
+def time_table(rounds, ranks):
+    """Milliseconds per step of every contender: wall median, min, max, and the CPU medians."""
+    lines = [f"  {'':12s} {'median':>8s} {'min':>8s} {'max':>8s} {'CPU':>8s} {'main thr':>8s}   "
+             f"(wall = slowest of {ranks} ranks; CPU summed over them)"]
+    for name in rounds[0]:
+        w = steps_of(rounds, name)
+        lines.append(f"  {name:12s} {statistics.median(w) * 1e3:8.1f} {min(w) * 1e3:8.1f} {max(w) * 1e3:8.1f} "
+                     f"{median_of(rounds, name, 1) * 1e3:8.1f} {median_of(rounds, name, 2) * 1e3:8.1f}")
+    return "\n".join(lines)
+
+
+def profile_table(step, rows, steps=1):
+    """torch.profiler's table of `steps` calls of step(), top rows by self CPU time."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+
+def parser(doc, repeats, steps, warmup, deadline=600.0, **model_defaults):
+    """The flags every benchmark has, and the model's (01's GPTConfig) with its own defaults."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=cli.HelpFormatter)
+    p.add_argument("--repeats", type=int, default=repeats, help="rounds; who goes first rotates")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps of each contender per round")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed steps of each per round")
+    p.add_argument("--seed", type=int, default=1234, help="weights and batches")
+    p.add_argument("--profile", action="store_true", help="also print where the time goes (rank 0)")
+    p.add_argument("--profile-rows", type=int, default=15, help="rows of each profiler table")
+    p.add_argument("--deadline", type=float, default=deadline, help="seconds before a run is stopped")
+    cli.add_dataclass_args(p, tensor_parallel.GPTConfig, "model", **model_defaults)
+    return p
+
+
+def model_config(args):
+    """The GPTConfig of the flags; CPU ranks of our own, so not under torchrun; no dropout, which
+    the two sides would draw differently."""
+    if "RANK" in os.environ:
+        raise ValueError("run this directly, not under torchrun: it starts its own CPU ranks")
+    cfg = cli.from_args(tensor_parallel.GPTConfig, args)
+    if cfg.dropout:
+        raise ValueError(f"--dropout {cfg.dropout}: the two sides would draw other masks; use 0")
+    return cfg
+
+
+def needs_numpy(peer):
+    """Refuse, before any rank starts, a peer that cannot run without numpy."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{peer} passes Python objects between ranks through numpy, which torch's CPU "
+                         f"wheel does not install: pip install -r benchmarks/requirements.txt") from None
