@@ -26,6 +26,7 @@ Megatron's output deallocation. It exits 1 on a mismatch.
 Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
 """
 import importlib
+import sys
 import time
 from contextlib import contextmanager
 from collections import Counter
@@ -37,8 +38,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from plumbing import cli
-from plumbing.launch import gather_numbers, printer, run_main
+from plumbing import cli, pipeline_demo
+from plumbing.launch import printer, run_main
 from plumbing.trace import write_timelines
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -468,91 +469,15 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch (03 reuses it).
-
-
-def serial_reference(env, cfg, args, m):
-    """What every demo compares against: the batch cut into m microbatches, the full float64
-    weights, and the serial model's loss and gradients on that batch."""
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
-    serial.load_full_state_dict(full)
-    loss = serial(idx, targets)[1]
-    loss.backward()
-    return split_batch(idx, targets, m), full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
-
-
-@dataclass
-class RankFigures:
-    """One rank's figures from a demo step, gathered to every rank as numbers (no pickling)."""
-    worst: float  # max relative difference against serial, over its loss and gradients
-    events: list  # [(start_s, end_s, Action)] as executed
-    peak_bytes: int  # peak stored activation bytes, outputs deallocated
-    peak_bytes_kept: int  # the same with outputs kept
-    messages: int
-    bytes_sent: int
-
-
-def run_and_compare(env, cfg, schedule, ref, embed_group):
-    """One step of `schedule` (every rank's list) from the reference's weights, twice (outputs
-    deallocated, then kept); every rank's RankFigures."""
-    microbatches, full, ref_loss, ref_grads = ref
-    B, T = microbatches[0][0].shape
-    runs = []
-    for deallocate in (True, False):
-        chunks = build_chunks(cfg, len(schedule), env.rank, n_chunks(schedule[env.rank]), init=False,
-                              dtype=torch.float64, device=env.device)
-        for c in chunks:
-            c.load_full_state_dict(full)
-        dist.barrier()
-        runs.append(execute(schedule[env.rank], chunks, dist.group.WORLD, microbatches, (B, T, cfg.n_embd),
-                            deallocate=deallocate))
-        sync_tied_embeddings(chunks, embed_group)
-        if deallocate:
-            diffs = [tensor_parallel.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
-            diffs += [tensor_parallel.max_rel_diff(runs[0].loss, ref_loss)] if runs[0].loss is not None else []
-    res, kept = runs
-    flat = [max(diffs), res.peak_activation_bytes, kept.peak_activation_bytes, res.messages, res.bytes_sent]
-    flat += [t for s, e, _ in res.events for t in (s, e)]  # the i-th event is the i-th action of the list
-    return [RankFigures(row[0], [(row[5 + 2 * i], row[6 + 2 * i], a) for i, a in enumerate(schedule[r])],
-                        *(int(x) for x in row[1:5]))
-            for r, row in enumerate(gather_numbers(flat, device=env.device))]
-
-
-def check_and_report(env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b=2, end=None, width=100):
-    """Run `schedule`, compare with the serial reference, and print its timelines, bubble, memory
-    and traffic. Returns (ok, the simulation, every rank's RankFigures)."""
-    pp, m, v = len(schedule), len(ref[0]), n_chunks(schedule[0])
-    ranks = run_and_compare(env, cfg, schedule, ref, embed_group)
-    worst, sim, formula = max(r.worst for r in ranks), simulate(schedule, pp, t_f, t_b), Fraction(pp - 1, v * m)
-    busy = sum(e - s for r in ranks for s, e, _ in r.events)
-    span = max(r.events[-1][1] for r in ranks) - min(r.events[0][0] for r in ranks)
-    say(f"\n=== {name}: pp={pp} v={v} m={m} ===")
-    say(f"simulated timeline (t_f={t_f}, t_b={t_b} per chunk):\n{render(sim.timeline, width, end)}")
-    say(f"bubble: simulated {sim.bubble} = {float(sim.bubble):.4f}, formula (pp-1)/(v m) = {formula}"
-        f"  {'(equal)' if sim.bubble == formula else '(DIFFERENT)'}")
-    say(f"measured timeline (this run):\n{render([r.events for r in ranks])}\n"
-        f"measured idle / busy: {(pp * span - busy) / busy:.3f}")
-    if env.device.type == "cpu":
-        say(f"  not the simulated {float(sim.bubble):.3f}: the simulator gives every rank a device of "
-            f"its own, while here\n  {pp} ranks share this machine's cores, and time spent waiting "
-            f"for a core counts as idle")
-    say(f"peak microbatches in flight per stage (simulated, all chunks): {sim.peak_in_flight}")
-    say(f"peak stored activation bytes per stage, outputs deallocated: {[r.peak_bytes for r in ranks]}")
-    say(f"                                          outputs kept:        {[r.peak_bytes_kept for r in ranks]}")
-    say(f"p2p messages sent per stage: {[r.messages for r in ranks]}, bytes: {[r.bytes_sent for r in ranks]}")
-    say(f"max relative difference against serial (loss and every gradient): {worst:.2e} "
-        f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
-    return worst <= 1e-10 and sim.bubble == formula, sim, ranks
+# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch. The comparing
+# and the printing, shared with 03, are plumbing (plumbing/pipeline_demo.py).
 
 
 def demo(env, cfg, args):
     pp, m, say = args.pp, args.microbatches, printer(env)
     check_world(pp, env.world_size)  # every check runs before the first collective
     split_layers(cfg.n_layer, pp)
-    ref = serial_reference(env, cfg, args, m)
+    ref = pipeline_demo.serial_reference(sys.modules[__name__], env, cfg, args, m)
     say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
@@ -560,7 +485,8 @@ def demo(env, cfg, args):
     for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
         schedule = [SCHEDULES[name](pp, m, s) for s in range(pp)]
         validate(schedule, pp, m)
-        good, _, measured[name] = check_and_report(env, cfg, name, schedule, ref, embed_group, say)
+        good, _, measured[name] = pipeline_demo.check_and_report(sys.modules[__name__], env, cfg, name,
+                                                                 schedule, ref, embed_group, say)
         ok &= good
     if args.trace and env.rank == 0:
         write_timelines(args.trace, {n: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)

@@ -13,6 +13,8 @@ first read; each module opens with what it does and how it is called.
     gpt2.py        GPT-2 weights in and out (Hugging Face's layout)
     sample.py      text from a trained model of any layout
     report.py      what 05 prints: the rank grid, the summary, the progress bar, the end report
+    pipeline_demo.py  02's and 03's demo harness: the serial reference, a schedule run against it,
+                   the printed timelines, bubble, memory and traffic
 
 Dependencies run one way: the numbered files import this package, and a module here imports only
 numbered files below the one it serves (checkpoint.py reads 01's sharding, report.py 02's

@@ -90,7 +90,7 @@ def prepare(source, out, tokenizer, say=print):
     sidecar = os.path.splitext(out)[0] + ".json"
     with open(sidecar, "w") as f:
         json.dump(meta, f, indent=1)
-    say(f"wrote {out} ({len(ids):,} {tokenizer} tokens, {2 * len(ids):,} bytes) and {sidecar}; train on it with:\n"
+    say(f"wrote {out} ({len(ids):,} tokens, {tokenizer}; {2 * len(ids):,} bytes) and {sidecar}; train on it with:\n"
         f"    python3 05_3d_gpt.py --data {out} --vocab-size {TRAIN_VOCAB[tokenizer]}")
     return len(ids)
 

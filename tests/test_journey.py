@@ -209,7 +209,8 @@ def _imports(tree):
 def test_every_import_is_the_standard_library_a_requirement_ours_or_optional_and_guarded():
     required = {re.split(r"[<>=]", line)[0].strip() for line in
                 (ROOT / "requirements.txt").read_text().splitlines() if line.strip()}
-    ours = {"plumbing", "kernels", "conftest"} | {p.stem for p in [*ROOT.glob("*.py"), *(ROOT / "tests").glob("*.py")]}
+    ours = {"plumbing", "kernels", "conftest"} | {p.stem for folder in (ROOT, ROOT / "tests", ROOT / "scripts")
+                                                   for p in folder.glob("*.py")}
     paths = [ROOT / f"{name}.py" for name in FILES]
     for folder in ("plumbing", "kernels", "tests", "scripts"):
         paths += sorted((ROOT / folder).glob("*.py"))
