@@ -1,27 +1,45 @@
-"""Write a text file as a token file the trainer memory-maps: nanoGPT's .bin, plus a sidecar .json.
+"""Turn a text file into the token file the trainer memory-maps: nanoGPT's .bin, plus a sidecar .json.
 
-    python3 scripts/prepare_data.py book.txt                     # book.bin + book.json
+    python3 scripts/prepare_data.py book.txt                       # book.bin + book.json
     python3 scripts/prepare_data.py book.txt -o data/train.bin --tokenizer bytes
-    python3 05_3d_gpt.py --data book.bin --vocab-size 256        # the command it prints
+    python3 05_3d_gpt.py --data book.bin --vocab-size 256          # the command it prints
 
-The .bin holds the token ids, each an unsigned 16-bit little-endian integer, one after another,
-with no header (nanoGPT's format; 05 reads it with torch.from_file, so it may exceed memory).
-The sidecar book.json says how to decode them: {"format", "tokenizer", "vocab_size", "tokens",
-"source"}, tokenizer "bytes" (every byte a token, V = 256) or "gpt2" (GPT-2's BPE, V = 50257).
+The .bin holds the token ids and nothing else: each an unsigned 16-bit little-endian integer, one
+after another, no header (nanoGPT's format). 05 memory-maps it with torch.from_file when --data
+ends in .bin, so it may be larger than memory. The sidecar book.json (the same name, .json for
+.bin) tells the trainer how to decode samples:
+    {"format": "uint16-le token ids, no header", "tokenizer": "bytes" or "gpt2",
+     "vocab_size": 256 or 50257, "tokens": N, "source": the input path as given}
 
---tokenizer auto (the default) uses GPT-2's BPE when the optional tiktoken package is importable
-(pip install tiktoken) and bytes otherwise, saying so. A bad path is refused with a message naming
-it, exit code 1.
+--tokenizer (default auto):
+    bytes   every byte of the file is one token, V = 256: any file, any encoding, no package
+    gpt2    GPT-2's BPE from the optional tiktoken package (pip install tiktoken), V = 50257; the
+            file must be UTF-8 text. No <|endoftext|> (50256) is appended: the file is one
+            document, and nanoGPT's separator only matters between documents
+    auto    gpt2 when tiktoken is importable, else bytes (and it says so)
+
+Exit codes: 0 written; 1 refused, with one line naming the path or flag and no traceback (an input
+that is missing, a directory, unreadable or empty; an output that does not end in .bin, would
+overwrite the input (itself or through its sidecar), is a directory or lies in a missing
+directory; --tokenizer gpt2 without tiktoken; BPE of a file that is not UTF-8); 2 a usage error.
 """
 import argparse
 import array
 import json
 import os
+import shlex
 import sys
 
 VOCAB = {"bytes": 256, "gpt2": 50257}
-# GPT-2's 50257 padded to a multiple of 64, as nanoGPT does: the logit GEMM runs faster on GPUs.
-TRAIN_VOCAB = {"bytes": 256, "gpt2": 50304}
+FORMAT = "uint16-le token ids, no header"
+
+
+class Refused(Exception):
+    """A bad input or flag: main prints the message and exits 1."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers: bytes, or GPT-2's BPE when tiktoken is installed
 
 
 def gpt2_encoder():
@@ -33,81 +51,151 @@ def gpt2_encoder():
     return tiktoken.get_encoding("gpt2")
 
 
+def resolve(tokenizer):
+    """auto -> gpt2 when tiktoken is importable, else bytes; bytes and gpt2 are kept."""
+    if tokenizer != "auto":
+        return tokenizer
+    return "gpt2" if gpt2_encoder() is not None else "bytes"
+
+
 def encode(data, tokenizer):
-    """The token ids of `data` (bytes): its bytes, or GPT-2 BPE ids of its UTF-8 text."""
+    """The token ids of `data` (the file's bytes) under "bytes" or "gpt2"."""
     if tokenizer == "bytes":
         return list(data)
     bpe = gpt2_encoder()
     if bpe is None:
-        raise ValueError("--tokenizer gpt2 needs the tiktoken package: pip install tiktoken")
-    return bpe.encode_ordinary(data.decode("utf-8", errors="replace"))
+        raise Refused("--tokenizer gpt2 needs the tiktoken package: pip install tiktoken "
+                      "(or use --tokenizer bytes)")
+    try:
+        text = data.decode("utf-8")  # strict: a lossy decode would train on replacement characters
+    except UnicodeDecodeError as e:
+        raise Refused(f"GPT-2 BPE reads UTF-8 text, and byte {e.start} is 0x{data[e.start]:02x}; "
+                      "convert the file to UTF-8 or use --tokenizer bytes") from None
+    return bpe.encode_ordinary(text)  # ordinary: text that spells "<|endoftext|>" stays text
+
+
+def train_vocab_size(vocab_size):
+    """--vocab-size for 05: V rounded up to a multiple of 64, as nanoGPT pads GPT-2's 50257 to
+    50304. The padded logits are never targets; the output GEMM tiles evenly on GPUs, and V splits
+    evenly over any power-of-two tp up to 64 (01's vocab-parallel embedding needs V % tp == 0)."""
+    return -(-vocab_size // 64) * 64
+
+
+# ----------------------------------------------------------------------------------------------
+# The .bin: uint16, little-endian, no header
 
 
 def write_bin(ids, path):
-    """ids as uint16, little-endian, no header."""
-    out = array.array("H", ids)  # raises OverflowError for an id >= 65536
-    if sys.byteorder == "big":
+    """ids as unsigned 16-bit little-endian integers, nothing else."""
+    out = array.array("H", ids)  # OverflowError for an id outside 0..65535; prepare checks first
+    if sys.byteorder == "big":  # the format is little-endian whatever host writes it
         out.byteswap()
     with open(path, "wb") as f:
         out.tofile(f)
 
 
 def read_bin(path):
-    """The ids a .bin holds (the inverse of write_bin)."""
+    """The ids a .bin holds, as a list of ints (the inverse of write_bin)."""
     ids = array.array("H")
     with open(path, "rb") as f:
-        ids.frombytes(f.read())
+        ids.frombytes(f.read())  # ValueError for an odd number of bytes: not a .bin
     if sys.byteorder == "big":
         ids.byteswap()
-    return list(ids)
+    return ids.tolist()
 
 
-def prepare(source, out, tokenizer, say=print):
-    """Check the paths, encode, write OUT.bin and OUT.json; returns the number of tokens."""
+# ----------------------------------------------------------------------------------------------
+# Checks, then the two files
+
+
+def sidecar_path(out):
+    return os.path.splitext(out)[0] + ".json"  # 05 looks for exactly this: the .bin's stem + .json
+
+
+def same_file(a, b):
+    """a and b are one file: the same path after symlinks, or (both existing) the same inode."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def check_paths(source, out):
+    """Refuse, by name, every path that cannot give a .bin the trainer reads, before writing."""
+    if os.path.isdir(source):
+        raise Refused(f"the input {source!r} is a directory; give a text file")
+    if not os.path.exists(source):
+        raise Refused(f"the input {source!r} does not exist")
     if not os.path.isfile(source):
-        raise ValueError(f"the input {source!r} is not a readable file" +
-                         (" (it is a directory)" if os.path.isdir(source) else ""))
-    if os.path.abspath(out) == os.path.abspath(source):
-        raise ValueError(f"the output {out!r} would overwrite the input; give another -o")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise ValueError(f"the output's directory {os.path.dirname(out)!r} does not exist")
+        raise Refused(f"the input {source!r} is not a regular file")
+    if not out.endswith(".bin"):  # 05 reads any other name as text, so these ids would be bytes
+        raise Refused(f"the output {out!r} must end in .bin: 05_3d_gpt.py --data reads only .bin "
+                      "files as token ids")
+    if same_file(out, source):
+        raise Refused(f"the output {out!r} would overwrite the input; give another -o")
+    if same_file(sidecar_path(out), source):
+        raise Refused(f"the sidecar {sidecar_path(out)!r} of the output {out!r} would overwrite the "
+                      "input; give another -o")
+    if os.path.isdir(out):
+        raise Refused(f"the output {out!r} is a directory")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise Refused(f"the output's directory {os.path.dirname(out)!r} does not exist "
+                      f"(for the output {out!r}); create it first")
+
+
+def prepare(source, out, tokenizer="auto", say=print):
+    """Check the paths, tokenize, write OUT (.bin) and its sidecar; returns the sidecar's dict."""
+    check_paths(source, out)
     try:
         with open(source, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise ValueError(f"cannot read the input {source!r}: {e.strerror or e}") from None
+        raise Refused(f"cannot read the input {source!r}: {e.strerror or e}") from None
     if not data:
-        raise ValueError(f"the input {source!r} is empty")
-    if tokenizer == "auto":
-        tokenizer = "gpt2" if gpt2_encoder() is not None else "bytes"
-        if tokenizer == "bytes":
-            say("tiktoken is not installed, so every byte is a token (vocabulary 256); "
-                "pip install tiktoken gives GPT-2's BPE")
+        raise Refused(f"the input {source!r} is empty: there is nothing to train on")
+    asked, tokenizer = tokenizer, resolve(tokenizer)
     ids = encode(data, tokenizer)
-    write_bin(ids, out)
-    meta = dict(format="uint16-le token ids, no header", tokenizer=tokenizer, vocab_size=VOCAB[tokenizer],
-                tokens=len(ids), source=source)
-    sidecar = os.path.splitext(out)[0] + ".json"
-    with open(sidecar, "w") as f:
-        json.dump(meta, f, indent=1)
-    say(f"wrote {out} ({len(ids):,} tokens, {tokenizer}; {2 * len(ids):,} bytes) and {sidecar}; train on it with:\n"
-        f"    python3 05_3d_gpt.py --data {out} --vocab-size {TRAIN_VOCAB[tokenizer]}")
-    return len(ids)
+    V = VOCAB[tokenizer]
+    assert V <= 1 << 16, "ids must fit in uint16"
+    top = max(ids, default=0)
+    if top >= V:  # a tokenizer that disagrees with its vocabulary: the trainer would refuse later
+        raise Refused(f"the {tokenizer} tokenizer gave id {top}, outside its vocabulary of {V}")
+    meta = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": V, "tokens": len(ids), "source": source}
+    try:
+        write_bin(ids, out)
+        with open(sidecar_path(out), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+    except OSError as e:
+        raise Refused(f"cannot write {e.filename or out!r}: {e.strerror or e}") from None
+    if asked == "auto" and tokenizer == "bytes":  # said after writing, so "were written" is true
+        say("tiktoken is not installed, so byte-level tokens were written (vocabulary 256); "
+            "pip install tiktoken gives GPT-2 BPE")
+    say(f"wrote {out}: {len(ids):,} tokens ({tokenizer}, V = {V}), {2 * len(ids):,} bytes, and "
+        f"{sidecar_path(out)}; train on it: python3 05_3d_gpt.py --data {shlex.quote(out)} "
+        f"--vocab-size {train_vocab_size(V)}")
+    return meta
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", help="the text file to tokenize")
-    parser.add_argument("-o", "--output", help="the .bin to write (default: the input with .bin)")
+    parser.add_argument("-o", "--output", metavar="OUT.bin",
+                        help="the token file to write, ending in .bin; its sidecar is OUT.json "
+                             "(default: the input with its suffix replaced by .bin)")
     parser.add_argument("--tokenizer", choices=["auto", "bytes", "gpt2"], default="auto",
-                        help="auto: gpt2 when tiktoken is installed, else bytes")
-    args = parser.parse_args()
+                        help="bytes: one token per byte (V = 256); gpt2: GPT-2 BPE via tiktoken "
+                             "(V = 50257); auto: gpt2 if tiktoken is installed, else bytes (default: auto)")
+    args = parser.parse_args(argv)
     out = args.output or os.path.splitext(args.input)[0] + ".bin"
     try:
         prepare(args.input, out, args.tokenizer)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Refused as e:
+        print(f"prepare_data.py: error: {e}", file=sys.stderr)
         return 1
     return 0
 
