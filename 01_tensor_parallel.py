@@ -14,7 +14,8 @@ Run it:
 The demo runs the serial GPT-2 and the tensor-parallel one, from the same float64 weights, forward
 and backward on the same batch; it prints the max relative difference of the logits and of every
 gradient, and every collective in the order it ran (per layer 2 all-reduces each way, and what
-sequence parallelism makes of them). It exits 1 if any difference exceeds 1e-10.
+sequence parallelism makes of them). It exits 1 if any difference exceeds 1e-10. Starting the ranks,
+forming the tp group and printing the report are plumbing (plumbing/launch.py, plumbing/demos.py).
 
 Glossary, used in every file:
     B batch, T sequence length, C = n_embd channels, nh heads, hs = C // nh head size, V vocabulary;
@@ -25,7 +26,6 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from plumbing import cli
-from plumbing.launch import launch, median_seconds, printer, run_main  # launch: for the README
+from plumbing import cli, demos
+from plumbing.data import check_tokens
+from plumbing.launch import launch, new_tp_group, printer, run_main  # the first two: for the README
 from plumbing.trace import recorded, trace_comm
 
 
@@ -177,17 +178,7 @@ def sp_param(p, group, sp, tag=""):
 
 
 # ----------------------------------------------------------------------------------------------
-# Groups, the model's config, and the random numbers of its dropout
-
-
-def new_tp_group(env, tp, timeout_s=60.0):
-    """Split the world into blocks of tp consecutive ranks (on a GPU node: inside its NVLink
-    domain); return this rank's block as a group. env comes from plumbing.launch.launch."""
-    if tp < 1 or tp > env.world_size or env.world_size % tp:
-        raise ValueError(f"tp={tp} must be between 1 and the world size {env.world_size} and divide it")
-    groups = [dist.new_group(list(range(s, s + tp)), timeout=timedelta(seconds=timeout_s))
-              for s in range(0, env.world_size, tp)]
-    return groups[env.rank // tp]
+# The model's config, and the random numbers of its dropout
 
 
 @dataclass
@@ -488,17 +479,6 @@ class GPT(nn.Module):
         if init and device != "meta":
             self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
 
-    def check_input(self, idx):
-        """Refuse bad batches on every rank before the first collective."""
-        T, V, tp = idx.shape[-1], self.cfg.vocab_size, tp_size(self.group)
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length T={T} exceeds block_size={self.cfg.block_size}")
-        if self.sp and T % tp:
-            raise ValueError(f"sequence parallelism needs T={T} divisible by tp={tp}")
-        lo, hi = (int(t) for t in torch.aminmax(idx))  # (on a GPU, reading them back waits for it)
-        if lo < 0 or hi >= V:
-            raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
-
     def forward(self, x, targets=None, ignore_index=-100):
         """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss;
         a chunk without pre_process takes, and one without post_process returns, the hidden state
@@ -510,8 +490,8 @@ class GPT(nn.Module):
         return self.head(x, targets, ignore_index) if self.post_process else x
 
     def embed(self, idx):
-        if not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self.check_input(idx)  # it reads values back: not allowed inside a CUDA graph
+        if not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):  # it reads values back,
+            check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)  # which a graph cannot
         tr = self.transformer
         x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
         if self.sp:
@@ -635,27 +615,10 @@ def demo(env, cfg, args):
     ref_grads = {n: p.grad for n, p in serial.named_parameters()}
     diffs.update({"grad " + n: max_rel_diff(g, ref_grads[n]) for n, g in model.full_grads().items()})
     worst = max(diffs.values())
-    say(f"\nloss: serial {ref_loss.item():.12f}  tp {loss.item():.12f}")
-    say(f"max relative difference against serial ({len(diffs)} tensors):")
-    say("\n".join(f"  {d:9.2e}  {name}" for name, d in diffs.items()))
-    say("\ncollectives on rank 0 for one forward + backward, in the order they ran:")
-    say("\n".join(f"  {c.op:15s} {c.tag:48s} {str(c.shape):16s} {c.nbytes / 1024:7.1f} KiB" for c in log))
-    layer0 = [c.tag for c in log if c.tag.startswith("transformer.h.0.")]
-    say(f"layer 0: {sum('forward' in t for t in layer0)} forward and {sum('backward' in t for t in layer0)} "
-        f"backward collectives; {len(log)} in all, {sum(c.nbytes for c in log) / 1024:.1f} KiB")
-    say("  sequence parallelism turns each all-reduce of f and g into an all-gather and a reduce-\n"
-        "  scatter (the bytes of 2 all-reduces; Korthikanti 4.2.2); the other backward ones sum the\n"
-        "  gradients of the replicated LayerNorms and biases, each rank having seen T/tp tokens" if model.sp
-        else "  g after each row-parallel layer in forward, f before each column-parallel layer in\n"
-             "  backward: the paper's Figure 3, 2 all-reduces each way per layer")
-    n_local, n_full = sum(p.numel() for p in model.parameters()), sum(t.numel() for t in full.values())
-    say(f"parameters on rank 0: {n_local:,} of {n_full:,} ({n_local / n_full:.0%})")
-    times = {name: median_seconds(lambda: m(idx, targets)[1].backward())  # warm: after the first
+    times = {name: demos.median_seconds(lambda: m(idx, targets)[1].backward())  # warm: after the first
              for name, m in (("serial", serial), ("tp", model))}
-    say(f"forward+backward: serial {times['serial'] * 1e3:.1f} ms, tp {times['tp'] * 1e3:.1f} ms")
-    if env.device.type == "cpu" and times["tp"] > times["serial"]:
-        say("  tp is slower here: its ranks share this machine's cores and every collective copies\n"
-            "  through loopback; on GPUs each rank has a device and NVLink (BENCHMARKS.md compares)")
+    demos.report_tp(say, diffs, ref_loss.item(), loss.item(), log, model.sp, sum(p.numel() for p in model.parameters()),
+                    sum(t.numel() for t in full.values()), times, env.device.type == "cpu")
     say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} (tolerance 1e-10)")
     return worst <= 1e-10
 

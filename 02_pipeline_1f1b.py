@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from plumbing import cli, pipeline_demo
+from plumbing import cli, demos
 from plumbing.launch import printer, run_main
 from plumbing.trace import write_timelines
 
@@ -470,14 +470,14 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
 
 # ----------------------------------------------------------------------------------------------
 # Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch. The comparing
-# and the printing, shared with 03, are plumbing (plumbing/pipeline_demo.py).
+# and the printing, shared with 03, are plumbing (plumbing/demos.py).
 
 
 def demo(env, cfg, args):
     pp, m, say = args.pp, args.microbatches, printer(env)
     check_world(pp, env.world_size)  # every check runs before the first collective
     split_layers(cfg.n_layer, pp)
-    ref = pipeline_demo.serial_reference(sys.modules[__name__], env, cfg, args, m)
+    ref = demos.serial_reference(sys.modules[__name__], env, cfg, args, m)
     say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
@@ -485,7 +485,7 @@ def demo(env, cfg, args):
     for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
         schedule = [SCHEDULES[name](pp, m, s) for s in range(pp)]
         validate(schedule, pp, m)
-        good, _, measured[name] = pipeline_demo.check_and_report(sys.modules[__name__], env, cfg, name,
+        good, _, measured[name] = demos.check_and_report(sys.modules[__name__], env, cfg, name,
                                                                  schedule, ref, embed_group, say)
         ok &= good
     if args.trace and env.rank == 0:

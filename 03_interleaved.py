@@ -29,7 +29,7 @@ from fractions import Fraction
 
 import torch.distributed as dist
 
-from plumbing import cli, pipeline_demo
+from plumbing import cli, demos
 from plumbing.launch import printer, run_main
 from plumbing.trace import write_timelines
 
@@ -91,7 +91,7 @@ def demo(env, cfg, args):
     pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
     check_interleaving(pp, m, v)
     pipeline.split_layers(cfg.n_layer, pp * v)
-    ref = pipeline_demo.serial_reference(pipeline, env, cfg, args, m)
+    ref = demos.serial_reference(pipeline, env, cfg, args, m)
     say = printer(env)
     say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
@@ -107,7 +107,7 @@ def demo(env, cfg, args):
     ok, out = True, {}
     for name, schedule in runs.items():
         pipeline.validate(schedule, pp, m)
-        good, sim, ranks = pipeline_demo.check_and_report(pipeline, env, cfg, name, schedule, ref, embed_group,
+        good, sim, ranks = demos.check_and_report(pipeline, env, cfg, name, schedule, ref, embed_group,
                                                           say, *times[name], end=end, width=150)
         ok &= good
         out[name] = sim, ranks

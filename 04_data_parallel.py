@@ -32,8 +32,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plumbing import cli
-from plumbing.launch import checksum, gather_numbers, printer, run_main
+from plumbing import cli, demos
+from plumbing.launch import gather_numbers, printer, run_main
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
@@ -256,7 +256,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
         ddp.zero_grad() if ddp else opt.zero_grad()
         losses.append(float(tensor_parallel.all_reduce(total, group, "loss") / dp))
     state = opt.state_bytes() if mode == "zero1" else optimizer_state_bytes(opt)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, timeline, state, checksum(model)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, timeline, state, demos.checksum(model)
 
 
 def serial_training(cfg, args, full, batches):

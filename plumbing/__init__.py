@@ -3,18 +3,18 @@ first read; each module opens with what it does and how it is called.
 
     launch.py      one code path from 1 CPU rank to a cluster: fork-started gloo ranks on a laptop,
                    torchrun's environment (NCCL) on GPUs; a failing rank or a hang is a clear error;
-                   tensor-only gathers of the demos' figures (no pickling, no numpy)
+                   tp groups of consecutive ranks; tensor-only gathers (no pickling, no numpy)
     cli.py         the command line, generated from the config dataclasses (help from comments)
     trace.py       every collective as it runs (01's demo lists them), Chrome traces of timelines
     charts.py      the loss curve as an ASCII chart
-    data.py        the built-in corpus, text and .bin files, batches every rank agrees on
+    data.py        the built-in corpus, text and .bin files, batches every rank agrees on, the
+                   token check every forward runs, GPT-2's BPE when tiktoken is installed
     checks.py      05's config checked before any process group exists
     checkpoint.py  sharded atomic checkpoints, loadable in any layout
     gpt2.py        GPT-2 weights in and out (Hugging Face's layout)
     sample.py      text from a trained model of any layout
     report.py      what 05 prints: the rank grid, the summary, the progress bar, the end report
-    pipeline_demo.py  02's and 03's demo harness: the serial reference, a schedule run against it,
-                   the printed timelines, bubble, memory and traffic
+    demos.py       the demos' timing, fingerprints and printed reports; 02's and 03's harness
 
 Dependencies run one way: the numbered files import this package, and a module here imports only
 numbered files below the one it serves (checkpoint.py reads 01's sharding, report.py 02's

@@ -50,6 +50,28 @@ def builtin_corpus(n_sentences=20000, seed=0):
     return " ".join(out) + "\n"
 
 
+def check_tokens(idx, cfg, sp_tp=1):
+    """Refuse a batch the model cannot read, on every rank before the first collective: longer than
+    cfg.block_size, not divisible by tp under sequence parallelism (sp_tp), ids outside [0, V)."""
+    T, V = idx.shape[-1], cfg.vocab_size
+    if T > cfg.block_size:
+        raise ValueError(f"sequence length T={T} exceeds block_size={cfg.block_size}")
+    if T % sp_tp:
+        raise ValueError(f"sequence parallelism needs T={T} divisible by tp={sp_tp}")
+    lo, hi = (int(t) for t in torch.aminmax(idx))  # (on a GPU, reading them back waits for it)
+    if lo < 0 or hi >= V:
+        raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
+
+
+def gpt2_bpe():
+    """GPT-2's BPE from the optional tiktoken package, or None when it is not installed."""
+    try:
+        import tiktoken
+    except ImportError:
+        return None
+    return tiktoken.get_encoding("gpt2")
+
+
 def tokenizer_of(path):
     """How the tokens of --data PATH decode: "bytes" (the built-in corpus, any non-.bin file), or
     what a .bin's sidecar JSON says ("bytes" or "gpt2"), or "ids" when a .bin has none."""

@@ -5,9 +5,8 @@
                                ranks here (gloo, one thread each) and return every rank's result
     run_main(main)             a script's exit code: 0 if main() returned True, 1 (and the message)
                                on a RankFailure or a ValueError, so bad input never ends in a trace
+    new_tp_group(env, tp)      this rank's block of tp consecutive ranks, as a process group
     printer(env)               print on rank 0 only
-    median_seconds(fn)         the median time of a few calls, for a demo's rough figures
-    checksum(module)           a hash of its weights' bytes, to show replicas bit-identical
     gather_numbers(values)     every rank's list of numbers, by tensor collectives (no pickling)
     gather_json(obj)           every rank's JSON-able object, as UTF-8 bytes in a tensor
 
@@ -16,7 +15,6 @@ stopped at once and RankFailure carries that rank's traceback. Under torchrun th
 does the stopping.
 """
 import ctypes
-import hashlib
 import json
 import os
 import pickle
@@ -169,14 +167,14 @@ def run_main(main):
     sys.exit(0 if ok else 1)
 
 
-def median_seconds(fn, n=5):
-    """The median wall time of n calls of fn() (the demos' rough timings; benchmarks/ does better)."""
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2]
+def new_tp_group(env, tp, timeout_s=60.0):
+    """Split the world into blocks of tp consecutive ranks (on a GPU node: inside its NVLink
+    domain); return this rank's block as a group. env comes from launch()."""
+    if tp < 1 or tp > env.world_size or env.world_size % tp:
+        raise ValueError(f"tp={tp} must be between 1 and the world size {env.world_size} and divide it")
+    groups = [dist.new_group(list(range(s, s + tp)), timeout=timedelta(seconds=timeout_s))
+              for s in range(0, env.world_size, tp)]
+    return groups[env.rank // tp]
 
 
 def printer(env, quiet=False):
@@ -184,42 +182,29 @@ def printer(env, quiet=False):
     return print if env.rank == 0 and not quiet else (lambda *a, **k: None)
 
 
-def checksum(module):
-    """A 48-bit hash of every weight's bytes: equal on two replicas only if they are bit-identical."""
-    h = hashlib.sha1()
-    for p in module.parameters():
-        t = p.detach().cpu().contiguous()
-        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))  # no numpy needed
-    return int(h.hexdigest()[:12], 16)
+def gather_rows(mine, group=None):
+    """Every rank's 1-D tensor (lengths may differ), in rank order, on every rank: the lengths
+    first, then the tensors padded to the longest. Plain tensor collectives, not
+    all_gather_object: that pickles through numpy (which the CPU wheel of torch does not install)
+    and under NCCL needs a device of its own."""
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=mine.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], device=mine.device), group=group)
+    padded = torch.cat([mine, mine.new_zeros(max(int(n) for n in sizes) - mine.numel())])
+    rows = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(rows, padded, group=group)
+    return [row[: int(n)] for row, n in zip(rows, sizes)]
 
 
 def gather_numbers(values, group=None, device="cpu"):
-    """Every rank's list of numbers (lists may differ in length), in rank order, on every rank.
-
-    Plain float64 tensors, not all_gather_object: that pickles through numpy (which the CPU wheel
-    of torch does not install) and under NCCL needs a device of its own. float64 holds any count
-    below 2**53 exactly, and perf_counter() times to the nanosecond for days."""
-    world = dist.get_world_size(group)
+    """Every rank's list of numbers, as float64: exact for any count below 2**53, and for
+    perf_counter() times to the nanosecond for days."""
     mine = torch.tensor([float(x) for x in values], dtype=torch.float64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.cat([mine, mine.new_zeros(longest - mine.numel())])
-    rows = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(rows, padded, group=group)
-    return [row[: int(n)].tolist() for row, n in zip(rows, sizes)]
+    return [row.tolist() for row in gather_rows(mine, group)]
 
 
 def gather_json(obj, group=None, device="cpu"):
-    """Every rank's JSON-able object, in rank order, on every rank: UTF-8 bytes in a uint8 tensor on
-    `device`, so no pickling and nothing NCCL cannot carry (05's --trace gathers timelines so)."""
-    data = json.dumps(obj).encode()
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(data)], device=device), group=group)
-    longest = max(int(n) for n in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
-    return [json.loads(bytes(row[: int(n)].tolist())) for row, n in zip(rows, sizes)]
+    """Every rank's JSON-able object, as UTF-8 bytes in a uint8 tensor (05's --trace gathers its
+    timelines so)."""
+    mine = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
+    return [json.loads(bytes(row.tolist())) for row in gather_rows(mine, group)]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from plumbing.checkpoint import latest_checkpoint, read_checkpoint
+from plumbing.data import gpt2_bpe
 from plumbing.gpt2 import import_gpt2
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -31,15 +32,6 @@ class SampleConfig:
     max_new_tokens: int = 100  # tokens to generate after the prompt
     temperature: float = 1.0  # logits are divided by it before sampling; > 0 (greedy: --top-k 1)
     top_k: int = 0  # sample among the k likeliest next tokens only (0: all of them, 1: greedy)
-
-
-def tiktoken_gpt2():
-    """GPT-2's BPE from the optional tiktoken package, or None if it is not installed."""
-    try:
-        import tiktoken
-    except ImportError:
-        return None
-    return tiktoken.get_encoding("gpt2")
 
 
 def tokenizer_kind(vocab_size):
@@ -54,7 +46,7 @@ def encode(prompt, kind, vocab_size):
     """The prompt as token ids, refusing what the model cannot read; names --sample."""
     if not prompt:
         raise ValueError("--sample: the prompt is empty; give the text to continue, e.g. --sample \"alice has\"")
-    bpe = tiktoken_gpt2() if kind == "gpt2" else None
+    bpe = gpt2_bpe() if kind == "gpt2" else None
     if kind == "bytes":
         ids = list(prompt.encode("utf-8"))
     elif bpe is not None:
@@ -76,7 +68,7 @@ def encode(prompt, kind, vocab_size):
 
 def decode(ids, kind):
     """Text for bytes (invalid UTF-8 shown as U+FFFD) and for GPT-2 ids with tiktoken; else ids."""
-    bpe = tiktoken_gpt2() if kind == "gpt2" else None
+    bpe = gpt2_bpe() if kind == "gpt2" else None
     if kind == "bytes":
         return bytes(ids).decode("utf-8", errors="replace")
     if bpe is not None:

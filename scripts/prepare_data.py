@@ -30,6 +30,9 @@ import os
 import shlex
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing.data import gpt2_bpe  # noqa: E402  (the repository root, put on the path above)
+
 VOCAB = {"bytes": 256, "gpt2": 50257}
 FORMAT = "uint16-le token ids, no header"
 
@@ -42,27 +45,18 @@ class Refused(Exception):
 # Tokenizers: bytes, or GPT-2's BPE when tiktoken is installed
 
 
-def gpt2_encoder():
-    """tiktoken's GPT-2 encoding, or None when the optional package is not installed."""
-    try:
-        import tiktoken
-    except ImportError:
-        return None
-    return tiktoken.get_encoding("gpt2")
-
-
 def resolve(tokenizer):
     """auto -> gpt2 when tiktoken is importable, else bytes; bytes and gpt2 are kept."""
     if tokenizer != "auto":
         return tokenizer
-    return "gpt2" if gpt2_encoder() is not None else "bytes"
+    return "gpt2" if gpt2_bpe() is not None else "bytes"
 
 
 def encode(data, tokenizer):
     """The token ids of `data` (the file's bytes) under "bytes" or "gpt2"."""
     if tokenizer == "bytes":
         return list(data)
-    bpe = gpt2_encoder()
+    bpe = gpt2_bpe()
     if bpe is None:
         raise Refused("--tokenizer gpt2 needs the tiktoken package: pip install tiktoken "
                       "(or use --tokenizer bytes)")

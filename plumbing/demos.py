@@ -1,0 +1,153 @@
+"""The numbered files' demos, the part that is not the concept: timing, fingerprints, and printing
+what the figures are and what they mean. The comparison with the serial model stays in each file.
+
+    report_tp(say, ...)            01: the differences, every collective, what layer 0's count means
+    median_seconds(fn)             01: the median time of a few calls, a demo's rough figure
+    checksum(module)               04: a hash of the weights' bytes, to show replicas bit-identical
+    serial_reference(pipeline, ..) 02, 03: the batch, its microbatches, the serial loss and gradients
+    check_and_report(pipeline, ..) 02, 03: one step of a schedule against the reference, with its
+                                   timelines, bubble, memory and traffic
+
+Nothing here imports a numbered file, so that any of them can use it without an import cycle: the
+pipeline functions take the pipeline module (02) as their first argument, and reach 01 through it.
+"""
+import ctypes
+import hashlib
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from plumbing.launch import gather_numbers
+
+
+# ----------------------------------------------------------------------------------------------
+# 01 and 04
+
+
+def report_tp(say, diffs, ref_loss, loss, log, sp, n_local, n_full, times, cpu):
+    """01's demo output: the loss, every difference, every collective, and what they mean."""
+    say(f"\nloss: serial {ref_loss:.12f}  tp {loss:.12f}")
+    say(f"max relative difference against serial ({len(diffs)} tensors):")
+    say("\n".join(f"  {d:9.2e}  {name}" for name, d in diffs.items()))
+    say("\ncollectives on rank 0 for one forward + backward, in the order they ran:")
+    say("\n".join(f"  {c.op:15s} {c.tag:48s} {str(c.shape):16s} {c.nbytes / 1024:7.1f} KiB" for c in log))
+    layer0 = [c.tag for c in log if c.tag.startswith("transformer.h.0.")]
+    say(f"layer 0: {sum('forward' in t for t in layer0)} forward and {sum('backward' in t for t in layer0)} "
+        f"backward collectives; {len(log)} in all, {sum(c.nbytes for c in log) / 1024:.1f} KiB")
+    say("  sequence parallelism turns each all-reduce of f and g into an all-gather and a reduce-\n"
+        "  scatter (the bytes of 2 all-reduces; Korthikanti 4.2.2); the other backward ones sum the\n"
+        "  gradients of the replicated LayerNorms and biases, each rank having seen T/tp tokens" if sp
+        else "  g after each row-parallel layer in forward, f before each column-parallel layer in\n"
+             "  backward: the paper's Figure 3, 2 all-reduces each way per layer")
+    say(f"parameters on rank 0: {n_local:,} of {n_full:,} ({n_local / n_full:.0%})")
+    say(f"forward+backward: serial {times['serial'] * 1e3:.1f} ms, tp {times['tp'] * 1e3:.1f} ms")
+    if cpu and times["tp"] > times["serial"]:
+        say("  tp is slower here: its ranks share this machine's cores and every collective copies\n"
+            "  through loopback; on GPUs each rank has a device and NVLink (BENCHMARKS.md compares)")
+
+
+def median_seconds(fn, n=5):
+    """The median wall time of n calls of fn() (the demos' rough timings; benchmarks/ does better)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
+
+
+def checksum(module):
+    """A 48-bit hash of every weight's bytes: equal on two replicas only if they are bit-identical."""
+    h = hashlib.sha1()
+    for p in module.parameters():
+        t = p.detach().cpu().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))  # no numpy needed
+    return int(h.hexdigest()[:12], 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# 02 and 03
+
+
+def serial_reference(pipeline, env, cfg, args, m):
+    """What every demo compares against: the batch cut into m microbatches, the full float64
+    weights, and the serial model's loss and gradients on that batch."""
+    tensor_parallel = pipeline.tensor_parallel
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    serial.load_full_state_dict(full)
+    loss = serial(idx, targets)[1]
+    loss.backward()
+    return pipeline.split_batch(idx, targets, m), full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
+
+
+@dataclass
+class RankFigures:
+    """One rank's figures from a demo step, gathered to every rank as numbers (no pickling)."""
+    worst: float  # max relative difference against serial, over its loss and gradients
+    events: list  # [(start_s, end_s, Action)] as executed
+    peak_bytes: int  # peak stored activation bytes, outputs deallocated
+    peak_bytes_kept: int  # the same with outputs kept
+    messages: int
+    bytes_sent: int
+
+
+def run_and_compare(pipeline, env, cfg, schedule, ref, embed_group):
+    """One step of `schedule` (every rank's list) from the reference's weights, twice (outputs
+    deallocated, then kept); every rank's RankFigures."""
+    microbatches, full, ref_loss, ref_grads = ref
+    max_rel_diff = pipeline.tensor_parallel.max_rel_diff
+
+    def step(deallocate):
+        chunks = pipeline.build_chunks(cfg, len(schedule), env.rank, pipeline.n_chunks(schedule[env.rank]),
+                                       init=False, dtype=torch.float64, device=env.device)
+        for c in chunks:
+            c.load_full_state_dict(full)
+        dist.barrier()
+        res = pipeline.execute(schedule[env.rank], chunks, dist.group.WORLD, microbatches,
+                               (*microbatches[0][0].shape, cfg.n_embd), deallocate=deallocate)
+        pipeline.sync_tied_embeddings(chunks, embed_group)
+        return chunks, res
+
+    chunks, res = step(deallocate=True)
+    diffs = [max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
+    diffs += [max_rel_diff(res.loss, ref_loss)] if res.loss is not None else []
+    kept = step(deallocate=False)[1]
+    flat = [max(diffs), res.peak_activation_bytes, kept.peak_activation_bytes, res.messages, res.bytes_sent]
+    flat += [t for s, e, _ in res.events for t in (s, e)]  # the i-th event is the i-th action of the list
+    return [RankFigures(row[0], [(row[5 + 2 * i], row[6 + 2 * i], a) for i, a in enumerate(schedule[r])],
+                        *(int(x) for x in row[1:5]))
+            for r, row in enumerate(gather_numbers(flat, device=env.device))]
+
+
+def check_and_report(pipeline, env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b=2, end=None,
+                     width=100):
+    """Run `schedule`, compare with the serial reference, and print its timelines, bubble, memory
+    and traffic. Returns (ok, the simulation, every rank's RankFigures)."""
+    pp, m, v = len(schedule), len(ref[0]), pipeline.n_chunks(schedule[0])
+    ranks = run_and_compare(pipeline, env, cfg, schedule, ref, embed_group)
+    worst, sim, formula = max(r.worst for r in ranks), pipeline.simulate(schedule, pp, t_f, t_b), Fraction(pp - 1, v * m)
+    busy = sum(e - s for r in ranks for s, e, _ in r.events)
+    span = max(r.events[-1][1] for r in ranks) - min(r.events[0][0] for r in ranks)
+    say(f"\n=== {name}: pp={pp} v={v} m={m} ===")
+    say(f"simulated timeline (t_f={t_f}, t_b={t_b} per chunk):\n{pipeline.render(sim.timeline, width, end)}")
+    say(f"bubble: simulated {sim.bubble} = {float(sim.bubble):.4f}, formula (pp-1)/(v m) = {formula}"
+        f"  {'(equal)' if sim.bubble == formula else '(DIFFERENT)'}")
+    say(f"measured timeline (this run):\n{pipeline.render([r.events for r in ranks])}\n"
+        f"measured idle / busy: {(pp * span - busy) / busy:.3f}")
+    if env.device.type == "cpu":
+        say(f"  not the simulated {float(sim.bubble):.3f}: the simulator gives every rank a device of "
+            f"its own, while here\n  {pp} ranks share this machine's cores, and time spent waiting "
+            f"for a core counts as idle")
+    say(f"peak microbatches in flight per stage (simulated, all chunks): {sim.peak_in_flight}")
+    say(f"peak stored activation bytes per stage, outputs deallocated: {[r.peak_bytes for r in ranks]}")
+    say(f"                                          outputs kept:        {[r.peak_bytes_kept for r in ranks]}")
+    say(f"p2p messages sent per stage: {[r.messages for r in ranks]}, bytes: {[r.bytes_sent for r in ranks]}")
+    say(f"max relative difference against serial (loss and every gradient): {worst:.2e} "
+        f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+    return worst <= 1e-10 and sim.bubble == formula, sim, ranks
