@@ -8,7 +8,8 @@ first read; each module opens with what it does and how it is called.
     trace.py       every collective as it runs (01's demo lists them), Chrome traces of timelines
     charts.py      the loss curve as an ASCII chart
     data.py        the built-in corpus, text and .bin files, batches every rank agrees on, the
-                   token check every forward runs, GPT-2's BPE when tiktoken is installed
+                   token check
+    tokenizer.py   GPT-2's BPE when tiktoken is installed; which tokenizer a data file names
     checks.py      05's config checked before any process group exists
     checkpoint.py  sharded atomic checkpoints, loadable in any layout
     gpt2.py        GPT-2 weights in and out (Hugging Face's layout)

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from plumbing.data import tokenizer_of
+from plumbing.tokenizer import tokenizer_of
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 

@@ -10,7 +10,6 @@ The last 10% of the tokens are held out for the eval loss. Batch `step` is a fun
 step) alone, so a resumed run, in any layout, reads exactly the batches it would have read.
 """
 import functools
-import json
 import os
 
 import torch
@@ -61,29 +60,6 @@ def check_tokens(idx, cfg, sp_tp=1):
     lo, hi = (int(t) for t in torch.aminmax(idx))  # (on a GPU, reading them back waits for it)
     if lo < 0 or hi >= V:
         raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
-
-
-def gpt2_bpe():
-    """GPT-2's BPE from the optional tiktoken package, or None when it is not installed."""
-    try:
-        import tiktoken
-    except ImportError:
-        return None
-    return tiktoken.get_encoding("gpt2")
-
-
-def tokenizer_of(path):
-    """How the tokens of --data PATH decode: "bytes" (the built-in corpus, any non-.bin file), or
-    what a .bin's sidecar JSON says ("bytes" or "gpt2"), or "ids" when a .bin has none."""
-    if not path or not path.endswith(".bin"):
-        return "bytes"
-    sidecar = path[: -len(".bin")] + ".json"
-    try:
-        with open(sidecar) as f:
-            kind = json.load(f).get("tokenizer", "ids")
-    except (OSError, ValueError, AttributeError):
-        return "ids"
-    return kind if kind in ("bytes", "gpt2") else "ids"
 
 
 def load_tokens(path, vocab_size, seq_len):

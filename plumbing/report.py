@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from planner import PEAK_BF16_FLOPS, Layout, activation_bytes_per_layer, layers_in_flight, params_exact
 from plumbing.charts import ascii_chart
-from plumbing.data import held_out, tokenizer_of
+from plumbing.data import held_out
+from plumbing.tokenizer import tokenizer_of
 from plumbing.data import sum_probe as probe_batches
 from plumbing.launch import gather_numbers
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from plumbing.checkpoint import latest_checkpoint, read_checkpoint
-from plumbing.data import gpt2_bpe
+from plumbing.tokenizer import gpt2_bpe
 from plumbing.gpt2 import import_gpt2
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")

@@ -31,7 +31,7 @@ import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from plumbing.data import gpt2_bpe  # noqa: E402  (the repository root, put on the path above)
+from plumbing.tokenizer import gpt2_bpe  # noqa: E402  (the repository root, put on the path above)
 
 VOCAB = {"bytes": 256, "gpt2": 50257}
 FORMAT = "uint16-le token ids, no header"

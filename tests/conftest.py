@@ -11,9 +11,16 @@ collective times out after COLLECTIVE_TIMEOUT_S and every test, single- or multi
 TEST_TIMEOUT_S, so no test can hang.
 """
 import importlib
+import io
+import os
+import runpy
 import shutil
 import signal
+import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -52,6 +59,119 @@ def run_ranks():
                       deadline_s=TEST_TIMEOUT_S - 10)
 
     return run
+
+
+def run_script(script, *args, timeout=60, env=None, fresh=False):
+    """`python3 script args` from the repository root, as a user runs it: its exit code, stdout and
+    stderr, as a subprocess.CompletedProcess with .seconds (wall time) and .leftover (processes of
+    the run still alive after it exited: must be none).
+
+    It runs in a process forked from this one rather than a new interpreter: a fresh one spends
+    ~2.5 s of a 2-core machine importing torch, and the suite runs scripts a hundred times. The
+    script still runs as __main__ from its own file, with its own argv, working directory, process
+    group and exit code; env= adds environment variables. With fresh=True (for what must be seen
+    at interpreter start, such as PYTHONPATH, or a command like `-m torch.distributed.run`) it runs
+    in a new interpreter instead."""
+    t0 = time.monotonic()
+    args = [str(a) for a in args]
+    if fresh:
+        child = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                                 start_new_session=True)
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        finally:
+            _stop_group(child.pid, grace_s=0)
+        proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+        proc.seconds = time.monotonic() - t0
+        proc.leftover = _alive(child.pid)
+        return proc
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: become `python3 script args`
+        code = 1
+        try:
+            os.setpgid(0, 0)  # its own group, so that everything it starts can be found and stopped
+            for sig in (signal.SIGALRM, signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+            sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+            os.chdir(ROOT)
+            os.environ.update(env or {})
+            path = str(ROOT / script)
+            sys.argv = [path, *args]
+            sys.path.insert(0, os.path.dirname(path))
+            torch.set_num_threads(1)
+            try:
+                runpy.run_path(path, run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            _stop_group(pid, grace_s=0)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired([script, *args], timeout)
+        time.sleep(0.02)
+    seconds = time.monotonic() - t0
+    leftover = _stop_group(pid)
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read().decode(errors="replace"))
+        f.close()
+    proc = subprocess.CompletedProcess([script, *args], os.waitstatus_to_exitcode(status), *texts)
+    proc.seconds, proc.leftover = seconds, leftover
+    return proc
+
+
+def _alive(proc_group):
+    """The pids still alive in a process group."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == proc_group and fields[0] != "Z":  # pgrp; zombies are gone already
+                pids.append(int(entry))
+    return pids
+
+
+def _stop_group(pgid, grace_s=3.0):
+    """Kill what is left of a run's process group; returns the pids that outlived the run's exit by
+    more than grace_s (ranks it started are stopped by the launcher or die with it, which can take
+    a moment: they must not linger beyond that)."""
+    deadline = time.monotonic() + grace_s
+    while _alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leftover = _alive(pgid)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return leftover
 
 
 # ----------------------------------------------------------------------------------------------

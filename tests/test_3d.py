@@ -5,17 +5,14 @@ over 10 AdamW steps with warmup, cosine decay and active clipping. Layouts only 
 (a few ulps); AdamW and the clipping coefficient propagate them, staying far below 1e-10 here. A
 norm that counts replicated weights tp times or the tied embedding twice is off by O(1).
 """
-import os
 import struct
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, TOL, TRAINER_BASE, TRAINER_CFG, load
+from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load, run_script
 from plumbing import data
 from plumbing.launch import RankFailure
 
@@ -172,8 +169,7 @@ def test_a_world_that_does_not_match_dp_is_refused():
 
 
 def run(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "05_3d_gpt.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return run_script("05_3d_gpt.py", *args, timeout=timeout, env=env)
 
 
 def test_the_main_job_trains_8_ranks_shows_progress_and_summaries(tmp_path):

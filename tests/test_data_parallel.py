@@ -5,15 +5,13 @@ another order (a few ulps); AdamW then divides by sqrt of the second moment, whi
 ulp differences in parameters with tiny gradients to ~1e-13 over ten steps. A missing 1/dp, a
 gradient reduced twice or a stale bucket is O(1).
 """
-import subprocess
-import sys
 from argparse import Namespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, load
+from conftest import load, run_script
 
 tensor_parallel = load("01_tensor_parallel")
 pipeline = load("02_pipeline_1f1b")
@@ -116,10 +114,8 @@ def test_a_bucket_size_of_zero_is_refused(run_ranks):
 
 
 def test_the_demo_refuses_a_batch_not_divisible_by_dp_times_m_and_passes_otherwise():
-    proc = subprocess.run([sys.executable, "04_data_parallel.py", "--batch-size", "12", "--microbatches", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = run_script("04_data_parallel.py", "--batch-size", "12", "--microbatches", "2")
     assert proc.returncode == 1 and "batch of 12 sequences is not divisible by dp x m = 4 x 2" in proc.stderr
-    proc = subprocess.run([sys.executable, "04_data_parallel.py", "--dp", "2", "--steps", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script("04_data_parallel.py", "--dp", "2", "--steps", "2", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("PASS") == 4 and "(0.500, 1/dp = 0.500)" in proc.stdout

@@ -2,13 +2,11 @@
 
 Tolerance: float64, max|a - b| / max|b| <= 1e-10, for the reason given in test_pipeline.py.
 """
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
 
-from conftest import PIPELINE_CFG, ROOT, TOL, load, pipeline_train
+from conftest import PIPELINE_CFG, TOL, load, pipeline_train, run_script
 
 tensor_parallel = load("01_tensor_parallel")
 pipeline = load("02_pipeline_1f1b")
@@ -106,11 +104,10 @@ def test_a_layer_count_that_does_not_split_into_pp_v_chunks_is_refused():
 
 
 def test_the_demo_passes_and_reports_both_bubbles():
-    proc = subprocess.run([sys.executable, "03_interleaved.py", "--pp", "2", "--virtual-stages", "2",
-                           "--microbatches", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_script("03_interleaved.py", "--pp", "2", "--virtual-stages", "2", "--microbatches", "4",
+                      timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "interleaved 1/8 (formula (pp-1)/(v m) = 1/8)" in proc.stdout
     assert "1F1B 1/4 (formula (pp-1)/m = 1/4)" in proc.stdout and proc.stdout.rstrip().endswith("PASS")
-    proc = subprocess.run([sys.executable, "03_interleaved.py", "--microbatches", "6"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = run_script("03_interleaved.py", "--microbatches", "6")
     assert proc.returncode == 1 and "m=6 must be divisible by pp=4" in proc.stderr

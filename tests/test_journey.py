@@ -8,15 +8,13 @@ import argparse
 import ast
 import dataclasses
 import json
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, load
+from conftest import ROOT, load, run_script
 
 tensor_parallel = load("01_tensor_parallel")
 gpt3d = load("05_3d_gpt")
@@ -26,8 +24,7 @@ FILES = ["01_tensor_parallel", "02_pipeline_1f1b", "03_interleaved", "04_data_pa
 
 
 def run(script, *args, timeout=120):
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_script(script, *args, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------------------------

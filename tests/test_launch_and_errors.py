@@ -1,25 +1,21 @@
 """The launcher never hangs, and bad input is refused on every rank before any collective."""
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, load
+from conftest import ROOT, load, run_script
 from plumbing.launch import RankFailure, launch
 
 tensor_parallel = load("01_tensor_parallel")
 
 
-def run_script(*args, timeout=120):
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-    return proc, time.monotonic() - t0
+def run(*args, timeout=120, fresh=False):
+    proc = run_script(*args, timeout=timeout, fresh=fresh)
+    return proc, proc.seconds
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +124,7 @@ def test_bad_input_raises_on_every_rank_before_any_collective(run_ranks, case):
 
 
 def test_the_demo_exits_nonzero_within_seconds_on_bad_input():
-    proc, seconds = run_script("01_tensor_parallel.py", "--tp", "4", "--n-head", "6", "--n-embd", "48")
+    proc, seconds = run("01_tensor_parallel.py", "--tp", "4", "--n-head", "6", "--n-embd", "48")
     assert proc.returncode == 1
     assert "n_head=6 must be divisible by tp=4" in proc.stderr
     assert seconds < 30
@@ -139,7 +135,7 @@ def test_the_demo_exits_nonzero_within_seconds_on_bad_input():
 
 
 def test_the_demo_passes_and_counts_two_all_reduces_per_layer_each_way():
-    proc, _ = run_script("01_tensor_parallel.py")
+    proc, _ = run("01_tensor_parallel.py")
     assert proc.returncode == 0, proc.stderr
     assert "layer 0: 2 forward and 2 backward collectives" in proc.stdout
     assert "PASS" in proc.stdout
@@ -147,7 +143,7 @@ def test_the_demo_passes_and_counts_two_all_reduces_per_layer_each_way():
 
 def test_the_demo_runs_unchanged_under_torchrun():
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc, _ = run_script(*torchrun, "01_tensor_parallel.py", "--sequence-parallel")
+    proc, _ = run(*torchrun, "01_tensor_parallel.py", "--sequence-parallel", fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "PASS" in proc.stdout and "world=2" in proc.stdout
 
@@ -157,5 +153,5 @@ def test_the_readme_baseline_example_runs_as_written(tmp_path):
     code = text.split("## Use it as a correctness baseline")[1].split("```python\n")[1].split("```")[0]
     script = tmp_path / "example.py"
     script.write_text(code.replace("/path/to/this/repo", str(ROOT)))
-    proc, _ = run_script(str(script))
+    proc, _ = run(str(script), fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,14 +5,12 @@ and adds the microbatch gradients in another order (a few ulps, ~1e-15); a wrong
 factor of m, a missed tied-embedding sync a whole missing gradient term.
 """
 import json
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
 import torch
 
-from conftest import PIPELINE_CFG, ROOT, TOL, load, pipeline_batch, pipeline_train
+from conftest import PIPELINE_CFG, TOL, load, pipeline_batch, pipeline_train, run_script
 from plumbing.trace import write_timelines
 
 tensor_parallel = load("01_tensor_parallel")
@@ -173,8 +171,7 @@ def test_bad_pipeline_input_is_refused_on_every_rank(run_ranks, case):
 @pytest.mark.parametrize("args", [["--pp", "2", "--microbatches", "3"]], ids=["pp2-m3"])
 def test_the_demo_passes_prints_the_timeline_and_the_exact_bubble(args, tmp_path):
     trace = tmp_path / "pipeline.json"
-    proc = subprocess.run([sys.executable, "02_pipeline_1f1b.py", *args, "--trace", str(trace)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_script("02_pipeline_1f1b.py", *args, "--trace", str(trace), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("PASS") == 2 and proc.stdout.count("(equal)") == 2
     assert "rank 0 |F0" in proc.stdout
@@ -185,6 +182,5 @@ def test_the_demo_passes_prints_the_timeline_and_the_exact_bubble(args, tmp_path
 
 
 def test_the_demo_exits_nonzero_on_bad_input():
-    proc = subprocess.run([sys.executable, "02_pipeline_1f1b.py", "--pp", "3"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = run_script("02_pipeline_1f1b.py", "--pp", "3")
     assert proc.returncode == 1 and "n_layer=4 is not divisible by 3 pipeline stages" in proc.stderr

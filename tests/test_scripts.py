@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from plumbing.data import tokenizer_of
+from plumbing.tokenizer import tokenizer_of
 
 SCRIPTS = ROOT / "scripts"
 
