@@ -1,4 +1,5 @@
-"""The planner: what a model costs on a cluster, from closed forms only, allocating nothing.
+"""The planner: what a model costs on a cluster, from closed forms and a replayed schedule, allocating
+nothing.
 
     python3 05_3d_gpt.py --plan 1T --gpus 3072           # Table 1's 1T model on 3072 A100s
     python3 05_3d_gpt.py --plan custom --n-layer 24 --n-embd 2048 --n-head 16 --gpus 64 --plan-batch 512
@@ -14,16 +15,36 @@ t, p, d the tensor-, pipeline- and data-parallel sizes, n GPUs, T training token
     bubble            (p - 1) / (v m), m = B / (b d) microbatches per pipeline  Narayanan 2.2
     activations       s b h (10 + 24/t + 5 a s/(h t)) bytes per layer           Korthikanti Table 2
                       s b h (34/t + 5 a s/(h t)) with sequence parallelism
+                      s b h (10 + 24/t), s b h 34/t with selective recomputation
                       2 s b h (/ t with sequence parallelism) with full recomputation
     memory per GPU    2 + 4 + 12 bytes per parameter (bf16 weights, fp32 gradients, fp32 master
                       and two Adam moments; the optimizer's 12 / d under ZeRO-1), plus activations
                       for the layers in flight (Korthikanti 4.2.3)
 
-The throughput estimate on top (estimate_iteration) is a model with stated constants (Cluster);
-05's start-up summary uses the same formulas for the run at hand. Mixed precision as in Megatron;
-GB = 1e9 bytes.
+The throughput estimate (estimate_iteration) times what one GPU does, kernel by kernel, with one
+set of constants (Cluster, each with its source; none fitted to Table 1, none per model):
+
+    GEMMs             roofline: max(math, bytes / HBM), the math in waves of one 256x128 output
+                      tile per SM (tile and wave quantization): small h/t and b s waste more of it
+    memory-bound      LayerNorm, bias-GeLU, bias-dropout-add, softmax, dropout: their bytes / HBM
+    tp all-reduce     2 (t-1)/t of b s h bf16 over NVLink, 4 per layer, 6 with full recomputation
+    pp p2p            b s h / t per GPU over InfiniBand, then an all-gather over NVLink (4.1)
+    bubble            02's simulate() replaying the schedule's own action lists with these times
+    dp all-reduce     fp32 gradients after the last backward, not overlapped (Megatron 2021)
+    optimizer         Adam's bytes per parameter / HBM
+    recomputation     full: the whole forward again in backward; selective: the attention core
+
+It lands within 10% of every row of Table 1 (tests/test_planner.py), and says why the paper's
+small models are its least efficient (Section 5.1: "larger matrix multiplications"): for 1.7B the
+memory-bound kernels, mostly softmax and dropout over the s^2 attention scores, take 28% of the
+time against 10% for 1T, and its projection GEMMs run at 214 TFLOP/s against 1T's 255 (ragged
+tiles and waves at small h); for 18.4B, tp = 8 at h/t = 768 spends 17% in all-reduces against 6%.
+Mixed precision as in Megatron; GB = 1e9 bytes.
 """
 import argparse
+import functools
+import importlib
+import math
 import re
 from collections import namedtuple
 from dataclasses import dataclass
@@ -42,6 +63,7 @@ PAPER_CONFIGS = {f"{r[0]}B": PaperRow(*r) for r in [
     (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]}
+RECOMPUTE = ("full", "selective", "none")  # Korthikanti 5: full layers, the attention core, nothing
 
 
 @dataclass(frozen=True)
@@ -51,9 +73,9 @@ class Layout:
     pp: int
     dp: int
     batch: int  # B, global, in sequences
-    b: int = 1  # micro-batch size
+    b: int = 1  # micro-batch size (Table 1 does not give it: 1 is assumed for every row)
     v: int = 1  # virtual stages per pipeline rank
-    recompute: bool = True  # full activation recomputation, as in the paper's runs
+    recompute: bool | str = True  # True or "full" (the paper's runs), "selective", False or "none"
     sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
     zero1: bool = False
     scatter_gather: bool = True  # Narayanan Section 4.1: pp messages split over the tp ranks
@@ -62,18 +84,47 @@ class Layout:
     def m(self):  # at least 1, so that a refused layout can still be described
         return max(1, self.batch // (self.b * self.dp))
 
+    @property
+    def recompute_mode(self):
+        return recompute_mode(self.recompute)
+
+
+def recompute_mode(recompute):
+    """'full', 'selective' or 'none' from a bool (05's --recompute) or one of those names."""
+    mode = {True: "full", False: "none"}.get(recompute, recompute)
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    return mode
+
 
 @dataclass(frozen=True)
 class Cluster:
-    """The machine the throughput model assumes: Narayanan's A100 cluster (Section 5)."""
-    peak_tflops: float = 312.0  # A100 bf16 dense tensor cores
-    # Of peak, reached by the layers' GEMMs before bubble and communication: chosen so that the
-    # paper's 1T layout comes out near its measured 163 TFLOP/s (small models land above theirs).
-    efficiency: float = 0.6
-    nvlink_gbs: float = 300.0  # per GPU per direction, inside a node (carries tp)
-    ib_gbs: float = 25.0  # per GPU per direction, across nodes (carries pp and dp)
+    """The machine: Narayanan's Selene (Section 5), DGX A100 nodes of 8 A100-SXM4-80GB. These are
+    every constant of the throughput model, each from a datasheet or a published measurement; none
+    is fitted to Table 1, and every model and layout uses the same ones."""
+    peak_tflops: float = 312.0  # A100 dense bf16 Tensor Core peak (A100 datasheet; Section 5)
+    # The most a bf16 matmul reaches on an A100 SXM over all shapes, 86% of peak: the "maximum
+    # achievable matmul FLOPS" measured in S. Bekman's Machine Learning Engineering book
+    # (github.com/stas00/ml-engineering, compute/accelerator: 267.9 TFLOP/s).
+    gemm_tflops: float = 267.9
+    sms: int = 108  # streaming multiprocessors (A100 datasheet): one output tile each per wave
+    # cuBLAS's largest output tile, either way round (NVIDIA, "Matrix Multiplication Background
+    # User's Guide", 2.3; 3.1-3.2 describe tile and wave quantization on the A100's 108 SMs).
+    tile: tuple = (256, 128)
+    # What a streaming kernel reaches of the 2039 GB/s of HBM2e (datasheet): 1.80 TB/s, 88%,
+    # measured (NVIDIA developer forum, "Trouble to Reach Peak Bandwidth of A100", 2025).
+    hbm_gbs: float = 1800.0
+    # All-reduce bus bandwidth among the 8 GPUs of a node (NVSwitch): about 200 GB/s measured by
+    # nccl-tests on 8 A100-SXM4-80GB (NVIDIA/nccl-tests issue 149); each GPU's links carry 300 GB/s
+    # per direction ("600 GB/s" in Section 5).
+    nvlink_gbs: float = 200.0
+    ib_gbs: float = 25.0  # per GPU across nodes: eight 200 Gb/s HDR InfiniBand cards a node (Section 5)
     gpu_mem_gb: float = 80.0  # 80e9 B: an "80 GB" A100 has 85.9e9, the rest is left as headroom
     gpus_per_node: int = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# The papers' closed forms
 
 
 def model_spec(name_or_spec):
@@ -111,18 +162,24 @@ def params_exact(m):
 
 
 def flops_per_iteration(m, batch, recompute=True):
-    """Narayanan eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full recomputation."""
+    """Narayanan eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full recomputation; the FLOPs
+    run, so fewer with selective recomputation or none."""
     l, h, s, V = m.n_layer, m.n_embd, m.seq_len, m.vocab_size
     # A layer's forward is 24 B s h^2 (1 + s/(6h)); backward is twice that and recomputation one
     # more forward (4x, 3x without); the logit layer (2 B s h V) is never recomputed: always 3x.
     # So without recomputation the last term is V/(12 l h), not the paper's V/(16 l h).
-    k = 4 if recompute else 3
-    return 24 * k * batch * s * l * h * h * (1 + s / (6 * h) + 6 * V / (24 * k * l * h))
+    # Selective recomputation (Korthikanti 5) reruns only the attention core: QK^T and the
+    # attention over V, 4 B s^2 h of the forward's 24 B s h^2 s/(6h).
+    mode = recompute_mode(recompute)
+    k = 4 if mode == "full" else 3
+    core = 4 * batch * s * s * h * l if mode == "selective" else 0
+    return 24 * k * batch * s * l * h * h * (1 + s / (6 * h) + 6 * V / (24 * k * l * h)) + core
 
 
 def training_days(tokens, params, n_gpus, tflops, recompute=True):
     """Narayanan eq. 4: 8 T P / (n X) seconds (6 T P / (n X) without recomputation), in days."""
-    return (8 if recompute else 6) * tokens * params / (n_gpus * tflops * 1e12) / 86400
+    k = 8 if recompute_mode(recompute) == "full" else 6
+    return k * tokens * params / (n_gpus * tflops * 1e12) / 86400
 
 
 def bubble_fraction(pp, m, v=1):
@@ -142,11 +199,13 @@ def params_per_gpu(m, L):
 def activation_bytes_per_layer(m, L):
     """Korthikanti Table 2: one layer's stored activations for one microbatch on one tp rank."""
     s, b, h, a, t = m.seq_len, L.b, m.n_embd, m.n_head, L.tp
-    if L.recompute:  # only the layer's bf16 input, replicated over tp unless sequence-parallel
+    mode = L.recompute_mode
+    if mode == "full":  # only the layer's bf16 input, replicated over tp unless sequence-parallel
         return 2 * s * b * h / (t if L.sequence_parallel else 1)
+    core = 0 if mode == "selective" else 5 * a * s / (h * t)  # the s^2 terms, rerun if selective
     if L.sequence_parallel:
-        return s * b * h * (34 / t + 5 * a * s / (h * t))
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))  # LayerNorms, dropout masks replicated
+        return s * b * h * (34 / t + core)
+    return s * b * h * (10 + 24 / t + core)  # LayerNorms, dropout masks replicated
 
 
 def layers_in_flight(m, L):
@@ -168,16 +227,21 @@ def memory_per_gpu(m, L):
     return mem
 
 
+def hidden_bytes(m, L):
+    """One microbatch's bf16 hidden state, b s h: what an all-reduce or a pipeline message carries."""
+    return 2 * L.b * m.seq_len * m.n_embd
+
+
 def comm_bytes_per_gpu(m, L):
     """Bytes one GPU sends per iteration for tp all-reduce, pp point-to-point and dp reduction."""
-    t, d, act = L.tp, L.dp, 2 * L.b * m.seq_len * m.n_embd  # one microbatch's bf16 hidden state
+    t, d, act = L.tp, L.dp, hidden_bytes(m, L)
     # 2 forward + 2 backward all-reduces per layer per microbatch, +2 when the forward is rerun; a
     # ring moves 2 (t-1)/t of the data per GPU, as do sequence parallelism's all-gather and
     # reduce-scatter that replace each all-reduce (Korthikanti 4.2.2).
-    tp_bytes = (6 if L.recompute else 4) * L.m * m.n_layer / L.pp * act * 2 * (t - 1) / t
+    per_layer = 6 if L.recompute_mode == "full" else 4
+    tp_bytes = per_layer * L.m * m.n_layer / L.pp * act * 2 * (t - 1) / t
     # An activation forward and a gradient backward per microbatch, at each of a rank's v chunks.
-    split = t if (L.scatter_gather or L.sequence_parallel) else 1
-    pp_bytes = 0.0 if L.pp == 1 else 2 * L.m * L.v * act / split
+    pp_bytes = 0.0 if L.pp == 1 else 2 * L.m * L.v * act / _p2p_split(L)
     n = params_per_gpu(m, L)
     # fp32 gradients are all-reduced; ZeRO-1 reduce-scatters them and all-gathers the updated bf16
     # weights (as Megatron's distributed optimizer does), so it sends 6 (d-1)/d B/param, not 8.
@@ -185,24 +249,197 @@ def comm_bytes_per_gpu(m, L):
     return dict(tp=tp_bytes, pp=pp_bytes, dp=dp_bytes)
 
 
+def _p2p_split(L):
+    """Section 4.1: with scatter/gather (or sequence parallelism) each tp rank sends 1/t."""
+    return L.tp if (L.scatter_gather or L.sequence_parallel) else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The throughput model: one GPU's kernels, timed with Cluster's constants, then the schedule
+
+
+def gemm_seconds(M, N, K, batch=1, c=Cluster()):
+    """One bf16 GEMM (M x K) @ (K x N), `batch` of them in one strided-batched call: the slower of
+    its math and its memory traffic (a roofline). The math runs in waves, one output tile per SM at
+    a time; a partial tile or a partial last wave costs a whole one (tile and wave quantization),
+    which is what makes small h/t and b s slower per FLOP."""
+    def math_seconds(tm, tn):
+        tiles = batch * math.ceil(M / tm) * math.ceil(N / tn)
+        return math.ceil(tiles / c.sms) * 2 * tm * tn * K / (c.gemm_tflops * 1e12 / c.sms)
+    compute = min(math_seconds(*c.tile), math_seconds(*c.tile[::-1]))
+    memory = 2 * batch * (M * K + K * N + M * N) / (c.hbm_gbs * 1e9)
+    return max(compute, memory)
+
+
+def layer_gemms(m, L):
+    """A layer's forward GEMMs on one tp rank for one microbatch, as (M, N, K, batch). The
+    projections are split over t (Shoeybi 3); QK^T and the attention over V run per head."""
+    b, s, h, t = L.b, m.seq_len, m.n_embd, L.tp
+    hs, heads = h // m.n_head, b * m.n_head // t  # head size; (b, a/t) attention matrices
+    return dict(qkv=(b * s, 3 * h // t, h, 1), scores=(s, s, hs, heads), context=(s, hs, s, heads),
+                proj=(b * s, h, h // t, 1), fc1=(b * s, 4 * h // t, h, 1), fc2=(b * s, h, 4 * h // t, 1))
+
+
+def memory_bound_bytes(m, L):
+    """Bytes one layer's memory-bound kernels move for one microbatch on one tp rank:
+    (the attention core's forward, the rest of the forward, the backward). Megatron's fused
+    kernels (Narayanan 4.2) each read and write bf16 tensors once, dropout masks one byte:
+
+        kernel                   forward  backward   per element of
+        LayerNorm (x2)              4        6        b s h, on every tp rank (/ t with sp)
+        bias-dropout-add (x2)       7       11        b s h, on every tp rank (/ t with sp)
+        bias-GeLU                   4        6        b s 4h/t
+        scale-mask-softmax          4        6        b a/t s^2 attention scores
+        attention dropout           5        5        b a/t s^2
+    plus the fp32 gradient accumulation after each microbatch's backward (Megatron 2021's main_grad:
+    read the bf16 gradient and the fp32 sum, write the sum: 10 bytes per parameter)."""
+    b, s, h, t = L.b, m.seq_len, m.n_embd, L.tp
+    tokens, scores = b * s, b * m.n_head / t * s * s
+    replicated = tokens * h / (t if L.sequence_parallel else 1)
+    core = 9 * scores
+    rest = 2 * 4 * replicated + 2 * 7 * replicated + 4 * tokens * 4 * h / t
+    backward = 11 * scores + 2 * 6 * replicated + 2 * 11 * replicated + 6 * tokens * 4 * h / t
+    return core, rest, backward + 10 * (12 * h * h + 13 * h) / t
+
+
+def ring_gbs(size, stride, c=Cluster()):
+    """GB/s each GPU sends at in a ring among `size` GPUs `stride` ranks apart (NCCL's bus bandwidth).
+    Inside a node: NVLink's. Across nodes, each of the group's GPUs in a node drives its own
+    InfiniBand card (NCCL runs one ring per card), so k members per node send at k x 25 GB/s."""
+    per_node = max(1, c.gpus_per_node // stride)
+    return c.nvlink_gbs if size <= per_node else min(c.nvlink_gbs, per_node * c.ib_gbs)
+
+
+def tp_allreduce_seconds(m, L, c=Cluster()):
+    """One all-reduce of b s h bf16 over the tp group: a ring sends 2 (t-1)/t of it per GPU."""
+    return 2 * (L.tp - 1) / L.tp * hidden_bytes(m, L) / (ring_gbs(L.tp, 1, c) * 1e9)
+
+
+def microbatch_seconds(m, L, c=Cluster()):
+    """One microbatch through one pipeline rank's l/p layers, forward and backward (the backward
+    with its recomputation), each as dict(gemm, memory, tp) in seconds. The slowest rank counts:
+    the last, which adds the logit layer and the loss (never recomputed); the first adds only an
+    embedding all-reduce. Megatron runs tp all-reduces on the compute stream: they are exposed."""
+    hbm = c.hbm_gbs * 1e9
+    g = {k: gemm_seconds(*x, c=c) for k, x in layer_gemms(m, L).items()}
+    g_bwd = sum(gemm_seconds(M, K, N, B, c) + gemm_seconds(K, N, M, B, c)  # dX and dW
+                for M, N, K, B in layer_gemms(m, L).values())
+    core, rest, mem_bwd = memory_bound_bytes(m, L)
+    ar = tp_allreduce_seconds(m, L, c)
+    mode = L.recompute_mode
+    redo_gemm = {"full": sum(g.values()), "selective": g["scores"] + g["context"], "none": 0}[mode]
+    redo_mem = {"full": core + rest, "selective": core, "none": 0}[mode]
+    layers = m.n_layer / L.pp
+    fwd = dict(gemm=layers * sum(g.values()), memory=layers * (core + rest) / hbm, tp=layers * 2 * ar)
+    bwd = dict(gemm=layers * (g_bwd + redo_gemm), memory=layers * (mem_bwd + redo_mem) / hbm,
+               tp=layers * (2 + (2 if mode == "full" else 0)) * ar)
+    # The logit layer, split over V (column-parallel): one GEMM forward, two backward, its input's
+    # gradient all-reduced; the fp32 vocab-parallel cross entropy moves ~38 B per logit forward
+    # (cast, max, subtract, exp, sum, divide) and ~22 backward.
+    bs, h, v_t = L.b * m.seq_len, m.n_embd, math.ceil(m.vocab_size / L.tp)
+    logits = bs * v_t
+    fwd["gemm"] += gemm_seconds(bs, v_t, h, c=c)
+    bwd["gemm"] += gemm_seconds(bs, h, v_t, c=c) + gemm_seconds(h, v_t, bs, c=c)
+    fwd["memory"] += 38 * logits / hbm
+    bwd["memory"] += 22 * logits / hbm
+    bwd["tp"] += ar
+    if L.pp == 1:
+        fwd["tp"] += ar  # the vocab-parallel embedding's all-reduce, on the same rank
+    return fwd, bwd
+
+
+def p2p_seconds(m, L, c=Cluster()):
+    """One pipeline message (an activation or its gradient) between neighbouring stages. With
+    scatter/gather each tp rank sends 1/t over its own InfiniBand card and the receiving tp group
+    all-gathers the pieces over NVLink (Section 4.1). Stages are t d ranks apart (Megatron's rank
+    order: tp, then dp, then pp), so the pipeline crosses nodes once t d p > GPUs per node."""
+    if L.pp == 1:
+        return 0.0
+    nbytes, split = hidden_bytes(m, L), _p2p_split(L)
+    link = c.ib_gbs if L.tp * L.dp * L.pp > c.gpus_per_node else c.nvlink_gbs
+    seconds = nbytes / split / (link * 1e9)
+    if split > 1 and not L.sequence_parallel:  # sp keeps the pieces: the next stage wants them split
+        seconds += (split - 1) / split * nbytes / (c.nvlink_gbs * 1e9)
+    return seconds
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(pp, m, v):
+    """Every rank's action list: 02's 1F1B, or 03's interleaved 1F1B for v > 1."""
+    if v == 1:
+        one_f_one_b = importlib.import_module("02_pipeline_1f1b").one_f_one_b
+        return [one_f_one_b(pp, m, r) for r in range(pp)]
+    interleaved = importlib.import_module("03_interleaved").interleaved
+    return [interleaved(pp, m, r, v) for r in range(pp)]
+
+
+@functools.lru_cache(maxsize=1024)
+def pipeline_seconds(pp, m, v, t_f, t_b, t_comm):
+    """The pipeline's step time: 02's simulate() replays the schedule's own action lists with
+    forward t_f, backward t_b (per chunk) and t_comm on every message between ranks, so the bubble
+    and the messages on the critical path come out of the schedule rather than a formula.
+    1F1B repeats itself every pp microbatches once the pipeline is full, so two replays of at most
+    3 pp microbatches (m1 = m mod pp, counted from pp, and m1 + pp) give any m: replaying all 512 of
+    1T's would take seconds (tests/test_planner.py checks the shortcut against full replays, slow
+    messages included). The interleaved schedule settles into no such short period when messages
+    are slow, so for v > 1 all m are replayed."""
+    simulate = importlib.import_module("02_pipeline_1f1b").simulate
+    step = lambda k: simulate(_schedule(pp, k, v), pp, t_f, t_b, t_comm).step_time  # noqa: E731
+    m1 = pp + (m - pp) % pp
+    if v > 1 or m <= m1 + pp:
+        return step(m)
+    first, second = step(m1), step(m1 + pp)
+    return second + (m - m1 - pp) / pp * (second - first)
+
+
 def estimate_iteration(m, L, n_gpus, c=Cluster()):
-    """Seconds per iteration, by part, and TFLOP/s per GPU under THROUGHPUT_MODEL."""
-    flops, comm = flops_per_iteration(m, L.batch, L.recompute), comm_bytes_per_gpu(m, L)
-    t = dict(compute=flops / (n_gpus * c.peak_tflops * 1e12 * c.efficiency))
-    t["bubble"] = t["compute"] * bubble_fraction(L.pp, L.m, L.v)
-    t["tp"] = comm["tp"] / (c.nvlink_gbs * 1e9)  # on the critical path: nothing to hide it behind
-    t["pp"] = comm["pp"] / (c.ib_gbs * 1e9)
-    # Gradients are final only after the last microbatch's backward, so the dp reduction can hide
-    # behind that one backward (3/4 of a microbatch's work with recomputation, 2/3 without).
-    hidden = t["compute"] / L.m * (0.75 if L.recompute else 2 / 3)
-    t["dp"] = max(0.0, comm["dp"] / (c.ib_gbs * 1e9) - hidden)
-    t["total"] = sum(t.values())
-    t["tflops"] = flops / (n_gpus * t["total"]) / 1e12
+    """Seconds per iteration by part, and TFLOP/s per GPU (eq. 3's FLOPs over n GPUs and the time).
+    gemm, memory and tp: the slowest pipeline rank's work summed over its m microbatches; bubble: its
+    idle time in 02's replay (warm-up, drain, waiting on messages); dp: the exposed gradient
+    all-reduce; optimizer: the Adam step."""
+    fwd, bwd = microbatch_seconds(m, L, c)
+    t_f, t_b = sum(fwd.values()) / L.v, sum(bwd.values()) / L.v  # per chunk, logits shared out
+    step = pipeline_seconds(L.pp, L.m, L.v, t_f, t_b, p2p_seconds(m, L, c))
+    t = {k: L.m * (fwd[k] + bwd[k]) for k in ("gemm", "memory", "tp")}
+    t["bubble"] = step - sum(t.values())
+    # Megatron's 2021 local DDP all-reduces the fp32 gradients only after the last backward, so
+    # none of it hides; pp > 1 adds the tied embedding's all-reduce between first and last stage.
+    t["dp"] = comm_bytes_per_gpu(m, L)["dp"] / (ring_gbs(L.dp, L.tp, c) * 1e9)
+    if L.pp > 1:
+        t["dp"] += 4 * m.vocab_size * m.n_embd / L.tp / (c.ib_gbs * 1e9)
+    # Adam over fp32 state, per parameter: the gradient norm reads 4 B, the update reads gradient,
+    # master and two moments (16) and writes three (12), the bf16 copy 6, zeroing the gradients 4.
+    n = params_per_gpu(m, L)
+    t["optimizer"] = n * (8 + 34 / (L.dp if L.zero1 else 1)) / (c.hbm_gbs * 1e9)
+    t["total"] = step + t["dp"] + t["optimizer"]
+    t["tflops"] = flops_per_iteration(m, L.batch, L.recompute) / (n_gpus * t["total"]) / 1e12
     return t
 
 
-THROUGHPUT_MODEL = ("time = F/(n peak eff) (1 + bubble) + tp bytes/NVLink + pp bytes/IB"
-                    " + dp bytes/IB less the last microbatch's backward")
+def model_constants(c=Cluster()):
+    """The throughput model's constants and their sources, as --plan prints them."""
+    return ["throughput model constants (Cluster; one set for every model and layout, none fitted "
+            "to Table 1):",
+            f"  peak        {c.peak_tflops:g} TFLOP/s bf16 per A100 (datasheet, Section 5); "
+            f"TFLOP/s counted with eq. 3",
+            f"  GEMMs       at most {c.gemm_tflops:g} TFLOP/s (the best bf16 matmul measured on an "
+            f"A100 SXM, Bekman's ML Engineering),",
+            f"              in waves of one {c.tile[0]}x{c.tile[1]} tile per SM over {c.sms} SMs "
+            f"(datasheet; NVIDIA's matmul guide), or bytes / HBM",
+            f"  HBM         {c.hbm_gbs:g} GB/s (88% of the datasheet's 2039, measured) for "
+            f"the memory-bound kernels",
+            f"  NVLink      {c.nvlink_gbs:g} GB/s all-reduce bus bandwidth in a node (nccl-tests, "
+            f"8 A100-SXM4-80GB)",
+            f"  InfiniBand  {c.ib_gbs:g} GB/s per GPU across nodes ({c.gpus_per_node} x 200 Gb/s "
+            f"HDR per node, Section 5)",
+            "  software    Megatron as in 2021: fused kernels (4.2); tp all-reduces and fp32 "
+            "gradient accumulation per microbatch;",
+            "              dp all-reduce after the last backward, not overlapped; the bubble from "
+            "02's simulate() on the schedule"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts
 
 
 def layout_problems(m, L, n_gpus, c=Cluster()):
@@ -231,6 +468,90 @@ def rank_layouts(m, n_gpus, batch, c=Cluster(), **options):
     return sorted(ranked, key=lambda r: -r[1]["tflops"])
 
 
+# ----------------------------------------------------------------------------------------------
+# Input checks (bad input never costs a run): every --plan flag, in one place, before anything
+
+
+MODEL_FLAGS = (("--n-layer", "n_layer"), ("--n-embd", "n_embd"), ("--n-head", "n_head"),
+               ("--vocab-size", "vocab_size"), ("--seq-len", "seq_len"))
+PlanInput = namedtuple("PlanInput", "spec n_gpus layout batch options")
+
+
+def check_plan_args(args, c=Cluster()):
+    """The --plan flags (and the model flags `custom` reads) checked for type, range and their
+    relations; ValueError naming the flag, its value and the constraint. Returns a PlanInput."""
+    def need(ok, flag, value, constraint):
+        if not ok:
+            raise ValueError(f"{flag}={value}: {constraint}")
+
+    def count(flag, value):  # a positive int (bool is an int to Python, not to us)
+        need(isinstance(value, int) and not isinstance(value, bool) and value >= 1, flag, value,
+             "must be a whole number of at least 1")
+        return value
+
+    def amount(flag, value):  # a positive, finite float
+        need(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, flag, value,
+             "must be a finite number above 0")
+        return value
+
+    row = None
+    if args.plan == "custom":
+        sizes = {attr: count(flag, getattr(args, attr, None)) for flag, attr in MODEL_FLAGS}
+        need(sizes["n_embd"] % sizes["n_head"] == 0, "--n-embd", sizes["n_embd"],
+             f"must be divisible by --n-head={sizes['n_head']} (head size C / nh)")
+        spec = ModelSpec(**sizes)
+    else:
+        try:
+            row = paper_row(args.plan)
+        except ValueError:
+            raise ValueError(f"--plan={args.plan}: give a model of Table 1 "
+                             f"({', '.join(PAPER_CONFIGS)}, or 1T) or custom") from None
+        spec = model_spec(args.plan)
+    n_gpus = args.gpus if args.gpus is not None or not row else row.n_gpus
+    need(n_gpus is not None, "--gpus", n_gpus, "the number of GPUs is needed for a model not in Table 1")
+    count("--gpus", n_gpus)
+    batch = args.plan_batch if args.plan_batch is not None or not row else row.batch
+    need(batch is not None, "--plan-batch", batch, "the global batch B is needed for a model not in Table 1")
+    count("--plan-batch", batch)
+    b, v = count("--plan-micro-batch", args.plan_micro_batch), count("--plan-v", args.plan_v)
+    need(batch % b == 0, "--plan-micro-batch", b, f"must divide --plan-batch={batch}")
+    need(spec.n_layer % v == 0, "--plan-v", v, f"must divide the model's {spec.n_layer} layers")
+    need(args.plan_recompute in RECOMPUTE, "--plan-recompute", args.plan_recompute,
+         f"must be one of {', '.join(RECOMPUTE)}")
+    amount("--plan-tokens", args.plan_tokens)
+    amount("--plan-gpu-mem", args.plan_gpu_mem)
+    if args.plan_tflops is not None:
+        amount("--plan-tflops", args.plan_tflops)
+        need(args.plan_tflops <= c.peak_tflops, "--plan-tflops", args.plan_tflops,
+             f"cannot exceed the GPU's peak of {c.peak_tflops:g} TFLOP/s")
+    options = dict(b=b, v=v, recompute=args.plan_recompute, zero1=args.plan_zero1,
+                   sequence_parallel=args.plan_sequence_parallel, scatter_gather=args.plan_scatter_gather)
+    layout = None
+    if args.plan_layout is not None:
+        given = args.plan_layout
+        parts = given.split(",")
+        need(len(parts) == 3 and all(p.strip().isdigit() and int(p) >= 1 for p in parts), "--plan-layout",
+             given, "expected three whole numbers of at least 1, TP,PP,DP")
+        layout = tp, pp, dp = tuple(int(p) for p in parts)
+        need(tp * pp * dp == n_gpus, "--plan-layout", given,
+             f"tp*pp*dp = {tp * pp * dp} GPUs, but --gpus={n_gpus}")
+        need(spec.n_head % tp == 0, "--plan-layout", given, f"tp={tp} must divide the {spec.n_head} heads")
+        need(spec.n_layer % (pp * v) == 0, "--plan-layout", given,
+             f"pp*v = {pp * v} (with --plan-v={v}) must divide the {spec.n_layer} layers")
+        need(batch % (dp * b) == 0, "--plan-layout", given,
+             f"dp*b = {dp * b} (with --plan-micro-batch={b}) must divide --plan-batch={batch}")
+        m = batch // (dp * b)
+        need(v == 1 or (pp > 1 and m % pp == 0), "--plan-v", v,
+             f"interleaving needs pp > 1 and pp | m: pp={pp}, m={m} microbatches")
+        need(not args.plan_sequence_parallel or spec.seq_len % tp == 0, "--plan-sequence-parallel",
+             True, f"tp={tp} must divide the sequence length {spec.seq_len}")
+    return PlanInput(spec if row is None else args.plan, n_gpus, layout, batch, options)
+
+
+# ----------------------------------------------------------------------------------------------
+# The report and the command line
+
+
 def _si(x, unit):
     """1.23e19 FLOP -> '12.3 EFLOP'."""
     prefix, scale = next((p, k) for p, k in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9),
@@ -254,13 +575,14 @@ def plan_report(name_or_spec, n_gpus, layout=None, batch=None, tokens=300e9, tfl
     P, mem, comm = params_eq2(m), memory_per_gpu(m, L), comm_bytes_per_gpu(m, L)
     est, problems = estimate_iteration(m, L, n_gpus, c), layout_problems(m, L, n_gpus, c)
     gb = lambda x: f"{x / 1e9:9.1f} GB"  # noqa: E731
+    busy = est["gemm"] + est["memory"] + est["tp"]
     out = [f"model: {f'{row.billions}B of Table 1, ' if row else ''}l={m.n_layer} h={m.n_embd} "
            f"a={m.n_head} V={m.vocab_size} s={m.seq_len}; {n_gpus} GPUs of {c.gpu_mem_gb:g} GB, "
            f"{c.gpus_per_node} per node",
            f"parameters: {P / 1e9:,.1f} B (eq. 2); 01's GPT-2 has exactly {params_exact(m):,}",
            f"layout ({'given' if layout else 'best-ranked'}): tp={L.tp} pp={L.pp} dp={L.dp} "
            f"v={L.v} b={L.b} B={batch} -> m={L.m} microbatches per pipeline",
-           f"  recompute={L.recompute} sequence_parallel={L.sequence_parallel} zero1={L.zero1} "
+           f"  recompute={L.recompute_mode} sequence_parallel={L.sequence_parallel} zero1={L.zero1} "
            f"scatter_gather={L.scatter_gather}"]
     out += [f"  CANNOT RUN: {'; '.join(problems)}"] if problems else []
     out += ["memory on the fullest GPU (the first stage):",
@@ -276,29 +598,28 @@ def plan_report(name_or_spec, n_gpus, layout=None, batch=None, tokens=300e9, tfl
             f"FLOPs per iteration (eq. 3): "
             f"{_si(flops_per_iteration(m, batch, L.recompute), 'FLOP')}",
             f"pipeline bubble (pp-1)/(v m) = {L.pp - 1}/{L.v * L.m} = "
-            f"{bubble_fraction(L.pp, L.m, L.v):.1%}",
+            f"{bubble_fraction(L.pp, L.m, L.v):.1%}; 02's replay with the model's times and "
+            f"messages: {est['bubble'] / busy:.1%}",
             "communication sent per GPU per iteration:",
             f"  tp all-reduce {gb(comm['tp'])}   "
-            f"{6 if L.recompute else 4} per layer and microbatch",
+            f"{6 if L.recompute_mode == 'full' else 4} per layer and microbatch",
             f"  pp p2p        {gb(comm['pp'])}   act + grad per microbatch per chunk"
-            + (" / tp" if L.scatter_gather or L.sequence_parallel else ""),
+            + (" / tp" if _p2p_split(L) > 1 else ""),
             f"  dp gradients  {gb(comm['dp'])}   " + ("reduce-scatter fp32 + all-gather bf16"
                                                     if L.zero1 else "all-reduce fp32"),
-            f"estimated iteration: {est['total']:.2f} s = compute {est['compute']:.2f} + bubble "
-            f"{est['bubble']:.2f} + tp {est['tp']:.2f} + pp {est['pp']:.2f} + exposed dp "
-            f"{est['dp']:.2f} -> {est['tflops']:.0f} TFLOP/s per GPU"]
+            f"estimated iteration: {est['total']:.3g} s = GEMMs {est['gemm']:.3g} + memory-bound "
+            f"{est['memory']:.3g} + tp {est['tp']:.3g} + bubble {est['bubble']:.3g} + dp "
+            f"{est['dp']:.3g} + optimizer {est['optimizer']:.3g} -> {est['tflops']:.0f} TFLOP/s per GPU"]
     rates = [("estimated", est["tflops"]), ("Table 1's", row and row.tflops), ("given", tflops)]
     out.append(f"training time for {tokens / 1e9:g}B tokens (eq. 4): " + ", ".join(
         f"{training_days(tokens, P, n_gpus, x, L.recompute):.1f} days at {how} {x:.0f} TFLOP/s"
         for how, x in rates if x))
+    out += model_constants(c)
     out += [f"best {min(top, len(ranked))} of {len(ranked)} runnable layouts (tp <= "
             f"{c.gpus_per_node}, fitting in memory), by estimated throughput:",
-            f"  {THROUGHPUT_MODEL};",
-            f"  eff={c.efficiency:g} of {c.peak_tflops:g} TFLOP/s, NVLink {c.nvlink_gbs:g} GB/s "
-            f"and InfiniBand {c.ib_gbs:g} GB/s per GPU",
             "     tp    pp    dp      m  bubble       memory   iteration  TFLOP/s"]
     out += [f"  {r.tp:5d} {r.pp:5d} {r.dp:5d} {r.m:6d} {bubble_fraction(r.pp, r.m, r.v):7.1%} "
-            f"{gb(memory_per_gpu(m, r)['total'])} {e['total']:9.2f} s {e['tflops']:8.0f}"
+            f"{gb(memory_per_gpu(m, r)['total'])} {e['total']:9.3g} s {e['tflops']:8.0f}"
             for r, e in ranked[:top]]
     return "\n".join(out)
 
@@ -310,18 +631,21 @@ def add_plan_args(parser):
     g.add_argument("--plan", metavar="NAME", help=f"a model of Table 1 ({', '.join(PAPER_CONFIGS)}, "
                    f"or 1T), or custom (the model flags)")
     g.add_argument("--gpus", type=int, default=None, help="n GPUs (default: Table 1's for the model)")
-    for flag in ("--n-layer", "--n-embd", "--n-head", "--vocab-size", "--seq-len"):
+    for flag, _ in MODEL_FLAGS:
         if flag not in parser._option_string_actions:
             g.add_argument(flag, type=int, default=None, help="model size for --plan custom")
-    g.add_argument("--plan-layout", metavar="TP,PP,DP", help="estimate this layout (default: the best-ranked)")
+    g.add_argument("--plan-layout", metavar="TP,PP,DP",
+                   help="estimate this layout (default: the best-ranked)")
     g.add_argument("--plan-batch", type=int, help="global batch B in sequences (default: Table 1's)")
     g.add_argument("--plan-micro-batch", type=int, default=1, help="micro-batch size b")
     g.add_argument("--plan-v", type=int, default=1, help="virtual stages per pipeline rank")
-    for name, what in (("recompute", "full activation recomputation"),
-                       ("sequence-parallel", "sequence parallelism"),
+    g.add_argument("--plan-recompute", choices=RECOMPUTE, default="full",
+                   help="activation recomputation: whole layers (the paper's runs), the attention "
+                   "core (Korthikanti), or none")
+    for name, what in (("sequence-parallel", "sequence parallelism"),
                        ("zero1", "the ZeRO-1 distributed optimizer"),
                        ("scatter-gather", "scatter/gather of pipeline messages over tp")):
-        g.add_argument(f"--plan-{name}", default=name in ("recompute", "scatter-gather"),
+        g.add_argument(f"--plan-{name}", default=name == "scatter-gather",
                        action=argparse.BooleanOptionalAction, help=f"assume {what}")
     g.add_argument("--plan-tokens", type=float, default=300e9, help="training tokens T for eq. 4")
     g.add_argument("--plan-tflops", type=float, help="also give the training time at this many "
@@ -330,20 +654,10 @@ def add_plan_args(parser):
 
 
 def plan_from_args(args):
-    """plan_report for the options of add_plan_args (custom: seq_len, else block_size)."""
-    spec = args.plan
-    if spec == "custom":
-        spec = ModelSpec(args.n_layer, args.n_embd, args.n_head, args.vocab_size,
-                         getattr(args, "seq_len", None) or args.block_size)
-    n = args.gpus or (paper_row(spec).n_gpus if isinstance(spec, str) else None)
-    if not n:
-        raise ValueError("--plan custom needs --gpus")
-    layout = tuple(int(k) for k in args.plan_layout.split(",")) if args.plan_layout else None
-    return plan_report(spec, n, layout, args.plan_batch, args.plan_tokens, args.plan_tflops,
-                       Cluster(gpu_mem_gb=args.plan_gpu_mem), b=args.plan_micro_batch,
-                       v=args.plan_v, recompute=args.plan_recompute, zero1=args.plan_zero1,
-                       sequence_parallel=args.plan_sequence_parallel,
-                       scatter_gather=args.plan_scatter_gather)
+    """plan_report for the options of add_plan_args, after check_plan_args has refused bad ones."""
+    spec, n_gpus, layout, batch, options = check_plan_args(args)
+    return plan_report(spec, n_gpus, layout, batch, args.plan_tokens, args.plan_tflops,
+                       Cluster(gpu_mem_gb=args.plan_gpu_mem), **options)
 
 
 # The GPUs whose dense bf16 peak an MFU figure divides by (the trainer shows MFU on these).
