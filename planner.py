@@ -341,7 +341,7 @@ def microbatch_seconds(m, L, c=Cluster()):
     fwd["gemm"] += gemm_seconds(bs, v_t, h, c=c)
     bwd["gemm"] += gemm_seconds(bs, h, v_t, c=c) + gemm_seconds(h, v_t, bs, c=c)
     fwd["memory"] += 38 * logits / hbm
-    bwd["memory"] += 22 * logits / hbm
+    bwd["memory"] += (22 * logits + 10 * v_t * h) / hbm  # + its weight's fp32 accumulation
     bwd["tp"] += ar
     if L.pp == 1:
         fwd["tp"] += ar  # the vocab-parallel embedding's all-reduce, on the same rank
@@ -352,7 +352,9 @@ def p2p_seconds(m, L, c=Cluster()):
     """One pipeline message (an activation or its gradient) between neighbouring stages. With
     scatter/gather each tp rank sends 1/t over its own InfiniBand card and the receiving tp group
     all-gathers the pieces over NVLink (Section 4.1). Stages are t d ranks apart (Megatron's rank
-    order: tp, then dp, then pp), so the pipeline crosses nodes once t d p > GPUs per node."""
+    order: tp, then dp, then pp), so the pipeline crosses nodes once t d p > GPUs per node. The
+    replay delays the receiver by this much; Megatron's 2021 sends also held the sender until
+    delivery, one message per action (about 2% of an action for 1T), which is left out."""
     if L.pp == 1:
         return 0.0
     nbytes, split = hidden_bytes(m, L), _p2p_split(L)
