@@ -3,6 +3,8 @@
     launch(worker, n, *args)   under torchrun: join its group (NCCL on GPU LOCAL_RANK, else gloo)
                                and run worker(env, *args) as this one rank; otherwise fork n CPU
                                ranks here (gloo, one thread each) and return every rank's result
+    launcher_ranks()           (rank, world size, local rank) from torchrun's environment, checked,
+                               or None when no launcher started this process
     run_main(main)             a script's exit code: 0 if main() returned True, 1 (and the message)
                                on a RankFailure or a ValueError, so bad input never ends in a trace
     new_tp_group(env, tp)      this rank's block of tp consecutive ranks, as a process group
@@ -12,10 +14,13 @@
 
 Nothing hangs: every collective has a timeout, and when a local rank raises or dies the others are
 stopped at once and RankFailure carries that rank's traceback. Under torchrun the elastic agent
-does the stopping.
+does the stopping on its node; a rank whose peer on another node is gone (the node died, or its
+ranks failed) fails its next collective, at once if the peer's connection closed and after the
+timeout if it went silent, and says so; a rank dies with its own agent, as it would with its node.
 """
 import ctypes
 import json
+import operator
 import os
 import pickle
 import signal
@@ -46,31 +51,148 @@ def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None):
     """Run worker(env, *args) on every rank and return the ranks' results, in rank order.
 
     Under torchrun (RANK and WORLD_SIZE set) this process is one rank: it joins the launcher's group
-    (NCCL on its LOCAL_RANK GPU if CUDA is available, else gloo) and returns [its own result].
-    Otherwise nprocs CPU ranks are fork-started here with gloo and one thread each. timeout_s bounds
-    every collective; deadline_s, if given, bounds the whole run. If a rank raises or dies, the
-    others are stopped and RankFailure carries the rank's traceback.
+    (NCCL on its LOCAL_RANK GPU if CUDA is available, else gloo) and returns [its own result]; the
+    launcher's WORLD_SIZE, not nprocs, sets the number of ranks. Otherwise nprocs CPU ranks are
+    fork-started here with gloo and one thread each. timeout_s bounds every collective; deadline_s,
+    if given, bounds the whole run. If a rank raises or dies, the others are stopped and RankFailure
+    carries the rank's traceback. nprocs below 1, or a malformed launcher variable, is a ValueError
+    raised before any process or group exists.
     """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        env = _join_launcher_group(timeout_s)
+    try:
+        count = operator.index(nprocs)  # an int, not a float or a string that looks like one
+    except TypeError:
+        count = None
+    if count is None or isinstance(nprocs, bool) or count < 1:
+        raise ValueError(f"launch: nprocs={nprocs!r} must be a whole number of ranks, at least 1")
+    ranks = launcher_ranks()
+    if ranks is not None:
+        return [_run_launched_rank(worker, args, *ranks, timeout_s)]
+    return _launch_local(worker, count, args, timeout_s, deadline_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Under torchrun: this process is one rank of the launcher's group.
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE")  # both set: a launcher started this process
+
+
+def launcher_ranks():
+    """(rank, world_size, local_rank) from the launcher's environment, or None if no launcher started
+    this process. A variable that is not a whole number in range is a ValueError naming it."""
+    present = [name for name in LAUNCHER_VARIABLES if name in os.environ]
+    if not present:
+        return None
+    if len(present) == 1:
+        missing = next(name for name in LAUNCHER_VARIABLES if name not in present)
+        raise ValueError(f"{present[0]} is set but {missing} is not: a launcher such as torchrun sets "
+                         f"both; unset {present[0]} to start local ranks instead")
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if rank >= world:
+        raise ValueError(f"RANK={rank} must be below WORLD_SIZE={world}")
+    return rank, world, _env_int("LOCAL_RANK", 0, default=0)
+
+
+def _env_int(name, minimum, default=None):
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        value = int(text.strip())
+    except (AttributeError, ValueError):
+        raise ValueError(f"the environment variable {name}={text!r} must be a whole number "
+                         f"(torchrun sets it for every rank it starts)") from None
+    if value < minimum:
+        raise ValueError(f"the environment variable {name}={value} must be at least {minimum}")
+    return value
+
+
+def _run_launched_rank(worker, args, rank, world, local_rank, timeout_s):
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: die with it
+        # torchrun starts each rank in a session of its own, so a signal to the agent's process
+        # group (a kill of the agent) would otherwise leave this rank training on, headless.
+        _die_with_parent()
+    env = _join_launcher_group(rank, world, local_rank, timeout_s)
+    try:
         try:
-            return [worker(env, *args)]
-        finally:
-            dist.destroy_process_group()
-    return _launch_local(worker, nprocs, args, timeout_s, deadline_s)
+            result = worker(env, *args)
+            # No rank tears its groups down while a peer may still be in a collective with it:
+            # NCCL runs collectives asynchronously, so a rank's last ones may still be in flight
+            # when its worker returns, and destroying the group would abort them under its peers.
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)  # this rank's collectives, every group's, done
+                dist.barrier(device_ids=[local_rank])  # NCCL's barrier needs its device named
+            else:
+                dist.barrier()
+        except Exception as e:
+            if _peer_lost(e):
+                raise RankFailure(
+                    f"rank {rank} of {world} stopped: a collective failed because a peer rank is gone "
+                    f"(its process or node died, or it failed) or did not answer within the "
+                    f"{timeout_s:g} s timeout; the first rank to fail, in the launcher's log, has the "
+                    f"cause.\n{_where(e)}") from e
+            raise
+    finally:
+        dist.destroy_process_group()
+    return result
 
 
-def _join_launcher_group(timeout_s):
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+def _join_launcher_group(rank, world, local_rank, timeout_s):
     if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(f"LOCAL_RANK={local_rank} but this node has {count} GPU(s): start at most "
+                             f"{count} ranks per node (torchrun --nproc-per-node)")
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
+        # device_id binds the group to this GPU: NCCL connects at once (a wrong GPU or a missing
+        # peer shows here, not at the first collective), new groups split from it, and a barrier
+        # need not guess the device.
+        bind = dict(device_id=device)
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device, backend, bind = torch.device("cpu"), "gloo", {}
     # env:// reads MASTER_ADDR and MASTER_PORT from the launcher.
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                            **bind)
     return RankEnv(rank, world, local_rank, device)
+
+
+# What a collective raises when a peer is gone or silent: gloo raises RuntimeError, saying so in
+# its message; NCCL and the c10d store raise DistError (their own timeouts included).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+             "timed out", "Broken pipe")
+
+
+def _peer_lost(error):
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(text in str(error) for text in PEER_LOST))
+
+
+def _where(error):
+    """The error's first line and the innermost call outside torch that raised it: which collective
+    of ours failed, without the whole traceback."""
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(torch_dir)]
+    at = f" (at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}, in {ours[-1].name})" if ours else ""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}{at}: {lines[0] if lines else ''}"
+
+
+def _die_with_parent(parent=None):
+    """Linux: be killed (SIGKILL) when the process that started this one exits, as a rank dies with
+    its node; elsewhere, nothing. If parent (its pid) is given and already gone, stop here: the
+    signal would never come. (torchrun's agent's pid is not known to its ranks; a rank orphaned in
+    the moment before this call is left to its collective timeout.)"""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        raise RankFailure(f"the process that started this rank (pid {parent}) is gone")
+
+
+# ----------------------------------------------------------------------------------------------
+# Without a launcher: fork nprocs CPU ranks here.
 
 
 def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
@@ -79,7 +201,7 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
     for rank in range(nprocs):
         ours, theirs = ctx.Pipe()
         p = ctx.Process(target=_local_rank_main, name=f"rank{rank}", daemon=True,
-                        args=(rank, nprocs, theirs, worker, args, timeout_s))
+                        args=(rank, nprocs, theirs, worker, args, timeout_s, os.getpid()))
         p.start()
         theirs.close()  # only the child holds its end, so ours reads EOF if the child dies
         procs.append(p)
@@ -135,14 +257,11 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
     return [results[r] for r in range(nprocs)]
 
 
-def _local_rank_main(rank, world, pipe, worker, args, timeout_s):
+def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     torch.set_num_threads(1)  # one thread per rank: ranks share the cores, as GPUs would not
-    try:  # Linux: die with the launching process rather than linger until a timeout
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
     code = 0
     try:
+        _die_with_parent(parent)  # rather than linger until a timeout when the launching process dies
         store = dist.TCPStore("127.0.0.1", pipe.recv(), world, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,

@@ -1,7 +1,9 @@
 """The launcher never hangs, and bad input is refused on every rank before any collective."""
 import os
 import signal
+import socket
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -155,3 +157,145 @@ def test_the_readme_baseline_example_runs_as_written(tmp_path):
     script.write_text(code.replace("/path/to/this/repo", str(ROOT)))
     proc, _ = run(str(script), fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher's own input: the rank count, and under torchrun the launcher's environment. Each is
+# refused before any process or group exists, naming the value.
+
+
+@pytest.mark.parametrize("nprocs", [0, -3, 2.0, "2", True, None])
+def test_launch_refuses_a_rank_count_that_is_not_a_whole_number_of_at_least_one(nprocs):
+    called = []
+    with pytest.raises(ValueError) as err:
+        launch(called.append, nprocs)
+    assert f"nprocs={nprocs!r} must be a whole number of ranks, at least 1" in str(err.value)
+    assert called == []
+
+
+LAUNCHER_ENV = {
+    "RANK not a number": (dict(RANK="one", WORLD_SIZE="2"), "RANK='one' must be a whole number"),
+    "WORLD_SIZE empty": (dict(RANK="0", WORLD_SIZE=""), "WORLD_SIZE='' must be a whole number"),
+    "WORLD_SIZE zero": (dict(RANK="0", WORLD_SIZE="0"), "WORLD_SIZE=0 must be at least 1"),
+    "RANK negative": (dict(RANK="-1", WORLD_SIZE="2"), "RANK=-1 must be at least 0"),
+    "RANK outside the world": (dict(RANK="2", WORLD_SIZE="2"), "RANK=2 must be below WORLD_SIZE=2"),
+    "LOCAL_RANK not a number": (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0.5"),
+                                "LOCAL_RANK='0.5' must be a whole number"),
+    "LOCAL_RANK negative": (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="-2"), "LOCAL_RANK=-2 must be at least 0"),
+    "RANK without WORLD_SIZE": (dict(RANK="0"), "RANK is set but WORLD_SIZE is not"),
+    "WORLD_SIZE without RANK": (dict(WORLD_SIZE="4"), "WORLD_SIZE is set but RANK is not"),
+}
+
+
+def launcher_env(monkeypatch, **variables):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("case", LAUNCHER_ENV, ids=list(LAUNCHER_ENV))
+def test_a_malformed_launcher_variable_is_refused_by_name_before_any_group(monkeypatch, case):
+    variables, message = LAUNCHER_ENV[case]
+    launcher_env(monkeypatch, **variables)
+    called = []
+    with pytest.raises(ValueError) as err:
+        launch(called.append, 2)
+    assert message in str(err.value)
+    assert called == [] and not dist.is_initialized()
+
+
+class Recorder:
+    """Stands in for a torch function: records each call's arguments, returns nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
+def test_under_torchrun_on_a_gpu_the_group_and_its_barrier_are_bound_to_local_rank(monkeypatch):
+    # No GPU here: CUDA and the collectives are stood in for, to see what launch asks of them.
+    # On a GPU, device_id makes NCCL connect at init and bind every group to the rank's device;
+    # barrier(device_ids=...) tells NCCL's barrier which device its tensor lives on.
+    launcher_env(monkeypatch, RANK="3", WORLD_SIZE="4", LOCAL_RANK="1")
+    calls = {name: Recorder() for name in ("set_device", "synchronize", "init_process_group", "barrier",
+                                           "destroy_process_group")}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name in ("set_device", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, calls[name])
+    for name in ("init_process_group", "barrier", "destroy_process_group"):
+        monkeypatch.setattr(dist, name, calls[name])
+    gpu = torch.device("cuda", 1)
+    assert launch(lambda env: (env.rank, env.world_size, env.local_rank, env.device), 4, timeout_s=7) \
+        == [(3, 4, 1, gpu)]
+    assert calls["set_device"].calls == [((gpu,), {})]
+    assert calls["synchronize"].calls == [((gpu,), {})]  # its collectives finished before the barrier
+    assert calls["init_process_group"].calls == [
+        (("nccl",), dict(rank=3, world_size=4, timeout=timedelta(seconds=7), device_id=gpu))]
+    assert calls["barrier"].calls == [((), dict(device_ids=[1]))]
+    assert len(calls["destroy_process_group"].calls) == 1
+
+
+def test_under_torchrun_a_local_rank_beyond_the_gpus_is_refused_by_name(monkeypatch):
+    launcher_env(monkeypatch, RANK="2", WORLD_SIZE="4", LOCAL_RANK="2")
+    init = Recorder()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=2 but this node has 2 GPU\(s\)"):
+        launch(lambda env: None, 4)
+    assert init.calls == []
+
+
+def test_under_torchrun_on_a_cpu_the_group_is_gloo_and_unbound(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher_env(monkeypatch, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init, barrier = Recorder(), Recorder()
+    real_init, real_barrier = dist.init_process_group, dist.barrier
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: (init(*a, **k), real_init(*a, **k)))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: (barrier(*a, **k), real_barrier(*a, **k)))
+    assert launch(_rank_and_sum, 1) == [(0, 1, 1.0)]
+    assert init.calls[0][0] == ("gloo",) and "device_id" not in init.calls[0][1]
+    assert barrier.calls == [((), {})]
+    assert not dist.is_initialized()  # torn down after the worker
+
+
+def test_under_torchrun_a_rank_whose_peer_died_says_so_in_one_line():
+    # Two ranks as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment),
+    # forked from here; rank 1 kills itself after joining (_rank1_dies), rank 0 waits for it in an
+    # all-reduce and must fail at once, saying a peer is gone and where.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.pipe()
+    children = []
+    t0 = time.monotonic()
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(0)
+            os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            os.environ.pop("TORCHELASTIC_RUN_ID", None)
+            try:
+                launch(_rank1_dies, 2, timeout_s=20)
+                report = "returned"
+            except BaseException as e:
+                report = f"{type(e).__name__}: {e}"
+            os.write(out[1], report.encode()[:4000])
+            os._exit(0)
+        children.append(pid)
+    os.close(out[1])
+    statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    report = os.read(out[0], 8000).decode()
+    os.close(out[0])
+    assert statuses == [0, -signal.SIGKILL]
+    assert report.startswith("RankFailure: rank 0 of 2 stopped: a collective failed because a peer "
+                             "rank is gone"), report
+    assert "within the 20 s timeout" in report and "in _rank1_dies" in report, report
+    assert time.monotonic() - t0 < 15  # the closed connection, not the 20 s timeout
