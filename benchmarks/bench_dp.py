@@ -5,17 +5,14 @@ ZeroRedundancyOptimizer, same model, weights, batch and buckets; with the optimi
 benchmarks/README.md has what each side runs, the checks and the method.
 
 Run it (from the repository root; CPU only, it starts its own ranks: not under torchrun):
-    python benchmarks/bench_dp.py                        # dp=2 and dp=4, both parts: 40 s idle,
-                                                         # ~2 min on a busy 2-core machine
+    python benchmarks/bench_dp.py                        # dp=2 and dp=4, both parts
     python benchmarks/bench_dp.py --repeats 21           # tighter medians (the results' run)
-    python benchmarks/bench_dp.py --dp 2 --parts dp --repeats 7 --steps 5
-    python benchmarks/bench_dp.py --bucket-numel 262144  # 1 MiB buckets on both sides
     python benchmarks/bench_dp.py --dp 2 --parts dp --profile   # where each step's time goes
-    python benchmarks/bench_dp.py --gradient-as-bucket-view --zero-bucket-view  # peer's fast options
 """
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -26,116 +23,75 @@ from torch.nn.parallel import DistributedDataParallel
 import harness
 from harness import data_parallel, tensor_parallel
 
-# What "the same function" means here, in float32. Both sides run the same forward and backward
-# kernels on the same data; only the gradient reduction differs: the buckets have other boundaries
-# (and ZeRO-1 reduce-scatters where DDP all-reduces), so gloo adds up an element's dp contributions
-# in another order. Two checks, and the run refuses to time a pair that fails either:
-#  1. The reduced gradients of the first step (same weights, same batch), every element this rank
-#     holds (ours under ZeRO-1: its shard of each bucket): max |ours - peer| / max |peer| per
-#     tensor <= GRAD_RTOL. Another summation order changes an element by an ulp or so of the
-#     summands (float32: 6e-8; at dp=2 the sums are bit-equal, as a + b = b + a); a missing 1/dp
-#     or a bucket left unreduced (the local gradient) is off by 0.5 or more.
+# The same function, in float32: both sides run the same kernels on the same data; only the
+# reduction differs (other bucket boundaries; ZeRO-1 reduce-scatters where DDP all-reduces), so gloo
+# sums an element's dp contributions in another order. Two checks (benchmarks/README.md has more):
+#  1. Step 1's reduced gradients, every element this rank holds: max |ours - peer| / max |peer| per
+#     tensor <= GRAD_RTOL. Another order moves an element by an ulp or so of the summands (float32:
+#     6e-8); a missing 1/dp or an unreduced bucket is off by 0.5 or more.
 #  2. Every parameter after --check-steps AdamW steps: max |ours - peer| <= PARAM_TOL_LR x lr.
-#     AdamW normalizes the gradient: every element moves by about lr per step whatever its
-#     gradient's scale (lr g / (|g| + eps) at the first step). Where an element's gradient nearly
-#     cancels across ranks, down towards eps = 1e-8, an ulp of the summands is a visible part of g
-#     and that element's update moves by a small fraction of lr (measured with the defaults at
-#     dp=4: 1.2e-3 lr, 2e-5 of the largest entry of the tensor concerned, so a plain 1e-5
-#     relative tolerance would fail on rounding alone). A stale or unsynchronised ZeRO shard, an update
-#     applied twice or a wrong gradient moves elements by ~lr: a hundred times the tolerance.
-#     AdamW hides a gradient's scale (a missing 1/dp barely changes the update), which is why
-#     check 1 exists. Both checks were seen to fail on purpose-made bugs (no 1/dp; no all-gather).
+#     AdamW moves every element by about lr whatever its gradient's scale, and where a gradient
+#     nearly cancels across ranks an ulp is a visible part of it (measured at dp=4: 1.2e-3 lr, so a
+#     plain 1e-5 relative tolerance would fail on rounding alone); a stale ZeRO shard, an update
+#     applied twice or a wrong gradient moves elements by ~lr. AdamW hides a gradient's scale,
+#     hence check 1. Both were seen to fail on purpose-made bugs (no 1/dp; no all-gather).
 GRAD_RTOL = 1e-6
 PARAM_TOL_LR = 1e-2
 ELEMENT_BYTES = 4  # float32
 
 
 # ----------------------------------------------------------------------------------------------
-# The two sides. Each is a model plus a step() that runs one full training step and returns the
-# loss; step() also records the wall time of its phases, for the breakdown.
+# The two sides
 
 
-class Side:
-    def __init__(self, name, kind, model, step_fn, optimizer, ddp=None):
-        self.name, self.kind, self.model, self.step_fn = name, kind, model, step_fn
-        self.optimizer, self.ddp = optimizer, ddp
-        self.phases = {}  # phase name -> list of seconds, this rank only
-
-    def step(self, x, y, after_reduction=None):
-        """One training step; after_reduction(self), if given, runs once the gradients are reduced
-        and before the optimizer (the check reads the gradients there; never while timing)."""
-        marks = [("start", time.perf_counter())]
-
-        def mark(name):
-            marks.append((name, time.perf_counter()))
-            if name == "finish" and after_reduction is not None:
-                after_reduction(self)
-
-        loss = self.step_fn(x, y, mark)
-        for (_, t0), (name, t1) in zip(marks, marks[1:]):
-            self.phases.setdefault(name, []).append(t1 - t0)
-        return loss
-
-
-def new_model(cfg, full):
-    model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float32)
-    model.load_full_state_dict(full)
-    return model
-
-
-def build_ours(cfg, full, group, args, zero):
-    model = new_model(cfg, full)
-    ddp = data_parallel.BucketedDDP(model.parameters(), group, args.bucket_numel, zero=zero)
-    if zero:
-        opt = data_parallel.FlatAdamW(ddp, lr=args.lr, weight_decay=args.weight_decay)
+def build(name, cfg, full, group, args, zero):
+    """One side: its model, optimizer, ddp, and step(x, y, after_reduction=None), one full training
+    step that returns the loss and records its phases' wall times in .phases (this rank's clock).
+    after_reduction(side), if given, runs once the gradients are reduced and before the optimizer
+    (the check reads the gradients there; never while timing)."""
+    model = harness.gpt(cfg, full)
+    if name == "ours":
+        ddp = data_parallel.BucketedDDP(model.parameters(), group, args.bucket_numel, zero=zero)
+        opt = data_parallel.FlatAdamW(ddp, lr=args.lr, weight_decay=args.weight_decay) if zero else \
+            torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        forward, finish, zero_grad = model, ddp.finish, ddp.zero_grad
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        # bucket_cap_mb given explicitly: DDP then caps its first bucket at it too (only the default,
+        # bucket_cap_mb=None, i.e. 25 MiB, comes with a smaller 1 MiB first bucket; so in 2.11-2.13).
+        # DDP closes a bucket once it reaches the cap and never splits a parameter, so its buckets
+        # end up slightly larger than ours; rank 0 prints both layouts, DDP's as it really ran.
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mib(args),
+                                      gradient_as_bucket_view=args.gradient_as_bucket_view)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, process_group=group,
+                                      parameters_as_bucket_view=args.zero_bucket_view, lr=args.lr,
+                                      weight_decay=args.weight_decay) if zero else \
+            torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        forward, finish, zero_grad = ddp, (lambda: None), (lambda: opt.zero_grad(set_to_none=True))
+    side = SimpleNamespace(name=name, model=model, optimizer=opt, ddp=ddp, phases={})
 
-    def step(x, y, mark):
-        _, loss = model(x, y)
+    def step(x, y, after_reduction=None):
+        marks = [time.perf_counter()]
+
+        def mark(phase):
+            marks.append(time.perf_counter())
+            side.phases.setdefault(phase, []).append(marks[-1] - marks[-2])
+
+        _, loss = forward(x, y)
         mark("forward")
-        loss.backward()  # the hooks launch each bucket's reduction as it completes
-        mark("backward")
-        ddp.finish()  # the last launches, and the waits
+        loss.backward()  # ours: the hooks launch each bucket's reduction as it completes; DDP waits
+        mark("backward")  # for its all-reduces at the end of backward
+        finish()  # ours: the last launches, and the waits; DDP: nothing left (the tables line up)
         mark("finish")
-        opt.step()  # ZeRO-1: also the all-gather of the updated parameters
+        if after_reduction:
+            after_reduction(side)
+        opt.step()  # ZeRO-1: also the all-gather (ours) or broadcasts (peer) of the updated parameters
         mark("optimizer")
-        ddp.zero_grad()
+        zero_grad()
         mark("zero_grad")
         return loss.detach()
 
-    return Side("ours", "zero" if zero else "dp", model, step, opt, ddp)
-
-
-def build_peer(cfg, full, group, args, zero):
-    model = new_model(cfg, full)
-    # bucket_cap_mb given explicitly: DDP then caps its first bucket at it too (only the default,
-    # bucket_cap_mb=None, i.e. 25 MiB, comes with a smaller 1 MiB first bucket; so in 2.11-2.13).
-    # DDP closes a bucket once it reaches the cap and never splits a parameter, so its buckets
-    # end up slightly larger than ours; rank 0 prints both layouts, DDP's as it really ran.
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mib(args),
-                                  gradient_as_bucket_view=args.gradient_as_bucket_view)
-    if zero:
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                      process_group=group,
-                                      parameters_as_bucket_view=args.zero_bucket_view,
-                                      lr=args.lr, weight_decay=args.weight_decay)
-    else:
-        opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-
-    def step(x, y, mark):
-        _, loss = ddp(x, y)
-        mark("forward")
-        loss.backward()  # DDP waits for its all-reduces at the end of backward
-        mark("backward")
-        mark("finish")  # nothing left to wait for: an empty phase, so the tables line up
-        opt.step()  # ZeroRedundancyOptimizer: also the broadcasts of the updated parameters
-        mark("optimizer")
-        opt.zero_grad(set_to_none=True)
-        mark("zero_grad")
-        return loss.detach()
-
-    return Side("peer", "zero" if zero else "dp", model, step, opt, ddp)
+    side.step = step
+    return side
 
 
 def bucket_mib(args):
@@ -146,7 +102,7 @@ def ddp_bucket_numels(cfg, full, group, args, x, y):
     """The element counts of DDP's buckets with our cap, read through a comm hook on a throwaway
     DDP (a hook would slow the timed one). DDP rebuilds its buckets in gradient-ready order after
     the first backward, so the second backward shows the layout that is timed."""
-    ddp = DistributedDataParallel(new_model(cfg, full), process_group=group, bucket_cap_mb=bucket_mib(args))
+    ddp = DistributedDataParallel(harness.gpt(cfg, full), process_group=group, bucket_cap_mb=bucket_mib(args))
     seen = []
 
     def recording_allreduce(state, bucket):
@@ -179,10 +135,8 @@ def our_grads(side):
     ddp = side.ddp
     held = torch.zeros(ddp.grad_buffer.numel(), dtype=torch.bool)
     for i in range(len(ddp.buckets)):
-        a, b = ddp.shard_range(i)  # every element without ZeRO
-        held[a:b] = True
-    return {name: (ddp.grad_buffer[ddp.offsets[p]:ddp.offsets[p] + p.numel()].clone(),
-                   held[ddp.offsets[p]:ddp.offsets[p] + p.numel()])
+        held[slice(*ddp.shard_range(i))] = True  # every element without ZeRO
+    return {name: (ddp.main_grad(p).reshape(-1).clone(), held[ddp.offsets[p]:ddp.offsets[p] + p.numel()])
             for name, p in side.model.named_parameters()}
 
 
@@ -216,22 +170,17 @@ def check_same(ours, peer, batches, lr):
 
 def run_part(env, cfg, args, full, group, part):
     """Check, then time, ours against the peer for one part ("dp" or "zero"); this rank's figures."""
-    zero = part == "zero"
-    dp = env.world_size
-    ours = build_ours(cfg, full, group, args, zero)
-    peer = build_peer(cfg, full, group, args, zero)
+    zero, dp = part == "zero", env.world_size
+    ours, peer = (build(name, cfg, full, group, args, zero) for name in ("ours", "peer"))
     batches = batches_for_rank(cfg, args, dp, env.rank, args.check_steps)
     diffs, losses = check_same(ours, peer, batches, args.lr)
-    same = diffs["grad_rel"] <= GRAD_RTOL and diffs["param_lr"] <= PARAM_TOL_LR
-    result = {"diffs": diffs, "losses": losses, "same": same}
-    # Optimizer state after a step (the moments exist from the first step on).
-    if zero:
-        result["state_bytes"] = {"ours": ours.optimizer.state_bytes(),
-                                 "peer": data_parallel.optimizer_state_bytes(peer.optimizer.optim)}
-    else:
-        result["state_bytes"] = {"ours": data_parallel.optimizer_state_bytes(ours.optimizer),
-                                 "peer": data_parallel.optimizer_state_bytes(peer.optimizer)}
-    result["our_buckets"] = [hi - lo for lo, hi in ours.ddp.buckets]
+    result = {"diffs": diffs, "losses": losses, "our_buckets": [hi - lo for lo, hi in ours.ddp.buckets],
+              "same": diffs["grad_rel"] <= GRAD_RTOL and diffs["param_lr"] <= PARAM_TOL_LR}
+    # Optimizer state after a step (the moments exist from the first step on); FlatAdamW counts its
+    # own, ZeroRedundancyOptimizer holds this rank's AdamW in .optim.
+    result["state_bytes"] = {
+        "ours": ours.optimizer.state_bytes() if zero else data_parallel.optimizer_state_bytes(ours.optimizer),
+        "peer": data_parallel.optimizer_state_bytes(peer.optimizer.optim if zero else peer.optimizer)}
     if not result["same"]:
         return result
 
@@ -239,8 +188,7 @@ def run_part(env, cfg, args, full, group, part):
     sides = [ours, peer]
     steps = {side.name: (lambda side=side: side.step(x, y)) for side in sides}
     if args.profile:  # a few steps: one is too noisy on a shared machine
-        result["tables"] = {name: harness.profile_table(step, args.profile_rows, steps=3)
-                            for name, step in steps.items()}
+        result["tables"] = harness.profiles(steps, args.profile_rows, steps=3, title=f"{part} dp={dp}, ")
     for _ in range(args.warmup):  # the check steps warmed up too (DDP has rebuilt its buckets)
         for step in steps.values():
             step()
@@ -253,19 +201,14 @@ def run_part(env, cfg, args, full, group, part):
 
 
 def worker(env, cfg, args):
-    group = dist.group.WORLD
-    # random_all: non-zero biases and LayerNorm weights, so the check exercises them as well.
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
-    out = {"parts": {}}
+    full, _ = harness.start(cfg, args.seed)
     x, y = batches_for_rank(cfg, args, env.world_size, env.rank, 1)[0]
-    out["ddp_buckets"] = ddp_bucket_numels(cfg, full, group, args, x, y)
-    for part in args.parts:
-        out["parts"][part] = run_part(env, cfg, args, full, group, part)
-    return out
+    return {"ddp_buckets": ddp_bucket_numels(cfg, full, dist.group.WORLD, args, x, y),
+            "parts": {part: run_part(env, cfg, args, full, dist.group.WORLD, part) for part in args.parts}}
 
 
 # ----------------------------------------------------------------------------------------------
-# Report (rank 0 of each launch prints; per-rank figures come back through launch's results).
+# Report and command line (rank 0 prints; per-rank figures come back through launch's results).
 
 
 def fmt_buckets(numels):
@@ -289,8 +232,7 @@ def report(cfg, args, dp, results):
           f"bucket {args.bucket_numel:,} elements = {bucket_mib(args):g} MiB")
     print(f"  ours: {fmt_buckets(r0['parts'][args.parts[0]]['our_buckets'])} (a parameter may span two)")
     print(f"  DDP:  {fmt_buckets(r0['ddp_buckets'])} (in all-reduce order, after its rebuild)")
-    rows = []
-    ok = True
+    rows, ok = [], True
     for part in args.parts:
         res = r0["parts"][part]
         label = {"dp": "DP (DDP + AdamW)", "zero": "ZeRO-1 (DDP + ZeroRedundancyOptimizer)"}[part]
@@ -303,21 +245,14 @@ def report(cfg, args, dp, results):
               f"  parameters after {args.check_steps} steps {d['param_lr']:.1e} x lr  max |ours - peer| "
               f"(tolerance {PARAM_TOL_LR:g} x lr); {d['param_rel']:.1e} relative per tensor\n"
               f"  last loss ours {l_ours:.7f} peer {l_peer:.7f}")
+        ok &= harness.verdict(res["same"], f"{GRAD_RTOL:g} and {PARAM_TOL_LR:g} x lr")
         if not res["same"]:
-            print("FAIL: the two differ; refusing to time different functions")
-            ok = False
             continue
         rounds = res["rounds"]
-        print(f"timing: {args.repeats} rounds x {args.steps} steps of each (after {args.check_steps} check and "
-              f"{args.warmup} warm-up steps), ms per step:\n{harness.time_table(rounds, dp)}")
+        print(harness.time_table(rounds, dp, f" (after {args.check_steps} check and {args.warmup} warm-up steps)"))
         print("  " + harness.pair_line(rounds, "ours", "peer", goal=1.0 if part == "dp" else None))
-        med = {k: harness.median_of(rounds, k) for k in ("ours", "peer")}
-        ratio = med["ours"] / med["peer"]
-        cpu_ratio = harness.median_of(rounds, "ours", 1) / harness.median_of(rounds, "peer", 1)
-        per_round = [statistics.median(t[0] for t in r["ours"]) / statistics.median(t[0] for t in r["peer"])
-                     for r in rounds]
-        for name, table in res.get("tables", {}).items():
-            print(f"\n--- profile of 3 {name} steps ({part}, dp={dp}), rank 0\n{table}")
+        for table in res.get("tables", {}).values():
+            print(table)
         ph = res["phases"]
         names = list(ph["ours"])
         print(f"  phases, median ms on rank 0: {'':3s}" + " ".join(f"{n:>9s}" for n in names))
@@ -329,8 +264,9 @@ def report(cfg, args, dp, results):
         for side in ("ours", "peer"):
             print(f"    {side}  " + "  ".join(f"{b:,}" for b in sb[side]) +
                   f"   (largest {max(sb[side]) / plain:.3f} of plain)")
-        rows.append((part, med["ours"], med["peer"], ratio, statistics.median(per_round), cpu_ratio,
-                     max(sb["ours"]), max(sb["peer"])))
+        r = harness.ratios(rounds, "ours", "peer")
+        rows.append((part, harness.median_of(rounds, "ours"), harness.median_of(rounds, "peer"), r["medians"],
+                     statistics.median(r["rounds"]), r["cpu"], max(sb["ours"]), max(sb["peer"])))
     return ok, rows
 
 
@@ -365,16 +301,13 @@ def main():
                              "(one broadcast per rank instead of one per parameter)")
     args = parser.parse_args()
     cfg = harness.model_config(args)
-    print(f"config: {cfg}")
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores; AdamW lr={args.lr} "
-          f"weight_decay={args.weight_decay}; peer DDP gradient_as_bucket_view="
-          f"{args.gradient_as_bucket_view}, ZeroRedundancyOptimizer parameters_as_bucket_view="
-          f"{args.zero_bucket_view}")
-    ok, summary = True, []
-    t0 = time.monotonic()
+    print(f"config: {cfg}\ntorch {torch.__version__}, {os.cpu_count()} CPU cores; AdamW lr={args.lr} "
+          f"weight_decay={args.weight_decay}; peer DDP gradient_as_bucket_view={args.gradient_as_bucket_view}, "
+          f"ZeroRedundancyOptimizer parameters_as_bucket_view={args.zero_bucket_view}")
+    ok, summary, t0 = True, [], time.monotonic()
     for dp in args.dp:
-        results = harness.launch(worker, dp, cfg, args, timeout_s=300.0, deadline_s=args.deadline)
-        good, rows = report(cfg, args, dp, results)
+        good, rows = report(cfg, args, dp, harness.launch(worker, dp, cfg, args, timeout_s=300.0,
+                                                          deadline_s=args.deadline))
         ok &= good
         summary.append((dp, rows))
     print_summary(summary)

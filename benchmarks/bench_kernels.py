@@ -8,7 +8,6 @@ Run it (from the repository root; on a GPU it starts torchrun itself for the e2e
     python benchmarks/bench_kernels.py                  # everything: minutes, the first kernel builds included
     python benchmarks/bench_kernels.py --only kernels graphs   # where a command's time is limited,
     python benchmarks/bench_kernels.py --only e2e              # the sections one command each
-    python benchmarks/bench_kernels.py --only e2e --e2e-models 1.3B --e2e-batch 8
 """
 import argparse
 import json
@@ -97,17 +96,15 @@ class Timer:
         return [start.elapsed_time(end) / 1e3 / n]
 
 
-def alternate(measure, sides, n, repeats, warmup):
-    """{name: [seconds]}: each side warmed up, then `repeats` rounds of measure(fn, n) per side, the
-    order reversed every round so that drift (clocks, other load) falls on both alike."""
+def medians(measure, sides, n, args):
+    """{name: median seconds per call}: each side warmed up (--warmup calls), then --repeats rounds
+    of measure(side, n) per side, the first switching each round (harness.alternate), so that
+    drift (clocks, other load) falls on both alike."""
     for fn in sides.values():
-        for _ in range(warmup):
+        for _ in range(args.warmup):
             fn()
-    names, times = list(sides), {k: [] for k in sides}
-    for r in range(repeats):
-        for k in (names if r % 2 == 0 else names[::-1]):
-            times[k] += measure(sides[k], n)
-    return times
+    rounds = harness.alternate(sides, args.repeats, n, measure=measure)
+    return {name: statistics.median(t for rnd in rounds for t in rnd[name]) for name in sides}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,20 +175,16 @@ def time_case(timer, case, args):
     outs = {k: f() for k, f in fwd.items()}
     g = torch.randn_like(outs["ours"])
     bwd = {k: (lambda o=o: torch.autograd.grad(o, x, g, retain_graph=True)) for k, o in outs.items()}
-    return {d: {k: statistics.median(v) for k, v in alternate(timer.calls, s, args.iters, args.repeats,
-                                                               args.warmup).items()}
-            for d, s in (("fwd", fwd), ("bwd", bwd))}
+    return {d: medians(timer.calls, s, args.iters, args) for d, s in (("fwd", fwd), ("bwd", bwd))}
 
 
 def copy_bandwidth(timer, device, n, args):
     """Bytes/s of dst.copy_(src), n bytes each, counted 2 n (read + write): what any op can hope for."""
     src, dst = torch.zeros(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    times = alternate(timer.calls, {"copy": lambda: dst.copy_(src)}, args.iters, args.repeats, args.warmup)
-    return 2 * n / statistics.median(times["copy"])
+    return 2 * n / medians(timer.calls, {"copy": lambda: dst.copy_(src)}, args.iters, args)["copy"]
 
 
-def kernels_section(args, device, timer):
-    cuda = device.type == "cuda"
+def kernels_section(args, device, timer, cuda):
     B, T, C, nh = args.shape
     mode = "cuda" if cuda else "reference"
     n = 2**30 if cuda else 2**26
@@ -243,8 +236,7 @@ def eager_step(model, micro, ignore_index=-100):
     return total
 
 
-def graphs_section(args, device, timer):
-    cuda = device.type == "cuda"
+def graphs_section(args, device, timer, cuda):
     L, C, nh, B, T, V = args.graph_model
     cfg = tensor_parallel.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=nh, n_embd=C)
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -278,8 +270,8 @@ def graphs_section(args, device, timer):
             return loss
 
         if not cuda:  # capture needs a GPU: time the eager side only
-            t = alternate(timer.block, {"eager": eager}, args.graph_steps, args.repeats, args.warmup)
-            print(f"{name:8s} {statistics.median(t['eager']) * 1e3:9.2f} {'-':>9s} {'-':>8s} {'-':>8s}")
+            t = medians(timer.block, {"eager": eager}, args.graph_steps, args)
+            print(f"{name:8s} {t['eager'] * 1e3:9.2f} {'-':>9s} {'-':>8s} {'-':>8s}")
             continue
         step = graphs.StepGraph(model, a, ddp)
         loss_e = eager_step(model, b)
@@ -297,8 +289,8 @@ def graphs_section(args, device, timer):
             step.replay(b)
             ddp.zero_grad()
 
-        t = alternate(timer.block, {"eager": eager, "graph": replay}, args.graph_steps, args.repeats, args.warmup)
-        te, tg = statistics.median(t["eager"]), statistics.median(t["graph"])
+        t = medians(timer.block, {"eager": eager, "graph": replay}, args.graph_steps, args)
+        te, tg = t["eager"], t["graph"]
         print(f"{name:8s} {te * 1e3:9.2f} {tg * 1e3:9.2f} {te / tg:7.2f}x {diff:8.1e}", flush=True)
     dist.destroy_process_group()
     return ok
@@ -308,28 +300,7 @@ def graphs_section(args, device, timer):
 # 3. End to end: the trainer
 
 
-def e2e_runs(args, cuda):
-    """(label, variant, model dims, B, T, V, steps, skip, dtype) per run; on CPU one tiny smoke run."""
-    if not cuda:
-        return [("tiny", "unfused", (2, 64, 4), 2, 64, 256, 4, 1, "float32")]
-    return [(m, v, MODELS[m], args.e2e_batch, args.e2e_seq, 50304, args.e2e_steps, args.e2e_skip, "bfloat16")
-            for m in args.e2e_models for v in VARIANTS]
-
-
-def e2e_command(run, cuda, metrics):
-    label, variant, (L, C, nh), B, T, V, steps, _, dtype = run
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if cuda else []
-    return [sys.executable, *launcher, "05_3d_gpt.py", "--tp", "1", "--pp", "1", "--dp", "1",
-            "--n-layer", str(L), "--n-embd", str(C), "--n-head", str(nh), "--vocab-size", str(V),
-            "--block-size", str(T), "--seq-len", str(T), "--batch-size", str(B), "--microbatches", "1",
-            "--steps", str(steps), "--eval-every", "0", "--dtype", dtype,
-            # a 1.3B model at 3e-3 (the default) may diverge within the steps; the rate costs nothing
-            "--lr", "3e-4", "--min-lr", "3e-5", "--warmup-steps", "5", "--timeout-s", "600",
-            "--metrics", str(metrics), *(VARIANTS[variant] if cuda else [])]
-
-
-def e2e_section(args, device, timer):
-    cuda = device.type == "cuda"
+def e2e_section(args, device, timer, cuda):
     if cuda:
         torch.cuda.empty_cache()  # the trainer runs in its own process: hand back what we cached
     name = torch.cuda.get_device_name(device) if cuda else None
@@ -337,12 +308,22 @@ def e2e_section(args, device, timer):
     print(f"\n=== end to end: 05_3d_gpt.py, tp=pp=dp=1, m=1, built-in byte corpus; peak "
           f"{peak / 1e12 if peak else 'unknown'} TFLOP/s bf16 for {name or 'CPU'}; goal MFU >= {GOAL_MFU:.0%} on 1.3B")
     print("MFU = flops_per_iteration(ModelSpec(l, h, nh, V, T), B, recompute=False) / (median time_s x peak)")
+    # (label, variant, model dims, B, T, V, steps, skip, dtype) per run; on CPU one tiny smoke run.
+    runs = [(m, v, MODELS[m], args.e2e_batch, args.e2e_seq, 50304, args.e2e_steps, args.e2e_skip, "bfloat16")
+            for m in args.e2e_models for v in VARIANTS] if cuda else \
+        [("tiny", "unfused", (2, 64, 4), 2, 64, 256, 4, 1, "float32")]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if cuda else []
     rows, ok = [], True
     with tempfile.TemporaryDirectory() as tmp:
-        for run in e2e_runs(args, cuda):
-            label, variant, (L, C, nh), B, T, V, steps, skip, dtype = run
+        for label, variant, (L, C, nh), B, T, V, steps, skip, dtype in runs:
             metrics = Path(tmp) / f"{label}_{variant}.jsonl"
-            cmd = e2e_command(run, cuda, metrics)
+            cmd = [sys.executable, *launcher, "05_3d_gpt.py", "--tp", "1", "--pp", "1", "--dp", "1",
+                   "--n-layer", str(L), "--n-embd", str(C), "--n-head", str(nh), "--vocab-size", str(V),
+                   "--block-size", str(T), "--seq-len", str(T), "--batch-size", str(B), "--microbatches", "1",
+                   "--steps", str(steps), "--eval-every", "0", "--dtype", dtype,
+                   # a 1.3B model at 3e-3 (the default) may diverge within the steps; the rate costs nothing
+                   "--lr", "3e-4", "--min-lr", "3e-5", "--warmup-steps", "5", "--timeout-s", "600",
+                   "--metrics", str(metrics), *(VARIANTS[variant] if cuda else [])]
             print(f"\n$ {shlex.join(['python'] + cmd[1:])}", flush=True)
             t0 = time.monotonic()
             try:
@@ -373,10 +354,6 @@ def e2e_section(args, device, timer):
     return ok
 
 
-# ----------------------------------------------------------------------------------------------
-# Main
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=["kernels", "graphs", "e2e"], default=["kernels", "graphs", "e2e"])
@@ -401,19 +378,19 @@ def main():
     args.iters = args.iters or (10 if cuda else 3)
     args.shape = args.shape or ([8, 1024, 1024, 16] if cuda else [2, 64, 64, 4])
     args.graph_model = args.graph_model or ([4, 256, 4, 4, 128, 4096] if cuda else [2, 64, 4, 2, 32, 256])
-    if not cuda:
-        args.warmup, args.graph_steps = 1, 2
     print(f"$ {shlex.join(['python', 'benchmarks/bench_kernels.py'] + sys.argv[1:])}")
-    print(f"torch {torch.__version__}, " + (f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
-                                            if cuda else "CPU"))
-    if not cuda:
-        print("no CUDA device: GPU figures not measured; running the CPU smoke version (references, small shapes)")
+    if cuda:
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}")
+    else:
+        args.warmup, args.graph_steps = 1, 2
+        print(f"torch {torch.__version__}, CPU\nno CUDA device: GPU figures not measured; running the CPU smoke "
+              f"version (references, small shapes)")
     torch.manual_seed(0)
     timer = Timer(device)
     t0, ok = time.monotonic(), True
     for section, fn in (("kernels", kernels_section), ("graphs", graphs_section), ("e2e", e2e_section)):
         if section in args.only:
-            ok &= fn(args, device, timer)
+            ok &= fn(args, device, timer, cuda)
     print(f"\n{'PASS' if ok else 'FAIL'} (same-function checks and trainer runs); total {time.monotonic() - t0:.0f} s")
     if not cuda:
         print("no CUDA device: GPU figures not measured")

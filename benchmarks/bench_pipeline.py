@@ -8,7 +8,6 @@ benchmarks/README.md has what each side runs, the checks and the method.
 Run it (from the repository root; it starts its own ranks, do not use torchrun):
     python benchmarks/bench_pipeline.py                                  # pp=2 and pp=4, all schedules
     python benchmarks/bench_pipeline.py --pp 4 --schedules 1f1b --repeats 7
-    python benchmarks/bench_pipeline.py --pp 2 --n-embd 256 --seq-len 128 --microbatch-size 4
     python benchmarks/bench_pipeline.py --pp 4 --profile                 # where the time goes
 """
 import os
@@ -62,14 +61,13 @@ class LastStageOutput(nn.Module):
 class Ours:
     """02's executor running this rank's action list (GPipe, 1F1B or 03's interleaved 1F1B)."""
 
-    def __init__(self, name, chunks, actions, microbatches, act_shape):
-        self.name, self.chunks, self.actions = name, chunks, actions
-        self.microbatches, self.act_shape = microbatches, act_shape
+    def __init__(self, chunks, actions, microbatches, act_shape):
+        self.chunks, self.actions, self.microbatches, self.act_shape = chunks, actions, microbatches, act_shape
         self.last = None  # the last StepResult: its events and peak activation bytes
 
     def step(self):
         self.last = pipeline.execute(self.actions, self.chunks, dist.group.WORLD, self.microbatches,
-                                 self.act_shape)
+                                     self.act_shape)
         return self.last.loss
 
 
@@ -78,9 +76,7 @@ class Peer:
     (stage index c*pp + rank for this rank's chunk c, the same placement as ours)."""
 
     def __init__(self, name, chunks, pp, rank, m, idx, targets, vocab_size):
-        self.name, self.chunks = name, chunks
-        S = pp * len(chunks)
-        stages = []
+        self.chunks, S, stages = chunks, pp * len(chunks), []
         for c, chunk in enumerate(chunks):
             k = c * pp + rank
             module = LastStageOutput(chunk) if k == S - 1 else chunk
@@ -92,11 +88,10 @@ class Peer:
         cls = TORCH_SCHEDULES[name]
         single = cls is not ScheduleInterleaved1F1B
         self.schedule = cls(stages[0] if single else stages, m, loss_fn=loss_fn, scale_grads=True)
-        has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         # The whole batch goes in; torch splits it into m microbatches along dim 0, the same rows
         # as 02's split_batch. Only the first stage reads the input, only the last the target.
-        self.args = (idx,) if has_first else ()
+        self.args = (idx,) if any(s.is_first for s in stages) else ()
         self.target = targets if self.has_last else None
 
     def step(self):
@@ -115,11 +110,6 @@ def zero_grads(chunks):
             p.grad = None
 
 
-def grads_of(chunks):
-    return {(c, n): p.grad.detach().clone() for c, chunk in enumerate(chunks)
-            for n, p in chunk.named_parameters()}
-
-
 # ----------------------------------------------------------------------------------------------
 # The worker: one launch per pp. It builds every contender, checks that ours and the peer compute
 # the same loss and gradients, then times them alternately.
@@ -134,16 +124,17 @@ def actions_of(name, pp, m, rank, v):
 
 def check_same(ours, peer, embed_group, serial_grads, serial_loss):
     """Loss and every gradient: peer against ours, ours against the serial model."""
-    out = {}
+    out = []
     for side in (ours, peer):
         zero_grads(side.chunks)
         loss = side.step()
         pipeline.sync_tied_embeddings(side.chunks, embed_group)
-        out[side] = (None if loss is None else loss.detach().item(), grads_of(side.chunks))
-    (l_ours, g_ours), (l_peer, g_peer) = out[ours], out[peer]
-    peer_grad = max(tensor_parallel.max_rel_diff(g_peer[k], g_ours[k]) for k in g_ours)
-    serial_grad = max(tensor_parallel.max_rel_diff(g, serial_grads[n]) for (_, n), g in g_ours.items())
-    res = {"peer grad": peer_grad, "serial grad": serial_grad}
+        out.append((None if loss is None else loss.item(),
+                    {(c, n): p.grad.detach().clone() for c, chunk in enumerate(side.chunks)
+                     for n, p in chunk.named_parameters()}))
+    (l_ours, g_ours), (l_peer, g_peer) = out
+    res = {"peer grad": harness.worst_rel(g_peer, g_ours),
+           "serial grad": max(tensor_parallel.max_rel_diff(g, serial_grads[n]) for (_, n), g in g_ours.items())}
     if l_ours is not None:
         res.update({"ours loss": l_ours, "peer loss": l_peer, "serial loss": serial_loss,
                     "peer loss diff": rel(l_peer, l_ours), "serial loss diff": rel(l_ours, serial_loss)})
@@ -154,37 +145,29 @@ def check_same(ours, peer, embed_group, serial_grads, serial_loss):
 def worker(env, cfg, args):
     pp, rank, m = env.world_size, env.rank, args.microbatches
     b, T = args.microbatch_size, args.seq_len
-    # random_all: non-zero biases and LayerNorm weights, so the check exercises them too.
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float32, random_all=True)
-    gen = torch.Generator().manual_seed(args.seed + 1)
+    full, gen = harness.start(cfg, args.seed)
     idx, targets = torch.randint(cfg.vocab_size, (2, m * b, T), generator=gen)
     microbatches = pipeline.split_batch(idx, targets, m)
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=args.timeout))
 
     # Every rank computes the serial model's gradients on the whole batch once, for the check.
-    serial = tensor_parallel.GPT(cfg, None, init=False)
-    serial.load_full_state_dict(full)
+    serial = harness.gpt(cfg, full)
     loss = serial(idx, targets)[1]
     loss.backward()
     serial_loss, serial_grads = loss.detach().item(), {n: p.grad for n, p in serial.named_parameters()}
     del serial, loss
 
-    chunk_sets = {}  # v -> this rank's chunks; ours and the peer share them
-
-    def chunks_for(v):
+    chunk_sets, pairs = {}, {}  # v -> this rank's chunks, which ours and the peer share
+    for name in args.schedules:
+        v = args.virtual_stages if name == "interleaved" else 1
+        pipeline.validate([actions_of(name, pp, m, r, v) for r in range(pp)], pp, m)
         if v not in chunk_sets:
             chunk_sets[v] = pipeline.build_chunks(cfg, pp, rank, v, init=False, dtype=torch.float32)
             for c in chunk_sets[v]:
                 c.load_full_state_dict(full)
-        return chunk_sets[v]
-
-    pairs = {}
-    for name in args.schedules:
-        v = args.virtual_stages if name == "interleaved" else 1
-        pipeline.validate([actions_of(name, pp, m, r, v) for r in range(pp)], pp, m)
-        chunks = chunks_for(v)
-        ours = Ours(name, chunks, actions_of(name, pp, m, rank, v), microbatches, (b, T, cfg.n_embd))
-        pairs[name] = (ours, Peer(name, chunks, pp, rank, m, idx, targets, cfg.vocab_size))
+        chunks = chunk_sets[v]
+        pairs[name] = (Ours(chunks, actions_of(name, pp, m, rank, v), microbatches, (b, T, cfg.n_embd)),
+                       Peer(name, chunks, pp, rank, m, idx, targets, cfg.vocab_size))
 
     # The first step of a torch schedule infers shapes (a real forward and backward on microbatch
     # 0) and exchanges them: run everything once before checking and timing.
@@ -193,10 +176,9 @@ def worker(env, cfg, args):
             zero_grads(side.chunks)
             side.step()
 
-    checks, memory = {}, {}
-    for name, (ours, peer) in pairs.items():
-        checks[name] = check_same(ours, peer, embed_group, serial_grads, serial_loss)
-        memory[name] = ours.last.peak_activation_bytes
+    checks = {name: check_same(ours, peer, embed_group, serial_grads, serial_loss)
+              for name, (ours, peer) in pairs.items()}
+    memory = {name: ours.last.peak_activation_bytes for name, (ours, _) in pairs.items()}
     ok = all(c["peer grad"] <= PEER_GRAD_RTOL and c["serial grad"] <= SERIAL_GRAD_RTOL
              and c.get("peer loss diff", 0) <= PEER_LOSS_RTOL
              and c.get("serial loss diff", 0) <= SERIAL_LOSS_RTOL for c in checks.values())
@@ -207,29 +189,23 @@ def worker(env, cfg, args):
             for _ in range(args.warmup):
                 zero_grads(side.chunks)
                 side.step()
-    rounds = {name: harness.alternate({"ours": ours.step, "peer": peer.step}, args.repeats, args.steps,
-                                      sweeps=True, setup=lambda side, o=ours, p=peer: zero_grads(
-                                          (o if side == "ours" else p).chunks))
-              for name, (ours, peer) in pairs.items()}
+    sides = {name: {"ours": ours.step, "peer": peer.step} for name, (ours, peer) in pairs.items()}
+    zero = {name: (lambda _, c=ours.chunks: zero_grads(c)) for name, (ours, _) in pairs.items()}  # shared chunks
+    rounds = {name: harness.alternate(sides[name], args.repeats, args.steps, sweeps=True, setup=zero[name])
+              for name in pairs}
     # Our last timed step of each schedule: its action timeline and message count.
-    events = {name: ours.last.events for name, (ours, _) in pairs.items()}
-    messages = {name: ours.last.messages for name, (ours, _) in pairs.items()}
-    profiles = {}
+    out = {"same": True, "checks": checks, "memory": memory, "rounds": rounds, "profiles": [],
+           "events": {name: ours.last.events for name, (ours, _) in pairs.items()},
+           "messages": {name: ours.last.messages for name, (ours, _) in pairs.items()}}
     if args.profile:
-        for name, pair in pairs.items():
-            for side_name, side in zip(("ours", "peer"), pair):
-                zero_grads(side.chunks)
-                dist.barrier()
-                table = harness.profile_table(side.step, args.profile_rows)
-                if rank == 0:
-                    profiles[(name, side_name)] = table
-    return {"same": True, "checks": checks, "memory": memory, "rounds": rounds, "events": events,
-            "messages": messages, "profiles": profiles}
+        for name in pairs:
+            out["profiles"] += harness.profiles(sides[name], args.profile_rows, setup=zero[name],
+                                                title=f"{name} ").values()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
-# Report: combine the ranks' numbers. A step is as slow as its slowest rank; its CPU cost is the
-# sum over ranks.
+# Report and command line. A step is as slow as its slowest rank; its CPU cost is the sum over ranks.
 
 
 def action_times(events, v=1):
@@ -254,22 +230,18 @@ def report(args, pp, results):
             f"{c['peer loss diff']:.1e}) serial {c['serial loss']:.7f} "
             f"(rel {c['serial loss diff']:.1e}); "
             f"worst grad peer/ours {g_peer:.1e}, ours/serial {g_serial:.1e}")
-    tols = (f"peer: loss {PEER_LOSS_RTOL:g}, grad {PEER_GRAD_RTOL:g}; serial: loss "
-            f"{SERIAL_LOSS_RTOL:g}, grad {SERIAL_GRAD_RTOL:g}; grad = max |a-b| / max |b|, worst tensor")
-    if not all(r["same"] for r in results):
-        say(f"FAIL: beyond the tolerances ({tols}); not timing different functions")
+    if not harness.verdict(all(r["same"] for r in results),
+                           f"peer: loss {PEER_LOSS_RTOL:g}, grad {PEER_GRAD_RTOL:g}; serial: loss {SERIAL_LOSS_RTOL:g}, "
+                           f"grad {SERIAL_GRAD_RTOL:g}; grad = max |a-b| / max |b|, worst tensor"):
         return False
-    say(f"  all within tolerance ({tols})")
 
     rounds = results[0]["rounds"]  # combined over the ranks: every rank holds the same figures
-    say(f"\nstep time, ms: {args.repeats} rounds x {args.steps} sweeps (goal: ours <= 0.8 x torch)")
+    say("\nstep time (goal: ours <= 0.8 x torch), in sweeps")
     for name in args.schedules:
-        say(f"{name}:\n{harness.time_table(rounds[name], pp)}\n  {harness.pair_line(rounds[name], 'ours', 'peer', 0.8)}")
-    rows = {name: {"ours": tuple(harness.median_of(rounds[name], "ours", col) for col in range(3))}
-            for name in args.schedules}
-    for row in rows.values():  # (wall, main-thread CPU, other threads' CPU: gloo's)
-        wall, cpu_all, cpu_main = row["ours"]
-        row["ours"] = (wall, cpu_main, cpu_all - cpu_main)
+        say(f"{name}: {harness.time_table(rounds[name], pp)}\n  {harness.pair_line(rounds[name], 'ours', 'peer', 0.8)}")
+    # Ours per schedule: (wall, main-thread CPU, other threads' CPU: gloo's)
+    rows = {name: [harness.median_of(rounds[name], "ours", col) for col in range(3)] for name in args.schedules}
+    rows = {name: (wall, main, cpu - main) for name, (wall, cpu, main) in rows.items()}
 
     if "1f1b" in rows and "interleaved" in rows:
         # Uniform per-stage times from our measured 1F1B actions; a chunk of the interleaved
@@ -277,12 +249,12 @@ def report(args, pp, results):
         t_f, t_b = action_times([r["events"]["1f1b"] for r in results])
         c_f, c_b = action_times([r["events"]["interleaved"] for r in results], v)
         one = pipeline.simulate([pipeline.one_f_one_b(pp, m, s) for s in range(pp)], pp,
-                            Fraction(t_f), Fraction(t_b))
+                                Fraction(t_f), Fraction(t_b))
         il = pipeline.simulate([interleaved.interleaved(pp, m, s, v) for s in range(pp)], pp,
-                           Fraction(t_f) / v, Fraction(t_b) / v)
+                               Fraction(t_f) / v, Fraction(t_b) / v)
         predicted = float(il.step_time / one.step_time)
-        measured = rows["interleaved"]["ours"][0] / rows["1f1b"]["ours"][0]
-        cpu = [rows[n]["ours"][1:] for n in ("1f1b", "interleaved")]
+        measured = rows["interleaved"][0] / rows["1f1b"][0]
+        cpu = [rows[n][1:] for n in ("1f1b", "interleaved")]
         msgs = [sum(r["messages"][n] for r in results) for n in ("1f1b", "interleaved")]
         say(f"\nours, interleaved (v={v}) / 1F1B step time: measured {measured:.3f}, simulator "
             f"{predicted:.3f} (bubble {float(one.bubble):.3f} -> {float(il.bubble):.3f}; uniform "
@@ -305,15 +277,9 @@ def report(args, pp, results):
     if "gpipe" in mem and "1f1b" in mem:
         say(f"  1f1b/gpipe  {' '.join(f'{a / g:7.3f}' for a, g in zip(mem['1f1b'], mem['gpipe']))}"
             f"   (in flight (pp - stage) / m = {' '.join(f'{(pp - s) / m:.3f}' for s in range(pp))})")
-
-    for (name, side), table in results[0]["profiles"].items():
-        say(f"\n--- profile: {'torch' if side == 'peer' else 'ours'} {name}, rank 0, "
-            f"top {args.profile_rows} by self CPU time\n{table}")
+    for table in results[0]["profiles"]:
+        say(table)
     return True
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
 
 
 def main():
@@ -329,8 +295,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=64, help="T")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
     args = parser.parse_args()
-    cfg = harness.model_config(args)
-    harness.needs_numpy("torch.distributed.pipelining")
+    cfg = harness.model_config(args, needs_numpy="torch.distributed.pipelining")
     if args.seq_len > cfg.block_size:
         raise ValueError(f"--seq-len {args.seq_len} exceeds --block-size {cfg.block_size}")
     v = args.virtual_stages

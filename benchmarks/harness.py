@@ -10,8 +10,9 @@ machine whose load drifts slows both alike:
 A step's wall time is its slowest rank's; its CPU time (process time: every thread, gloo's too) is
 summed over the ranks, a second view that moves much less than wall time on a shared machine.
 """
-import argparse
 import importlib
+import importlib.util
+import math
 import os
 import statistics
 import sys
@@ -34,9 +35,34 @@ data_parallel = importlib.import_module("04_data_parallel")
 gpt3d = importlib.import_module("05_3d_gpt")
 
 
+# ----------------------------------------------------------------------------------------------
+# The same function
+
+
+def start(cfg, seed):
+    """The full (serial) state dict every side loads, float32, with random biases and LayerNorms
+    too (so that the same-function check exercises them), and the generator of the batches."""
+    full = tensor_parallel.init_state_dict(cfg, seed, dtype=torch.float32, random_all=True)
+    return full, torch.Generator().manual_seed(seed + 1)
+
+
+def gpt(cfg, full, group=None):
+    """01's GPT over the tp group `group` (None: the serial model) with the weights of `full`."""
+    model = tensor_parallel.GPT(cfg, group, init=False)
+    model.load_full_state_dict(full)
+    return model
+
+
 def rel(a, b):
     """|a - b| / |b| of two numbers (tensors: tensor_parallel.max_rel_diff)."""
     return abs(a - b) / max(abs(b), 1e-30)
+
+
+def worst_rel(grads, ref):
+    """The worst max_rel_diff over the tensors of ref (name -> tensor); inf if the names differ."""
+    if set(grads) != set(ref):
+        return math.inf
+    return max(tensor_parallel.max_rel_diff(grads[name], ref[name]) for name in ref)
 
 
 def agree(ok, group=None):
@@ -46,15 +72,25 @@ def agree(ok, group=None):
     return bool(flag.item())
 
 
+def verdict(ok, tolerances):
+    """Print the same-function guard's verdict (rank 0); False: the pair is not timed."""
+    print(f"  all within tolerance ({tolerances})" if ok else
+          f"FAIL: beyond tolerance ({tolerances}); refusing to time different functions")
+    return ok
+
+
 # ----------------------------------------------------------------------------------------------
 # Timing
 
 
-def timed(step, n=1):
-    """n calls of step() after a barrier: per call this rank's (wall, CPU, main-thread CPU) seconds."""
+def timed(step, n=1, setup=None):
+    """n calls of step(), each after setup() (untimed) and a barrier: per call this rank's (wall,
+    CPU, main-thread CPU) seconds."""
     out = []
-    dist.barrier()
     for _ in range(n):
+        if setup:
+            setup()
+        dist.barrier()
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         step()
         out.append((time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0))
@@ -71,13 +107,14 @@ def combine(block):
     return list(zip(wall.tolist(), cpu.tolist(), main.tolist()))
 
 
-def alternate(contenders, repeats, steps, warmup=0, sweeps=False, setup=None):
-    """Time every contender (name -> step()) in turn, on every rank. Each of `repeats` rounds
-    first runs `warmup` untimed steps of each, then either a block of `steps` steps of each, the
-    first contender rotating between rounds, or (sweeps=True) `steps` sweeps of one step of each,
-    the order rotating every sweep, so that two contenders' steps run back to back. setup(name),
-    if given, runs untimed before each timed step. Returns, per round, {name: [(wall, CPU,
-    main-thread CPU) per step]}, combined over the ranks."""
+def alternate(contenders, repeats, steps, warmup=0, sweeps=False, setup=None, measure=None):
+    """Time every contender (name -> step()) in turn. Each of `repeats` rounds first runs `warmup`
+    untimed steps of each, then either a block of `steps` steps of each, the first contender
+    rotating between rounds, or (sweeps=True) `steps` sweeps of one step of each, the order
+    rotating every sweep, so that two contenders' steps run back to back. setup(name), if given,
+    runs untimed before each timed step. Returns per round {name: [(wall, CPU, main-thread CPU)
+    per step]}, combined over the ranks; or, given measure(step, n) (one process: bench_kernels'
+    CUDA events), {name: [whatever measure returned]}."""
     names, rounds = list(contenders), []
     for r in range(repeats):
         for name in names:
@@ -87,53 +124,66 @@ def alternate(contenders, repeats, steps, warmup=0, sweeps=False, setup=None):
         for i in range(steps if sweeps else 1):
             k = (r * steps + i if sweeps else r) % len(names)
             for name in names[k:] + names[:k]:
-                for _ in range(1 if sweeps else steps):
-                    if setup:
-                        setup(name)
-                    raw[name] += timed(contenders[name])
-        rounds.append({name: combine(block) for name, block in raw.items()})
+                n = 1 if sweeps else steps
+                raw[name] += measure(contenders[name], n) if measure else \
+                    timed(contenders[name], n, setup and (lambda name=name: setup(name)))
+        rounds.append(raw if measure else {name: combine(block) for name, block in raw.items()})
     return rounds
 
 
-def steps_of(rounds, name, col=0):
-    """Every timed step of `name`, one column: 0 wall, 1 CPU, 2 main-thread CPU."""
-    return [t[col] for rnd in rounds for t in rnd[name]]
-
-
 def median_of(rounds, name, col=0):
-    return statistics.median(steps_of(rounds, name, col))
+    """The median over every timed step of `name` of one column: 0 wall, 1 CPU, 2 main-thread CPU."""
+    return statistics.median(t[col] for rnd in rounds for t in rnd[name])
+
+
+def ratios(rounds, a, b):
+    """a against b: the ratio of the wall medians, the quartiles of the paired ratios (steps run
+    back to back), the ratio of the CPU medians and the ratio of each round's wall medians."""
+    paired = sorted(x[0] / y[0] for rnd in rounds for x, y in zip(rnd[a], rnd[b]))
+    return {"medians": median_of(rounds, a) / median_of(rounds, b),
+            "paired": statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3,
+            "cpu": median_of(rounds, a, 1) / median_of(rounds, b, 1),
+            "rounds": [statistics.median(t[0] for t in rnd[a]) / statistics.median(t[0] for t in rnd[b])
+                       for rnd in rounds]}
 
 
 def pair_line(rounds, a, b, goal=None):
-    """a against b in one line: the ratio of the wall medians, the paired ratio (median and
-    quartiles over steps run back to back, the better gauge on a loaded machine), the ratio of the
-    CPU medians, and the per-round ratios."""
-    paired = sorted(x[0] / y[0] for rnd in rounds for x, y in zip(rnd[a], rnd[b]))
-    q = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
-    per_round = [statistics.median(t[0] for t in rnd[a]) / statistics.median(t[0] for t in rnd[b])
-                 for rnd in rounds]
-    return (f"{a}/{b}: {median_of(rounds, a) / median_of(rounds, b):.3f} of the medians; paired "
-            f"{q[1]:.3f} [{q[0]:.2f}, {q[2]:.2f}]; CPU {median_of(rounds, a, 1) / median_of(rounds, b, 1):.3f}; "
-            f"rounds {' '.join(f'{x:.2f}' for x in per_round)}" + (f"  (goal <= {goal:g})" if goal else ""))
+    """a against b in one line; the paired ratio is the better gauge on a loaded machine."""
+    r = ratios(rounds, a, b)
+    q = r["paired"]
+    return (f"{a}/{b}: {r['medians']:.3f} of the medians; paired {q[1]:.3f} [{q[0]:.2f}, {q[2]:.2f}]; "
+            f"CPU {r['cpu']:.3f}; rounds {' '.join(f'{x:.2f}' for x in r['rounds'])}"
+            + (f"  (goal <= {goal:g})" if goal else ""))
 
 
-def time_table(rounds, ranks):
+def time_table(rounds, ranks, note=""):
     """Milliseconds per step of every contender: wall median, min, max, and the CPU medians."""
-    lines = [f"  {'':12s} {'median':>8s} {'min':>8s} {'max':>8s} {'CPU':>8s} {'main thr':>8s}   "
+    first = next(iter(rounds[0].values()))
+    lines = [f"{len(rounds)} rounds x {len(first)} timed steps of each{note}, ms per step:",
+             f"  {'':12s} {'median':>8s} {'min':>8s} {'max':>8s} {'CPU':>8s} {'main thr':>8s}   "
              f"(wall = slowest of {ranks} ranks; CPU summed over them)"]
     for name in rounds[0]:
-        w = steps_of(rounds, name)
+        w = [t[0] for rnd in rounds for t in rnd[name]]
         lines.append(f"  {name:12s} {statistics.median(w) * 1e3:8.1f} {min(w) * 1e3:8.1f} {max(w) * 1e3:8.1f} "
                      f"{median_of(rounds, name, 1) * 1e3:8.1f} {median_of(rounds, name, 2) * 1e3:8.1f}")
     return "\n".join(lines)
 
 
-def profile_table(step, rows, steps=1):
-    """torch.profiler's table of `steps` calls of step(), top rows by self CPU time."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+def profiles(contenders, rows, steps=1, setup=None, title=""):
+    """{name: torch.profiler's table of `steps` calls of that contender (after setup(name) and a
+    barrier), top `rows` by self CPU time, under a heading}, on every rank."""
+    tables = {}
+    for name, step in contenders.items():
+        if setup:
+            setup(name)
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        tables[name] = (f"\n--- torch.profiler, {steps} step{'s' if steps > 1 else ''} of {title}{name}, "
+                        f"rank 0, top {rows} by self CPU time\n"
+                        + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    return tables
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,8 +191,9 @@ def profile_table(step, rows, steps=1):
 
 
 def parser(doc, repeats, steps, warmup, deadline=600.0, **model_defaults):
-    """The flags every benchmark has, and the model's (01's GPTConfig) with its own defaults."""
-    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=cli.HelpFormatter)
+    """The flags every benchmark has, and the model's (01's GPTConfig) with its own defaults; the
+    docstring's "Run it" commands are the --help epilog."""
+    p = cli.make_parser(doc)
     p.add_argument("--repeats", type=int, default=repeats, help="rounds; who goes first rotates")
     p.add_argument("--steps", type=int, default=steps, help="timed steps of each contender per round")
     p.add_argument("--warmup", type=int, default=warmup, help="untimed steps of each per round")
@@ -154,21 +205,16 @@ def parser(doc, repeats, steps, warmup, deadline=600.0, **model_defaults):
     return p
 
 
-def model_config(args):
+def model_config(args, needs_numpy=None):
     """The GPTConfig of the flags; CPU ranks of our own, so not under torchrun; no dropout, which
-    the two sides would draw differently."""
+    the two sides would draw differently; numpy, if a peer (needs_numpy) sends objects through it.
+    Refused before any rank starts."""
     if "RANK" in os.environ:
         raise ValueError("run this directly, not under torchrun: it starts its own CPU ranks")
     cfg = cli.from_args(tensor_parallel.GPTConfig, args)
     if cfg.dropout:
         raise ValueError(f"--dropout {cfg.dropout}: the two sides would draw other masks; use 0")
+    if needs_numpy and importlib.util.find_spec("numpy") is None:
+        raise ValueError(f"{needs_numpy} passes Python objects between ranks through numpy, which torch's "
+                         f"CPU wheel does not install: pip install -r benchmarks/requirements.txt")
     return cfg
-
-
-def needs_numpy(peer):
-    """Refuse, before any rank starts, a peer that cannot run without numpy."""
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        raise ValueError(f"{peer} passes Python objects between ranks through numpy, which torch's CPU "
-                         f"wheel does not install: pip install -r benchmarks/requirements.txt") from None
