@@ -23,7 +23,6 @@ Glossary, used in every file:
 """
 import contextlib
 import math
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -354,7 +353,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = all_reduce(picked, group, tag + " target logit")
         exp = shifted.exp()
         total = all_reduce(exp.sum(dim=1), group, tag + " sum exp")
-        n_valid = valid.sum()
+        n_valid = valid.sum().clamp(min=1)  # no valid target at all: loss 0 and no gradient, not 0/0
         loss = (total.log() - picked).masked_fill(~valid, 0).sum() / n_valid
         ctx.save_for_backward(exp.div_(total[:, None]), local, mine, valid, n_valid)
         return loss
@@ -449,7 +448,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True,
                  dtype=torch.float32, device="cpu", vocab_divisible_by=1, layers=None,
-                 pre_process=True, post_process=True, ops=None):
+                 pre_process=True, post_process=True, ops=None, rng=None, check_inputs=True):
         super().__init__()
         layers = range(cfg.n_layer) if layers is None else layers
         tp = tp_size(group)
@@ -460,7 +459,9 @@ class GPT(nn.Module):
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and tp > 1
         self.pre_process, self.post_process = pre_process, post_process
         factory = dict(dtype=dtype, device=device)
-        self.rng = TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
+        # One tracked stream per process (Megatron's tracker): a rank's pipeline chunks share it.
+        self.rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
+        self.check_inputs = check_inputs  # False: the caller checked the batch once, on the host
         self.ops = ops or TORCH_OPS
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
         tr = self.transformer = nn.ModuleDict()
@@ -490,8 +491,8 @@ class GPT(nn.Module):
         return self.head(x, targets, ignore_index) if self.post_process else x
 
     def embed(self, idx):
-        if not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):  # it reads values back,
-            check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)  # which a graph cannot
+        if self.check_inputs and not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)  # reads values back
         tr = self.transformer
         x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
         if self.sp:
@@ -638,8 +639,8 @@ def parser():
 
 
 def main():
-    args = parser().parse_args()
-    return all(launch(demo, args.tp, cli.from_args(GPTConfig, args), args))
+    cfg, args = cli.demo_args(parser())  # every flag checked before any rank starts
+    return all(launch(demo, args.tp, cfg, args))
 
 
 if __name__ == "__main__":

@@ -300,11 +300,14 @@ def split_layers(n_layer, n_stages):
 
 
 def build_chunks(cfg, pp, rank, v=1, group=None, **gpt_kwargs):
-    """This rank's model chunks: chunk c is virtual stage c*pp + rank of pp*v (v=1 in this file)."""
-    ranges = split_layers(cfg.n_layer, pp * v)
-    S = pp * v
-    return [tensor_parallel.GPT(cfg, group, layers=ranges[c * pp + rank], pre_process=c * pp + rank == 0,
-                   post_process=c * pp + rank == S - 1, **gpt_kwargs) for c in range(v)]
+    """This rank's model chunks: chunk c is virtual stage c*pp + rank of pp*v (v=1 in this file).
+    They share one tracked random stream (03's chunks hold different layers: different masks)."""
+    ranges, S, chunks = split_layers(cfg.n_layer, pp * v), pp * v, []
+    for c in range(v):
+        chunks.append(tensor_parallel.GPT(cfg, group, layers=ranges[c * pp + rank], pre_process=c * pp + rank == 0,
+                                          post_process=c * pp + rank == S - 1,
+                                          rng=chunks[0].rng if chunks else None, **gpt_kwargs))
+    return chunks
 
 
 def split_batch(idx, targets, m):
@@ -401,17 +404,19 @@ class ActivationMeter:
         self.peak = max(self.peak, sum(live.values()))
 
 
-def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True,
+def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True, valid=None,
             ignore_index=-100, t0=None, wire=None, call=None, clock=time.perf_counter):
     """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
     (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in the
-    chunks' parameters; the loss of microbatch i is weighted by its share of the tokens, so the
-    sum is the serial model's mean loss."""
+    chunks' parameters; the loss of microbatch i is weighted by its share valid[i] / sum(valid) of
+    the tokens that count (not ignore_index), so the sum is the serial model's mean loss. Pass
+    valid, counted on the host, to keep device read-backs out of the loop (None: counted here)."""
     wire = wire or Wire(act_shape)
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     S = pp * len(chunks)
     dtype, device = next(chunks[0].parameters()).dtype, next(chunks[0].parameters()).device
-    n_valid = sum(int((t != ignore_index).sum()) for _, t in microbatches)
+    valid = valid or [int((t != ignore_index).sum()) for _, t in microbatches]
+    n_valid = max(sum(valid), 1)  # a microbatch with no valid target weighs 0: it adds nothing
     inbox, outbox, inputs, outputs = {}, {}, {}, {}
     meter, t0 = ActivationMeter(chunks, outputs), clock() if t0 is None else t0
     events, waits, loss, n_msgs, n_bytes = [], [], None, 0, 0
@@ -421,11 +426,11 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
             for side, peer, msg in step:
                 if side == "send":
                     t = outbox.pop(msg)
-                    ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(pp_group, peer)))
+                    ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(pp_group, peer), pp_group))
                     n_msgs, n_bytes = n_msgs + 1, n_bytes + t.numel() * t.element_size()
                 else:  # poisoned, so a receive that never happened shows up as NaN
                     inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
-                    ops.append(dist.P2POp(dist.irecv, inbox[msg], dist.get_global_rank(pp_group, peer)))
+                    ops.append(dist.P2POp(dist.irecv, inbox[msg], dist.get_global_rank(pp_group, peer), pp_group))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             for side, _, msg in step:
@@ -448,7 +453,7 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 tgt = targets if k == S - 1 else None
                 y = chunks[a.chunk](x, tgt) if call is None else call(a.chunk, a.mb, x, tgt)
             if k == S - 1:
-                y = y[1] * (int((targets != ignore_index).sum()) / n_valid)
+                y = y[1] * (valid[a.mb] / n_valid)
                 loss = y.detach() if loss is None else loss + y.detach()
             elif (k + 1) % pp == rank:  # the next stage is this rank's own next chunk
                 inbox[("act", k + 1, a.mb)] = y.detach()
@@ -498,7 +503,7 @@ def demo(env, cfg, args):
 @dataclass
 class PipelineDemoConfig:  # the flags 02's demo and 03's share
     microbatches: int = 8  # m, microbatches the batch is cut into
-    batch_size: int = 0  # global batch B, in sequences (0: 2 m)
+    batch_size: int | None = None  # global batch B, in sequences (unset: 2 m)
     seq_len: int = 32  # T, tokens per sequence
     seed: int = 1234  # for the weights and the batch
     trace: str = ""  # write the measured steps as one Chrome trace to this file
@@ -517,9 +522,9 @@ def parser():
 
 def main(parser=parser, demo=demo):
     """Parse, launch `demo` on pp ranks, exit 0 if every rank passed (03 passes its own pair)."""
-    args = parser().parse_args()
-    args.batch_size = args.batch_size or 2 * max(args.microbatches, 1)
-    return all(tensor_parallel.launch(demo, args.pp, cli.from_args(tensor_parallel.GPTConfig, args), args))
+    cfg, args = cli.demo_args(parser(), batch_size=lambda a: 2 * max(a.microbatches, 1) if a.batch_size is None
+                              else a.batch_size)
+    return all(tensor_parallel.launch(demo, args.pp, cfg, args))
 
 
 if __name__ == "__main__":

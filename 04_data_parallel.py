@@ -144,9 +144,9 @@ class BucketedDDP:
             work.wait()
             if shard is not None:
                 self.grad_buffer[slice(*self.shard_range(i))].copy_(shard)
-        if not self.zero:
-            for p in self.params:
-                p.grad = self.main_grad(p).to(p.dtype)
+        if not self.zero:  # .grad as a view of the buffer for optimizers that read it, when it is
+            for p in self.params:  # free; bf16 weights keep fp32 gradients there (FlatAdamW reads them)
+                p.grad = self.main_grad(p) if self.grad_buffer.dtype == p.dtype else None
 
     def main_grad(self, p):
         """Where p's gradient accumulates (divided by dp): its view of the flat buffer."""
@@ -238,7 +238,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
     for idx, targets in batches:
         idx, targets = shard_batch(idx, targets, dp, dp_rank)
         micro = list(zip(idx.chunk(args.microbatches), targets.chunk(args.microbatches)))
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=env.device)  # NCCL reduces device tensors only
         for i, (x, y) in enumerate(micro):
             if ddp:
                 ddp.sync = i == len(micro) - 1  # accumulate; reduce only on the last microbatch
@@ -246,7 +246,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
             start = time.perf_counter()
             loss.backward()
             end = time.perf_counter()
-            total += loss.detach().cpu()
+            total += loss.detach()
         if ddp:
             ddp.finish()
             timeline = (start, end, ddp.events, len(ddp.buckets))
@@ -256,7 +256,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
         ddp.zero_grad() if ddp else opt.zero_grad()
         losses.append(float(tensor_parallel.all_reduce(total, group, "loss") / dp))
     state = opt.state_bytes() if mode == "zero1" else optimizer_state_bytes(opt)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, timeline, state, demos.checksum(model)
+    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}, timeline, state, demos.checksum(model)
 
 
 def serial_training(cfg, args, full, batches):
@@ -337,8 +337,8 @@ def parser():
 
 
 def main():
-    args = parser().parse_args()
-    return all(tensor_parallel.launch(demo, args.dp, cli.from_args(tensor_parallel.GPTConfig, args), args))
+    cfg, args = cli.demo_args(parser())  # every flag checked before any rank starts
+    return all(tensor_parallel.launch(demo, args.dp, cfg, args))
 
 
 if __name__ == "__main__":

@@ -49,9 +49,9 @@ import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
 from plumbing import cli, report, sample
-from plumbing.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from plumbing.checks import acceleration, check_config, check_device
-from plumbing.data import global_batch, load_tokens, replica_batch, split_tokens
+from plumbing.checkpoint import Saver, load_checkpoint
+from plumbing.checks import acceleration, check_fields, preflight
+from plumbing.data import check_tokens, global_batch, load_tokens, replica_batch, split_tokens
 from plumbing.gpt2 import export_checkpoint, import_gpt2
 from plumbing.launch import printer, run_main
 from plumbing.trace import StepTrace, trace_comm
@@ -89,7 +89,8 @@ class TrainConfig:
     trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
     seed: int = 1337  # weights, data order, dropout and sampling
-    timeout_s: float = 120.0  # every collective's timeout
+    timeout_s: float = 120.0  # every collective's timeout, in seconds (at most 3600)
+    max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
     save: str = ""  # write checkpoints under this directory
     save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
     keep: int = 2  # checkpoints kept, the newest
@@ -223,11 +224,12 @@ def clip_gradients(opt, chunks, groups, max_norm, zero1):
             sq += piece.grad.to(dtype).pow(2).sum()
     for group in [groups.tp, groups.pp] + ([groups.dp] if zero1 else []):  # replicas: same gradients
         dist.all_reduce(sq, group=group)
-    norm = sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for piece in opt.pieces:
-        piece.grad.mul_(coef.to(piece.grad.dtype))
-    return float(norm)
+    norm = float(sq.sqrt())
+    if math.isfinite(norm):  # inf: the step is skipped (train_step), and inf * 0 would be NaN
+        coef = min(max_norm / (norm + 1e-6), 1.0)
+        for piece in opt.pieces:
+            piece.grad.mul_(coef)
+    return norm
 
 
 def lr_at(step, tc):
@@ -284,7 +286,8 @@ def build(env, cfg, tc, groups):
     ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else tensor_parallel.TORCH_OPS
     chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, tc.virtual_stages, groups.tp,
                                    sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
-                                   init=False, dtype=dtype, device=env.device, ops=ops)
+                                   init=False, dtype=dtype, device=env.device, ops=ops,
+                                   check_inputs=False)  # train_step checks each batch on the host
     for c in chunks:
         c.load_full_state_dict(full)
         if tc.recompute:
@@ -317,12 +320,23 @@ def shared_loss(loss, run):
     return float(t) / run.tc.dp
 
 
+def finite_step(loss, norm):
+    """Whether a step updates the weights: its loss and gradient norm are both finite."""
+    return math.isfinite(loss) and math.isfinite(norm)
+
+
 def train_step(run, idx, targets, lr, trace=None):
     """One iteration: the pipeline over this replica's microbatches, tied-embedding sync, the data-
     parallel reduction after the flush, clipping, AdamW. Returns (loss, grad norm, StepResult).
-    trace, a plumbing.trace.StepTrace, records the step's timeline."""
+    A non-finite loss or norm (the same on every rank: both are all-reduced) skips the update on
+    every rank, as Megatron does; finite_step(loss, norm) says whether it ran. trace, a
+    plumbing.trace.StepTrace, records the step's timeline."""
     tc, groups = run.tc, run.groups
     span = trace.span if trace else (lambda name, category: contextlib.nullcontext())
+    # Checked and counted here, on the host, on every rank: a bad id stops every stage at once (not
+    # the first stage alone, the others left waiting), and the executor reads nothing back.
+    check_tokens(idx, run.cfg, tc.tp if tc.sequence_parallel else 1)
+    valid = [int((t != -100).sum()) for t in targets.chunk(tc.microbatches)]
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
     run.ddp.sync = False  # reduce after the pipeline flush, not during its backwards
     with trace_comm(trace.clock) if trace else contextlib.nullcontext() as collectives:
@@ -337,7 +351,7 @@ def train_step(run, idx, targets, lr, trace=None):
                 call = run.graph.call
             # A graph's output is a static buffer it rewrites at the next replay: never deallocated.
             res = pipeline.execute(run.schedule, run.chunks, groups.pp, micro, run.act_shape, wire=run.wire,
-                                   call=call, deallocate=call is None,
+                                   call=call, deallocate=call is None, valid=valid,
                                    **(dict(t0=trace.t0, clock=trace.clock) if trace else {}))
     if trace:
         trace.add_pipeline(res, collectives)
@@ -347,13 +361,14 @@ def train_step(run, idx, targets, lr, trace=None):
         run.ddp.finish()
     with span("global gradient norm and clipping", "collective"):
         norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
-    with span("AdamW" + (" and ZeRO-1 all-gather" if tc.zero1 else ""), "optimizer"):
-        for g in run.opt.optimizer.param_groups:
-            g["lr"] = lr
-        run.opt.step()
-        run.ddp.zero_grad()
     with span("loss all-reduce", "collective"):
         loss = shared_loss(res.loss, run)
+    if finite_step(loss, norm):
+        with span("AdamW" + (" and ZeRO-1 all-gather" if tc.zero1 else ""), "optimizer"):
+            for g in run.opt.optimizer.param_groups:
+                g["lr"] = lr
+            run.opt.step()
+    run.ddp.zero_grad()
     return loss, norm, res
 
 
@@ -368,13 +383,14 @@ def stage_graphs(run, micro):
 def forward_only(run, idx, targets, call=None):
     """This replica's batch through the pipeline, forward only (eval mode, no gradients)."""
     forwards = [pipeline.Action("F", a.mb, a.chunk) for a in run.schedule if a.kind == "F"]
+    valid = [int((t != -100).sum()) for t in targets.chunk(run.tc.microbatches)]  # on the host
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
     for c in run.chunks:
         c.eval()
     try:
         with torch.no_grad():
             return pipeline.execute(forwards, run.chunks, run.groups.pp, micro, run.act_shape, wire=run.wire,
-                                    call=call)
+                                    call=call, valid=valid)
     finally:
         for c in run.chunks:
             c.train()
@@ -394,23 +410,24 @@ def evaluate(run, tokens):
 
 def train(env, cfg, tc, quiet=False):
     """Train on this rank; returns the per-step losses and gradient norms and the final figures."""
-    check_config(cfg, tc, env.world_size)  # everything is refused before the first collective
-    check_device(tc, env.device)
-    train_tokens, eval_tokens = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
+    say = printer(env, quiet)  # everything that can be refused is, before the first collective:
+    train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1)
+    if acceleration(tc, env.device)[0]:
+        kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
     groups = new_groups(env, rank_grid(env.world_size, tc.tp, tc.dp, tc.pp), tc.timeout_s)
-    run, say = build(env, cfg, tc, groups), printer(env, quiet)
+    run = build(env, cfg, tc, groups)
     spec = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
     flops = planner.flops_per_iteration(spec, tc.batch_size, tc.recompute)
     report.summary(run, spec, flops, len(train_tokens), len(eval_tokens), say)
-    start, path = 0, latest_checkpoint(tc.resume, say) if tc.resume else None
     if path:
-        start = load_checkpoint(run, path, say)
+        load_checkpoint(run, path, say)
         say(f"resumed from {path}: {start} steps done")
     elif tc.resume:
         say(f"no complete checkpoint in {tc.resume}: starting from step 0")
-    progress = report.Progress(env, tc, flops, start, run.dtype, quiet)
+    progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
+    saver = Saver(tc.save, tc.keep) if tc.save else None
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
-    losses, norms, evals, t_start = [], [], [], time.perf_counter()
+    losses, norms, evals, skipped, in_a_row, t_start = [], [], [], [], 0, time.perf_counter()
     for step in progress:
         trace = StepTrace(env.device) if tc.trace and step == traced else None
         if trace:
@@ -418,9 +435,16 @@ def train(env, cfg, tc, quiet=False):
             trace.start()
         t0, lr = time.perf_counter(), lr_at(step, tc)
         loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dist.get_rank(groups.dp)), lr, trace)
-        if not math.isfinite(loss):  # the same value on every rank: they all stop here together
-            raise FloatingPointError(f"the loss is {loss} at step {step}; stopping instead of training on")
         record = dict(step=step, loss=loss, lr=lr, grad_norm=norm, time_s=time.perf_counter() - t0)
+        in_a_row = 0 if finite_step(loss, norm) else in_a_row + 1  # the same on every rank
+        if in_a_row:  # the update was skipped everywhere; so many in a row stop every rank together
+            skipped.append(step)
+            record["skipped"] = True
+            progress.note(f"step {step} skipped: loss {loss}, gradient norm {norm} ({in_a_row} in a row)")
+            if in_a_row >= tc.max_skipped_steps:
+                raise FloatingPointError(f"{in_a_row} steps in a row ({step - in_a_row + 1} to {step}) had a "
+                                         f"non-finite loss or gradient norm; stopping (--max-skipped-steps "
+                                         f"{tc.max_skipped_steps}). Saved checkpoints hold only finite values.")
         if trace:  # one track per rank, named by its place in the grid (tp fastest, then dp, pp)
             trace.write(tc.trace, f"step {step}", [f"rank {r}: tp {r % tc.tp}, dp {r // tc.tp % tc.dp}, pp "
                                                    f"{r // (tc.tp * tc.dp)}" for r in range(env.world_size)])
@@ -433,14 +457,14 @@ def train(env, cfg, tc, quiet=False):
             evals.append((step, record["eval_loss"]))
         if step == start and run.ops is not tensor_parallel.TORCH_OPS:  # what the dispatcher chose
             progress.note(f"kernel paths: {kernels.build.report()}")
-        if tc.save and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps):
-            save_checkpoint(run, step + 1, tc.save, tc.keep, progress.note)
-        progress.log(record)
+        progress.log(record)  # before the checkpoint: a crash between the two loses no line
+        if saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps):
+            saver.save(run, step + 1, progress.note)
     progress.close()
     if not losses:
         say(f"nothing to do: {start} of {tc.steps} steps were already done")
         return dict(losses=[], norms=[], evals=[], start=start)
-    out = dict(losses=losses, norms=norms, evals=evals, start=start,
+    out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=skipped,
                bytes_per_message=res.bytes_sent / max(res.messages, 1),
                peak_activation_bytes=res.peak_activation_bytes)
     if not tc.data and cfg.vocab_size >= 128:  # the built-in corpus: what did the model learn?
@@ -494,13 +518,15 @@ def parser():
 
 def main():
     args = parser().parse_args()
-    tc, cfg = cli.from_args(TrainConfig, args), cli.from_args(tensor_parallel.GPTConfig, args)
-    if args.plan:
+    if args.plan:  # the planner checks its own flags
         print(planner.plan_from_args(args))
-    elif args.print_layout:
+        return True
+    tc, cfg, sc = (cli.from_args(c, args) for c in (TrainConfig, tensor_parallel.GPTConfig, sample.SampleConfig))
+    check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
+    if args.print_layout:
         report.print_layout(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
     elif args.sample is not None:
-        sample.from_weights(cfg, tc, cli.from_args(sample.SampleConfig, args))
+        sample.from_weights(cfg, tc, sc)
     elif args.export_hf or args.export_state_dict:
         export_checkpoint(tc.resume, args.export_hf, args.export_state_dict)
     else:
@@ -509,11 +535,10 @@ def main():
             if imported:
                 cfg = dataclasses.replace(imported, dropout=cfg.dropout)
                 print(f"model from {tc.init_from}: {cfg}")
-        world = int(os.environ.get("WORLD_SIZE", tc.tp * tc.pp * tc.dp))
-        check_config(cfg, tc, world)  # also checked on every rank; here it fails before any fork
-        under_torchrun = "RANK" in os.environ and torch.cuda.is_available()  # as launch decides
-        check_device(tc, torch.device("cuda" if under_torchrun else "cpu"))
-        load_tokens(tc.data, cfg.vocab_size, tc.seq_len)
+        torchrun = "RANK" in os.environ
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else tc.tp * tc.pp * tc.dp
+        device = torch.device("cuda" if torchrun and torch.cuda.is_available() else "cpu")  # as launch decides
+        preflight(cfg, tc, world, device, ranks_here=1 if torchrun else world)  # again on every rank
         return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s))
     return True
 

@@ -17,6 +17,7 @@ FusedOps plugs the families into the GPT of 01 (which takes any object with Ops'
 import importlib
 import math
 
+import torch
 import torch.nn.functional as F
 
 from . import build
@@ -26,6 +27,17 @@ FAMILY_NAMES = ("bias_gelu", "bias_dropout_add", "softmax", "layernorm")
 
 def families():
     return [importlib.import_module(f"{__name__}.{name}") for name in FAMILY_NAMES]
+
+
+def prebuild(mode="auto"):
+    """Compile every family now, rather than at its first use inside the first forward: a cold
+    build takes minutes, and meanwhile the other pipeline stages would sit in posted receives
+    under the collective timeout. Nothing to do for mode "reference" or without CUDA. Returns the
+    families built."""
+    if mode == "reference" or not torch.cuda.is_available():
+        return []
+    return [name for name, family in zip(FAMILY_NAMES, families())
+            if build.built(mode, name, family.BINDING, family.FUNCTIONS)]
 
 
 class FusedOps:

@@ -88,6 +88,7 @@ extern "C" const char* bias_dropout_add_backward(int, const void*, const int64_t
                                                  float, int, void*);
 void forward(torch::Tensor y, torch::Tensor b, torch::Tensor residual, torch::Tensor seed, torch::Tensor out,
              int64_t threshold, double scale, int64_t dtype, int64_t aligned, int64_t stream) {
+  ON_DEVICE_OF(y);
   check(bias_dropout_add_forward(dtype, y.data_ptr(), b.data_ptr(), residual.data_ptr(),
                                  seed.data_ptr<int64_t>(), out.data_ptr(), y.numel(), b.numel(),
                                  (uint32_t)threshold, (float)scale, aligned, as_stream(stream)),
@@ -95,6 +96,7 @@ void forward(torch::Tensor y, torch::Tensor b, torch::Tensor residual, torch::Te
 }
 void backward(torch::Tensor grad, torch::Tensor seed, torch::Tensor dy, int64_t threshold, double scale,
               int64_t dtype, int64_t aligned, int64_t stream) {
+  ON_DEVICE_OF(grad);
   check(bias_dropout_add_backward(dtype, grad.data_ptr(), seed.data_ptr<int64_t>(), dy.data_ptr(),
                                   grad.numel(), (uint32_t)threshold, (float)scale, aligned,
                                   as_stream(stream)), "bias_dropout_add_backward");

@@ -39,11 +39,13 @@ extern "C" const char* bias_gelu_forward(int, const void*, const void*, void*, i
 extern "C" const char* bias_gelu_backward(int, const void*, const void*, const void*, void*, int64_t, int64_t,
                                           int, void*);
 void forward(torch::Tensor y, torch::Tensor b, torch::Tensor out, int64_t dtype, int64_t aligned, int64_t stream) {
+  ON_DEVICE_OF(y);
   check(bias_gelu_forward(dtype, y.data_ptr(), b.data_ptr(), out.data_ptr(), y.numel(), b.numel(), aligned,
                           as_stream(stream)), "bias_gelu_forward");
 }
 void backward(torch::Tensor grad, torch::Tensor y, torch::Tensor b, torch::Tensor dy, int64_t dtype,
               int64_t aligned, int64_t stream) {
+  ON_DEVICE_OF(grad);
   check(bias_gelu_backward(dtype, grad.data_ptr(), y.data_ptr(), b.data_ptr(), dy.data_ptr(), y.numel(),
                            b.numel(), aligned, as_stream(stream)), "bias_gelu_backward");
 }

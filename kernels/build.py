@@ -25,9 +25,13 @@ MODES = ("auto", "cuda", "reference")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # common.cuh's enum DType
 ARCHS = ("80", "90")  # A100 and H100/H200: what the compile check targets
 
-# Every binding starts with this: torch, and the one way a launcher's error becomes a Python error.
+# Every binding starts with this: torch, a device guard, and the one way a launcher's error becomes
+# a Python error. The stream each binding is given is the current one of its tensors' device.
 PRELUDE = r"""
 #include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
+// Each binding launches on its tensors' device, whatever device is current in the caller.
+#define ON_DEVICE_OF(t) const c10::cuda::CUDAGuard device_guard((t).device())
 static void check(const char* error, const char* launcher) {
   TORCH_CHECK(error == nullptr, launcher, ": ", error ? error : "");
 }
@@ -78,17 +82,24 @@ def use_kernel(mode, family, reason, binding, functions):
         return None
     if reason:
         raise ValueError(f"{family}: the CUDA kernel was forced (mode 'cuda') but {reason}")
+    ext = built(mode, family, binding, functions)
+    calls[family]["cuda" if ext else "reference"] += 1
+    return ext
+
+
+def built(mode, family, binding, functions):
+    """The extension, built now if it is not yet; in mode "auto" a failed build (no CUDA toolkit,
+    a compiler error) is said once and gives None (the reference) from then on."""
+    if family in _failed and mode != "cuda":
+        return None
     try:
-        ext = extension(family, binding, functions)
-    except Exception as e:  # no CUDA toolkit, a compiler error: say so once, then the reference
+        return extension(family, binding, functions)
+    except Exception as e:
         if mode == "cuda":
             raise
         _failed[family] = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         warnings.warn(f"kernels: building {family}.cu failed ({_failed[family]}); using the PyTorch reference")
-        calls[family]["reference"] += 1
         return None
-    calls[family]["cuda"] += 1
-    return ext
 
 
 def code(t):
@@ -127,6 +138,18 @@ def nvcc_check(cu, archs=ARCHS):
     return out.returncode == 0, out.stdout + out.stderr
 
 
+def cuda_toolkit():
+    """The CUDA toolkit's root, found from nvcc (torch's CPU builds do not look for it), or None."""
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        return None
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True)  # follows wrappers
+    for root in (os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"):
+        if os.path.exists(os.path.join(root, "include", "cuda_runtime.h")) and out.returncode == 0:
+            return root
+    return None
+
+
 def binding_check(bindings):
     """Syntax-check the bindings {family: source} against this torch's headers, in one
     translation unit (each family in its own namespace); returns (ok, compiler output)."""
@@ -135,13 +158,22 @@ def binding_check(bindings):
     import tempfile
 
     src = PRELUDE + "".join(f"namespace {f} {{\n{b}\n}}\n" for f, b in sorted(bindings.items()))
-    with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
-        f.write(src)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    cxx = os.environ.get("CXX", "c++")
-    try:
-        out = subprocess.run([cxx, "-std=c++20", "-fsyntax-only", "-w", *includes, f.name],
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "bindings.cpp")
+        with open(source, "w") as f:
+            f.write(src)
+        # A CPU build of torch ships c10/cuda's headers without the one its CMake generates (a
+        # single build macro): stand one in, found only when torch lacks it.
+        stand_in = os.path.join(tmp, "stand_in", "c10", "cuda", "impl")
+        os.makedirs(stand_in)
+        with open(os.path.join(stand_in, "cuda_cmake_macros.h"), "w") as f:
+            f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+        cuda_home = cpp_extension.CUDA_HOME or cuda_toolkit()
+        if cuda_home:  # c10/cuda's headers include the CUDA runtime's
+            includes.append(f"-I{os.path.join(cuda_home, 'include')}")
+        includes.append(f"-I{os.path.join(tmp, 'stand_in')}")
+        cxx = os.environ.get("CXX", "c++")
+        out = subprocess.run([cxx, "-std=c++20", "-fsyntax-only", "-w", *includes, source],
                              capture_output=True, text=True)
-    finally:
-        os.unlink(f.name)
     return out.returncode == 0, out.stdout + out.stderr

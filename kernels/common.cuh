@@ -74,9 +74,10 @@ static inline int grid_for(int64_t work, int threads) {
   return (int)(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
 }
 
-// What a launcher returns: nullptr if the launch went in, else CUDA's message for the error.
+// What a launcher returns: nullptr if the launch went in, else CUDA's message for the error. It
+// peeks rather than takes the error, so that torch's own checks still see it.
 static inline const char* launch_status() {
-  const cudaError_t err = cudaGetLastError();
+  const cudaError_t err = cudaPeekAtLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 

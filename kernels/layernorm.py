@@ -60,12 +60,14 @@ extern "C" const char* layernorm_backward(int, const void*, const void*, const v
                                           const float*, void*, float*, int64_t, int64_t, int64_t, void*);
 void forward(torch::Tensor x, torch::Tensor w, torch::Tensor b, torch::Tensor y, torch::Tensor mean,
              torch::Tensor rstd, double eps, int64_t dtype, int64_t stream) {
+  ON_DEVICE_OF(x);
   check(layernorm_forward(dtype, x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(),
                           mean.data_ptr<float>(), rstd.data_ptr<float>(), x.size(0), x.size(1), (float)eps,
                           as_stream(stream)), "layernorm_forward");
 }
 void backward(torch::Tensor g, torch::Tensor x, torch::Tensor w, torch::Tensor mean, torch::Tensor rstd,
               torch::Tensor dx, torch::Tensor partial, int64_t dtype, int64_t stream) {
+  ON_DEVICE_OF(g);
   check(layernorm_backward(dtype, g.data_ptr(), x.data_ptr(), w.data_ptr(), mean.data_ptr<float>(),
                            rstd.data_ptr<float>(), dx.data_ptr(), partial.data_ptr<float>(), x.size(0),
                            x.size(1), partial.size(1), as_stream(stream)), "layernorm_backward");

@@ -49,12 +49,14 @@ BINDING = r"""
 extern "C" const char* softmax_forward(int, const void*, void*, int64_t, int64_t, float, void*);
 extern "C" const char* softmax_backward(int, const void*, const void*, void*, int64_t, int64_t, float, void*);
 void forward(torch::Tensor x, torch::Tensor y, double scale, int64_t dtype, int64_t stream) {
+  ON_DEVICE_OF(x);
   const int64_t T = x.size(-1);
   check(softmax_forward(dtype, x.data_ptr(), y.data_ptr(), x.numel() / T, T, (float)scale, as_stream(stream)),
         "softmax_forward");
 }
 void backward(torch::Tensor grad, torch::Tensor y, torch::Tensor dx, double scale, int64_t dtype,
               int64_t stream) {
+  ON_DEVICE_OF(grad);
   const int64_t T = y.size(-1);
   check(softmax_backward(dtype, grad.data_ptr(), y.data_ptr(), dx.data_ptr(), y.numel() / T, T, (float)scale,
                          as_stream(stream)), "softmax_backward");

@@ -1,23 +1,31 @@
-"""Checkpoints: sharded, atomic, bit-identical on resume, and loadable in any other layout.
+"""Checkpoints: sharded, atomic, durable, bit-identical on resume, and loadable in any other layout.
 
-    save_checkpoint(run, step, root, keep)   every rank writes its own shard, then rank 0 writes the
-                                             manifest and one rename makes step_N visible
-    latest_checkpoint(root)                  the newest complete step under root (or root itself)
-    read_checkpoint(path)                    (manifest, full weights, full optimizer state), whatever
-                                             layout wrote it: every tensor joined from its shards
-    load_checkpoint(run, path)               into a running trainer: same layout, the shards as they
-                                             are (random streams too); another, split anew
+    Saver(root, keep)                       save(run, step): every rank writes and fsyncs its own
+                                            shard, then rank 0 the manifest, and one rename makes
+                                            step_N visible; keeps the newest `keep` of its own saves
+    latest_checkpoint(root)                 the newest complete step under root (or root itself)
+    read_manifest(path, cfg, tc)            the manifest, checked field by field, and refused if it
+                                            is of another model or batch
+    check_save_dir(root, start)             refuse a --save directory that holds later steps
+    read_checkpoint(path)                   (manifest, full weights, full optimizer state), whatever
+                                            layout wrote it: every tensor joined from its shards
+    load_checkpoint(run, path)              into a running trainer: same layout, the shards as they
+                                            are (random streams too); another, split anew
 
 A crash during a save leaves the previous checkpoint intact (the partial step_N.tmp is skipped on
-resume). The data position and the LR schedule follow from the step, so they need no state of
-their own. `run` is 05's Run: its chunks, its ZeRO-aware optimizer pieces (04) and its groups.
+resume). A run never deletes or shadows a checkpoint it did not write, and never writes one that
+holds a non-finite value. The data position and the LR schedule follow from the step, so they need
+no state of their own. `run` is 05's Run: its chunks, its ZeRO-aware optimizer pieces (04), groups.
 """
 import dataclasses
+import errno
 import importlib
 import json
 import os
 import re
+import shutil
 import time
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -28,15 +36,91 @@ tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 CKPT = re.compile(r"step_(\d+)$")
 KEPT_FIELDS = ("batch_size", "seq_len")  # a resumed run must cut the data exactly as before
+NOTED_FIELDS = ("seed", "data")  # may change on resume (new data, a new order), but it is said
+_open = open  # tests put a full disk here
 
 
-def save_checkpoint(run, step, root, keep, say=print):
-    """Write step `step` (the number of steps done) under root/step_<step>; keep the newest `keep`.
-    Rank 0 says where, how many bytes and how long it took."""
-    t0 = time.perf_counter()
-    final = os.path.join(root, f"step_{step:08d}")
-    tmp = final + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def _write(path, write):
+    """Write a file durably (write(f), flush, fsync); a full disk or any other OS error becomes a
+    plain sentence naming the file."""
+    try:
+        with _open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        folder = os.path.dirname(path)
+        if e.errno == errno.ENOSPC:
+            free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+            raise ValueError(f"no space left writing {path} ({free / 2**20:,.1f} MiB free on its disk); "
+                             f"the previous checkpoint is intact") from None
+        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _finite(run):
+    """Names of this rank's parameters or optimizer state holding inf or NaN (none, normally)."""
+    bad = [f"{n}" for c in run.chunks for n, p in c.named_parameters() if not torch.isfinite(p).all()]
+    for st in run.opt.optimizer.state.values():
+        if any(torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all() for t in st.values()):
+            bad.append("the optimizer state")
+            break
+    return bad
+
+
+class Saver:
+    """Checkpoints of one run under root, keeping the newest `keep` of those this run wrote."""
+
+    def __init__(self, root, keep):
+        self.root, self.keep, self.written = root, keep, []
+
+    def save(self, run, step, say=print):
+        """Write step `step` (the number of steps done) under root/step_<step>. Rank 0 says where,
+        how many bytes and how long it took. Every rank agrees first that every value is finite."""
+        t0 = time.perf_counter()
+        final = os.path.join(self.root, f"step_{step:08d}")
+        tmp = final + ".tmp"
+        if run.env.rank == 0 and os.path.exists(tmp):  # not a checkpoint: it never got its manifest
+            say(f"removing {tmp}: an interrupted save of this step, never completed")
+            shutil.rmtree(tmp)
+        bad = _finite(run)
+        flag = torch.tensor([float(bool(bad))], device=run.env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # also: nobody writes before the removal above
+        if flag.item():
+            where = f"this rank holds non-finite values in {', '.join(bad[:3])}" if bad else "another rank does"
+            raise FloatingPointError(f"not saving step {step}: {where}; the last checkpoint is left as it was")
+        os.makedirs(tmp, exist_ok=True)
+        shard = _shard(run)
+        _write(os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"), lambda f: torch.save(shard, f))
+        dist.barrier()  # every shard is on disk before the step becomes visible
+        if run.env.rank == 0:
+            manifest = json.dumps(_manifest(run, step), indent=1).encode()
+            _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(manifest))
+            _fsync_dir(tmp)
+            os.replace(tmp, final)  # atomic: a crash before this line leaves the previous step intact
+            _fsync_dir(self.root)
+            size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
+            say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB in {time.perf_counter() - t0:.2f} s")
+            self.written.append(final)
+            for old in self.written[:-self.keep]:  # only this run's own saves are ever removed
+                shutil.rmtree(old)
+            self.written = self.written[-self.keep:]
+        dist.barrier()
+
+
+def _shard(run):
+    """This rank's part: its weights (one replica's), its optimizer pieces, its random streams."""
     owner = {id(p): (c, n) for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
     # Replicas hold the same weights and, without ZeRO-1, the same optimizer state: one copy does.
     first_replica = dist.get_rank(run.groups.dp) == 0
@@ -48,35 +132,31 @@ def save_checkpoint(run, step, root, keep, say=print):
         if piece.master is not piece.weights:
             state["master"] = piece.master.detach().cpu()
         pieces.append((c, name, start, start + piece.weights.numel(), state))
-    shard = dict(
+    device = run.env.device
+    return dict(
         coords={k: dist.get_rank(getattr(run.groups, k)) for k in ("tp", "dp", "pp")},
         chunks=[{n: p.detach().cpu() for n, p in c.named_parameters()} for c in run.chunks] if first_replica else [],
         pieces=pieces,
-        rng=dict(cpu=torch.get_rng_state(), tracked=[c.rng.state.cpu() for c in run.chunks],
-                 cuda=torch.cuda.get_rng_state(run.env.device) if run.env.device.type == "cuda" else None))
-    torch.save(shard, os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"))
-    dist.barrier()  # every shard is on disk before the step becomes visible
-    if run.env.rank == 0:
-        tc = run.tc
-        manifest = dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size,
-                        layout=dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1),
-                        train={k: getattr(tc, k) for k in KEPT_FIELDS}, dtype=str(run.dtype),
-                        tokenizer=tokenizer_of(tc.data))
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(tmp, final)  # atomic: a crash before this line leaves the previous step intact
-        size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
-        say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB in {time.perf_counter() - t0:.2f} s")
-        for old in sorted(d for d in os.listdir(root) if CKPT.match(d))[:-keep]:
-            for name in os.listdir(os.path.join(root, old)):
-                os.remove(os.path.join(root, old, name))
-            os.rmdir(os.path.join(root, old))
-    dist.barrier()
+        rng=dict(device=device.type, cpu=torch.get_rng_state(), tracked=run.chunks[0].rng.state.cpu(),
+                 cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None))
 
 
-def latest_checkpoint(root, say=print):
+def _manifest(run, step):
+    tc = run.tc
+    return dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size,
+                layout=dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1),
+                train={k: getattr(tc, k) for k in KEPT_FIELDS}, noted={k: getattr(tc, k) for k in NOTED_FIELDS},
+                dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data))
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding and checking
+
+
+def latest_checkpoint(root, say=None):
     """The newest complete checkpoint under root (a step_N directory, or root itself), or None.
-    Interrupted saves (.tmp) are skipped with a message."""
+    Interrupted saves (.tmp) are skipped, and said so when say is given."""
+    say = say or (lambda text: None)
     if os.path.exists(os.path.join(root, "manifest.json")):
         return root
     if not os.path.isdir(root):
@@ -86,56 +166,131 @@ def latest_checkpoint(root, say=print):
             say(f"ignoring {os.path.join(root, name)}: an interrupted save, never completed")
     steps = sorted(d for d in os.listdir(root) if CKPT.match(d))
     complete = [d for d in steps if os.path.exists(os.path.join(root, d, "manifest.json"))]
-    for d in set(steps) - set(complete):
+    for d in sorted(set(steps) - set(complete)):
         say(f"ignoring {os.path.join(root, d)}: it has no manifest.json")
     return os.path.join(root, complete[-1]) if complete else None
+
+
+def check_save_dir(root, start, resuming_from=None):
+    """A run that starts after `start` steps must not write into a directory holding later steps:
+    it would shadow them, and rotating its own saves would never reach them. Say what to do."""
+    if not os.path.isdir(root):
+        return
+    later = sorted(d for d in os.listdir(root) if CKPT.match(d) and int(CKPT.match(d)[1]) > start)
+    if later:
+        where = f"resuming from {resuming_from} ({start} steps)" if resuming_from else "starting from step 0"
+        raise ValueError(f"--save {root} already holds {', '.join(later[-3:])}, written by another run, and this "
+                         f"run is {where}: it would write over or beside them. Resume from them with "
+                         f"--resume {root}, or save to another directory.")
+
+
+_MANIFEST_KEYS = {"step": int, "model": dict, "world": int, "layout": dict, "train": dict}
+
+
+def read_manifest(path, cfg=None, tc=None, say=None):
+    """The manifest of the checkpoint at path, checked key by key. With cfg and tc, refuses a
+    checkpoint of another model or batch, naming what differs, and says when the seed or the data
+    differ (a run may change them on purpose)."""
+    file = os.path.join(path, "manifest.json")
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a checkpoint: no readable manifest.json ({e})") from None
+    wrong = [k for k, kind in _MANIFEST_KEYS.items() if not isinstance(manifest.get(k) if isinstance(manifest, dict)
+                                                                        else None, kind)]
+    if not wrong:
+        lay = manifest["layout"]
+        if not all(isinstance(lay.get(k), int) and lay[k] >= 1 for k in ("tp", "pp", "dp", "v")) \
+                or lay["tp"] * lay["pp"] * lay["dp"] != manifest["world"]:
+            wrong.append(f"layout {lay} (tp x pp x dp must equal world={manifest['world']})")
+        fields = {f.name for f in dataclasses.fields(tensor_parallel.GPTConfig)}
+        if set(manifest["model"]) != fields:
+            wrong.append(f"model {sorted(manifest['model'])} (want {sorted(fields)})")
+    if wrong:
+        raise ValueError(f"{file} is malformed: missing or wrong " + ", ".join(map(str, wrong)))
+    if cfg is not None:
+        diff = [f"{k}={v} (this run {getattr(cfg, k)})" for k, v in manifest["model"].items()
+                if getattr(cfg, k) != v]
+        diff += [f"{k}={v} (this run {getattr(tc, k)})" for k, v in manifest["train"].items()
+                 if getattr(tc, k, v) != v]
+        if diff:
+            raise ValueError(f"the checkpoint {path} was written with " + ", ".join(diff))
+        for k, v in manifest.get("noted", {}).items():
+            if say and getattr(tc, k, v) != v:
+                say(f"note: the checkpoint was trained with --{k} {v!r}; this run continues with {getattr(tc, k)!r}")
+    return manifest
+
+
+def check_shards(path, manifest):
+    """Every shard the manifest promises is there and is a whole archive (its end record, written
+    last, is intact): checked before any process starts, without reading the tensors."""
+    for r in range(manifest["world"]):
+        file = os.path.join(path, f"rank_{r:05d}.pt")
+        if not zipfile.is_zipfile(file):
+            raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: not a complete archive")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+def _load_shard(file):
+    try:
+        shard = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, a missing file, garbage: all the same to us
+        raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: {e}") from None
+    if not (isinstance(shard, dict) and isinstance(shard.get("coords"), dict) and isinstance(shard.get("chunks"), list)
+            and isinstance(shard.get("pieces"), list) and isinstance(shard.get("rng"), dict)):
+        raise ValueError(f"checkpoint shard {file} is malformed: not a shard this trainer writes")
+    return shard
 
 
 def read_checkpoint(path, cfg=None, tc=None):
     """(manifest, full parameters, full optimizer state per parameter name) from any layout. With
     cfg and tc, refuses a checkpoint of another model or another batch, naming what differs."""
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a checkpoint: no readable manifest.json ({e})") from None
-    if cfg is not None:
-        diff = [f"{k}={v} (this run {getattr(cfg, k)})" for k, v in manifest["model"].items()
-                if getattr(cfg, k) != v]
-        diff += [f"{k}={v} (this run {getattr(tc, k)})" for k, v in manifest["train"].items()
-                 if getattr(tc, k) != v]
-        if diff:
-            raise ValueError(f"the checkpoint {path} was written with " + ", ".join(diff))
+    manifest = read_manifest(path, cfg, tc)
     lay = manifest["layout"]
     meta = dict(tensor_parallel.GPT(tensor_parallel.GPTConfig(**manifest["model"]), device="meta").named_parameters())
     params, states = {}, {}  # name -> {tp rank: shard}; name -> {tp rank: {key: flat shard}}
     for r in range(manifest["world"]):
         file = os.path.join(path, f"rank_{r:05d}.pt")
+        shard = _load_shard(file)
         try:
-            shard = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # a truncated zip, a missing file, garbage: all the same to us
-            raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: {e}") from None
-        t = shard["coords"]["tp"]
-        for chunk in shard["chunks"]:
-            for name, value in chunk.items():
-                params.setdefault(name, {})[t] = value
-        for c, name, start, end, state in shard["pieces"]:
-            # Shaped like the parameter's shard on this tp rank, which replica 0 (a lower rank,
-            # read earlier) wrote even when this file is a ZeRO-1 replica's without weights.
-            local = params[name][t]
-            flat = states.setdefault(name, {}).setdefault(t, {})
-            for key, value in state.items():
-                if value.dim() == 0:  # the step counter
-                    flat[key] = value
-                    continue
-                flat.setdefault(key, torch.zeros(local.numel(), dtype=value.dtype))[start:end] = value
-    full = {n: tensor_parallel.join_shards([shards[t] for t in range(lay["tp"])], meta[n]) for n, shards in params.items()}
-    full_state = {}
-    for name, by_rank in states.items():
-        shape = params[name][0].shape
-        keys = by_rank[0].keys()
-        full_state[name] = {k: by_rank[0][k] if by_rank[0][k].dim() == 0 else tensor_parallel.join_shards(
-            [by_rank[t][k].view(shape) for t in range(lay["tp"])], meta[name]) for k in keys}
+            t = shard["coords"]["tp"]
+            for chunk in shard["chunks"]:
+                for name, value in chunk.items():
+                    params.setdefault(name, {})[t] = value
+            for c, name, start, end, state in shard["pieces"]:
+                # Shaped like the parameter's shard on this tp rank, which replica 0 (a lower rank,
+                # read earlier) wrote even when this file is a ZeRO-1 replica's without weights.
+                local = params[name][t]
+                flat = states.setdefault(name, {}).setdefault(t, {})
+                for key, value in state.items():
+                    if value.dim() == 0:  # the step counter
+                        flat[key] = value
+                        continue
+                    flat.setdefault(key, torch.zeros(local.numel(), dtype=value.dtype))[start:end] = value
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
+            raise ValueError(f"checkpoint shard {file} is malformed: {type(e).__name__} {e}") from None
+    missing = sorted(set(meta) - set(params))
+    if missing or any(len(shards) != lay["tp"] for shards in params.values()):
+        raise ValueError(f"the checkpoint {path} is incomplete: its shards lack {missing[:3] or 'some tp ranks'}")
+    try:
+        full = {n: tensor_parallel.join_shards([shards[t] for t in range(lay["tp"])], meta[n])
+                for n, shards in params.items()}
+        full_state = {}
+        for name, by_rank in states.items():
+            shape = params[name][0].shape
+            keys = by_rank[0].keys()
+            full_state[name] = {k: by_rank[0][k] if by_rank[0][k].dim() == 0 else tensor_parallel.join_shards(
+                [by_rank[t][k].view(shape) for t in range(lay["tp"])], meta[name]) for k in keys}
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise ValueError(f"the checkpoint {path} does not fit its manifest: {type(e).__name__} {e}") from None
+    bad = [n for n, t in full.items() if t.shape != meta[n].shape]
+    if bad:
+        raise ValueError(f"the checkpoint {path} does not fit its manifest: {bad[0]} is {tuple(full[bad[0]].shape)}, "
+                         f"not {tuple(meta[bad[0]].shape)}")
     return manifest, full, full_state
 
 
@@ -161,15 +316,19 @@ def load_checkpoint(run, path, say=print):
         run.opt.optimizer.state[piece.master] = {k: v.to(dev if v.dim() else "cpu").clone() for k, v in mine.items()}
     lay, here = manifest["layout"], dict(tp=run.tc.tp, pp=run.tc.pp, dp=run.tc.dp, v=run.tc.virtual_stages,
                                           zero1=run.tc.zero1)
-    if lay == here and manifest["world"] == run.env.world_size:
-        shard = torch.load(os.path.join(path, f"rank_{run.env.rank:05d}.pt"), map_location="cpu", weights_only=True)
+    device = run.env.device
+    shard = _load_shard(os.path.join(path, f"rank_{run.env.rank:05d}.pt")) \
+        if lay == here and manifest["world"] == run.env.world_size else None
+    if shard and shard["rng"].get("device", "cpu") == device.type:  # the same streams, continued
         torch.set_rng_state(shard["rng"]["cpu"])
-        for c, state in zip(run.chunks, shard["rng"]["tracked"]):
-            c.rng.state = state.to(c.rng.state.device)
+        tracked = shard["rng"]["tracked"]
+        run.chunks[0].rng.state = (tracked[0] if isinstance(tracked, list) else tracked).to(run.chunks[0].rng.state.device)
         if shard["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(shard["rng"]["cuda"], run.env.device)
-    else:  # another layout: random streams cannot be mapped, so they restart from (seed, step)
-        pp_rank = dist.get_rank(run.groups.pp)
-        torch.manual_seed(run.tc.seed + 100 * pp_rank + 7919 * manifest["step"])
-        say(f"resharded {path} from {lay} to {here}; dropout streams reseeded from the step")
+            torch.cuda.set_rng_state(shard["rng"]["cuda"], device)
+    else:  # another layout or device: the streams cannot be mapped, so both restart from (seed, step)
+        pp_rank, seed = dist.get_rank(run.groups.pp), run.tc.seed + 7919 * manifest["step"]
+        torch.manual_seed(seed + 100 * pp_rank)
+        run.chunks[0].rng.state = tensor_parallel.TPRandom(seed + 100 * pp_rank, tp_r, device).state
+        why = f"from {lay} to {here}" if shard is None else f"from {shard['rng'].get('device')} to {device.type}"
+        say(f"resharded {path} {why}; dropout streams, default and tracked, reseeded from the step")
     return manifest["step"]

@@ -23,6 +23,8 @@ import tokenize
 import types
 import typing
 
+from plumbing import checks
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Each option's help ends with its default (an empty string shows as none, None as unset),
@@ -102,7 +104,22 @@ def demo_parser(doc, demo_cls, model_cls, **model_defaults):
     parser = make_parser(doc)
     add_dataclass_args(parser, demo_cls, "demo")
     add_dataclass_args(parser, model_cls, "model", **model_defaults)
+    parser.configs = demo_cls, model_cls
     return parser
+
+
+def demo_args(parser, argv=None, **resolve):
+    """Parse a demo's flags, set each resolve[name](args) (a default that depends on other flags),
+    and check every field and relation (plumbing.checks) before anything starts. Returns (the
+    model's config, the parsed flags)."""
+    args = parser.parse_args(argv)
+    for name, value in resolve.items():
+        setattr(args, name, value(args))
+    demo_cls, model_cls = parser.configs
+    cfg, demo = from_args(model_cls, args), from_args(demo_cls, args)
+    checks.check_config(cfg, demo)
+    checks.check_paths(demo)
+    return cfg, args
 
 
 def from_args(cls, args):

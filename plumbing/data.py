@@ -68,10 +68,15 @@ def load_tokens(path, vocab_size, seq_len):
     if not path:
         tokens = torch.frombuffer(bytearray(builtin_corpus().encode()), dtype=torch.uint8)
     else:
+        if os.path.isdir(path):
+            raise ValueError(f"--data {path}: it is a directory, not a data file")
         try:
             size = os.path.getsize(path)
             if size == 0:
                 raise ValueError(f"the data file {path!r} is empty")
+            if path.endswith(".bin") and size % 2:
+                raise ValueError(f"--data {path}: {size} bytes is not a whole number of 2-byte (uint16) "
+                                 f"token ids; is it a .bin that scripts/prepare_data.py wrote?")
             if path.endswith(".bin"):
                 # Memory-mapped, not read: windows are copied out (as int64) only when sampled.
                 tokens = torch.from_file(path, shared=False, size=size // 2, dtype=torch.uint16)
@@ -91,8 +96,11 @@ def load_tokens(path, vocab_size, seq_len):
 
 
 def split_tokens(tokens, seq_len):
-    """90% to train on, the last 10% held out for the eval loss (at least one sequence)."""
+    """90% to train on, the last 10% held out for the eval loss (each at least one sequence)."""
     n_eval = max(len(tokens) // 10, seq_len + 1)
+    if len(tokens) - n_eval < seq_len + 1:
+        raise ValueError(f"--data: {len(tokens)} tokens cannot hold a sequence of seq_len + 1 = {seq_len + 1} to "
+                         f"train on and another held out for the eval loss; need at least {2 * (seq_len + 1)}")
     return tokens[:-n_eval], tokens[-n_eval:]
 
 

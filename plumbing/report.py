@@ -9,6 +9,8 @@
 """
 import importlib
 import json
+import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -93,7 +95,10 @@ def report(run, out, wall, say):
     tokens = len(losses) * tc.batch_size * tc.seq_len
     say(f"\ndone: {len(losses)} steps in {wall:.1f} s ({tokens / wall:,.0f} tokens/s); loss "
         f"{losses[0]:.3f} -> {losses[-1]:.3f}" + (f"; eval loss {evals[-1][1]:.3f}" if evals else ""))
-    series = {"train loss": ("*", list(enumerate(losses, out["start"])))}
+    if out.get("skipped"):
+        say(f"skipped {len(out['skipped'])} steps (no update) for a non-finite loss or gradient norm: "
+            f"{', '.join(map(str, out['skipped'][:10]))}{' ...' if len(out['skipped']) > 10 else ''}")
+    series = {"train loss": ("*", [(s, x) for s, x in enumerate(losses, out["start"]) if math.isfinite(x)])}
     if evals:
         series["eval loss"] = ("o", evals)
     say(ascii_chart(series))
@@ -144,16 +149,17 @@ def sum_probe(run, forward_only):
 
 class Progress:
     """The training loop's output on rank 0: a progress bar (loss, tokens/s, MFU on a GPU, the eval
-    loss), notes printed above it, and one --metrics JSON line per step (appended when resuming)."""
+    loss), notes printed above it, and one --metrics JSON line per step (appended to the file when
+    a checkpoint was resumed, append=True; a new run starts it afresh)."""
 
-    def __init__(self, env, tc, flops, start, dtype, quiet=False):
+    def __init__(self, env, tc, flops, start, dtype, quiet=False, append=False):
         self.show = env.rank == 0 and not quiet
         self.tokens = tc.batch_size * tc.seq_len
         name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else ""
         peak = next((f for gpu, f in PEAK_BF16_FLOPS.items() if gpu in name), None)
         # MFU: eq. 3's FLOPs per iteration over the step time and every GPU's dense bf16 peak.
         self.mfu_seconds = flops / (env.world_size * peak) if peak and dtype == torch.bfloat16 else None
-        self.metrics = open(tc.metrics, "a" if tc.resume else "w") if tc.metrics and env.rank == 0 else None
+        self.metrics = open(tc.metrics, "a" if append else "w") if tc.metrics and env.rank == 0 else None
         self.bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=not self.show,
                         desc="train", dynamic_ncols=True)
 
@@ -176,6 +182,7 @@ class Progress:
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+            os.fsync(self.metrics.fileno())  # on disk before this step's checkpoint is written
 
     def close(self):
         if self.metrics:

@@ -50,6 +50,16 @@ def _test_deadline(request):
     signal.signal(signal.SIGALRM, old)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_built():
+    """On a GPU, every kernel family is compiled once per test run, before any test: a cold build
+    takes minutes, which no test's deadline (or a torchrun test's subprocess timeout) should pay.
+    torch caches the builds on disk, so subprocesses find them. Nothing to do without CUDA."""
+    if torch.cuda.is_available():
+        import kernels
+        kernels.prebuild("auto")
+
+
 @pytest.fixture
 def run_ranks():
     from plumbing.launch import launch  # after ROOT is on sys.path

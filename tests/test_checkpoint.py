@@ -73,13 +73,13 @@ def test_a_checkpoint_loads_in_another_layout_and_the_trajectory_continues(run_r
 def _crash_in_second_save(env, root):
     real, calls = torch.save, [0]
 
-    def dying_save(obj, path):
+    def dying_save(obj, f):  # the shard's open file
         calls[0] += 1
         if env.rank == 1 and calls[0] == 2:  # half a file, then the rank is gone
-            with open(path, "wb") as f:
-                f.write(b"PK\x03\x04 truncated")
+            f.write(b"PK\x03\x04 truncated")
+            f.flush()
             os._exit(1)
-        real(obj, path)
+        real(obj, f)
 
     torch.save = dying_save  # this forked rank's torch only
     gpt3d.train(env, CFG, tc_for(1, 2, 1, save=root, save_every=3), quiet=True)

@@ -128,7 +128,7 @@ def test_bad_input_raises_on_every_rank_before_any_collective(run_ranks, case):
 def test_the_demo_exits_nonzero_within_seconds_on_bad_input():
     proc, seconds = run("01_tensor_parallel.py", "--tp", "4", "--n-head", "6", "--n-embd", "48")
     assert proc.returncode == 1
-    assert "n_head=6 must be divisible by tp=4" in proc.stderr
+    assert "--n-head: need n_embd=48 divisible by n_head=6, and n_head divisible by tp=4" in proc.stderr
     assert seconds < 30
 
 
