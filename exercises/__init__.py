@@ -1,0 +1,47 @@
+"""Exercises on the numbered files, with an autograder that runs your code inside the real machinery.
+
+    python3 -m exercises list                      # every exercise, its reading, its planted bugs
+    python3 -m exercises check 01                  # grade exercises/ex01_tensor_parallel.py
+    python3 -m exercises check 01.3 02             # one exercise, and every one of 02
+    python3 -m exercises check all --solution      # the numbered files' own functions: all pass
+    python3 -m exercises check 01 --planted g_backward_all_reduces   # what a known mistake looks like
+
+One stub file per numbered file (ex01_tensor_parallel.py ... ex05_3d_gpt.py) holds the functions a
+student writes, each with the signature and the docstring contract of the piece it replaces and a
+body that raises NotImplementedError with a hint: the paper section to read and the command to
+run. The solutions are the numbered files themselves; nothing here copies them.
+
+How a check works (autograder.py; each file's checks in checks_0N.py): the student's function is
+put in place of the numbered file's in this process, the serial model's answer having been computed
+first; CPU ranks are forked with gloo, as the tests do, and inherit it; each rank compares what the
+parallel code gives with the serial model's answer in float64 (tolerance 1e-10), and says for every
+difference which rank, which tensor, how far off, in which direction, and what usually causes it.
+Pure pieces (the schedules, the rank grid) are checked here without ranks, through 02's validator
+and simulator.
+"""
+import importlib
+
+# file: (numbered module, stub module, checks module)
+FILES = {
+    "01": ("01_tensor_parallel", "ex01_tensor_parallel", "checks_01"),
+    "02": ("02_pipeline_1f1b", "ex02_pipeline_1f1b", "checks_02"),
+    "03": ("03_interleaved", "ex03_interleaved", "checks_03"),
+    "04": ("04_data_parallel", "ex04_data_parallel", "checks_04"),
+    "05": ("05_3d_gpt", "ex05_3d_gpt", "checks_05"),
+}
+
+
+def exercises(file):
+    """The Exercise records of one numbered file ("01" ... "05"), in order."""
+    return importlib.import_module(f"exercises.{FILES[file][2]}").EXERCISES
+
+
+def stub(file):
+    """The stub module a student edits for that file."""
+    return importlib.import_module(f"exercises.{FILES[file][1]}")
+
+
+def student_impl(exercise):
+    """The student's functions for an exercise, read from its file's stub module."""
+    module = stub(exercise.file)
+    return {name: getattr(module, name) for name in exercise.functions}

@@ -1,0 +1,400 @@
+"""The checks of 01's exercises (exercises/ex01_tensor_parallel.py), and the wrong answers planted to
+prove that they catch what they should.
+
+Every check runs on tp = 2 fork-started CPU ranks in float64: first the piece alone, on inputs and
+upstream gradients that differ from rank to rank (so that a missing or doubled sum shows), then the
+whole GPT-2 against the serial one from the same weights and batch: the loss, the logits and every
+gradient. The serial answers are computed here, before the student's functions are installed.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from exercises.autograder import Exercise, Planted, differences, first, installed, merged, numbered, \
+    random_weights, ranks, token_batch, tp_group
+
+tensor_parallel = numbered("01_tensor_parallel")
+TP = 2
+F64 = torch.float64
+# V=101 is not a multiple of tp: the last rank holds a padded vocabulary column.
+CFG = tensor_parallel.GPTConfig(vocab_size=101, block_size=16, n_layer=2, n_head=4, n_embd=32)
+REFERENCE = {  # 01's own pieces, taken before anything is installed: the solutions
+    "copy_to_tp": tensor_parallel.copy_to_tp,
+    "reduce_from_tp": tensor_parallel.reduce_from_tp,
+    "column_parallel_forward": tensor_parallel.ColumnParallelLinear.forward,
+    "row_parallel_forward": tensor_parallel.RowParallelLinear.forward,
+    "vocab_parallel_cross_entropy": tensor_parallel.vocab_parallel_cross_entropy,
+    "gather_from_sp": tensor_parallel.gather_from_sp,
+    "reduce_scatter_to_sp": tensor_parallel.reduce_scatter_to_sp,
+}
+
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole model against the serial one
+
+
+def serial_reference(sp):
+    """The serial model's loss, logits and gradients on the check's batch (here, in this process)."""
+    full = random_weights(CFG, seed=4)
+    idx, targets = token_batch(CFG, 2, 8, seed=5, ignored=3)
+    serial = tensor_parallel.GPT(CFG, None, init=False, dtype=F64)
+    serial.load_full_state_dict(full)
+    logits, loss = serial(idx, targets)
+    loss.backward()
+    return dict(full=full, idx=idx, targets=targets, sp=sp, loss=loss.detach(), logits=logits.detach(),
+                grads={n: p.grad for n, p in serial.named_parameters()})
+
+
+MODEL_HINTS = {
+    "tp x too large": "summed over the ranks once too often: did a backward all-reduce twice?",
+    "tp x too small": "divided by tp, or summed over fewer ranks than it should be",
+    "zero": "nothing reached it: is a backward returning zeros, or a collective result thrown away?",
+    "sign": "a sign was flipped somewhere between the loss and this tensor",
+}
+
+
+def _model(env, ref):
+    group = tp_group(env)
+    model = tensor_parallel.GPT(CFG, group, sequence_parallel=ref["sp"], init=False, dtype=F64)
+    model.load_full_state_dict(ref["full"])
+    logits, loss = model(ref["idx"], ref["targets"])
+    loss.backward()
+    pairs = [("the loss", loss.detach(), ref["loss"]),
+             ("the logits (gathered)", model.full_logits(logits.detach()), ref["logits"])]
+    pairs += [(f"the gradient of {n}", g, ref["grads"][n]) for n, g in model.full_grads().items()]
+    return differences(pairs, MODEL_HINTS, factors={"tp": env.world_size})
+
+
+def whole_model(ref):
+    """The tensor-parallel GPT-2 (tp=2) against the serial one (ref, from serial_reference): the
+    loss, the logits, every gradient."""
+    where = f"in the whole model ({'sequence parallel, ' if ref['sp'] else ''}tp={TP}), "
+    return first([where + r for r in merged(ranks(_model, TP, ref))], 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# The conjugate operators alone: rank r's input is x * (r + 1) and its upstream gradient its own,
+# so a sum over the ranks, a missing one and a doubled one all give different numbers.
+
+# name: (forward, backward) expected on rank r, from xs and gs, every rank's inputs and gradients
+OPERATORS = {
+    "copy_to_tp": (lambda xs, gs, r, tp: xs[r], lambda xs, gs, r, tp: sum(gs)),
+    "reduce_from_tp": (lambda xs, gs, r, tp: sum(xs), lambda xs, gs, r, tp: gs[r]),
+    "gather_from_sp": (lambda xs, gs, r, tp: torch.cat(xs, 1), lambda xs, gs, r, tp: sum(gs).chunk(tp, 1)[r]),
+    "reduce_scatter_to_sp": (lambda xs, gs, r, tp: sum(xs).chunk(tp, 1)[r], lambda xs, gs, r, tp: torch.cat(gs, 1)),
+}
+LABEL = {"copy_to_tp": "f (copy_to_tp)", "reduce_from_tp": "g (reduce_from_tp)",
+         "gather_from_sp": "g-bar (gather_from_sp)", "reduce_scatter_to_sp": "reduce_scatter_to_sp"}
+
+
+def _suspects(name, xs, gs, r, tp):
+    """Known wrong answers for each operator: (forward suspects, backward suspects)."""
+    mine = [torch.zeros_like(g) for g in gs]
+    mine[r] = gs[r]
+    return {
+        "copy_to_tp": ([(sum(xs), "f's forward summed the input over the ranks: f is the identity in "
+                                  "forward (g is the one that all-reduces)")],
+                       [(gs[r], "f's backward passed this rank's gradient on unchanged: every rank used the "
+                                "same input, so its gradient is the sum of the ranks' parts (all-reduce)")]),
+        "reduce_from_tp": ([(xs[r], "g's forward returned this rank's partial output: all-reduce it, so "
+                                    "that every rank has the sum")],
+                           [(sum(gs), "g's backward all-reduced the gradient: g's backward is the identity "
+                                      "(each rank's partial output gets the whole gradient as it is)")]),
+        "gather_from_sp": ([], [(gs[r].chunk(tp, 1)[r], "g-bar's backward kept this rank's slice of its own "
+                                "gradient: every rank used the whole gathered tensor, so sum the ranks' "
+                                "gradients first (reduce-scatter, not a split)")]),
+        "reduce_scatter_to_sp": ([(xs[r].chunk(tp, 1)[r], "kept this rank's slice of its own partial sums: "
+                                   "reduce-scatter sums over the ranks first")],
+                                 [(torch.cat(mine, 1), "the backward put this rank's gradient in its own slice "
+                                   "and zeros elsewhere: every slice of the input fed the sum, so all-gather "
+                                   "the ranks' gradients")]),
+    }[name]
+
+
+def _operators(env, names):
+    group = tp_group(env)
+    tp, r, out = env.world_size, env.rank, []
+    xs = [randn(2, 4, 8, seed=1) * (q + 1) for q in range(tp)]
+    for name in names:
+        forward, backward = OPERATORS[name]
+        y_want = forward(xs, None, r, tp)
+        gs = [randn(*y_want.shape, seed=3 + q) for q in range(tp)]  # each rank's upstream gradient
+        fwd_suspects, bwd_suspects = _suspects(name, xs, gs, r, tp)
+        x = xs[r].clone().requires_grad_()
+        y = getattr(tensor_parallel, name)(x, group)
+        found = differences([(f"{LABEL[name]}, the output", y.detach(), y_want, fwd_suspects)])
+        if not found:
+            y.backward(gs[r])
+            found = differences([(f"{LABEL[name]}, the input's gradient", x.grad, backward(xs, gs, r, tp),
+                                  bwd_suspects)], factors={"tp": tp})
+        out += found
+    return out
+
+
+def operators(*names):
+    return first([f"alone, {r}" for r in merged(ranks(_operators, TP, names))], 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# 01.1 f and g
+
+
+def check_f_and_g(impl):
+    ref = serial_reference(sp=False)
+    with installed((tensor_parallel, "copy_to_tp", impl["copy_to_tp"]),
+                   (tensor_parallel, "reduce_from_tp", impl["reduce_from_tp"])):
+        return operators("copy_to_tp", "reduce_from_tp") + whole_model(ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# 01.2 The linears: the student's forward for layers without sp or gather_output, 01's for the rest
+
+
+def linear_forwards(impl):
+    own_col, own_row = REFERENCE["column_parallel_forward"], REFERENCE["row_parallel_forward"]
+
+    def column(self, x):
+        return own_col(self, x) if self.sp or self.gather_output else impl["column_parallel_forward"](self, x)
+
+    def row(self, x):
+        return own_row(self, x) if self.sp else impl["row_parallel_forward"](self, x)
+
+    return ((tensor_parallel.ColumnParallelLinear, "forward", column),
+            (tensor_parallel.RowParallelLinear, "forward", row))
+
+
+def _linears(env):
+    group = tp_group(env)
+    tp, r, out = env.world_size, env.rank, []
+    for kind, n_in, n_out in (("column", 32, 48), ("row", 48, 32)):
+        cls = tensor_parallel.ColumnParallelLinear if kind == "column" else tensor_parallel.RowParallelLinear
+        layer = cls(n_in, n_out, group, dtype=F64)
+        w, b = randn(n_out, n_in, seed=11), randn(n_out, seed=12)
+        tensor_parallel.load_full_state_dict(layer, {"weight": w, "bias": b}, group)
+        x_full, dy_full = randn(2, 8, n_in, seed=13), randn(2, 8, n_out, seed=14)
+        x_ref = x_full.clone().requires_grad_()
+        y_ref = F.linear(x_ref, w, b)
+        y_ref.backward(dy_full)
+        name = f"{cls.__name__}({n_in} -> {n_out}), "
+        if kind == "column":  # input replicated, output split by columns
+            x, y_want, dy, dx_want = x_full, y_ref.detach().chunk(tp, -1)[r], dy_full.chunk(tp, -1)[r], x_ref.grad
+            partial = dy @ layer.weight.detach()  # this rank's share of the input's gradient
+            y_sus, dx_sus = [], [(partial, "only this rank's part of the input's gradient: the input must "
+                                           "pass through f (copy_to_tp), whose backward sums the ranks' parts")]
+        else:  # input split by rows, output replicated
+            x, y_want, dy, dx_want = x_full.chunk(tp, -1)[r], y_ref.detach(), dy_full, x_ref.grad.chunk(tp, -1)[r]
+            local = F.linear(x, layer.weight.detach())
+            y_sus = [(y_want + (tp - 1) * b, f"the right output plus (tp - 1) x the bias: the bias was added on "
+                                              f"every rank before the sum over the ranks, so it counts tp={tp} "
+                                              f"times; add it once, after g"),
+                     (local + b, "this rank's partial product plus the bias: sum the partial products over "
+                                 "the ranks with g (reduce_from_tp) first")]
+            dx_sus = []
+        x = x.clone().requires_grad_()
+        y = layer(x)
+        found = differences([(f"{name}the output", y.detach(), y_want, y_sus)])
+        if not found:
+            y.backward(dy)
+            grads = tensor_parallel.gather_full(layer, group, grads=True)
+            found = differences([(f"{name}the input's gradient", x.grad, dx_want, dx_sus),
+                                 (f"{name}the weight's gradient", grads["weight"], _grad_w(x_full, dy_full)),
+                                 (f"{name}the bias's gradient", grads["bias"], dy_full.sum((0, 1)))],
+                                factors={"tp": tp})
+        out += found
+    return out
+
+
+def _grad_w(x, dy):
+    """The gradient of F.linear's weight: the sum over rows of dy^T x, (n_out, n_in)."""
+    return dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+
+
+def check_linears(impl):
+    ref = serial_reference(sp=False)
+    with installed(*linear_forwards(impl)):
+        return first([f"alone, {r}" for r in merged(ranks(_linears, TP))], 3) + whole_model(ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# 01.3 The vocab-parallel cross-entropy, against F.cross_entropy and against the usual mistakes
+
+
+def _cross_entropy_cases(full, target, V, tp, r, ignore_index):
+    """The right loss, and what each usual mistake gives instead, on rank r: [(loss, words)]."""
+    N, V_pad = full.shape
+    cols = torch.arange(V_pad)
+    owner = torch.div(target.clamp_min(0), V_pad // tp, rounding_mode="floor")
+    valid = target != ignore_index
+    z = full.masked_fill(cols >= V, -math.inf)
+    t = target.clamp_min(0)
+
+    def mean(per_row, over=None):
+        return per_row.masked_fill(~valid, 0).sum() / (valid.sum() if over is None else over)
+
+    def picked(shifted):
+        return shifted.gather(1, t[:, None]).squeeze(1)
+
+    slices = [slice(q * V_pad // tp, (q + 1) * V_pad // tp) for q in range(tp)]
+    top = z.max(1).values
+    sums = [(z[:, s] - top[:, None]).exp().sum(1) for s in slices]
+    own_max = [z[:, s].max(1).values for s in slices]
+    own_sums = sum((z[:, s] - own_max[q][:, None]).exp().sum(1) for q, s in enumerate(slices))
+    own_shift = torch.stack(own_max, 1).gather(1, owner[:, None]).squeeze(1)
+    mine = owner == r
+    with_pad = full - full.max(1).values[:, None]
+    return [
+        (mean(sum(sums).log() - picked(z) + top, over=torch.tensor(N)),
+         f"it averages over all {N} positions: the ones whose target is ignore_index take no part; divide by "
+         f"the number of the others"),
+        (mean(sums[r].log() - picked(z) + top), "it equals the loss with this rank's own sum of exponentials: "
+         "sum it over the ranks (with g, so that its gradient reaches every rank)"),
+        (mean(sum(sums).log() - (picked(z) - top).masked_fill(~mine, 0)),
+         "it equals the loss with the target logit taken on this rank only: the rank holding the target's "
+         "column has it, the others put 0, and a sum over the ranks gives it to all"),
+        (mean(own_sums.log() - picked(z) + own_shift), "it equals the loss with each rank shifting by its own "
+         "max: all-reduce the max (op MAX) so that every rank subtracts the same number"),
+        (mean(with_pad.exp().sum(1).log() - picked(with_pad)), "it counts the padded columns (index >= n_vocab) as "
+         "tokens: fill them with -inf first"),
+    ]
+
+
+def _cross_entropy(env, V, ignore_index):
+    group = tp_group(env)
+    tp, r = env.world_size, env.rank
+    V_pad, N = tensor_parallel.padded_vocab_size(V, tp), 24
+    full = torch.cat([randn(N, V, seed=5) * 3, torch.full((N, V_pad - V), 1e4, dtype=F64)], 1)  # poisoned padding
+    target = torch.randint(V, (N,), generator=torch.Generator().manual_seed(6))
+    target[::5] = ignore_index
+    ref_in = full[:, :V].clone().requires_grad_()
+    ref = F.cross_entropy(ref_in, target, ignore_index=ignore_index)
+    ref.backward(torch.tensor(0.7, dtype=F64))  # an upstream gradient that is not 1
+    grad_want = torch.cat([ref_in.grad, torch.zeros(N, V_pad - V, dtype=F64)], 1).chunk(tp, 1)[r]
+    local = full.chunk(tp, 1)[r].clone().requires_grad_()
+    loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index)
+    what = f"V={V} (padded to {V_pad}), ignore_index={ignore_index}"
+    found = differences([(f"{what}, the loss", loss.detach(), ref.detach(),
+                          _cross_entropy_cases(full, target, V, tp, r, ignore_index))])
+    if not found:
+        loss.backward(torch.tensor(0.7, dtype=F64))
+        found = differences([(f"{what}, the gradient of this rank's logits", local.grad, grad_want)],
+                            {"other": "each rank's gradient is softmax - one-hot on its own columns, times the "
+                                      "upstream gradient / the number of counted rows"}, factors={"tp": tp})
+    return found
+
+
+def check_cross_entropy(impl):
+    ref = serial_reference(sp=False)
+    with installed((tensor_parallel, "vocab_parallel_cross_entropy", impl["vocab_parallel_cross_entropy"])):
+        alone = merged(ranks(_cross_entropy, TP, 13, -100))
+        return first([f"alone, {r}" for r in alone], 3) + whole_model(ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# 01.4 Sequence parallelism's pair
+
+
+def check_sequence_parallel(impl):
+    ref = serial_reference(sp=True)
+    with installed((tensor_parallel, "gather_from_sp", impl["gather_from_sp"]),
+                   (tensor_parallel, "reduce_scatter_to_sp", impl["reduce_scatter_to_sp"])):
+        return operators("gather_from_sp", "reduce_scatter_to_sp") + whole_model(ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# Planted wrong answers: each must fail with the words given (tests/test_exercises.py).
+
+
+class _GBackwardAllReduces(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)  # the mistake: g's backward is the identity
+        return grad, None
+
+
+class _FBackwardIdentity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None  # the mistake: no all-reduce
+
+
+def _bias_before_reduce(self, x):
+    y = tensor_parallel.reduce_from_tp(F.linear(x, self.weight, self.bias), self.group)  # bias on every rank
+    return (y, self.bias) if self.skip_bias_add else y
+
+
+def _cross_entropy_local_sum(logits, target, group, n_vocab, ignore_index=-100, tag="loss"):
+    logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    Vl, r = logits.shape[1], tensor_parallel.tp_rank(group)
+    cols = torch.arange(r * Vl, (r + 1) * Vl)
+    z = logits.masked_fill(cols >= n_vocab, -math.inf)
+    top = z.max(1).values.detach()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    local, valid = target - r * Vl, target != ignore_index
+    mine = valid & (local >= 0) & (local < Vl)
+    picked = (z - top[:, None]).gather(1, local.masked_fill(~mine, 0)[:, None]).squeeze(1).masked_fill(~mine, 0)
+    picked = tensor_parallel.reduce_from_tp(picked, group)
+    total = (z - top[:, None]).exp().sum(1)  # the mistake: not summed over the ranks
+    return (total.log() - picked).masked_fill(~valid, 0).sum() / valid.sum()
+
+
+class _GatherBackwardSplits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, 1)
+
+    @staticmethod
+    def backward(ctx, grad):  # the mistake: a split, not a reduce-scatter
+        return grad.chunk(dist.get_world_size(ctx.group), 1)[dist.get_rank(ctx.group)].contiguous(), None
+
+
+def _apply(fn):
+    return lambda x, group, tag="": x if tensor_parallel.tp_size(group) == 1 else fn.apply(x, group)
+
+
+EXERCISES = [
+    Exercise("01.1", "f_and_g", "f and g, the conjugate operators", ("copy_to_tp", "reduce_from_tp"),
+             "Shoeybi et al. 2019, Section 3 and Figure 3", check_f_and_g,
+             lambda: {k: REFERENCE[k] for k in ("copy_to_tp", "reduce_from_tp")},
+             [Planted("g_backward_all_reduces", "g's backward all-reduces too (it must be the identity)",
+                      lambda: {"reduce_from_tp": _apply(_GBackwardAllReduces)}, "g's backward all-reduced"),
+              Planted("f_backward_identity", "f's backward forgets the all-reduce",
+                      lambda: {"copy_to_tp": _apply(_FBackwardIdentity)}, "f's backward passed this rank's gradient")]),
+    Exercise("01.2", "linears", "the column- and row-parallel linear layers",
+             ("column_parallel_forward", "row_parallel_forward"),
+             "Shoeybi et al. 2019, Section 3 (the MLP block)", check_linears,
+             lambda: {k: REFERENCE[k] for k in ("column_parallel_forward", "row_parallel_forward")},
+             [Planted("bias_before_reduce", "the row-parallel bias is added on every rank before g",
+                      lambda: {"row_parallel_forward": _bias_before_reduce}, "plus (tp - 1) x the bias")]),
+    Exercise("01.3", "cross_entropy", "the vocab-parallel cross-entropy", ("vocab_parallel_cross_entropy",),
+             "Shoeybi et al. 2019, Section 3 (the output embedding)", check_cross_entropy,
+             lambda: {"vocab_parallel_cross_entropy": REFERENCE["vocab_parallel_cross_entropy"]},
+             [Planted("cross_entropy_local_sum", "the sum of exponentials is not summed over the ranks",
+                      lambda: {"vocab_parallel_cross_entropy": _cross_entropy_local_sum},
+                      "this rank's own sum of exponentials")]),
+    Exercise("01.4", "sequence_parallel", "sequence parallelism's all-gather / reduce-scatter pair",
+             ("gather_from_sp", "reduce_scatter_to_sp"), "Korthikanti et al. 2022, Section 4.2.2",
+             check_sequence_parallel, lambda: {k: REFERENCE[k] for k in ("gather_from_sp", "reduce_scatter_to_sp")},
+             [Planted("gather_backward_splits", "g-bar's backward splits the gradient instead of reduce-scattering",
+                      lambda: {"gather_from_sp": _apply(_GatherBackwardSplits)}, "reduce-scatter, not a split")]),
+]
