@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plumbing import cli, demos
+from plumbing import charts, cli, demos
 from plumbing.launch import gather_numbers, printer, run_main
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -303,12 +303,9 @@ def demo(env, cfg, args):
         say(f"replica checksums: {digests}")
         say(f"max relative difference of the losses and every parameter after {args.steps} steps: "
             f"{worst:.2e} {'PASS' if good else 'FAIL'} (tolerance 1e-10)")
-        if timeline:
-            start, end, events, n_buckets = timeline
-            launches = [(i, t) for kind, i, t in events if kind == "launch"]
-            say(f"{n_buckets} buckets; reductions launched, in ms after the last backward started (it ran "
-                f"{1e3 * (end - start):.1f} ms): " + ", ".join(f"b{i}@{1e3 * (t - start):.1f}" for i, t in launches))
-            say(f"{sum(t < end for _, t in launches)} of {n_buckets} launched before backward finished")
+        if timeline:  # (start, end, events, number of buckets) of the last backward
+            say(f"the last backward ('|': a gradient arrived) and each bucket's reduction (L: launched), "
+                f"in ms:\n{charts.bucket_timeline(*timeline)}")
     say(f"\nthe losses stay near ln V = {math.log(cfg.vocab_size):.3f} and drift up: every step draws "
         f"new random tokens,\nwhich no model predicts better than uniformly, so fitting earlier "
         f"batches only costs on the next.\nThe demo checks that each mode follows serial training "

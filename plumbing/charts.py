@@ -1,8 +1,14 @@
-"""A chart in the terminal, with no plotting package: the loss curve at the end of training.
+"""Charts in the terminal, with no plotting package (and no torch: scripts/plot_metrics.py imports
+this without it).
 
-    print(ascii_chart({"train loss": ("*", [(step, loss), ...]), "eval loss": ("o", [...])}))
+    ascii_chart({"train loss": ("*", [(step, loss), ...])})   curves on one grid: 05's loss chart
+    bars([(label, value), ...])                               horizontal bars on one scale
+    bucket_timeline(start, end, events, n_buckets)            04's BucketedDDP: backward, and when
+                                                              each bucket's reduction was launched
+                                                              (and, if known, seen done), on one time axis
 
-scripts/plot_metrics.py draws the same curves as a PNG when matplotlib is installed.
+scripts/plot_metrics.py draws the loss curves as a PNG when matplotlib is installed, and
+scripts/figures.py the bubble, memory and overlap figures.
 """
 import math
 
@@ -37,4 +43,60 @@ def ascii_chart(series, width=64, height=12, x_label="step"):
     lines.append(" " * (pad + 2) + "   ".join(
         f"{marker} {label}" + (f" ({dropped[label]} non-finite left out)" if dropped[label] else "")
         for label, (marker, _) in series.items()))
+    return "\n".join(lines)
+
+
+def bars(rows, width=48, value=lambda v: f"{v:,.0f}"):
+    """Horizontal bars, one per (label, number), on one scale: the largest fills `width` columns.
+    A row (label, None) is a heading with no bar. value(number) is the text after each bar."""
+    numbers = [v for _, v in rows if v is not None]
+    top = max(numbers, default=0) or 1
+    pad = max((len(label) for label, _ in rows), default=0)
+    lines = []
+    for label, v in rows:
+        if v is None:
+            lines.append(label)
+            continue
+        n = round(v / top * width) if math.isfinite(v) and v > 0 else 0
+        lines.append(f"{label:<{pad}} |{'#' * n}{' ' * (width - n)}| {value(v)}")
+    return "\n".join(lines)
+
+
+def bucket_timeline(start, end, events, n_buckets, width=64):
+    """04's BucketedDDP.events on one time axis, in milliseconds from `start` (the start of the
+    last backward; `end` its end). events: ("ready", parameter index, t) as each gradient arrives,
+    ("launch", bucket, t) as each bucket's reduction starts, and, when they were recorded,
+    ("done", bucket, t) when it was seen finished. One row for backward ('=' while it runs, a '|'
+    where a gradient arrived), then one per bucket: 'L' at its launch, '-' while it runs, 'D' when
+    it was seen done. The last line counts the buckets launched before backward ended."""
+    times = [t for _, _, t in events] + [start, end]
+    t0, t1 = min(times), max(times)
+    scale = (width - 1) / ((t1 - t0) or 1)
+    col = lambda t: min(width - 1, max(0, round((t - t0) * scale)))  # noqa: E731
+    ms = lambda t: f"{1e3 * (t - start):.1f}"  # noqa: E731
+    launch = {i: t for kind, i, t in events if kind == "launch"}
+    done = {i: t for kind, i, t in events if kind == "done"}
+    row = [" "] * width
+    for c in range(col(start), col(end) + 1):
+        row[c] = "="
+    for kind, _, t in events:
+        if kind == "ready":
+            row[col(t)] = "|"
+    lines = [" " * 19 + "|" + ms(t0).ljust(width // 2) + ms(t1).rjust(width - width // 2) + "|  ms after backward began",
+             f"{'backward':<19}|{''.join(row)}| {ms(start)} to {ms(end)}"]
+    for i in range(n_buckets):
+        row = [" "] * width
+        if i in launch:
+            first = col(launch[i])
+            last = min(width - 1, max(col(done[i]), first + 1)) if i in done else first  # D beside L, not on it
+            for c in range(first, last + 1):
+                row[c] = "-"
+            row[first] = "L"
+            if i in done:
+                row[last] = "D"
+        when = (f"launched {ms(launch[i])}" if i in launch else "never launched") + \
+            (f", done by {ms(done[i])}" if i in done else "")
+        lines.append(f"{f'bucket {i}':<19}|{''.join(row)}| {when}")
+    early = sum(t < end for t in launch.values())
+    lines.append(f"{early} of {n_buckets} launched before backward finished")
     return "\n".join(lines)
