@@ -19,6 +19,11 @@ each (chunk, microbatch) the lowest free copy. Each copy is captured with its ow
 since graphs sharing a pool are only safe when replayed in capture order, which a 1F1B schedule
 is not.
 
+Static gradients. Each captured backward writes every parameter's gradient into its own output
+buffer before autograd adds it into .grad, so a stage holds one gradient-sized buffer per slot
+(Megatron accumulates into the main gradient inside the capture instead): pp copies on the first
+stage of 1F1B. docs/GPU_CHECKLIST.md (G12) measures what that costs.
+
 Random numbers. Dropout draws from the default CUDA generator, which PyTorch registers with every
 capture: each replay advances its Philox offset, so every replay draws fresh masks (01's TPRandom
 is off at tp = 1 precisely so that nothing swaps generator states inside a capture). The fused
