@@ -9,7 +9,6 @@ Run it (from the repository root; on a GPU it starts torchrun itself for the e2e
     python benchmarks/bench_kernels.py --only kernels graphs   # where a command's time is limited,
     python benchmarks/bench_kernels.py --only e2e              # the sections one command each
 """
-import argparse
 import json
 import shlex
 import statistics
@@ -355,7 +354,7 @@ def e2e_section(args, device, timer, cuda):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.cli.make_parser(__doc__)
     parser.add_argument("--only", nargs="+", choices=["kernels", "graphs", "e2e"], default=["kernels", "graphs", "e2e"])
     parser.add_argument("--repeats", type=int, help="rounds of ours-then-peer / peer-then-ours (7 GPU, 3 CPU)")
     parser.add_argument("--iters", type=int, help="timed kernel calls per side per round (10 GPU, 3 CPU)")

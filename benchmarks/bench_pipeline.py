@@ -106,8 +106,7 @@ class Peer:
 
 def zero_grads(chunks):
     for c in chunks:
-        for p in c.parameters():
-            p.grad = None
+        c.zero_grad(set_to_none=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,11 +169,13 @@ def worker(env, cfg, args):
                        Peer(name, chunks, pp, rank, m, idx, targets, cfg.vocab_size))
 
     # The first step of a torch schedule infers shapes (a real forward and backward on microbatch
-    # 0) and exchanges them: run everything once before checking and timing.
+    # 0) and exchanges them: everything runs once, and --warmup more times, before the check (which
+    # changes no weight) and the timing.
     for pair in pairs.values():
         for side in pair:
-            zero_grads(side.chunks)
-            side.step()
+            for _ in range(1 + args.warmup):
+                zero_grads(side.chunks)
+                side.step()
 
     checks = {name: check_same(ours, peer, embed_group, serial_grads, serial_loss)
               for name, (ours, peer) in pairs.items()}
@@ -184,11 +185,6 @@ def worker(env, cfg, args):
              and c.get("serial loss diff", 0) <= SERIAL_LOSS_RTOL for c in checks.values())
     if not harness.agree(ok):  # every rank must agree before any of them times anything
         return {"same": False, "checks": checks}
-    for pair in pairs.values():
-        for side in pair:
-            for _ in range(args.warmup):
-                zero_grads(side.chunks)
-                side.step()
     sides = {name: {"ours": ours.step, "peer": peer.step} for name, (ours, peer) in pairs.items()}
     zero = {name: (lambda _, c=ours.chunks: zero_grads(c)) for name, (ours, _) in pairs.items()}  # shared chunks
     rounds = {name: harness.alternate(sides[name], args.repeats, args.steps, sweeps=True, setup=zero[name])
