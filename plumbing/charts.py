@@ -51,7 +51,7 @@ def bars(rows, width=48, value=lambda v: f"{v:,.0f}"):
     A row (label, None) is a heading with no bar. value(number) is the text after each bar."""
     numbers = [v for _, v in rows if v is not None]
     top = max(numbers, default=0) or 1
-    pad = max((len(label) for label, _ in rows), default=0)
+    pad = max((len(label) for label, v in rows if v is not None), default=0)
     lines = []
     for label, v in rows:
         if v is None:
