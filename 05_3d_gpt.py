@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import importlib
 import math
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,7 +52,7 @@ from plumbing.checkpoint import Saver, load_checkpoint
 from plumbing.checks import acceleration, check_fields, preflight
 from plumbing.data import check_tokens, global_batch, load_tokens, replica_batch, split_tokens
 from plumbing.gpt2 import export_checkpoint, import_gpt2
-from plumbing.launch import printer, run_main
+from plumbing.launch import launcher_ranks, printer, run_main
 from plumbing.trace import StepTrace, trace_comm
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -411,7 +410,8 @@ def evaluate(run, tokens):
 def train(env, cfg, tc, quiet=False):
     """Train on this rank; returns the per-step losses and gradient norms and the final figures."""
     say = printer(env, quiet)  # everything that can be refused is, before the first collective:
-    train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1)
+    train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
+                                                       writer=env.rank == 0)
     if acceleration(tc, env.device)[0]:
         kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
     groups = new_groups(env, rank_grid(env.world_size, tc.tp, tc.dp, tc.pp), tc.timeout_s)
@@ -535,10 +535,11 @@ def main():
             if imported:
                 cfg = dataclasses.replace(imported, dropout=cfg.dropout)
                 print(f"model from {tc.init_from}: {cfg}")
-        torchrun = "RANK" in os.environ
-        world = int(os.environ["WORLD_SIZE"]) if torchrun else tc.tp * tc.pp * tc.dp
-        device = torch.device("cuda" if torchrun and torch.cuda.is_available() else "cpu")  # as launch decides
-        preflight(cfg, tc, world, device, ranks_here=1 if torchrun else world)  # again on every rank
+        ranks = launcher_ranks()  # (rank, world, local rank) under torchrun, else None
+        world = ranks[1] if ranks else tc.tp * tc.pp * tc.dp
+        device = torch.device("cuda" if ranks and torch.cuda.is_available() else "cpu")  # as launch decides
+        preflight(cfg, tc, world, device, ranks_here=1 if ranks else world,  # again on every rank
+                  writer=not ranks or ranks[0] == 0)
         return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s))
     return True
 

@@ -312,8 +312,9 @@ def load_checkpoint(run, path, say=print):
             piece.master.data.copy_(mine.pop("master"))
         elif piece.master is not piece.weights:  # bf16 now, not before: the master starts from the weights
             piece.master.data.copy_(piece.weights.float())
-        dev = piece.master.device
-        run.opt.optimizer.state[piece.master] = {k: v.to(dev if v.dim() else "cpu").clone() for k, v in mine.items()}
+        dev, dtype = piece.master.device, piece.master.dtype  # the moments follow this run's dtype
+        run.opt.optimizer.state[piece.master] = {k: v.to(dev, dtype).clone() if v.dim() else v.clone()
+                                                 for k, v in mine.items()}
     lay, here = manifest["layout"], dict(tp=run.tc.tp, pp=run.tc.pp, dp=run.tc.dp, v=run.tc.virtual_stages,
                                           zero1=run.tc.zero1)
     device = run.env.device

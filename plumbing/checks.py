@@ -145,14 +145,15 @@ def check_device(tc, device):
                          f"use --kernel-path reference (same math, PyTorch) or auto")
 
 
-def check_paths(tc):
+def check_paths(tc, writer=True):
     """--save must be a directory this process can write in (made if missing); --metrics and
     --trace files whose directory exists and that are not directories. Probed by writing, since a
-    permission bit does not tell (root, read-only mounts, full quotas)."""
+    permission bit does not tell (root, read-only mounts, full quotas); the files only by the
+    process that will write them (writer), so that ranks sharing a path never race on it."""
     if getattr(tc, "save", ""):
         if os.path.exists(tc.save) and not os.path.isdir(tc.save):
             raise ValueError(f"--save {tc.save}: it is a file, not a directory for checkpoints")
-        probe = os.path.join(tc.save, f".write_test_{os.getpid()}")
+        probe = os.path.join(tc.save, f".write_test_{os.getpid()}_{os.uname().nodename}")
         try:
             os.makedirs(tc.save, exist_ok=True)
             with open(probe, "w"):
@@ -169,14 +170,16 @@ def check_paths(tc):
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise ValueError(f"{flag(name)} {path}: the directory {folder} does not exist")
+        if not writer:
+            continue
         existed = os.path.exists(path)
         try:
             with open(path, "a"):
                 pass
+            if not existed:
+                os.remove(path)
         except OSError as e:
             raise ValueError(f"{flag(name)} {path}: cannot write it ({e.strerror or e})") from None
-        if not existed:
-            os.remove(path)
 
 
 def machine_bytes(device):
@@ -211,15 +214,16 @@ def check_memory(cfg, tc, device, ranks_here):
                          f"and optimizer state, more than {where}; use more tp x pp or a smaller model")
 
 
-def preflight(cfg, tc, world, device, say=None, ranks_here=None):
+def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
     """Everything 05 can refuse before a process group exists, in the order a user would fix it.
+    writer: this process writes --metrics and --trace (rank 0, or the launching process).
     Returns (train tokens, eval tokens, the checkpoint to resume or None, the steps it holds)."""
     # Imported here: 01-04 import this module for check_config, and these import 01.
     from plumbing.checkpoint import check_save_dir, check_shards, latest_checkpoint, read_manifest
     from plumbing.data import load_tokens, split_tokens
     check_config(cfg, tc, world)
     check_device(tc, device)
-    check_paths(tc)
+    check_paths(tc, writer)
     check_memory(cfg, tc, device, world if ranks_here is None else ranks_here)
     train_tokens, eval_tokens = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
     path = latest_checkpoint(tc.resume, say) if tc.resume else None

@@ -268,7 +268,12 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
                                 timeout=timedelta(seconds=timeout_s))
         result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)
         pipe.send_bytes(pickle.dumps(("ok", result)))
-    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
+    except ValueError as e:  # bad input found on a rank: its sentence and where, not a traceback
+        code = 1
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        pipe.send_bytes(pickle.dumps(("error", f"ValueError: {e} (raised at {os.path.basename(frame.filename)}:"
+                                               f"{frame.lineno})\n")))
+    except BaseException:  # report everything else, including SystemExit and KeyboardInterrupt
         code = 1
         pipe.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     sys.stdout.flush()

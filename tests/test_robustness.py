@@ -333,3 +333,50 @@ def test_bucketed_ddp_makes_no_low_precision_gradient_copy(run_ranks):
         return out
 
     assert run_ranks(body, 1) == [[True, True]]
+
+
+def _p2p_groups(env):
+    real, groups = dist.P2POp, []
+
+    def op(fn, tensor, peer, group=None, *rest):
+        groups.append(group)
+        return real(fn, tensor, peer, group, *rest)
+
+    dist.P2POp = op
+    pp_group = dist.new_group([0, 1])
+    chunks = pipeline.build_chunks(PIPELINE_CFG, 2, env.rank)
+    idx = torch.randint(97, (4, 16), generator=torch.Generator().manual_seed(0))
+    pipeline.execute(pipeline.one_f_one_b(2, 2, env.rank), chunks, pp_group, pipeline.split_batch(idx, idx, 2),
+                     (2, 16, 16))
+    return bool(groups) and all(g is pp_group for g in groups)
+
+
+def test_every_point_to_point_op_carries_its_pipeline_group(run_ranks):
+    assert run_ranks(_p2p_groups, 2) == [True, True]
+
+
+def test_a_bad_output_path_is_refused_by_every_rank_before_any_collective(run_ranks, tmp_path):
+    tc = replace(PP2, metrics=str(tmp_path / "missing" / "m.jsonl"))
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_clean, 2, tc)
+    text = str(failure.value)
+    assert "--metrics" in text and "also failed: ValueError: --metrics" in text  # not "Connection reset"
+
+
+def test_a_resume_with_another_seed_or_data_is_said(run_ranks, tmp_path):
+    root = str(tmp_path)
+    run_ranks(_clean, 2, replace(PP2, steps=2, save=root))
+    proc = run_script("05_3d_gpt.py", *SMALL, "--steps", "3", "--resume", root, "--seed", "7", "--eval-every", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "note: the checkpoint was trained with --seed 1337; this run continues with 7" in proc.stdout
+
+
+def test_an_exported_gpt2_config_is_complete_and_consistent(tmp_path):
+    from plumbing import gpt2
+    cfg = replace(CFG, dropout=0.1)
+    gpt2.export_gpt2(cfg, tensor_parallel.init_state_dict(cfg, 0), str(tmp_path))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["bos_token_id"] is None and hf["eos_token_id"] is None  # V = 256 holds no id 50256
+    assert hf["resid_pdrop"] == hf["embd_pdrop"] == hf["attn_pdrop"] == 0.1
+    assert all(hf[k] in v or (k == "n_inner" and hf[k] is None) for k, v in gpt2.OURS.items())
+    assert gpt2.config_from_hf(hf, "config.json") == replace(cfg, dropout=0.0)  # and reads back
