@@ -77,7 +77,8 @@ def list_exercises(out=print):
     for file in FILES:
         out(f"{FILES[file][0]}.py (exercises/{FILES[file][1]}.py)")
         for e in exercises(file):
-            out(f"  {e.key} {e.title}: {', '.join(e.functions)}; read {e.reading}")
+            out(f"  {e.key} {e.title}")
+            out(f"       write: {', '.join(e.functions)}; read: {e.reading}")
             for p in e.planted:
                 out(f"       planted {p.name}: {p.what}")
     return True

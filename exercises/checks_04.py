@@ -224,7 +224,7 @@ def _no_gather(ddp):
 
 
 EXERCISES = [
-    Exercise("04.1", "allreduce_gradients", "naive data parallelism: average the gradients after backward",
+    Exercise("04.1", "allreduce_gradients", "naive data parallelism: average gradients after backward",
              ("allreduce_gradients",), "Li et al. 2020 (gradient reduction, the naive solution)",
              check_allreduce_gradients, lambda: {"allreduce_gradients": REFERENCE["allreduce_gradients"]},
              [Planted("no_division_by_dp", "the gradients are summed over the replicas but not divided by dp",
@@ -234,7 +234,7 @@ EXERCISES = [
              check_launch_bucket, lambda: {"launch_bucket": REFERENCE["launch_bucket"]},
              [Planted("launch_blocking", "the bucket's all-reduce waits, and no work handle is kept",
                       lambda: {"launch_bucket": _launch_blocking}, "launch the collective with async_op=True")]),
-    Exercise("04.3", "zero1", "ZeRO-1: each rank's shard, and the all-gather after the step",
+    Exercise("04.3", "zero1", "ZeRO-1: each rank's shard, then the all-gather",
              ("shard_range", "all_gather_params"), "Rajbhandari et al. 2020 (P_os, ZeRO-DP stage 1)", check_zero1,
              lambda: {"shard_range": REFERENCE["shard_range"], "all_gather_params": REFERENCE["all_gather_params"]},
              [Planted("same_shard_everywhere", "every rank takes the first 1/dp of each bucket",

@@ -30,6 +30,12 @@ def test_two_to_four_exercises_per_numbered_file_and_twelve_to_sixteen_in_all():
     assert all(2 <= n <= 4 for n in counts.values()), counts
     assert 12 <= len(ALL) <= 16
     assert [e.key for e in ALL] == sorted(e.key for e in ALL) and len(BY_KEY) == len(ALL)
+    assert all(len(e.title) <= 58 for e in ALL)  # one line each in `check`'s table
+
+
+def test_the_exercises_readme_names_every_exercise():
+    text = (ROOT / "exercises" / "README.md").read_text()
+    assert all(e.key in text for e in ALL)
 
 
 def test_every_stub_function_exists_with_a_docstring_and_every_exercise_cites_a_reading():
@@ -124,7 +130,7 @@ def _hangs(env):
 
 
 def test_a_collective_only_some_ranks_call_ends_as_an_error_saying_so(monkeypatch):
-    monkeypatch.setattr(autograder, "COLLECTIVE_TIMEOUT_S", 2)
+    monkeypatch.setattr(autograder, "COLLECTIVE_TIMEOUT_S", 3)
     monkeypatch.setattr(autograder, "DEADLINE_S", 20)
     e = autograder.Exercise("00.1", "hang", "a hang", (), "nobody et al. 2000", lambda impl: autograder.ranks(_hangs, 2),
                             lambda: {})
@@ -136,6 +142,15 @@ def test_a_student_function_that_raises_is_an_error_naming_the_exception():
     e = BY_KEY["02.1"]
     result = autograder.grade(e, {"gpipe": lambda pp, m, stage: 1 / 0})
     assert result.status == "error" and "gpipe(1, 1, 0) raised ZeroDivisionError" in result.lines[0]
+
+
+def _torch_not_implemented(pp, m, stage):
+    raise NotImplementedError("an operator without a kernel for this dtype")  # not a stub's hint
+
+
+def test_a_not_implemented_error_that_is_not_a_stubs_hint_is_an_error_not_a_stub():
+    result = autograder.grade(BY_KEY["02.1"], {"gpipe": _torch_not_implemented})
+    assert result.status == "error" and "an operator without a kernel" in result.lines[0]
 
 
 # ----------------------------------------------------------------------------------------------
