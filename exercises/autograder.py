@@ -17,10 +17,9 @@ answer it is compared with.
 """
 import contextlib
 import importlib
-import math
 import re
-from datetime import timedelta
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -313,8 +312,3 @@ def token_batch(cfg, B, T, seed, ignored=0):
     idx, targets = torch.randint(cfg.vocab_size, (2, B, T), generator=gen)
     targets[0, :ignored] = -100
     return idx, targets
-
-
-def ok_ratio(x):
-    """A float for messages: 1.5, 2, 0.333."""
-    return f"{x:.3g}" if math.isfinite(x) else str(x)
