@@ -110,7 +110,7 @@ def test_compare_names_a_factor_a_sign_zeros_a_shape_a_known_mistake_or_how_far_
     assert autograder.compare(wrong, want, suspects=[(wrong.clone(), "the first row moved")]) == \
         ("suspect", "the first row moved")
     kind, words = autograder.compare(wrong, want)
-    assert kind == "other" and "5 of 20 entries differ" in words and "(too large)" in words or "(too small)" in words
+    assert kind == "other" and "5 of 20 entries differ" in words and ("(too large)" in words or "(too small)" in words)
 
 
 def test_differences_put_the_most_telling_first_and_append_the_hint_of_their_kind():
