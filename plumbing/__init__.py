@@ -6,7 +6,7 @@ first read; each module opens with what it does and how it is called.
                    tp groups of consecutive ranks; tensor-only gathers (no pickling, no numpy)
     cli.py         the command line, generated from the config dataclasses (help from comments)
     trace.py       every collective as it runs (01's demo lists them), Chrome traces of timelines
-    charts.py      the loss curve as an ASCII chart
+    charts.py      terminal charts: the loss curve, bars, 04's bucket timeline
     data.py        the built-in corpus, text and .bin files, batches every rank agrees on, the
                    token check
     tokenizer.py   GPT-2's BPE when tiktoken is installed; which tokenizer a data file names

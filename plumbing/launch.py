@@ -195,7 +195,23 @@ def _die_with_parent(parent=None):
 # Without a launcher: fork nprocs CPU ranks here.
 
 
+_warmed = False
+
+
+def _warm_torch():
+    """Import, once, what torch imports lazily at a process's first backward and first meta-device
+    draw (sympy, its compiler's modules): done here, before the fork, every rank inherits it
+    instead of spending a second or more of a shared core on it."""
+    global _warmed
+    if not _warmed:
+        layer = torch.nn.Linear(2, 2)
+        layer(torch.zeros(1, 2)).sum().backward()
+        torch.empty(2, device="meta").normal_()
+        _warmed = True
+
+
 def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
+    _warm_torch()
     ctx = get_context("fork")  # fork: no re-import, closures work, start-up in milliseconds
     procs, pipes = [], []
     for rank in range(nprocs):

@@ -31,6 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 COLLECTIVE_TIMEOUT_S = 20
 TEST_TIMEOUT_S = 90
+# The serial references computed here are small: one thread is as fast, and a second one's spinning
+# would only take a core from the forked ranks that run next.
+torch.set_num_threads(1)
 
 
 def load(name):

@@ -179,7 +179,7 @@ def test_a_parallel_run_says_what_it_saved_traces_each_rank_and_its_checkpoint_s
 
 def test_library_code_uses_no_object_collectives_and_no_numpy():
     sources = [ROOT / f"{name}.py" for name in FILES]
-    sources += sorted((ROOT / "plumbing").glob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+    sources += [p for folder in ("plumbing", "kernels", "exercises") for p in sorted((ROOT / folder).glob("*.py"))]
     for path in sources:
         text = path.read_text()
         for forbidden in ("_object(", ".numpy(", "import numpy", ".tobytes("):
@@ -206,10 +206,10 @@ def _imports(tree):
 def test_every_import_is_the_standard_library_a_requirement_ours_or_optional_and_guarded():
     required = {re.split(r"[<>=]", line)[0].strip() for line in
                 (ROOT / "requirements.txt").read_text().splitlines() if line.strip()}
-    ours = {"plumbing", "kernels", "conftest"} | {p.stem for folder in (ROOT, ROOT / "tests", ROOT / "scripts")
-                                                   for p in folder.glob("*.py")}
+    ours = {"plumbing", "kernels", "exercises", "conftest"} | {
+        p.stem for folder in (ROOT, ROOT / "tests", ROOT / "scripts", ROOT / "benchmarks") for p in folder.glob("*.py")}
     paths = [ROOT / f"{name}.py" for name in FILES]
-    for folder in ("plumbing", "kernels", "tests", "scripts"):
+    for folder in ("plumbing", "kernels", "exercises", "tests", "scripts"):
         paths += sorted((ROOT / folder).glob("*.py"))
     for path in paths:
         for module, guarded in _imports(ast.parse(path.read_text())):
