@@ -3,19 +3,19 @@
 What this file adds: the foundation. The two conjugate operators of the paper's Figure 3, f
 (identity forward, all-reduce backward) and g (all-reduce forward, identity backward), come first;
 then their sequence-parallel twins (Korthikanti et al. 2022, Section 4.2.2), column- and row-
-parallel linear layers, a vocab-parallel embedding and cross-entropy, the tp random-number tracker,
-and a GPT-2 built from them in which tp=1 *is* the serial model. Every later file imports this one.
+parallel linear layers (the column one hiding its backward all-reduce behind its weight gradient),
+a vocab-parallel embedding and cross-entropy, the tp random-number tracker, and a GPT-2 built from
+them in which tp=1 *is* the serial model. Every later file imports this one.
 
 Run it:
     python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
     python 01_tensor_parallel.py --tp 4 --sequence-parallel
     torchrun --nproc-per-node 8 01_tensor_parallel.py --tp 8   # one GPU per rank (NCCL)
 
-The demo runs the serial GPT-2 and the tensor-parallel one, from the same float64 weights, forward
-and backward on the same batch; it prints the max relative difference of the logits and of every
-gradient, and every collective in the order it ran (per layer 2 all-reduces each way, and what
-sequence parallelism makes of them). It exits 1 if any difference exceeds 1e-10. Starting the ranks,
-forming the tp group and printing the report are plumbing (plumbing/launch.py, plumbing/demos.py).
+The demo runs the serial GPT-2 and the tensor-parallel one from the same float64 weights, forward
+and backward on one batch, and prints the max relative difference of the logits and of every
+gradient, and every collective in the order it ran; it exits 1 if any difference exceeds 1e-10.
+Launching the ranks and printing the report are plumbing (plumbing/launch.py, plumbing/demos.py).
 
 Glossary, used in every file:
     B batch, T sequence length, C = n_embd channels, nh heads, hs = C // nh head size, V vocabulary;
@@ -23,7 +23,6 @@ Glossary, used in every file:
 """
 import contextlib
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ from einops import rearrange
 from plumbing import cli, demos
 from plumbing.data import check_tokens
 from plumbing.launch import launch, new_tp_group, printer, run_main  # the first two: for the README
+from plumbing.shards import gather_full, init_full, join_shards, load_full_state_dict, max_rel_diff, split_full
 from plumbing.trace import recorded, trace_comm
 
 
@@ -96,12 +96,27 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_reduce(x, group, tag, op=dist.ReduceOp.SUM):
-    """In-place all-reduce over the tp group (a no-op for group=None)."""
-    if tp_size(group) > 1:
-        with recorded("all-reduce", x, tag):
-            dist.all_reduce(x, op=op, group=group)
-    return x
+class InFlight:
+    """A collective launched with async_op=True: wait() finishes it and returns its result (traced
+    from launch to wait, so the span covers what ran while it travelled)."""
+
+    def __init__(self, op, x, tag, launch, result):
+        self.span, self.result = recorded(op, x, tag), result
+        self.span.__enter__()
+        self.work = launch()
+
+    def wait(self):
+        self.work.wait()
+        self.span.__exit__(None, None, None)
+        return self.result
+
+
+def all_reduce(x, group, tag, op=dist.ReduceOp.SUM, async_op=False):
+    """In-place all-reduce over the tp group (a no-op for group=None); async_op (tp > 1): an InFlight."""
+    if tp_size(group) == 1:
+        return x
+    flight = InFlight("all-reduce", x, tag, lambda: dist.all_reduce(x, op=op, group=group, async_op=True), x)
+    return flight if async_op else flight.wait()
 
 
 def _split(x, group, dim, tag):
@@ -116,13 +131,13 @@ def _all_gather(x, group, dim, tag):
     return torch.cat(out.chunk(tp), dim)
 
 
-def _reduce_scatter(x, group, dim, tag):
+def _reduce_scatter(x, group, dim, tag, async_op=False):
     tp = tp_size(group)
     chunks = torch.cat(x.chunk(tp, dim))  # rank i's part of dim moved to block i of dim 0
     out = chunks.new_empty((chunks.shape[0] // tp, *chunks.shape[1:]))
-    with recorded("reduce-scatter", chunks, tag):
-        reduce_scatter_single(out, chunks, group=group)
-    return out
+    flight = InFlight("reduce-scatter", chunks, tag,
+                      lambda: reduce_scatter_single(out, chunks, group=group, async_op=True), out)
+    return flight if async_op else flight.wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,7 +219,7 @@ class TPRandom:
         # 2718: Megatron's offset between the default seed and the tensor-parallel seeds.
         self.state = torch.Generator(device=self.device).manual_seed(seed + 2718 + rank).get_state()
 
-    @contextmanager
+    @contextlib.contextmanager
     def fork(self):
         if not self.enabled:
             yield
@@ -258,11 +273,44 @@ def _mark_split(p, dim, full, fused=1):
     return p
 
 
+class OverlappedColumnLinear(torch.autograd.Function):
+    """F.linear(enter_tp(x), weight, bias) as one autograd node, whose backward launches dX's all-
+    reduce (with sp its reduce-scatter, Korthikanti et al. 2022, 4.2.2) and computes dW and db while
+    it travels: Megatron's async all-reduce (Narayanan et al. 2021, Section 4); as two nodes, f's
+    would start after the linear's whole backward. sp: saves the gathered input (Megatron re-gathers)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sp, tag):  # x: (B, T, n_in), or (B, T/tp, n_in) with sp
+        total = _all_gather(x, group, SEQ_DIM, tag + " forward") if sp else x  # (B, T, n_in)
+        ctx.save_for_backward(total, weight)
+        ctx.group, ctx.sp, ctx.tag, ctx.bias = group, sp, tag, bias is not None
+        return F.linear(total, weight, bias)  # (B, T, n_out/tp)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (B, T, n_out/tp)
+        total, weight = ctx.saved_tensors
+        dx, tag = grad @ weight, ctx.tag + " backward"  # this rank's part of dX: (B, T, n_in)
+        flight = (_reduce_scatter(dx, ctx.group, SEQ_DIM, tag, async_op=True) if ctx.sp
+                  else all_reduce(dx, ctx.group, tag, async_op=True))  # launched, not waited for
+        dy = grad.reshape(-1, grad.shape[-1])  # (B T, n_out/tp)
+        dw = dy.T @ total.reshape(-1, total.shape[-1])  # (n_out/tp, n_in), while dX travels
+        db = dy.sum(0) if ctx.bias else None
+        return flight.wait(), dw, db, None, None, None
+
+
+def column_linear(x, weight, bias, group, sp, tag, overlap):
+    """X A_i^T + b_i after enter_tp: with overlap, the node above; else f (or g-bar) then F.linear."""
+    if overlap and tp_size(group) > 1:
+        return OverlappedColumnLinear.apply(x, weight, bias, group, sp, tag)
+    return F.linear(enter_tp(x, group, sp, tag), weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
-    """Y = X A + b with A split by output columns: rank i computes X A_i + b_i, no communication."""
+    """Y = X A + b with A split by output columns: rank i computes X A_i + b_i, no communication.
+    overlap_input_grad: the backward overlaps dX's all-reduce with dW (OverlappedColumnLinear)."""
 
     def __init__(self, n_in, n_out, group, sp=False, fused=1, gather_output=False, skip_bias_add=False,
-                 **factory):
+                 overlap_input_grad=True, **factory):
         super().__init__()
         tp = tp_size(group)
         if n_out % (fused * tp):
@@ -270,13 +318,13 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and skip_bias_add:
             raise ValueError("skip_bias_add returns the local shard and its bias: not with gather_output")
         self.group, self.sp, self.gather_output, self.tag = group, sp, gather_output, ""
-        self.skip_bias_add = skip_bias_add  # return (X A_i, b_i): the next op adds the bias
+        self.skip_bias_add, self.overlap_input_grad = skip_bias_add, overlap_input_grad  # skip: return (X A_i, b_i)
         self.weight = _mark_split(nn.Parameter(torch.empty(n_out // tp, n_in, **factory)), 0, n_out, fused)
         self.bias = _mark_split(nn.Parameter(torch.empty(n_out // tp, **factory)), 0, n_out, fused)
 
     def forward(self, x):  # (B, T, n_in), or (B, T/tp, n_in) with sequence parallelism
-        y = F.linear(enter_tp(x, self.group, self.sp, self.tag), self.weight,
-                     None if self.skip_bias_add else self.bias)  # (B, T, n_out/tp)
+        y = column_linear(x, self.weight, None if self.skip_bias_add else self.bias, self.group, self.sp,
+                          self.tag, self.overlap_input_grad)  # (B, T, n_out/tp)
         if not self.gather_output:
             return (y, self.bias) if self.skip_bias_add else y
         y = gather_from_tp(y, self.group, self.tag)  # blocks ordered rank-major: reorder them
@@ -335,24 +383,29 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of vocab-split logits without gathering them: three all-reduces of (N,)."""
+    """Mean cross-entropy of vocab-split logits without gathering them: an all-reduce (MAX) of the
+    rows' maxima, then one of the target logits and sums of exponentials stacked, (2, N) (merge=False:
+    one each). The max cannot join them: it is another reduction (MAX, not SUM), and both sums are
+    of logits shifted by it (so that exp() cannot overflow on any rank): it must have arrived first."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, n_vocab, ignore_index, tag):
+    def forward(ctx, logits, target, group, n_vocab, ignore_index, tag, merge=True):
         Vl = logits.shape[1]  # logits (N, V/tp): N = B T rows
         start = tp_rank(group) * Vl
         padded = torch.arange(start, start + Vl, device=logits.device) >= n_vocab
         logits = logits.masked_fill(padded, -math.inf)  # padded columns are never a possible token
         top = all_reduce(logits.max(dim=1).values, group, tag + " max", dist.ReduceOp.MAX)
         shifted = logits - top[:, None]  # the global max, so exp() cannot overflow on any rank
-        local = target - start
-        valid = target != ignore_index
+        local, valid = target - start, target != ignore_index
         mine = valid & (local >= 0) & (local < Vl)
         local = local.masked_fill(~mine, 0)
         picked = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
-        picked = all_reduce(picked, group, tag + " target logit")
         exp = shifted.exp()
-        total = all_reduce(exp.sum(dim=1), group, tag + " sum exp")
+        if merge:
+            picked, total = all_reduce(torch.stack([picked, exp.sum(dim=1)]), group, tag + " target logit, sum exp")
+        else:
+            picked = all_reduce(picked, group, tag + " target logit")
+            total = all_reduce(exp.sum(dim=1), group, tag + " sum exp")
         n_valid = valid.sum().clamp(min=1)  # no valid target at all: loss 0 and no gradient, not 0/0
         loss = (total.log() - picked).masked_fill(~valid, 0).sum() / n_valid
         ctx.save_for_backward(exp.div_(total[:, None]), local, mine, valid, n_valid)
@@ -364,22 +417,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits = softmax * (valid.to(softmax.dtype) * grad / n_valid)[:, None]  # a new tensor:
         rows = torch.arange(len(local), device=local.device)  # the graph can run backward again
         grad_logits[rows, local] -= mine.to(softmax.dtype) * (grad / n_valid) * valid  # - onehot
-        return grad_logits, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, tag="loss"):
-    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp)."""
+def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, tag="loss", merge=True):
+    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp);
+    merge: the target logits and the sums of exponentials share one all-reduce."""
     Vl = logits.shape[-1]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), target.reshape(-1), group,
-                                            n_vocab, ignore_index, tag)
+                                            n_vocab, ignore_index, tag, merge)
 
 
 def padded_vocab_size(n_vocab, tp, divisible_by=1):
     """Megatron's make-vocab-size-divisible-by: round V up to a multiple of divisible_by * tp."""
-    step = divisible_by * tp
-    return -(-n_vocab // step) * step
+    return -(-n_vocab // (divisible_by * tp)) * divisible_by * tp
 
 
 class ParallelMLP(nn.Module):
@@ -444,11 +497,13 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """GPT-2 over a tp group. A pipeline chunk (02) is the same class cut to some `layers`, with
-    pre_process (the embeddings) on the first chunk and post_process (ln_f, head, loss) on the last."""
+    pre_process (the embeddings) on the first chunk and post_process (ln_f, head, loss) on the last.
+    Exact switches, on by default: overlap_input_grad (OverlappedColumnLinear), merge_loss_reductions."""
 
     def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True,
                  dtype=torch.float32, device="cpu", vocab_divisible_by=1, layers=None,
-                 pre_process=True, post_process=True, ops=None, rng=None, check_inputs=True):
+                 pre_process=True, post_process=True, ops=None, rng=None, check_inputs=True,
+                 overlap_input_grad=True, merge_loss_reductions=True):
         super().__init__()
         layers = range(cfg.n_layer) if layers is None else layers
         tp = tp_size(group)
@@ -462,6 +517,7 @@ class GPT(nn.Module):
         # One tracked stream per process (Megatron's tracker): a rank's pipeline chunks share it.
         self.rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
         self.check_inputs = check_inputs  # False: the caller checked the batch once, on the host
+        self.overlap_input_grad, self.merge_loss_reductions = overlap_input_grad, merge_loss_reductions
         self.ops = ops or TORCH_OPS
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
         tr = self.transformer = nn.ModuleDict()
@@ -477,6 +533,8 @@ class GPT(nn.Module):
         for name, module in self.named_modules():
             if hasattr(module, "tag"):
                 module.tag = name  # so traced collectives say where they come from
+            if isinstance(module, ColumnParallelLinear):
+                module.overlap_input_grad = overlap_input_grad
         if init and device != "meta":
             self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
 
@@ -502,13 +560,14 @@ class GPT(nn.Module):
             return F.dropout(x, p, p > 0)
 
     def head(self, x, targets, ignore_index=-100):
-        x = self.transformer.ln_f(x)
+        x, wte = self.transformer.ln_f(x), self.transformer.wte.weight
         # The output layer is tied to the token embedding: column-parallel over the same vocab rows.
-        logits = F.linear(enter_tp(x, self.group, self.sp, "lm_head"), self.transformer.wte.weight)
+        logits = column_linear(x, wte, None, self.group, self.sp, "lm_head", self.overlap_input_grad)
         if targets is None:
             return logits, None
+        kw = {} if self.merge_loss_reductions else {"merge": False}  # exercises/ swap in one without it
         return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size,
-                                                    ignore_index)
+                                                    ignore_index, **kw)
 
     def load_full_state_dict(self, full):
         """Load this model's part (its layers, its shards) of a full serial state dict."""
@@ -526,73 +585,13 @@ class GPT(nn.Module):
         return gather_from_tp(logits, self.group, "gather logits")[..., : self.cfg.vocab_size]
 
 
-def split_full(t, p, tp, rank):
-    """This tp rank's shard, shaped like p, of the full tensor t (p's split metadata decides)."""
-    if not hasattr(p, "tp_dim"):
-        return t
-    t = t.movedim(p.tp_dim, 0)
-    pad = p.shape[p.tp_dim] * tp - t.shape[0]  # padded vocabulary rows start as zeros
-    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-    return rearrange(t, "(f tp c) ... -> tp (f c) ...", f=p.tp_fused, tp=tp)[rank].movedim(0, p.tp_dim)
-
-
-def join_shards(shards, p):
-    """The inverse of split_full: the full tensor from every tp rank's shard, in rank order."""
-    if not hasattr(p, "tp_dim"):
-        return shards[0]
-    t = torch.cat([s.movedim(p.tp_dim, 0) for s in shards])
-    t = rearrange(t, "(tp f c) ... -> (f tp c) ...", tp=len(shards), f=p.tp_fused)
-    return t[: p.tp_full].movedim(0, p.tp_dim)
-
-
-def load_full_state_dict(module, full, group):
-    """Master weight, then split: copy this rank's shard of every full (serial) tensor."""
-    tp, rank = tp_size(group), tp_rank(group)
-    params = dict(module.named_parameters())
-    if set(params) != set(full):
-        raise KeyError(f"state dict mismatch: missing {sorted(set(params) - set(full))}, "
-                       f"unexpected {sorted(set(full) - set(params))}")
-    with torch.no_grad():
-        for name, p in params.items():
-            t = split_full(full[name], p, tp, rank)
-            if t.shape != p.shape:
-                raise ValueError(f"{name}: full shape {tuple(full[name].shape)} does not fit shard {tuple(p.shape)}")
-            p.copy_(t)
-
-
-def gather_full(module, group, grads=False):
-    """The inverse of load_full_state_dict: all-gather every split tensor back to its full shape."""
-    out = {}
-    for name, p in module.named_parameters():
-        t = (p.grad if grads else p).detach()
-        if hasattr(p, "tp_dim") and tp_size(group) > 1:
-            t = _all_gather(t.movedim(p.tp_dim, 0), group, 0, "gather " + name).movedim(0, p.tp_dim)
-        out[name] = join_shards(list(t.chunk(tp_size(group), p.tp_dim)) if hasattr(p, "tp_dim") else [t], p).clone()
-    return out
-
-
 def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
-    """The full GPT-2 weights from a seed: N(0, 0.02), c_proj N(0, 0.02/sqrt(2 n_layer)), zero
-    biases, unit LayerNorms. random_all draws biases and LayerNorms at random too (for tests)."""
-    gen, out = torch.Generator().manual_seed(seed), {}
-    for name, p in GPT(cfg, device="meta").named_parameters():
-        t = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-        if name.endswith(".bias") or ".ln_" in name:
-            t = t * 0.1 if random_all else torch.zeros_like(t)
-            t = t + 1 if ".ln_" in name and name.endswith(".weight") else t
-        else:
-            t = t * (0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02)
-        out[name] = t.to(dtype)
-    return out
+    """The full GPT-2 weights from a seed (plumbing.shards.init_full: GPT-2's initialisation)."""
+    return init_full(GPT(cfg, device="meta").named_parameters(), cfg.n_layer, seed, dtype, random_all)
 
 
 # ----------------------------------------------------------------------------------------------
 # Demo: serial against tensor-parallel, float64, same weights, same batch.
-
-
-def max_rel_diff(a, b):
-    """max |a - b| / max |b|: relative to the tensor's scale, so tiny entries do not blow it up."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def demo(env, cfg, args):

@@ -4,13 +4,18 @@ Tolerance: everything runs in float64 and is compared as max|a - b| / max|b| <= 
 a matmul or a sum across ranks only reorders additions, which costs a few float64 ulps (~1e-15)
 per reduction; a real bug (a bias added tp times, a wrong shard, a missing all-reduce) is O(1).
 Weights, biases, LayerNorm parameters and inputs are all random, never zeros or ones, so that
-such bugs cannot hide.
+such bugs cannot hide. The two communication switches (overlap_input_grad: the column-parallel
+backward's asynchronous all-reduce; merge_loss_reductions: the cross-entropy's two all-reduces
+instead of three) change when and how the same sums travel, never what is summed: the same
+tolerance holds with each on and off, and a reduction lost or waited for too late is O(1).
 """
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import load
+from plumbing.trace import trace_comm
 
 tensor_parallel = load("01_tensor_parallel")
 TOL = 1e-10
@@ -63,7 +68,15 @@ def _local(t, layout, sp, tp, rank):
     return t
 
 
-def _compare_blocks(env, tp):
+def set_overlap(module, on):
+    """overlap_input_grad on every column-parallel layer inside module (GPT sets it this way too)."""
+    for m in module.modules():
+        if isinstance(m, tensor_parallel.ColumnParallelLinear):
+            m.overlap_input_grad = on
+    return module
+
+
+def _compare_blocks(env, tp, overlap):
     group = tensor_parallel.new_tp_group(env, tp)
     rank = tensor_parallel.tp_rank(group)
     diffs = {}
@@ -71,7 +84,7 @@ def _compare_blocks(env, tp):
         for i, (name, (make, lin, lout)) in enumerate(BLOCKS.items()):
             serial = make(None, False)
             full = randomize(serial, seed=10 + i)
-            block = make(group, sp)
+            block = set_overlap(make(group, sp), overlap)
             tensor_parallel.load_full_state_dict(block, full, group)
             n_in = 48 if lin == "C" else 32
             x = randn(2, 8, n_in, seed=100 + i).requires_grad_()
@@ -90,9 +103,10 @@ def _compare_blocks(env, tp):
     return diffs
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_every_block_matches_its_serial_twin_forward_input_and_weight_grads(run_ranks, tp):
-    for diffs in run_ranks(_compare_blocks, tp, tp):
+def test_every_block_matches_its_serial_twin_forward_input_and_weight_grads(run_ranks, tp, overlap):
+    for diffs in run_ranks(_compare_blocks, tp, tp, overlap):
         bad = {k: v for k, v in diffs.items() if not v <= TOL}
         assert not bad, f"tp={tp}: differences above {TOL}: {bad}"
         assert len(diffs) > 60  # every block, both modes, forward + input grad + each weight grad
@@ -150,7 +164,7 @@ def test_conjugate_operators_do_what_their_contracts_say(run_ranks):
 # Vocab-parallel cross-entropy against F.cross_entropy on the full, unpadded logits.
 
 
-def _cross_entropy(env, V, ignore_index):
+def _cross_entropy(env, V, ignore_index, merge):
     group, tp, r = env_group(env)
     V_pad = tensor_parallel.padded_vocab_size(V, tp)
     N = 24
@@ -159,21 +173,32 @@ def _cross_entropy(env, V, ignore_index):
     target[::5] = ignore_index  # some positions are ignored
     padded = torch.cat([full, torch.full((N, V_pad - V), 1e4, dtype=F64)], 1)  # poison the padding
     local = padded.chunk(tp, 1)[r].clone().requires_grad_()
-    loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index)
+    with trace_comm() as log:
+        loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index,
+                                                            merge=merge)
     dloss = 0.7  # a non-unit upstream gradient
     loss.backward(torch.tensor(dloss, dtype=F64))
     ref_in = full.clone().requires_grad_()
     ref = F.cross_entropy(ref_in, target, ignore_index=ignore_index)
     ref.backward(torch.tensor(dloss, dtype=F64))
     ref_grad = torch.cat([ref_in.grad, torch.zeros(N, V_pad - V, dtype=F64)], 1).chunk(tp, 1)[r]
-    return rel(loss.detach(), ref.detach()), rel(local.grad, ref_grad), local.grad, V_pad
+    return rel(loss.detach(), ref.detach()), rel(local.grad, ref_grad), local.grad, V_pad, \
+        [(c.op, c.tag, c.shape) for c in log]
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["2-all-reduces", "3-all-reduces"])
 @pytest.mark.parametrize("tp,V,ignore_index", [(1, 10, -100), (2, 10, -100), (4, 10, -100),
                                                 (4, 13, 3), (4, 3, -100)])
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_with_padding_and_ignore_index(
-        run_ranks, tp, V, ignore_index):
-    for r, (dloss, dgrad, grad, V_pad) in enumerate(run_ranks(_cross_entropy, tp, V, ignore_index)):
+        run_ranks, tp, V, ignore_index, merge):
+    N = 24
+    # The max has its own all-reduce (MAX); the target logits and the sums of exponentials share
+    # one of (2, N) when merged, else one each. None at tp=1.
+    want = [] if tp == 1 else [("all-reduce", "loss max", (N,))] + (
+        [("all-reduce", "loss target logit, sum exp", (2, N))] if merge else
+        [("all-reduce", "loss target logit", (N,)), ("all-reduce", "loss sum exp", (N,))])
+    for r, (dloss, dgrad, grad, V_pad, log) in enumerate(run_ranks(_cross_entropy, tp, V, ignore_index, merge)):
+        assert log == want
         assert dloss <= TOL and dgrad <= TOL, (r, dloss, dgrad)
         start = r * (V_pad // tp)
         pad_cols = [c for c in range(grad.shape[1]) if start + c >= V]
@@ -268,17 +293,17 @@ def test_full_state_dict_splits_and_gathers_back_bit_equal(run_ranks, tp):
 # The whole model, over several AdamW steps.
 
 
-def _whole_model(env, sp):
+def _whole_model(env, sp, switches, steps):
     group, tp, r = env_group(env)
     full = tensor_parallel.init_state_dict(CFG, 4, dtype=F64, random_all=True)
     serial = tensor_parallel.GPT(CFG, None, init=False, dtype=F64)
-    model = tensor_parallel.GPT(CFG, group, sequence_parallel=sp, init=False, dtype=F64)
+    model = tensor_parallel.GPT(CFG, group, sequence_parallel=sp, init=False, dtype=F64, **switches)
     serial.load_full_state_dict(full)
     model.load_full_state_dict(full)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (serial, model)]
     gen = torch.Generator().manual_seed(7)
     diffs = {}
-    for step in range(3):
+    for step in range(steps):
         idx = torch.randint(CFG.vocab_size, (3, 16), generator=gen)
         targets = torch.randint(CFG.vocab_size, (3, 16), generator=gen)
         ref_logits, ref_loss = serial(idx, targets)
@@ -299,10 +324,102 @@ def _whole_model(env, sp):
     return diffs
 
 
+SWITCHES = {"defaults": {}, "both-off": dict(overlap_input_grad=False, merge_loss_reductions=False),
+            "overlap-off": dict(overlap_input_grad=False), "merge-off": dict(merge_loss_reductions=False)}
+
+
+@pytest.mark.parametrize("switches", ["defaults", "both-off"])
 @pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_tp_gpt2_equals_serial_gpt2_loss_grads_and_adamw_steps(run_ranks, tp, sp):
-    for diffs in run_ranks(_whole_model, tp, sp):
+def test_tp_gpt2_equals_serial_gpt2_loss_grads_and_10_adamw_steps(run_ranks, tp, sp, switches):
+    steps = 10
+    for diffs in run_ranks(_whole_model, tp, sp, SWITCHES[switches], steps):
         bad = {k: v for k, v in diffs.items() if not v <= TOL}
         assert not bad, bad
-        assert sum("grad" in k for k in diffs) == 3 * len(tensor_parallel.init_state_dict(CFG, 0))
+        assert sum("grad" in k for k in diffs) == steps * len(tensor_parallel.init_state_dict(CFG, 0))
+
+
+@pytest.mark.parametrize("switches", ["overlap-off", "merge-off"])
+def test_each_switch_alone_keeps_the_tp_gpt2_equal_to_serial(run_ranks, switches):
+    for diffs in run_ranks(_whole_model, 2, True, SWITCHES[switches], 3):
+        bad = {k: v for k, v in diffs.items() if not v <= TOL}
+        assert not bad, bad
+
+
+# ----------------------------------------------------------------------------------------------
+# The overlap itself: what runs while each collective is in flight, and who can replace f.
+
+GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+class CountGemms(TorchDispatchMode):
+    """Counts the matrix multiplications run under it (backward's too: CPU autograd runs them on
+    this thread), so that a clock reading this count tells which GEMMs ran inside a traced span."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in GEMMS
+        return func(*args, **(kwargs or {}))
+
+
+def _spans(env, sp, overlap):
+    group, tp, r = env_group(env)
+    model = tensor_parallel.GPT(CFG, group, sequence_parallel=sp, dtype=F64, overlap_input_grad=overlap)
+    idx = torch.randint(CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
+    gemms = CountGemms()
+    with gemms, trace_comm(clock=lambda: gemms.n) as log:  # a span's "time" is GEMMs run during it
+        model(idx, idx)[1].backward()
+    return [(c.op, c.tag, c.shape, c.end - c.start) for c in log]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
+def test_column_parallel_backward_computes_the_weight_gradient_while_its_reduction_is_in_flight(run_ranks, sp):
+    on, off = (run_ranks(_spans, 2, sp, overlap)[0] for overlap in (True, False))
+    assert [c[:3] for c in on] == [c[:3] for c in off]  # the same collectives, in the same order
+    column = [c for c in on if c[1].endswith(("c_attn backward", "c_fc backward", "lm_head backward"))]
+    assert len(column) == 2 * CFG.n_layer + 1  # every column-parallel layer, and the output layer
+    assert all(c[0] == ("reduce-scatter" if sp else "all-reduce") for c in column)
+    # Overlapped: exactly the weight gradient's GEMM runs between the launch and the wait; waited
+    # for in the open (off), none does. Every other collective is synchronous either way.
+    assert all(c[3] == 1 for c in column) and all(c[3] == 0 for c in off)
+    assert all(c[3] == 0 for c in on if c not in column)
+
+
+def _replaced_f(env, overlap):
+    group, tp, r = env_group(env)
+    calls = []
+
+    def f(x, group, tag=""):  # a grader's stand-in for a student's copy_to_tp
+        calls.append(tag)
+        return original(x, group, tag)
+
+    original, tensor_parallel.copy_to_tp = tensor_parallel.copy_to_tp, f  # in this forked rank only
+    model = tensor_parallel.GPT(CFG, group, dtype=F64, overlap_input_grad=overlap)
+    idx = torch.randint(CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
+    model(idx, idx)[1].backward()
+    return calls
+
+
+def _old_cross_entropy(env):
+    group, tp, r = env_group(env)
+
+    def ce(logits, target, group, n_vocab, ignore_index=-100, tag="loss"):  # no `merge`
+        return original(logits, target, group, n_vocab, ignore_index, tag)
+
+    original, tensor_parallel.vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy, ce
+    model = tensor_parallel.GPT(CFG, group, dtype=F64)
+    idx = torch.randint(CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
+    return model(idx, idx)[1].item()
+
+
+def test_a_replaced_f_takes_effect_with_the_overlap_off_and_an_old_style_cross_entropy_still_fits(run_ranks):
+    # exercises/ grade a student's f by replacing copy_to_tp in the module: with the overlap off every
+    # column-parallel layer (2 per block, and the output layer) calls it; with the overlap on, none.
+    off = run_ranks(_replaced_f, 2, False)[0]
+    assert sorted(off) == sorted([f"transformer.h.{i}.{m}" for i in range(CFG.n_layer)
+                                  for m in ("attn.c_attn", "mlp.c_fc")] + ["lm_head"])
+    assert run_ranks(_replaced_f, 2, True)[0] == []
+    assert all(loss > 0 for loss in run_ranks(_old_cross_entropy, 2))

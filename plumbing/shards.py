@@ -1,0 +1,93 @@
+"""Full (serial) tensors and their tensor-parallel shards, both ways: what checkpoints, GPT-2
+imports and the parity tests need, not what tensor parallelism is. 01 re-exports every name here
+(tensor_parallel.split_full and so on), so callers import them from 01.
+
+    split_full(t, p, tp, rank)                  this rank's shard, shaped like p, of the full tensor t
+    join_shards(shards, p)                      the full tensor from every rank's shard, in rank order
+    load_full_state_dict(module, full, group)   master weight, then split: copy this rank's shards
+    gather_full(module, group, grads=False)     every parameter (or gradient) gathered to full shape
+    init_full(named_params, n_layer, seed)      GPT-2's initialisation, full tensors (01's init_state_dict)
+    max_rel_diff(a, b)                          the parity tests' measure: max |a - b| / max |b|
+
+A split parameter carries .tp_dim (the dim it is split along), .tp_full (its unpadded full size
+there) and .tp_fused (how many separately split blocks it stacks, 3 for Q, K, V); 01 marks them.
+A tensor without .tp_dim is replicated: its full tensor is itself.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+
+
+def _size_rank(group):
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def split_full(t, p, tp, rank):
+    """This tp rank's shard, shaped like p, of the full tensor t (p's split metadata decides)."""
+    if not hasattr(p, "tp_dim"):
+        return t
+    t = t.movedim(p.tp_dim, 0)
+    pad = p.shape[p.tp_dim] * tp - t.shape[0]  # padded vocabulary rows start as zeros
+    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return rearrange(t, "(f tp c) ... -> tp (f c) ...", f=p.tp_fused, tp=tp)[rank].movedim(0, p.tp_dim)
+
+
+def join_shards(shards, p):
+    """The inverse of split_full: the full tensor from every tp rank's shard, in rank order."""
+    if not hasattr(p, "tp_dim"):
+        return shards[0]
+    t = torch.cat([s.movedim(p.tp_dim, 0) for s in shards])
+    t = rearrange(t, "(tp f c) ... -> (f tp c) ...", tp=len(shards), f=p.tp_fused)
+    return t[: p.tp_full].movedim(0, p.tp_dim)
+
+
+def load_full_state_dict(module, full, group):
+    """Master weight, then split: copy this rank's shard of every full (serial) tensor."""
+    tp, rank = _size_rank(group)
+    params = dict(module.named_parameters())
+    if set(params) != set(full):
+        raise KeyError(f"state dict mismatch: missing {sorted(set(params) - set(full))}, "
+                       f"unexpected {sorted(set(full) - set(params))}")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = split_full(full[name], p, tp, rank)
+            if t.shape != p.shape:
+                raise ValueError(f"{name}: full shape {tuple(full[name].shape)} does not fit shard {tuple(p.shape)}")
+            p.copy_(t)
+
+
+def gather_full(module, group, grads=False):
+    """The inverse of load_full_state_dict: all-gather every split tensor back to its full shape
+    (a collective over the tp group: every rank calls it). New tensors, never the parameters."""
+    tp, out = _size_rank(group)[0], {}
+    for name, p in module.named_parameters():
+        t = (p.grad if grads else p).detach()
+        parts = [t]
+        if hasattr(p, "tp_dim") and tp > 1:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+        out[name] = join_shards(parts, p).clone()
+    return out
+
+
+def init_full(named_params, n_layer, seed, dtype=torch.float32, random_all=False):
+    """Full tensors for (name, parameter) pairs (of a meta-device GPT), drawn from a seed in their
+    order: N(0, 0.02), c_proj N(0, 0.02/sqrt(2 n_layer)), zero biases, unit LayerNorms. random_all
+    draws biases and LayerNorms at random too (for tests)."""
+    gen, out = torch.Generator().manual_seed(seed), {}
+    for name, p in named_params:
+        t = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        if name.endswith(".bias") or ".ln_" in name:
+            t = t * 0.1 if random_all else torch.zeros_like(t)
+            t = t + 1 if ".ln_" in name and name.endswith(".weight") else t
+        else:
+            t = t * (0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02)
+        out[name] = t.to(dtype)
+    return out
+
+
+def max_rel_diff(a, b):
+    """max |a - b| / max |b|: relative to the tensor's scale, so tiny entries do not blow it up."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
