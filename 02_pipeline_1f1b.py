@@ -9,7 +9,7 @@ function (pp, m, stage) -> that stage's ordered list of actions, "F3" = forward 
     messages can be matched without deadlock even if every send waits for its receive;
   - simulate() replays the lists with per-action times: step time, idle time, bubble, peak
     microbatches in flight (Section 2.2.1: bubble = (pp - 1) / m for GPipe and 1F1B alike);
-  - execute() runs one rank's list over real batched isend/irecv.
+  - execute() runs one rank's list over real batched isend/irecv, its sends completing in the background.
 GPipe (all forwards, then all backwards) keeps all m microbatches' activations alive; 1F1B
 (PipeDream-Flush) starts backwards as soon as possible and keeps at most pp - stage alive.
 
@@ -18,10 +18,9 @@ Run it:
     python 02_pipeline_1f1b.py --pp 2 --microbatches 3 --schedule 1f1b --trace pipe.json
     torchrun --nproc-per-node 4 02_pipeline_1f1b.py             # one stage per GPU
 
-The demo checks GPipe and 1F1B against the serial model in float64 (loss and every gradient
-<= 1e-10), draws the simulated and the measured timelines, prints the bubble against the formula
-and each stage's peak stored activation bytes (counted with saved-tensor hooks), with and without
-Megatron's output deallocation. It exits 1 on a mismatch.
+The demo checks GPipe and 1F1B against the serial model in float64 (loss and every gradient within
+1e-10, else exit 1), draws the simulated and measured timelines, and prints the bubble against its
+formula and each stage's peak stored activation bytes, with and without Megatron's deallocation.
 
 Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
 """
@@ -170,8 +169,7 @@ def validate(schedule, pp, m):
                 dep = Action(a.kind, a.mb, src // pp)
                 if at[dep] > at[a]:
                     raise ScheduleError(f"deadlock: rank {r} runs {a} before {dep}, which feeds it")
-    plans = [rank_plan(acts, r, pp) for r, acts in enumerate(schedule)]
-    _check_channels_and_progress(plans, pp)
+    _check_channels_and_progress([rank_plan(acts, r, pp) for r, acts in enumerate(schedule)], pp)
 
 
 def _check_channels_and_progress(plans, pp):
@@ -196,6 +194,8 @@ def _check_channels_and_progress(plans, pp):
             raise ScheduleError(f"rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
     # Progress with rendezvous semantics (a send completes only once its receive is posted, as a
     # large NCCL send does): a rank leaves a boundary once every op in it has been posted by its peer.
+    # execute()'s background sends only relax this (a boundary waits for its receives and for the
+    # previous boundary's sends, each a wait this model makes no later), so what passes runs either way.
     pos, moved = [0] * pp, True
     while moved:
         moved = False
@@ -359,11 +359,10 @@ class StepResult:
     waits: list = field(default_factory=list)  # [(start_s, end_s, n_ops)]: each batched exchange
 
 
+@dataclass
 class Wire:
     """A boundary tensor travels as itself, in buffers of `shape`."""
-
-    def __init__(self, shape):
-        self.shape = shape
+    shape: tuple
 
     def pack(self, t):
         return t
@@ -405,12 +404,14 @@ class ActivationMeter:
 
 
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True, valid=None,
-            ignore_index=-100, t0=None, wire=None, call=None, clock=time.perf_counter):
+            ignore_index=-100, t0=None, wire=None, call=None, clock=time.perf_counter, background_sends=True):
     """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
     (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in the
     chunks' parameters; the loss of microbatch i is weighted by its share valid[i] / sum(valid) of
     the tokens that count (not ignore_index), so the sum is the serial model's mean loss. Pass
-    valid, counted on the host, to keep device read-backs out of the loop (None: counted here)."""
+    valid, counted on the host, to keep device read-backs out of the loop (None: counted here).
+    background_sends: a boundary waits for its receives; its sends complete while the next actions
+    run and are retired (waited for, sent outputs deallocated) at the next boundary or step's end."""
     wire = wire or Wire(act_shape)
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     S = pp * len(chunks)
@@ -419,7 +420,19 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
     n_valid = max(sum(valid), 1)  # a microbatch with no valid target weighs 0: it adds nothing
     inbox, outbox, inputs, outputs = {}, {}, {}, {}
     meter, t0 = ActivationMeter(chunks, outputs), clock() if t0 is None else t0
-    events, waits, loss, n_msgs, n_bytes = [], [], None, 0, 0
+    events, waits, loss, n_msgs, n_bytes, in_flight = [], [], None, 0, 0, []
+
+    def retire():  # wait for in_flight's sends, [(work or None, message, tensor)]: then they may change
+        for work, msg, _ in in_flight:
+            if work is not None:
+                work.wait()
+            if msg[0] == "act":
+                key = ((msg[1] - 1) // pp, msg[2])  # the output's chunk; its backward may have run already
+                meter.unsent.discard(key)
+                if deallocate and key in outputs:  # Megatron's trick: backward does not read it (the last
+                    outputs[key].untyped_storage().resize_(0)  # op is an add), so free it, keep its graph
+        in_flight.clear()
+
     for kind, step in rank_plan(actions, rank, pp):
         if kind == "comm":  # one batch: this boundary's sends and receives, posted together
             ops, start = [], clock() - t0
@@ -431,16 +444,21 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 else:  # poisoned, so a receive that never happened shows up as NaN
                     inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, inbox[msg], dist.get_global_rank(pp_group, peer), pp_group))
-            for work in dist.batch_isend_irecv(ops):
+            works, sends = dist.batch_isend_irecv(ops), [(None, msg, None) for side, _, msg in step if side == "send"]
+            # Gloo returns a work per op, so the sends can go on; NCCL one for the whole batch, which the
+            # receives need; and a captured graph (call=) rewrites its outputs at its next replay: wait for all.
+            if background_sends and call is None and len(works) == len(ops):
+                sends = [(w, msg, op.tensor) for w, op, (side, _, msg) in zip(works, ops, step) if side == "send"]
+                works = [w for w, (side, _, _) in zip(works, step) if side == "recv"]
+            for work in works:
                 work.wait()
+            retire()  # the previous boundary's sends: they had its actions' time to complete
+            in_flight += sends
+            if all(work is None for work, _, _ in sends):  # waited for above: free them now
+                retire()
             for side, _, msg in step:
                 if side == "recv":
                     inbox[msg] = wire.unpack(inbox[msg])
-                elif msg[0] == "act":  # sent: the output's storage is no longer needed
-                    key = ((msg[1] - 1) // pp, msg[2])  # the chunk that produced it
-                    meter.unsent.discard(key)
-                    if deallocate:  # Megatron's trick: backward does not read it (the last op is
-                        outputs[key].untyped_storage().resize_(0)  # an add), so free it, keep its graph
             waits.append((start, clock() - t0, len(ops)))
             meter.measure()
             continue
@@ -470,6 +488,7 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 box[("grad", k - 1, a.mb)] = x.grad if box is inbox else wire.pack(x.grad)
         events.append((start, clock() - t0, a))
         meter.measure()
+    retire()  # the end of the step: nothing is left in flight when the caller goes on
     return StepResult(loss, events, meter.peak, n_msgs, n_bytes, waits)
 
 

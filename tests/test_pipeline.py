@@ -2,13 +2,17 @@
 
 Tolerance: float64, max|a - b| / max|b| <= 1e-10. A pipeline only changes where each layer runs
 and adds the microbatch gradients in another order (a few ulps, ~1e-15); a wrong loss scale is a
-factor of m, a missed tied-embedding sync a whole missing gradient term.
+factor of m, a missed tied-embedding sync a whole missing gradient term. Background sends change
+only when a rank waits, never a value: the same tolerance holds with them on and off, and a send
+whose buffer were freed or reused before it completed would deliver garbage (O(1), or NaN).
 """
+import functools
 import json
 from fractions import Fraction
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import PIPELINE_CFG, TOL, load, pipeline_batch, pipeline_train, run_script
 from plumbing.trace import write_timelines
@@ -98,43 +102,123 @@ def test_timelines_draw_and_trace(tmp_path):
 # The executor against the serial model.
 
 
+def train_with(env, background_sends, *args):
+    """conftest's pipeline_train with execute(background_sends=...): patched in this rank's own
+    (forked) process, so nothing outside the test sees it."""
+    pipeline.execute = functools.partial(pipeline.execute, background_sends=background_sends)
+    return pipeline_train(env, *args)
+
+
+@pytest.mark.parametrize("background_sends", [True, False], ids=["background-sends", "waited-sends"])
 @pytest.mark.parametrize("pp,m", [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (4, 1), (4, 4), (4, 9)])
-def test_pipeline_equals_serial_over_adamw_steps_with_tied_embeddings(run_ranks, pp, m):
+def test_pipeline_equals_serial_over_10_adamw_steps_with_tied_embeddings(run_ranks, pp, m, background_sends):
+    steps = 10
     for name in ("gpipe", "1f1b"):
-        results = run_ranks(pipeline_train, pp, pipeline.SCHEDULES[name], m, 3)
+        results = run_ranks(train_with, pp, background_sends, pipeline.SCHEDULES[name], m, steps)
         for r, (diffs, orders) in enumerate(results):
             bad = {k: v for k, v in diffs.items() if not v <= TOL and "messages" not in k}
             assert not bad, (name, r, bad)
             assert all(orders), "the executor ran another order than the schedule's list"
-        assert sum("loss" in k for k in results[-1][0]) == 3  # the last stage checked the loss
+        assert sum("loss" in k for k in results[-1][0]) == steps  # the last stage checked the loss
         n_params = sum(len([k for k in d if k.startswith("step 0 grad")]) for d, _ in results)
         assert n_params == len(tensor_parallel.init_state_dict(CFG, 0)) + (pp > 1)  # wte on first and last
 
 
-def _memory(env, name, m, deallocate):
+def _send_waits(env, name, m, background_sends):
+    """This rank's log of one step: ("post", b) when boundary b posts its batch, ("run",) when a
+    forward or backward starts, ("wait", side, b) when a send or recv of boundary b is waited for;
+    and whether every sent tensor still had its storage when its send was waited for (Megatron's
+    deallocation of a sent output must come after that wait)."""
+    log, intact, posted = [], [], [0]
+    real_batch, real_backward = dist.batch_isend_irecv, torch.autograd.backward
+
+    class Logged:  # one op's work, logging its wait
+        def __init__(self, work, op, b):
+            self.work, self.op, self.b = work, op, b
+
+        def wait(self):
+            self.work.wait()
+            sending = self.op.op is dist.isend
+            intact.extend([self.op.tensor.untyped_storage().nbytes() > 0] if sending else [])
+            log.append(("wait", "send" if sending else "recv", self.b))
+
+    def batch(ops):
+        b = posted[0]
+        posted[0] += 1
+        log.append(("post", b))
+        return [Logged(w, op, b) for w, op in zip(real_batch(ops), ops)]
+
+    def backward(*args, **kwargs):
+        log.append(("run",))
+        return real_backward(*args, **kwargs)
+
+    # Patched in this forked rank only; the executor looks both up when it calls them.
+    dist.batch_isend_irecv, torch.autograd.backward = batch, backward
+    chunks = pipeline.build_chunks(CFG, env.world_size, env.rank, init=False, dtype=torch.float64)
+    for c in chunks:
+        c.load_full_state_dict(tensor_parallel.init_state_dict(CFG, 5, dtype=torch.float64))
+        c.register_forward_pre_hook(lambda module, args: log.append(("run",)))
+    idx, targets = pipeline_batch(m)
+    pipeline.execute(lists(name, env.world_size, m)[env.rank], chunks, dist.group.WORLD,
+                     pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), background_sends=background_sends)
+    return log, intact
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_background_sends_are_waited_for_one_boundary_later_and_receives_before_the_next_action(
+        run_ranks, name):
+    pp, m = 2, 4
+    for background in (True, False):
+        for r, (log, intact) in enumerate(run_ranks(_send_waits, pp, name, m, background)):
+            assert intact and all(intact), "a sent output was deallocated before its send completed"
+            post = {e[1]: i for i, e in enumerate(log) if e[0] == "post"}
+            first_run_after = {b: next((j for j in range(i, len(log)) if log[j] == ("run",)), len(log))
+                               for b, i in post.items()}
+            for i, (kind, *rest) in enumerate(log):
+                if kind != "wait":
+                    continue
+                side, b = rest
+                if side == "recv" or not background:  # its data is needed (or the switch is off)
+                    assert post[b] < i < first_run_after[b], (r, background, side, b, log)
+                else:  # in the background while the next actions run, retired at the next boundary
+                    # (or, those of the step's last boundary, at its end)
+                    assert first_run_after[b] < i < post.get(b + 2, len(log)) or first_run_after[b] == len(log)
+            overlapped = sum(first_run_after[e[2]] < i for i, e in enumerate(log) if e[:2] == ("wait", "send"))
+            assert overlapped >= (m - 1 if background else 0), log  # every send but perhaps the last one
+
+
+def _memory(env, name, m, deallocate, background_sends):
     chunks = pipeline.build_chunks(CFG, env.world_size, env.rank, init=False, dtype=torch.float64)
     for c in chunks:
         c.load_full_state_dict(tensor_parallel.init_state_dict(CFG, 5, dtype=torch.float64))
     idx, targets = pipeline_batch(m)
     res = pipeline.execute(lists(name, env.world_size, m)[env.rank], chunks, torch.distributed.group.WORLD,
-                       pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), deallocate=deallocate)
+                           pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), deallocate=deallocate,
+                           background_sends=background_sends)
     return res.peak_activation_bytes
 
 
 def test_counted_activation_bytes_follow_the_microbatches_in_flight(run_ranks):
-    pp, m = 4, 6
-    one = run_ranks(_memory, pp, "1f1b", 1, True)  # one microbatch in flight: the unit of memory
-    gpipe = run_ranks(_memory, pp, "gpipe", m, True)
-    ofob = run_ranks(_memory, pp, "1f1b", m, True)
-    kept = run_ranks(_memory, pp, "1f1b", m, False)
-    for s in range(pp):
-        assert gpipe[s] == m * one[s]
-        assert ofob[s] == min(pp - s, m) * one[s]
-        if s < pp - 1:  # deallocation frees a (B/m, T, C) float64 output per microbatch in flight
-            out, n = 2 * 16 * CFG.n_embd * 8, min(pp - s, m)
-            # ... except the newest, which is still waiting to be sent at the peak
-            assert (kept[s] - ofob[s]) in (n * out, (n - 1) * out) and kept[s] > ofob[s]
-    assert kept[-1] == ofob[-1]  # the last stage sends no activations
+    pp, m, peaks = 4, 6, {}
+    for background in (False, True):
+        one = run_ranks(_memory, pp, "1f1b", 1, True, background)  # one microbatch in flight: the unit
+        gpipe = run_ranks(_memory, pp, "gpipe", m, True, background)
+        ofob = run_ranks(_memory, pp, "1f1b", m, True, background)
+        kept = run_ranks(_memory, pp, "1f1b", m, False, background)
+        peaks[background] = one, gpipe, ofob
+        for s in range(pp):
+            assert gpipe[s] == m * one[s]
+            assert ofob[s] == min(pp - s, m) * one[s]
+            if s < pp - 1:  # deallocation frees a (B/m, T, C) float64 output per microbatch in flight
+                out, n = 2 * 16 * CFG.n_embd * 8, min(pp - s, m)
+                # ... except the newest, still waiting to be sent at the peak, and with background
+                # sends the one before it too, whose send is retired (and counted) a boundary later
+                assert (kept[s] - ofob[s]) in ((n - background) * out, (n - 1 - background) * out)
+                assert kept[s] > ofob[s] or background
+        assert kept[-1] == ofob[-1]  # the last stage sends no activations
+    # Outputs whose sends are in flight are not counted, as outputs waiting to be sent never were:
+    # the peaks with deallocation are the same with background sends as without.
+    assert peaks[True] == peaks[False]
 
 
 # ----------------------------------------------------------------------------------------------
