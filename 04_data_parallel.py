@@ -11,7 +11,7 @@ their gradients keeps them identical. Step by step:
   4. ZeRO-1, Megatron's distributed optimizer (Rajbhandari et al. 2020, stage 1): reduce-scatter
      instead of all-reduce, each rank keeps AdamW state (and an fp32 master copy when parameters are
      lower precision) only for its 1/dp of every bucket, updates it, and all-gathers parameters
-     (FlatAdamW, which without ZeRO-1 updates every element of the same flat buffer).
+     (FlatAdamW), each module of the next forward waiting only for its own weights' buckets.
 05 composes this with the pipeline: each stage reduces over its own dp group (Narayanan §3).
 
 Run it:
@@ -63,11 +63,12 @@ def allreduce_gradients(params, group):
 
 
 class BucketedDDP:
-    """Gradients go into one flat buffer (reverse parameter order) cut into buckets of
-    `bucket_numel` elements; each bucket's reduction is launched as soon as all its parameters'
-    gradients are in. zero=True reduce-scatters instead (ZeRO-1: see FlatAdamW)."""
+    """Gradients go into one flat buffer (reverse parameter order) cut into buckets of `bucket_numel`
+    elements; a bucket's reduction is launched once its parameters' gradients are final (under sync,
+    each one's `microbatches`-th of the step), else by finish() (overlap=False; `hold`: the caller
+    adds into those after backward). zero=True reduce-scatters instead (ZeRO-1: see FlatAdamW)."""
 
-    def __init__(self, params, group, bucket_numel, zero=False, overlap=True, grad_dtype=None):
+    def __init__(self, params, group, bucket_numel, zero=False, overlap=True, grad_dtype=None, hold=()):
         if bucket_numel <= 0:
             raise ValueError(f"the bucket size must be positive, got bucket_numel={bucket_numel}")
         self.params = [p for p in params if p.requires_grad]
@@ -93,41 +94,40 @@ class BucketedDDP:
             self.buckets_of[p] = [i for i, (a, b) in enumerate(self.buckets) if a < lo + p.numel() and lo < b]
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.counts = [sum(1 for p in self.params if i in self.buckets_of[p]) for i in range(len(self.buckets))]
-        self.sync = True  # False on all but the last microbatch of a step
+        self.held = {i for p in hold for i in self.buckets_of[p]}
+        self.sync, self.microbatches = True, 1  # sync: False on all but a step's last microbatch
         self.zero_grad()
 
     def zero_grad(self):
-        # The buffer is not cleared: each step's first gradient overwrites its slot (see _on_grad).
-        for p in self.params:
+        for p in self.params:  # the buffer is not cleared (see _on_grad)
             p.grad = None
-        self.unwritten, self.pending = set(self.params), list(self.counts)
+        self.unwritten, self.pending, self.seen = set(self.params), list(self.counts), dict.fromkeys(self.params, 0)
         self.works, self.events = {}, []  # events: ("ready", param index) / ("launch", bucket), in order
 
     def _on_grad(self, p):
-        # The gradient goes into the flat buffer (in its dtype, e.g. fp32 for bf16 parameters),
-        # already divided by dp: the reduction then sums to the average, since each replica's
-        # loss is the mean of its own shard. The first write of a step overwrites (DDP's trick:
-        # no clearing pass), later microbatches add. The parameter's own .grad is dropped.
+        # Into the flat buffer (in its dtype, e.g. fp32 for bf16 parameters), divided by dp: the
+        # reduction then sums to the average, each replica's loss being the mean of its shard. A
+        # step's first write overwrites (DDP's trick: no clearing pass), later microbatches add.
         if p in self.unwritten:
             torch.mul(p.grad, 1 / self.dp, out=self.views[p])
             self.unwritten.discard(p)
         else:
             self.views[p].add_(p.grad, alpha=1 / self.dp)
         p.grad = None
-        if not self.sync:
+        self.seen[p] += 1  # a pipeline (05) runs each chunk's last microbatch at another time: count
+        if not self.sync or self.seen[p] < self.microbatches:
             return  # accumulating: synchronise only on the last microbatch
         self.events.append(("ready", self.index[p], time.perf_counter()))
         for i in self.buckets_of[p]:
             self.pending[i] -= 1
-            if self.pending[i] == 0 and self.overlap:
+            if self.pending[i] == 0 and self.overlap and i not in self.held:
                 self._launch(i)
 
     def _launch(self, i):
-        lo, hi = self.buckets[i]
-        bucket = self.grad_buffer[lo:hi]
+        bucket = self.grad_buffer[slice(*self.buckets[i])]
         self.events.append(("launch", i, time.perf_counter()))
         if self.zero:
-            shard = bucket.new_empty((hi - lo) // self.dp)
+            shard = bucket.new_empty(bucket.numel() // self.dp)
             self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, group=self.group, async_op=True), shard)
         else:
             self.works[i] = (dist.all_reduce(bucket, group=self.group, async_op=True), None)
@@ -137,9 +137,8 @@ class BucketedDDP:
         .grad of every parameter (DP) or of this rank's shard (ZeRO-1) is the dp-average."""
         for p in self.unwritten:  # no gradient this step (unused): zero, not last step's
             self.views[p].zero_()
-        for i in range(len(self.buckets)):
-            if i not in self.works:
-                self._launch(i)
+        for i in sorted(set(range(len(self.buckets))) - self.works.keys()):  # in order: as on every replica
+            self._launch(i)
         for i, (work, shard) in self.works.items():
             work.wait()
             if shard is not None:
@@ -173,12 +172,12 @@ class Piece:
 class FlatAdamW:
     """AdamW over the elements of the flat buffer this rank owns: with ZeRO-1 (ddp.zero) its 1/dp of
     every bucket, after which the updated parameters are all-gathered, so the state per rank is 1/dp
-    of plain data parallelism's; without, every element. Low-precision weights get fp32 masters."""
+    of plain data parallelism's; without, every element. Low-precision weights get fp32 masters.
+    overlap_gather: step() leaves the gathers in flight; wait_gather() (or gather_before_forward)."""
 
-    def __init__(self, ddp, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, no_decay=()):
-        self.ddp, no_decay = ddp, {id(p) for p in no_decay}
-        groups = {True: [], False: []}
-        self.pieces = []
+    def __init__(self, ddp, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, no_decay=(), overlap_gather=False):
+        self.ddp, self.overlap_gather, no_decay = ddp, overlap_gather, {id(p) for p in no_decay}
+        self.gathers, self.pieces, groups = {}, [], {True: [], False: []}  # gathers: bucket -> (work, shard)
         for i in range(len(ddp.buckets)):
             a, b = ddp.shard_range(i)
             for p in ddp.params:  # the pieces of parameters that fall into this shard
@@ -194,6 +193,7 @@ class FlatAdamW:
             lr=lr, betas=betas, eps=eps)
 
     def step(self):
+        self.wait_gather()  # a gather in flight writes where the masters are copied to
         for piece in self.pieces:
             piece.master.grad = piece.grad.to(piece.master.dtype)
         self.optimizer.step()
@@ -201,15 +201,23 @@ class FlatAdamW:
             if piece.master is not piece.weights:
                 piece.weights.copy_(piece.master)
         ddp = self.ddp
-        if not ddp.zero:
-            return
-        works = []  # every rank's updated shard, to every rank: all launched, then all waited for
-        for i, (lo, hi) in enumerate(ddp.buckets):
-            mine = ddp.param_buffer[slice(*ddp.shard_range(i))].clone()  # kept alive until the wait
+        # ZeRO-1: every rank's shard to every rank, from the buffer's end: the first layers, used first
+        for i, (lo, hi) in reversed(list(enumerate(ddp.buckets)) if ddp.zero else []):
+            mine = ddp.param_buffer[slice(*ddp.shard_range(i))].clone()
             work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, group=ddp.group, async_op=True)
-            works.append((work, mine))
-        for work, _ in works:
-            work.wait()
+            self.gathers[i] = (work, mine)
+        if not self.overlap_gather:
+            self.wait_gather()
+
+    def wait_gather(self, params=None):
+        """Wait for the all-gathers in flight of the buckets holding `params` (None: every one)."""
+        wanted = self.gathers.keys() if params is None else {i for p in params for i in self.ddp.buckets_of[p]}
+        for i in wanted & self.gathers.keys():
+            self.gathers.pop(i)[0].wait()
+
+    def gather_before_forward(self, module, params):
+        """Make each forward of `module` first wait for the gathers of the buckets holding `params`."""
+        module.register_forward_pre_hook(lambda *_: self.wait_gather(params))
 
     def state_bytes(self):
         masters = sum(p.master.numel() * p.master.element_size() for p in self.pieces if p.master is not p.weights)

@@ -72,6 +72,45 @@ def test_with_overlap_a_bucket_is_launched_before_backward_has_produced_every_gr
             assert [i for kind, i, _ in events if kind == "launch"] == list(range(r[mode][3][3]))
 
 
+def _held_and_overlapped(env, args, batches):
+    """ZeRO-1 with the wte buckets held back to finish() and the gathers left in flight after each
+    step, waited for by each module's next forward (the embeddings and ln_f by the model's, each
+    block by its own), against serial training."""
+    group, dp = dist.new_group(list(range(env.world_size))), env.world_size
+    full = tensor_parallel.init_state_dict(CFG, 3, dtype=torch.float64, random_all=True)
+    ref_losses, ref_params = data_parallel.serial_training(CFG, args, full, batches)
+    model = tensor_parallel.GPT(CFG, None, init=False, dtype=torch.float64)
+    model.load_full_state_dict(full)
+    ddp = data_parallel.BucketedDDP(model.parameters(), group, args.bucket_numel, zero=True,
+                                    hold=[model.transformer.wte.weight])
+    opt = data_parallel.FlatAdamW(ddp, lr=args.lr, weight_decay=0.1, overlap_gather=True)
+    opt.gather_before_forward(model, [p for n, p in model.named_parameters() if ".h." not in n])
+    for block in model.transformer.h.values():
+        opt.gather_before_forward(block, list(block.parameters()))
+    diffs, during_backward, in_flight = [], [], []
+    for (idx, targets), ref_loss in zip(batches, ref_losses):
+        loss = model(*data_parallel.shard_batch(idx, targets, dp, env.rank))[1]
+        loss.backward()
+        during_backward.append(set(ddp.works))
+        ddp.finish()
+        opt.step()
+        in_flight.append(len(opt.gathers))
+        ddp.zero_grad()
+        mean = tensor_parallel.all_reduce(loss.detach(), group, "loss") / dp
+        diffs.append(tensor_parallel.max_rel_diff(mean, torch.tensor(ref_loss, dtype=torch.float64)))
+    opt.wait_gather()  # the last step's weights, before reading them
+    diffs += [tensor_parallel.max_rel_diff(p.detach(), ref_params[n].detach()) for n, p in model.named_parameters()]
+    return max(diffs), during_backward, ddp.held, in_flight, len(ddp.buckets)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_held_buckets_wait_for_finish_and_zero1_gathers_for_the_next_forward_and_both_equal_serial(run_ranks, dp):
+    for worst, during_backward, held, in_flight, n in run_ranks(_held_and_overlapped, dp, _args(), _batches(10, 8)):
+        assert worst <= TOL
+        assert held and all(launched == set(range(n)) - held for launched in during_backward)
+        assert in_flight == [n] * 10  # step() returned with every bucket's gather still running
+
+
 def _zero_state(env):
     group = dist.new_group(list(range(env.world_size)))  # every rank a replica
     # 18 (V + 247) parameters: with V=52 that is 5382, not a multiple of dp=4.
