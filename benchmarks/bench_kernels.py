@@ -39,6 +39,12 @@ P_DROP = 0.1
 MODELS = {"350M": (24, 1024, 16), "1.3B": (24, 2048, 16)}  # n_layer, C, nh
 VARIANTS = {"fused+graphs": ["--fused-kernels", "--cuda-graphs"],
             "unfused": ["--no-fused-kernels", "--no-cuda-graphs"]}
+# The defaults that depend on the device: issue 16's sizes on a GPU, a smoke run's on a CPU.
+DEVICE_DEFAULTS = {
+    "cuda": dict(repeats=7, iters=10, warmup=3, shape=[8, 1024, 1024, 16], graph_steps=10,
+                 graph_model=[4, 256, 4, 4, 128, 4096]),
+    "cpu": dict(repeats=3, iters=3, warmup=1, shape=[2, 64, 64, 4], graph_steps=2,
+                graph_model=[2, 64, 4, 2, 32, 256])}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -46,7 +52,7 @@ VARIANTS = {"fused+graphs": ["--fused-kernels", "--cuda-graphs"],
 
 
 class Timer:
-    """Per-call seconds. CUDA: events around each call (see the docstring); CPU: perf_counter."""
+    """Seconds per call; on a GPU each kernel call's device time (see the README), on a CPU the wall."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -55,13 +61,9 @@ class Timer:
         self.behind = 0  # blocks where the GPU may have waited for the CPU
 
     def calls(self, fn, n):
+        """[seconds] of each of n calls: CUDA events around each, after an L2 flush."""
         if not self.cuda:
-            out = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-            return out
+            return [self.block(fn, 1)[0] for _ in range(n)]
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
         torch.cuda.synchronize()
         torch.cuda._sleep(self.sleep_cycles * n)  # the GPU spins while the CPU queues the block
@@ -80,29 +82,21 @@ class Timer:
 
     def block(self, fn, n):
         """[seconds per call] of n calls back to back, launch time included: what graphs remove."""
-        if not self.cuda:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            return [(time.perf_counter() - t0) / n]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()  # the GPU is idle, so start is stamped when the CPU records it
-        start.record()
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        end.record()
-        end.synchronize()
-        return [start.elapsed_time(end) / 1e3 / n]
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [(time.perf_counter() - t0) / n]
 
 
 def medians(measure, sides, n, args):
-    """{name: median seconds per call}: each side warmed up (--warmup calls), then --repeats rounds
-    of measure(side, n) per side, the first switching each round (harness.alternate), so that
-    drift (clocks, other load) falls on both alike."""
-    for fn in sides.values():
-        for _ in range(args.warmup):
-            fn()
-    rounds = harness.alternate(sides, args.repeats, n, measure=measure)
+    """{name: median seconds per call}: --repeats rounds of --warmup untimed calls of each side, then
+    measure(side, n) of each, the first switching each round (harness.alternate), so that drift
+    (clocks, other load) falls on both alike."""
+    rounds = harness.alternate(sides, args.repeats, n, warmup=args.warmup, measure=measure)
     return {name: statistics.median(t for rnd in rounds for t in rnd[name]) for name in sides}
 
 
@@ -177,23 +171,19 @@ def time_case(timer, case, args):
     return {d: medians(timer.calls, s, args.iters, args) for d, s in (("fwd", fwd), ("bwd", bwd))}
 
 
-def copy_bandwidth(timer, device, n, args):
-    """Bytes/s of dst.copy_(src), n bytes each, counted 2 n (read + write): what any op can hope for."""
-    src, dst = torch.zeros(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    return 2 * n / medians(timer.calls, {"copy": lambda: dst.copy_(src)}, args.iters, args)["copy"]
-
-
 def kernels_section(args, device, timer, cuda):
     B, T, C, nh = args.shape
     mode = "cuda" if cuda else "reference"
+    # The copy bandwidth, what any op can hope for: dst.copy_(src), counted 2 n (read + write).
     n = 2**30 if cuda else 2**26
-    copy_bw = copy_bandwidth(timer, device, n, args)
+    src, dst = torch.zeros(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    copy_bw = 2 * n / medians(timer.calls, {"copy": lambda: dst.copy_(src)}, args.iters, args)["copy"]
     # Checked first, both dtypes: the first call of each family builds its kernel (minutes, once),
     # and the build's messages then come before the table rather than inside it.
     cases = [(dtype, case, check_case(case)) for dtype in (torch.float32, torch.bfloat16)
              for case in kernel_cases(B, T, C, nh, dtype, device, mode)]
     print(f"\n=== kernels: ours = kernels/ with mode={mode!r}, peer = the unfused PyTorch; B={B} T={T} C={C} "
-          f"nh={nh}, p={P_DROP}; {args.repeats} rounds x {args.iters} calls per side (after {args.warmup} warm-up)")
+          f"nh={nh}, p={P_DROP}; {args.repeats} rounds x ({args.warmup} warm-up +) {args.iters} calls per side")
     print(f"copy bandwidth: dst.copy_(src) of {n / 2**30:g} GiB, counted 2 x {n / 2**30:g} GiB: {copy_bw / 1e9:,.0f} GB/s")
     print(f"goals: speed-up >= {GOAL_SPEEDUP}x, achieved >= {GOAL_COPY:.0%} of copy bandwidth")
     print(f"{'family':17s} {'shape':18s} {'dtype':5s} {'dir':3s} {'ours us':>9s} {'peer us':>9s} {'speed-up':>8s} "
@@ -205,9 +195,9 @@ def kernels_section(args, device, timer, cuda):
             print(f"{tag} FAIL: ours and the peer differ by {diff:.1e} > {CHECK_RTOL[dtype]:g}; not timed")
             ok = False
             continue
-        res = time_case(timer, case, args)
+        times = time_case(timer, case, args)
         for d, nbytes in zip(("fwd", "bwd"), case["bytes"]):
-            t = res[d]
+            t = times[d]
             speed, gbs = t["peer"] / t["ours"], nbytes / t["ours"]
             print(f"{tag} {d:3s} {t['ours'] * 1e6:9.1f} {t['peer'] * 1e6:9.1f} {speed:7.2f}x {gbs / 1e9:7.0f} "
                   f"{gbs / copy_bw:7.0%} {'yes' if speed >= GOAL_SPEEDUP else 'no':>4s} "
@@ -241,9 +231,7 @@ def graphs_section(args, device, timer, cuda):
     dtype = torch.bfloat16 if cuda else torch.float32
     # BucketedDDP (the trainer's gradient buffer, which StepGraph writes through its hooks) asks
     # for its group's size: a 1-rank gloo group, in this process. sync=False: nothing is reduced.
-    with tempfile.NamedTemporaryFile(delete=False) as f:
-        store = dist.FileStore(f.name, 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     gen = torch.Generator().manual_seed(0)
     # Two batches: the graph is captured on the first and checked and timed on the second, so a
     # replay that ignored its new input would fail the check.
@@ -253,14 +241,14 @@ def graphs_section(args, device, timer, cuda):
     rtol = CHECK_RTOL[dtype]
     print(f"\n=== CUDA graphs: one step's forward + backward (no optimizer) of GPT {cfg}, B={B} T={T} {dtype}; "
           f"eager (as the trainer without graphs: GPT.embed reads the ids back to check them) against "
-          f"kernels.graphs.StepGraph.replay; {args.repeats} rounds x {args.graph_steps} steps per side")
-    print(f"goal: speed-up >= {GOAL_GRAPHS}x")
+          f"kernels.graphs.StepGraph.replay; {args.repeats} rounds x {args.graph_steps} steps per side\n"
+          f"goal: speed-up >= {GOAL_GRAPHS}x")
     print(f"{'ops':8s} {'eager ms':>9s} {'graph ms':>9s} {'speed-up':>8s} {'check':>8s}")
     ok = True
     for name, ops in (("pytorch", tensor_parallel.TORCH_OPS), ("fused", kernels.FusedOps("cuda" if cuda else "reference"))):
         model = tensor_parallel.GPT(cfg, None, seed=0, dtype=dtype, device=device, ops=ops)
         ddp = data_parallel.BucketedDDP(model.parameters(), dist.group.WORLD, 2_000_000,
-                               grad_dtype=torch.float32 if dtype == torch.bfloat16 else None)
+                                        grad_dtype=torch.float32 if dtype == torch.bfloat16 else None)
         ddp.sync = False  # as the trainer: reduction after the step, here never
 
         def eager():
@@ -289,14 +277,42 @@ def graphs_section(args, device, timer, cuda):
             ddp.zero_grad()
 
         t = medians(timer.block, {"eager": eager, "graph": replay}, args.graph_steps, args)
-        te, tg = t["eager"], t["graph"]
-        print(f"{name:8s} {te * 1e3:9.2f} {tg * 1e3:9.2f} {te / tg:7.2f}x {diff:8.1e}", flush=True)
+        print(f"{name:8s} {t['eager'] * 1e3:9.2f} {t['graph'] * 1e3:9.2f} {t['eager'] / t['graph']:7.2f}x "
+              f"{diff:8.1e}", flush=True)
     dist.destroy_process_group()
     return ok
 
 
 # ----------------------------------------------------------------------------------------------
 # 3. End to end: the trainer
+
+
+def trainer_run(args, cuda, tmp, run):
+    """One run of 05_3d_gpt.py at tp=pp=dp=1 (on a GPU under torchrun): the step times from its
+    --metrics after the first `skip`, or None if it failed (said)."""
+    label, variant, (L, C, nh), B, T, V, steps, skip, dtype = run
+    metrics = Path(tmp) / f"{label}_{variant}.jsonl"
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if cuda else []
+    cmd = [sys.executable, *launcher, "05_3d_gpt.py", "--tp", "1", "--pp", "1", "--dp", "1",
+           "--n-layer", str(L), "--n-embd", str(C), "--n-head", str(nh), "--vocab-size", str(V),
+           "--block-size", str(T), "--seq-len", str(T), "--batch-size", str(B), "--microbatches", "1",
+           "--steps", str(steps), "--eval-every", "0", "--dtype", dtype,
+           # a 1.3B model at 3e-3 (the default) may diverge within the steps; the rate costs nothing
+           "--lr", "3e-4", "--min-lr", "3e-5", "--warmup-steps", "5", "--timeout-s", "600",
+           "--metrics", str(metrics), *(VARIANTS[variant] if cuda else [])]
+    print(f"\n$ {shlex.join(['python'] + cmd[1:])}", flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.e2e_timeout)
+        failed = proc.returncode != 0 and "\n".join(proc.stderr.strip().splitlines()[-15:])
+    except subprocess.TimeoutExpired:
+        failed = f"stopped after {args.e2e_timeout} s"
+    if failed or not metrics.exists():
+        print(f"FAIL ({label}, {variant}):\n{failed or 'no metrics written'}")
+        return None
+    for line in proc.stdout.splitlines():  # what the trainer says it ran
+        if line.startswith(("kernels:", "kernel paths:", "parameters:", "FLOPs")):
+            print(f"  {line}")
+    return [json.loads(s)["time_s"] for s in metrics.read_text().splitlines()][skip:]
 
 
 def e2e_section(args, device, timer, cuda):
@@ -311,77 +327,49 @@ def e2e_section(args, device, timer, cuda):
     runs = [(m, v, MODELS[m], args.e2e_batch, args.e2e_seq, 50304, args.e2e_steps, args.e2e_skip, "bfloat16")
             for m in args.e2e_models for v in VARIANTS] if cuda else \
         [("tiny", "unfused", (2, 64, 4), 2, 64, 256, 4, 1, "float32")]
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if cuda else []
-    rows, ok = [], True
+    ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        for label, variant, (L, C, nh), B, T, V, steps, skip, dtype in runs:
-            metrics = Path(tmp) / f"{label}_{variant}.jsonl"
-            cmd = [sys.executable, *launcher, "05_3d_gpt.py", "--tp", "1", "--pp", "1", "--dp", "1",
-                   "--n-layer", str(L), "--n-embd", str(C), "--n-head", str(nh), "--vocab-size", str(V),
-                   "--block-size", str(T), "--seq-len", str(T), "--batch-size", str(B), "--microbatches", "1",
-                   "--steps", str(steps), "--eval-every", "0", "--dtype", dtype,
-                   # a 1.3B model at 3e-3 (the default) may diverge within the steps; the rate costs nothing
-                   "--lr", "3e-4", "--min-lr", "3e-5", "--warmup-steps", "5", "--timeout-s", "600",
-                   "--metrics", str(metrics), *(VARIANTS[variant] if cuda else [])]
-            print(f"\n$ {shlex.join(['python'] + cmd[1:])}", flush=True)
+        for run in runs:
             t0 = time.monotonic()
-            try:
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.e2e_timeout)
-                failed = proc.returncode != 0 and "\n".join(proc.stderr.strip().splitlines()[-15:])
-            except subprocess.TimeoutExpired:
-                failed = f"stopped after {args.e2e_timeout} s"
-            if failed or not metrics.exists():
-                print(f"FAIL ({label}, {variant}):\n{failed or 'no metrics written'}")
-                ok = False
+            times = trainer_run(args, cuda, tmp, run)
+            ok &= times is not None
+            if times is None:
                 continue
-            for line in proc.stdout.splitlines():  # what the trainer says it ran
-                if line.startswith(("kernels:", "kernel paths:", "parameters:", "FLOPs")):
-                    print(f"  {line}")
-            times = [json.loads(s)["time_s"] for s in metrics.read_text().splitlines()][skip:]
-            t = statistics.median(times)
-            spec = planner.ModelSpec(L, C, nh, V, T)
-            flops = planner.flops_per_iteration(spec, B, recompute=False)
-            mfu = flops / (t * peak) if peak and dtype == "bfloat16" else None
-            rows.append((label, variant, planner.params_exact(spec), B, T, t, B * T / t, mfu))
-            print(f"  {len(times)} steps after the first {skip}: median {t * 1e3:.1f} ms (min {min(times) * 1e3:.1f}, "
-                  f"max {max(times) * 1e3:.1f}); {B * T / t:,.0f} tokens/s; "
-                  f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}; run took {time.monotonic() - t0:.0f} s")
-    print(f"\n{'model':6s} {'variant':13s} {'params':>14s} {'B':>3s} {'T':>5s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>6s}")
-    for label, variant, params, B, T, t, tps, mfu in rows:
-        print(f"{label:6s} {variant:13s} {params:14,d} {B:3d} {T:5d} {t * 1e3:9.1f} {tps:10,.0f} "
-              f"{f'{mfu:.1%}' if mfu else 'n/a':>6s}")
+            label, variant, (L, C, nh), B, T, V, _, skip, dtype = run
+            t, spec = statistics.median(times), planner.ModelSpec(L, C, nh, V, T)
+            mfu = planner.flops_per_iteration(spec, B, recompute=False) / (t * peak) \
+                if peak and dtype == "bfloat16" else None
+            print(f"  {label} {variant}, {planner.params_exact(spec):,} parameters, B={B} T={T}: {len(times)} steps "
+                  f"after the first {skip}, median {t * 1e3:.1f} ms (min {min(times) * 1e3:.1f}, max "
+                  f"{max(times) * 1e3:.1f}); {B * T / t:,.0f} tokens/s; MFU {f'{mfu:.1%}' if mfu else 'n/a'}; "
+                  f"run took {time.monotonic() - t0:.0f} s", flush=True)
     return ok
 
 
 def main():
+    cuda = torch.cuda.is_available()
     parser = harness.cli.make_parser(__doc__)
     parser.add_argument("--only", nargs="+", choices=["kernels", "graphs", "e2e"], default=["kernels", "graphs", "e2e"])
-    parser.add_argument("--repeats", type=int, help="rounds of ours-then-peer / peer-then-ours (7 GPU, 3 CPU)")
-    parser.add_argument("--iters", type=int, help="timed kernel calls per side per round (10 GPU, 3 CPU)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls (steps) per side first")
-    parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "T", "C", "NH"),
-                        help="kernel shapes (8 1024 1024 16 GPU, 2 64 64 4 CPU)")
+    parser.add_argument("--repeats", type=int, help="rounds of ours-then-peer / peer-then-ours")
+    parser.add_argument("--iters", type=int, help="timed kernel calls per side per round")
+    parser.add_argument("--warmup", type=int, help="untimed calls (steps) of each side per round")
+    parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "T", "C", "NH"), help="kernel shapes")
     parser.add_argument("--graph-model", type=int, nargs=6, metavar=("L", "C", "NH", "B", "T", "V"),
-                        help="the graphs section's GPT and batch (4 256 4 4 128 4096 GPU, 2 64 4 2 32 256 CPU)")
-    parser.add_argument("--graph-steps", type=int, default=10, help="steps per side per round (2 on CPU)")
+                        help="the graphs section's GPT and batch")
+    parser.add_argument("--graph-steps", type=int, help="steps per side per round")
     parser.add_argument("--e2e-models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--e2e-batch", type=int, default=8, help="sequences per step (one micro-batch)")
     parser.add_argument("--e2e-seq", type=int, default=2048)
     parser.add_argument("--e2e-steps", type=int, default=15)
     parser.add_argument("--e2e-skip", type=int, default=3, help="first steps left out (capture, kernel builds)")
     parser.add_argument("--e2e-timeout", type=float, default=540.0, help="seconds per trainer run")
+    parser.set_defaults(**DEVICE_DEFAULTS["cuda" if cuda else "cpu"])  # --help shows this device's
     args = parser.parse_args()
-    cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    args.repeats = args.repeats or (7 if cuda else 3)
-    args.iters = args.iters or (10 if cuda else 3)
-    args.shape = args.shape or ([8, 1024, 1024, 16] if cuda else [2, 64, 64, 4])
-    args.graph_model = args.graph_model or ([4, 256, 4, 4, 128, 4096] if cuda else [2, 64, 4, 2, 32, 256])
     print(f"$ {shlex.join(['python', 'benchmarks/bench_kernels.py'] + sys.argv[1:])}")
     if cuda:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}")
     else:
-        args.warmup, args.graph_steps = 1, 2
         print(f"torch {torch.__version__}, CPU\nno CUDA device: GPU figures not measured; running the CPU smoke "
               f"version (references, small shapes)")
     torch.manual_seed(0)

@@ -1,14 +1,11 @@
-"""What every benchmark shares: the numbered files, alternation, timed steps, ratios, profiles.
+"""What every benchmark shares: the numbered files, the same-function guard, alternation, ratios.
 
-Method (benchmarks/README.md says why): ours and the peer run the same function, checked before
-anything is timed (a pair that differs is refused); then they alternate in one run, so that a
-machine whose load drifts slows both alike:
+Ours and the peer run the same function, checked before anything is timed (a pair that differs is
+refused); then they alternate in one run, so that a machine whose load drifts slows both alike
+(benchmarks/README.md says why):
 
     rounds = alternate({"ours": step_a, "peer": step_b}, repeats=7, steps=8)   # every rank
     print(pair_line(rounds, "ours", "peer"))                                     # rank 0
-
-A step's wall time is its slowest rank's; its CPU time (process time: every thread, gloo's too) is
-summed over the ranks, a second view that moves much less than wall time on a shared machine.
 """
 import importlib
 import importlib.util
@@ -40,8 +37,8 @@ gpt3d = importlib.import_module("05_3d_gpt")
 
 
 def start(cfg, seed):
-    """The full (serial) state dict every side loads, float32, with random biases and LayerNorms
-    too (so that the same-function check exercises them), and the generator of the batches."""
+    """The full (serial) state dict every side loads, float32, biases and LayerNorms random too (so
+    that the guard exercises them), and the generator of the batches."""
     full = tensor_parallel.init_state_dict(cfg, seed, dtype=torch.float32, random_all=True)
     return full, torch.Generator().manual_seed(seed + 1)
 
@@ -72,11 +69,25 @@ def agree(ok, group=None):
     return bool(flag.item())
 
 
+def within(diffs, tolerances):
+    """Whether every difference (name -> value) is within its tolerance (name -> bound)."""
+    return all(diffs[name] <= bound for name, bound in tolerances.items())
+
+
 def verdict(ok, tolerances):
     """Print the same-function guard's verdict (rank 0); False: the pair is not timed."""
     print(f"  all within tolerance ({tolerances})" if ok else
           f"FAIL: beyond tolerance ({tolerances}); refusing to time different functions")
     return ok
+
+
+def guard(title, rows, tolerances, ok):
+    """Print the same-function guard (rank 0): under a title, each row's differences (label ->
+    {name: value}), then the verdict against the tolerances. Returns ok; False: not timed."""
+    print(title)
+    for label, diffs in rows.items():
+        print(f"  {label:12s} " + "  ".join(f"{name} {value:.1e}" for name, value in diffs.items()))
+    return verdict(ok, ", ".join(f"{name} {bound:g}" for name, bound in tolerances.items()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,36 +96,34 @@ def verdict(ok, tolerances):
 
 def timed(step, n=1, setup=None):
     """n calls of step(), each after setup() (untimed) and a barrier: per call this rank's (wall,
-    CPU, main-thread CPU) seconds."""
+    CPU) seconds."""
     out = []
     for _ in range(n):
         if setup:
             setup()
         dist.barrier()
-        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        out.append((time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0))
+        out.append((time.perf_counter() - t0, time.process_time() - c0))
     return out
 
 
 def combine(block):
-    """Per step: the slowest rank's wall time and the CPU times summed over ranks. Called after the
+    """Per step: the slowest rank's wall time and the CPU time summed over ranks. Called after the
     timed steps, so the reduction itself is not timed."""
-    wall, cpu, main = (torch.tensor(col, dtype=torch.float64) for col in zip(*block))
+    wall, cpu = (torch.tensor(col, dtype=torch.float64) for col in zip(*block))
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu)
-    dist.all_reduce(main)
-    return list(zip(wall.tolist(), cpu.tolist(), main.tolist()))
+    return list(zip(wall.tolist(), cpu.tolist()))
 
 
 def alternate(contenders, repeats, steps, warmup=0, sweeps=False, setup=None, measure=None):
-    """Time every contender (name -> step()) in turn. Each of `repeats` rounds first runs `warmup`
-    untimed steps of each, then either a block of `steps` steps of each, the first contender
-    rotating between rounds, or (sweeps=True) `steps` sweeps of one step of each, the order
-    rotating every sweep, so that two contenders' steps run back to back. setup(name), if given,
-    runs untimed before each timed step. Returns per round {name: [(wall, CPU, main-thread CPU)
-    per step]}, combined over the ranks; or, given measure(step, n) (one process: bench_kernels'
-    CUDA events), {name: [whatever measure returned]}."""
+    """Time every contender (name -> step()) in turn. Each of `repeats` rounds runs `warmup` untimed
+    steps of each, then a block of `steps` steps of each, the first contender rotating between
+    rounds, or (sweeps=True) `steps` sweeps of one step of each, the order rotating every sweep (two
+    contenders' steps run back to back). setup(name) runs untimed before each timed step. Returns
+    per round {name: [(wall, CPU) per step]} combined over the ranks; given measure(step, n)
+    (bench_kernels, one process), {name: [what measure returned]}."""
     names, rounds = list(contenders), []
     for r in range(repeats):
         for name in names:
@@ -132,7 +141,7 @@ def alternate(contenders, repeats, steps, warmup=0, sweeps=False, setup=None, me
 
 
 def median_of(rounds, name, col=0):
-    """The median over every timed step of `name` of one column: 0 wall, 1 CPU, 2 main-thread CPU."""
+    """The median over every timed step of `name` of one column: 0 wall, 1 CPU."""
     return statistics.median(t[col] for rnd in rounds for t in rnd[name])
 
 
@@ -150,28 +159,28 @@ def ratios(rounds, a, b):
 def pair_line(rounds, a, b, goal=None):
     """a against b in one line; the paired ratio is the better gauge on a loaded machine."""
     r = ratios(rounds, a, b)
-    q = r["paired"]
+    q, per_round = r["paired"], r["rounds"]
     return (f"{a}/{b}: {r['medians']:.3f} of the medians; paired {q[1]:.3f} [{q[0]:.2f}, {q[2]:.2f}]; "
-            f"CPU {r['cpu']:.3f}; rounds {' '.join(f'{x:.2f}' for x in r['rounds'])}"
-            + (f"  (goal <= {goal:g})" if goal else ""))
+            f"CPU {r['cpu']:.3f}; rounds, median {statistics.median(per_round):.3f}: "
+            + " ".join(f"{x:.2f}" for x in per_round) + (f"  (goal <= {goal:g})" if goal else ""))
 
 
 def time_table(rounds, ranks, note=""):
-    """Milliseconds per step of every contender: wall median, min, max, and the CPU medians."""
+    """Milliseconds per step of every contender: wall median, min, max, and the CPU median."""
     first = next(iter(rounds[0].values()))
     lines = [f"{len(rounds)} rounds x {len(first)} timed steps of each{note}, ms per step:",
-             f"  {'':12s} {'median':>8s} {'min':>8s} {'max':>8s} {'CPU':>8s} {'main thr':>8s}   "
+             f"  {'':12s} {'median':>8s} {'min':>8s} {'max':>8s} {'CPU':>8s}   "
              f"(wall = slowest of {ranks} ranks; CPU summed over them)"]
     for name in rounds[0]:
         w = [t[0] for rnd in rounds for t in rnd[name]]
         lines.append(f"  {name:12s} {statistics.median(w) * 1e3:8.1f} {min(w) * 1e3:8.1f} {max(w) * 1e3:8.1f} "
-                     f"{median_of(rounds, name, 1) * 1e3:8.1f} {median_of(rounds, name, 2) * 1e3:8.1f}")
+                     f"{median_of(rounds, name, 1) * 1e3:8.1f}")
     return "\n".join(lines)
 
 
 def profiles(contenders, rows, steps=1, setup=None, title=""):
     """{name: torch.profiler's table of `steps` calls of that contender (after setup(name) and a
-    barrier), top `rows` by self CPU time, under a heading}, on every rank."""
+    barrier), its top `rows` by self CPU time}, on every rank."""
     tables = {}
     for name, step in contenders.items():
         if setup:
@@ -205,16 +214,20 @@ def parser(doc, repeats, steps, warmup, deadline=600.0, **model_defaults):
     return p
 
 
-def model_config(args, needs_numpy=None):
-    """The GPTConfig of the flags; CPU ranks of our own, so not under torchrun; no dropout, which
-    the two sides would draw differently; numpy, if a peer (needs_numpy) sends objects through it.
-    Refused before any rank starts."""
+def model_config(args, pipelining=False):
+    """The GPTConfig of the flags, refusing before any rank starts: torchrun (the CPU ranks are our
+    own), dropout (the sides would draw other masks), --seq-len > --block-size; and with a peer on
+    torch.distributed.pipelining, no numpy (it passes objects through it) or --microbatches < --pp."""
     if "RANK" in os.environ:
         raise ValueError("run this directly, not under torchrun: it starts its own CPU ranks")
     cfg = cli.from_args(tensor_parallel.GPTConfig, args)
     if cfg.dropout:
         raise ValueError(f"--dropout {cfg.dropout}: the two sides would draw other masks; use 0")
-    if needs_numpy and importlib.util.find_spec("numpy") is None:
-        raise ValueError(f"{needs_numpy} passes Python objects between ranks through numpy, which torch's "
-                         f"CPU wheel does not install: pip install -r benchmarks/requirements.txt")
+    if getattr(args, "seq_len", 0) > cfg.block_size:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds --block-size {cfg.block_size}")
+    if pipelining and importlib.util.find_spec("numpy") is None:
+        raise ValueError("torch.distributed.pipelining passes Python objects between ranks through numpy, which "
+                         "torch's CPU wheel does not install: pip install -r benchmarks/requirements.txt")
+    if pipelining and args.microbatches < max(args.pp if isinstance(args.pp, list) else [args.pp]):
+        raise ValueError(f"torch's Schedule1F1B needs --microbatches >= --pp; got {args.microbatches} and {args.pp}")
     return cfg
