@@ -1,0 +1,144 @@
+"""Each communication switch of 01 and 02, on against off, side by side in one run, alternating.
+
+  TP, 01 on tp gloo ranks, one forward + backward of the GPT (no optimizer):
+      on        the defaults: overlap_input_grad and merge_loss_reductions
+      tp-wait   overlap_input_grad=False: f's all-reduce (sp: reduce-scatter) after the whole linear
+                backward, with nothing left to hide behind
+      ce-3      merge_loss_reductions=False: three all-reduces in the cross-entropy, not two
+  PP, 02's executor on pp gloo ranks, one step of each schedule (no optimizer):
+      background   background_sends=True (the default): a boundary waits for its receives only
+      waited       background_sends=False: every send is waited for at its own boundary
+
+Before anything is timed, each pair is checked to compute the same loss and gradients (a switch
+changes when a rank waits or how numbers travel, not what is computed). A ratio below 1 means the
+switch on is faster. benchmarks/README.md has the method (harness.alternate, pair_line).
+
+Run it (from the repository root; CPU only, it starts its own ranks):
+    python benchmarks/bench_overlap.py                          # tp=2, then pp=2 (GPipe and 1F1B)
+    python benchmarks/bench_overlap.py --sequence-parallel      # the reduce-scatter instead
+    python benchmarks/bench_overlap.py --only pp --repeats 11
+"""
+import torch
+import torch.distributed as dist
+
+import harness
+from harness import pipeline, rel, tensor_parallel
+from plumbing.trace import trace_comm
+
+# float32. The overlapped linear computes dX, dW and db with the same GEMMs as autograd's linear
+# but sums db in its own order (a few ulps); the merged all-reduce adds the same numbers; the
+# background sends move the same bytes. A real difference (a lost reduction) is O(1).
+LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
+TP_SWITCHES = {"on": {}, "tp-wait": {"overlap_input_grad": False}, "ce-3": {"merge_loss_reductions": False}}
+
+
+def tp_step(model, idx, targets):
+    model.zero_grad(set_to_none=True)
+    loss = model(idx, targets)[1]
+    loss.backward()
+    return loss
+
+
+def tp_worker(env, cfg, args):
+    group = tensor_parallel.new_tp_group(env, args.tp)
+    full, gen = harness.start(cfg, args.seed)
+    idx, targets = (torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen) for _ in "ab")
+    models, losses, grads, counts = {}, {}, {}, {}
+    for name, switches in TP_SWITCHES.items():
+        models[name] = tensor_parallel.GPT(cfg, group, sequence_parallel=args.sequence_parallel, init=False,
+                                           **switches)
+        models[name].load_full_state_dict(full)
+        with trace_comm() as log:
+            losses[name] = tp_step(models[name], idx, targets).item()
+        counts[name], grads[name] = len(log), models[name].full_grads()
+    worst = max(harness.worst_rel(grads[name], grads["on"]) for name in models)
+    same = harness.agree(worst <= GRAD_RTOL and all(rel(x, losses["on"]) <= LOSS_RTOL for x in losses.values()))
+    steps = {name: (lambda m=m: tp_step(m, idx, targets)) for name, m in models.items()}
+    rounds = harness.alternate(steps, args.repeats, args.steps, args.warmup, sweeps=True) if same else None
+    return {"same": same, "worst": worst, "losses": losses, "collectives": counts, "rounds": rounds}
+
+
+def pp_worker(env, cfg, args):
+    pp, m, b = env.world_size, args.microbatches, args.microbatch_size
+    full, gen = harness.start(cfg, args.seed)
+    idx, targets = (torch.randint(cfg.vocab_size, (m * b, args.seq_len), generator=gen) for _ in "ab")
+    micro, shape = pipeline.split_batch(idx, targets, m), (b, args.seq_len, cfg.n_embd)
+    chunks = pipeline.build_chunks(cfg, pp, env.rank, init=False, dtype=torch.float32)
+    for c in chunks:
+        c.load_full_state_dict(full)
+
+    def zero(_=None):
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+
+    out = {}
+    for name in args.schedules:
+        actions = pipeline.SCHEDULES[name](pp, m, env.rank)
+        steps = {side: (lambda on=on: pipeline.execute(actions, chunks, dist.group.WORLD, micro, shape,
+                                                        background_sends=on))
+                 for side, on in (("background", True), ("waited", False))}
+        grads = {}
+        for side, step in steps.items():
+            zero()
+            step()
+            grads[side] = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
+        worst = harness.worst_rel(grads["background"], grads["waited"])
+        same = harness.agree(worst <= GRAD_RTOL)
+        rounds = harness.alternate(steps, args.repeats, args.steps, args.warmup, sweeps=True, setup=zero) \
+            if same else None
+        out[name] = {"same": same, "worst": worst, "rounds": rounds}
+    return out
+
+
+def report_tp(args, r):
+    print(f"\nTP: tp={args.tp} B={args.batch_size} T={args.seq_len} sequence_parallel={args.sequence_parallel}"
+          f" float32; collectives per step: " + ", ".join(f"{n} {c}" for n, c in r["collectives"].items()))
+    print(f"  same function: worst gradient {r['worst']:.1e} against 'on' (max |a - b| / max |b|)")
+    if not harness.verdict(r["same"], f"loss {LOSS_RTOL:g}, gradients {GRAD_RTOL:g}"):
+        return False
+    print(harness.time_table(r["rounds"], args.tp, " (one step per sweep, order rotating)"))
+    for off in ("tp-wait", "ce-3"):
+        print("  " + harness.pair_line(r["rounds"], "on", off))
+    return True
+
+
+def report_pp(args, results):
+    for name, r in results[0].items():
+        print(f"\nPP: pp={args.pp} {name}, m={args.microbatches} microbatches of {args.microbatch_size}, "
+              f"T={args.seq_len}, float32; worst gradient {max(x[name]['worst'] for x in results):.1e} "
+              f"between the two (every rank)")
+        if not harness.verdict(r["same"], f"gradients {GRAD_RTOL:g}"):
+            return False
+        print(harness.time_table(r["rounds"], args.pp, " (one step per sweep, order rotating)"))
+        print("  " + harness.pair_line(r["rounds"], "background", "waited"))
+    return True
+
+
+def main():
+    parser = harness.parser(__doc__, repeats=7, steps=8, warmup=2, vocab_size=512, block_size=128,
+                            n_layer=4, n_head=4, n_embd=256)
+    parser.add_argument("--only", choices=["tp", "pp"], help="run one of the two (default: both)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size = local CPU ranks")
+    parser.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
+    parser.add_argument("--batch-size", type=int, default=8, help="B, for TP")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages = local CPU ranks")
+    parser.add_argument("--schedules", nargs="+", choices=list(pipeline.SCHEDULES), default=["gpipe", "1f1b"])
+    parser.add_argument("--microbatches", type=int, default=8, help="m, for PP")
+    parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per microbatch, for PP")
+    parser.add_argument("--seq-len", type=int, default=128, help="T")
+    args = parser.parse_args()
+    cfg = harness.model_config(args)  # --seq-len within --block-size too
+    pipeline.split_layers(cfg.n_layer, args.pp)  # refused before any rank starts
+    print(f"config: {cfg}; torch {torch.__version__}, gloo ranks x 1 thread")
+    ok = True
+    if args.only in (None, "tp"):
+        ok = report_tp(args, harness.launch(tp_worker, args.tp, cfg, args, timeout_s=120.0,
+                                            deadline_s=args.deadline)[0])
+    if ok and args.only in (None, "pp"):
+        ok = report_pp(args, harness.launch(pp_worker, args.pp, cfg, args, timeout_s=120.0,
+                                            deadline_s=args.deadline))
+    return ok
+
+
+if __name__ == "__main__":
+    harness.run_main(main)
