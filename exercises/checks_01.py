@@ -61,7 +61,10 @@ MODEL_HINTS = {
 
 def _model(env, ref):
     group = tp_group(env)
-    model = tensor_parallel.GPT(CFG, group, sequence_parallel=ref["sp"], init=False, dtype=F64)
+    # overlap_input_grad=False: the overlapped column-parallel linear does f's all-reduce itself, and
+    # would bypass a student's copy_to_tp / gather_from_sp.
+    model = tensor_parallel.GPT(CFG, group, sequence_parallel=ref["sp"], init=False, dtype=F64,
+                                overlap_input_grad=False)
     model.load_full_state_dict(ref["full"])
     logits, loss = model(ref["idx"], ref["targets"])
     loss.backward()

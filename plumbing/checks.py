@@ -54,7 +54,7 @@ FIELDS = {
     "max_skipped_steps": _at_least(1),
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1), "resume": _ANY, "init_from": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
-    "graph_scope": _ANY,
+    "graph_scope": _ANY, "overlap_input_grad": _ANY, "merge_loss_reductions": _ANY, "background_sends": _ANY,
     # sampling (plumbing/sample.py)
     "sample": _ANY, "max_new_tokens": _at_least(1),
     "temperature": (lambda v: v > 0, "positive (for greedy decoding use --top-k 1)"), "top_k": _at_least(0),
