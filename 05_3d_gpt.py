@@ -3,11 +3,11 @@
 What this file adds on top of 01-04: their composition into one trainer. Tensor parallelism (01,
 optionally with sequence parallelism) runs inside each pipeline stage; the stages run 1F1B (02) or
 interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas, each stage
-reducing over its own dp group after the pipeline flush. New here, in this order:
+reducing over its own dp group during each model chunk's last backward. New here, in this order:
   - the rank grid: Megatron's order, tp fastest, then dp, then pp (Section 3);
   - the scatter/gather optimisation (Section 4.1): between stages each tp rank sends only 1/tp of
     the boundary tensor and the receiving stage all-gathers it over tp;
-  - activation recomputation, per layer (Korthikanti et al. 2022, Section 5);
+  - activation recomputation, of whole layers or of the attention core (Korthikanti et al. 2022, §5);
   - the global gradient norm for clipping across tp, pp and dp, every element counted once;
   - the training step and loop: AdamW with weight-decay groups, warmup then cosine decay, a held-out
     eval loss; fused kernels and CUDA graphs where the device allows (Section 4.2; kernels/).
@@ -31,6 +31,7 @@ corpus, how many single-digit sums greedy decoding gets right. --metrics FILE wr
 per step; --trace FILE one step's timeline on every rank as a Chrome trace.
 """
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
@@ -50,7 +51,7 @@ from kernels import graphs as cuda_graphs
 from plumbing import cli, report, sample
 from plumbing.checkpoint import Saver, load_checkpoint
 from plumbing.checks import acceleration, check_fields, preflight
-from plumbing.data import check_tokens, global_batch, load_tokens, replica_batch, split_tokens
+from plumbing.data import check_tokens, replica_batch
 from plumbing.gpt2 import export_checkpoint, import_gpt2
 from plumbing.launch import launcher_ranks, printer, run_main
 from plumbing.trace import StepTrace, trace_comm
@@ -77,9 +78,11 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW decay of the 2-D weights (not biases or LayerNorms)
     grad_clip: float = 1.0  # clip the global gradient norm to this
     zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
+    overlap_grad_reduce: bool = True  # reduce each gradient bucket during the chunk's last backward, not after the flush
+    overlap_param_gather: bool = True  # ZeRO-1: all-gather the updated weights during the next forward, not before it
     sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
     scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
-    recompute: bool = False  # full activation recomputation, per layer
+    recompute: Literal["none", "selective", "full"] = "none"  # rerun in backward: the attention core, or whole layers
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     bucket_numel: int = 2_000_000  # gradient bucket, in elements
     eval_every: int = 50  # steps between eval losses on the held-out split (0: never)
@@ -173,15 +176,22 @@ class ScatterGather(pipeline.Wire):
 
 
 # ----------------------------------------------------------------------------------------------
-# Activation recomputation: keep only each layer's input, rerun its forward during backward.
+# Activation recomputation (Korthikanti Section 5): keep each layer's input, or the attention core's
+# q, k and v, and rerun the rest during backward.
 
 
-def recompute_layers(chunk):
-    """Wrap every block of a chunk so that its forward is recomputed in backward. Dropout inside
-    tp regions draws from the chunk's tracked stream, so that stream is replayed too (the default
-    stream is restored by checkpoint itself)."""
+def recompute_layers(chunk, mode):
+    """mode "full": wrap every block so that its forward is recomputed in backward. Dropout inside tp
+    regions draws from the chunk's tracked stream, so that stream is replayed too (checkpoint itself
+    restores the default one). "selective": recompute only the attention core (QK^T, softmax, its
+    dropout, the product with V), whose 5as^2b/t bytes per layer grow with s^2; its dropout's stream
+    is forked in around the checkpoint, which restores the generator it saw. "none": nothing."""
     for block in chunk.transformer.h.values():
-        block.forward = functools.partial(_recomputed, block.forward, chunk.rng)
+        if mode == "full":
+            block.forward = functools.partial(_recomputed, block.forward, chunk.rng)
+        elif mode == "selective":  # q, k and v are kept; the (B, nh, T, T) tensors are not
+            block.attn.ops = copy.copy(block.attn.ops)
+            block.attn.ops.attention = functools.partial(checkpoint, block.attn.ops.attention, use_reentrant=False)
 
 
 def _recomputed(forward, rng, x):
@@ -289,14 +299,25 @@ def build(env, cfg, tc, groups):
                                    check_inputs=False)  # train_step checks each batch on the host
     for c in chunks:
         c.load_full_state_dict(full)
-        if tc.recompute:
-            recompute_layers(c)
+        recompute_layers(c, tc.recompute)
     params = [p for c in chunks for p in c.parameters()]
-    # Gradients are reduced in fp32 when the weights are bf16; the optimizer keeps fp32 masters.
+    # Gradients are reduced in fp32 when the weights are bf16; the optimizer keeps fp32 masters. A
+    # gradient is final at the last of its chunk's m backwards, when its bucket's reduction can start
+    # (Megatron's sync during each chunk's last microbatch), except the tied embedding's buckets: they
+    # wait for train_step to add the other stage's copy in.
     grad_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
-    ddp = data_parallel.BucketedDDP(params, groups.dp, tc.bucket_numel, zero=tc.zero1, grad_dtype=grad_dtype)
+    wte = [c.transformer.wte.weight for c in chunks if "wte" in c.transformer]
+    ddp = data_parallel.BucketedDDP(params, groups.dp, tc.bucket_numel, zero=tc.zero1, grad_dtype=grad_dtype,
+                                    overlap=tc.overlap_grad_reduce, hold=wte)
+    ddp.microbatches = tc.microbatches
     opt = data_parallel.FlatAdamW(ddp, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
-                                  no_decay=no_decay(params))
+                                  no_decay=no_decay(params), overlap_gather=tc.zero1 and tc.overlap_param_gather
+                                  and graph_mode is None)  # a graph's replay runs no forward hooks
+    if opt.overlap_gather:  # each block waits for its own weights; the chunk, first, for the rest
+        for c in chunks:
+            opt.gather_before_forward(c, [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")])
+            for block in c.transformer.h.values():
+                opt.gather_before_forward(block, list(block.parameters()))
     schedule = interleaved.interleaved(tc.pp, tc.microbatches, pp_rank, tc.virtual_stages)
     b = tc.batch_size // (tc.dp * tc.microbatches)
     act_shape = (b, tc.seq_len // (tc.tp if tc.sequence_parallel else 1), cfg.n_embd)
@@ -325,8 +346,9 @@ def finite_step(loss, norm):
 
 
 def train_step(run, idx, targets, lr, trace=None):
-    """One iteration: the pipeline over this replica's microbatches, tied-embedding sync, the data-
-    parallel reduction after the flush, clipping, AdamW. Returns (loss, grad norm, StepResult).
+    """One iteration: the pipeline over this replica's microbatches (each chunk's last backward
+    reducing its buckets), tied-embedding sync, the rest of the data-parallel reduction, clipping,
+    AdamW. Returns (loss, grad norm, StepResult).
     A non-finite loss or norm (the same on every rank: both are all-reduced) skips the update on
     every rank, as Megatron does; finite_step(loss, norm) says whether it ran. trace, a
     plumbing.trace.StepTrace, records the step's timeline."""
@@ -337,7 +359,7 @@ def train_step(run, idx, targets, lr, trace=None):
     check_tokens(idx, run.cfg, tc.tp if tc.sequence_parallel else 1)
     valid = [int((t != -100).sum()) for t in targets.chunk(tc.microbatches)]
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
-    run.ddp.sync = False  # reduce after the pipeline flush, not during its backwards
+    run.ddp.sync = run.graph_mode != "step"  # the whole-step graph's hooks run at capture: reduce after it
     with trace_comm(trace.clock) if trace else contextlib.nullcontext() as collectives:
         if run.graph_mode == "step":
             run.graph = run.graph or cuda_graphs.StepGraph(run.chunks[0], micro, run.ddp)
@@ -354,7 +376,7 @@ def train_step(run, idx, targets, lr, trace=None):
                                    **(dict(t0=trace.t0, clock=trace.clock) if trace else {}))
     if trace:
         trace.add_pipeline(res, collectives)
-    with span("tied-embedding all-reduce", "collective"):
+    with span("tied-embedding all-reduce", "collective"):  # beside the buckets still in flight
         pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)
     with span("data-parallel gradient reduction", "collective"):
         run.ddp.finish()
@@ -459,8 +481,10 @@ def train(env, cfg, tc, quiet=False):
             progress.note(f"kernel paths: {kernels.build.report()}")
         progress.log(record)  # before the checkpoint: a crash between the two loses no line
         if saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps):
+            run.opt.wait_gather()  # ZeRO-1's gathers may still be in flight; the checkpoint reads every weight
             saver.save(run, step + 1, progress.note)
     progress.close()
+    run.opt.wait_gather()  # the last step's: the report and the caller read the weights
     if not losses:
         say(f"nothing to do: {start} of {tc.steps} steps were already done")
         return dict(losses=[], norms=[], evals=[], start=start)
@@ -471,29 +495,6 @@ def train(env, cfg, tc, quiet=False):
         out["sums"] = report.sum_probe(run, forward_only)
     report.report(run, out, time.perf_counter() - t_start, say)
     return out
-
-
-def serial_train(cfg, tc):
-    """The reference: the same data, schedule and optimizer on one serial GPT-2 in tc.dtype."""
-    dtype = getattr(torch, tc.dtype)
-    train_tokens, _ = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
-    model = tensor_parallel.GPT(cfg, None, seed=tc.seed, dtype=dtype)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                             {"params": no_decay(params), "weight_decay": 0.0}],
-                            lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    losses, norms = [], []
-    for step in range(tc.steps):
-        idx, targets = global_batch(train_tokens, step, tc)
-        loss = model(idx, targets)[1]
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)))
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, tc)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return dict(losses=losses, norms=norms)
 
 
 # ----------------------------------------------------------------------------------------------

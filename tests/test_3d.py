@@ -1,12 +1,16 @@
-"""05_3d_gpt: every layout trains exactly like the serial model, and bad input stops cleanly.
+"""05_3d_gpt: every layout trains exactly like the serial model, with each overlap on and off, and
+bad input stops cleanly.
 
 Tolerance: float64, max|a - b| / max|b| <= 1e-10 on the loss and the gradient-norm trajectories
 over 10 AdamW steps with warmup, cosine decay and active clipping. Layouts only reorder additions
 (a few ulps); AdamW and the clipping coefficient propagate them, staying far below 1e-10 here. A
-norm that counts replicated weights tp times or the tied embedding twice is off by O(1).
+norm that counts replicated weights tp times or the tied embedding twice is off by O(1), and so is
+a bucket reduced while the tied embedding's sum still writes into it (measured with the tied
+embedding's buckets not held back: 0.43, and 0.34 with ZeRO-1).
 """
 import math
 import struct
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load, run_script
-from plumbing import data
-from plumbing.launch import RankFailure
+from plumbing import checks, data
+from plumbing.reference import serial_train
 
 tensor_parallel = load("01_tensor_parallel")
 pipeline = load("02_pipeline_1f1b")
@@ -31,7 +35,7 @@ def layout(tp_, pp, dp, v=1, **kw):
 
 @pytest.fixture(scope="module")
 def serial():
-    return gpt3d.serial_train(CFG, BASE)
+    return serial_train(CFG, BASE)
 
 
 def _train_all(env, tcs):
@@ -40,24 +44,29 @@ def _train_all(env, tcs):
 
 LAUNCHES = {  # grouped by world size: one launch runs several trainings in turn
     "world 1": [layout(1, 1, 1)],
-    "world 2": [layout(2, 1, 1), layout(1, 2, 1), layout(1, 1, 2),
+    "world 2": [layout(2, 1, 1), layout(1, 2, 1), layout(1, 1, 2), layout(1, 1, 2, 2, zero1=True),
                 # The fused kernels' reference path (same formulas as the CUDA kernels, in PyTorch),
                 # with attention as matmul + the fused scaled causal softmax instead of SDPA.
                 layout(2, 1, 1, fused_kernels=True, kernel_path="reference", flash_attention=False)],
-    "world 4": [layout(2, 2, 1, 2), layout(2, 2, 1, 2, scatter_gather=False), layout(1, 4, 1, 2)],
+    "world 4": [layout(2, 2, 1, 2), layout(2, 2, 1, 2, scatter_gather=False), layout(1, 4, 1, 2),
+                layout(1, 2, 2, 2), layout(1, 2, 2, 2, zero1=True),
+                layout(2, 2, 1, 2, sequence_parallel=True, recompute="selective")],
     "world 8": [layout(2, 2, 2), layout(2, 2, 2, scatter_gather=False), layout(2, 2, 2, zero1=True),
-                layout(2, 2, 2, sequence_parallel=True), layout(2, 2, 2, recompute=True)],
+                layout(2, 2, 2, sequence_parallel=True), layout(2, 2, 2, recompute="full")],
 }
+OFF = dict(overlap_grad_reduce=False, overlap_param_gather=False)  # the reduction after the flush, as before
 
 
+@pytest.mark.parametrize("overlap", ["on", "off"], ids=["overlap on", "overlap off"])
 @pytest.mark.parametrize("name", LAUNCHES)
-def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks, serial, name):
-    tcs = LAUNCHES[name]
+def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks, serial, name, overlap):
+    tcs = [tc if overlap == "on" else replace(tc, **OFF) for tc in LAUNCHES[name]]
     world = tcs[0].tp * tcs[0].pp * tcs[0].dp
     assert max(serial["norms"]) > BASE.grad_clip  # clipping is active, so the norm matters
     for tc, out in zip(tcs, run_ranks(_train_all, world, tcs)[0]):
         what = f"tp={tc.tp} pp={tc.pp} dp={tc.dp} v={tc.virtual_stages} zero1={tc.zero1} " \
-               f"sp={tc.sequence_parallel} recompute={tc.recompute} sg={tc.scatter_gather} fused={tc.fused_kernels}"
+               f"sp={tc.sequence_parallel} recompute={tc.recompute} sg={tc.scatter_gather} fused={tc.fused_kernels} " \
+               f"overlap={tc.overlap_grad_reduce, tc.overlap_param_gather}"
         for key in ("losses", "norms"):
             got, want = torch.tensor(out[key]), torch.tensor(serial[key])
             assert tensor_parallel.max_rel_diff(got, want) <= TOL, (what, key, got - want)
@@ -70,16 +79,60 @@ def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks,
 
 def _dropout_recompute(env, fused):
     cfg = replace(CFG, dropout=0.2, n_layer=2)
+    # With the fused kernels the attention is matmul + softmax + torch's dropout (flash off): the
+    # selective region then holds a dropout of its own, drawn from the tracked stream.
     tcs = [replace(BASE, tp=2, steps=3, recompute=r, fused_kernels=fused, kernel_path="reference",
-                   sequence_parallel=fused) for r in (False, True)]
+                   flash_attention=not fused, sequence_parallel=fused) for r in ("none", "full", "selective")]
     return [gpt3d.train(env, cfg, tc, quiet=True)["losses"] for tc in tcs]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["pytorch ops", "fused bias-dropout-add (hashed masks, sp)"])
-def test_recomputation_replays_the_dropout_masks_inside_and_outside_tp_regions(run_ranks, fused):
-    plain, recomputed = run_ranks(_dropout_recompute, 2, fused)[0]
+def test_recomputation_full_or_selective_replays_the_dropout_masks_inside_and_outside_tp_regions(run_ranks, fused):
+    plain, *recomputed = run_ranks(_dropout_recompute, 2, fused)[0]
     assert plain[0] != plain[1]  # the steps differ: training happened
-    assert tensor_parallel.max_rel_diff(torch.tensor(recomputed), torch.tensor(plain)) <= TOL
+    for losses in recomputed:
+        assert tensor_parallel.max_rel_diff(torch.tensor(losses), torch.tensor(plain)) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Selective recomputation: what one layer stores for backward, against Korthikanti's Table 2.
+
+
+def _stored_bytes_per_layer(env, mode, T):
+    tp = env.world_size
+    cfg = tensor_parallel.GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, n_embd=32, dropout=0.1)
+    model = tensor_parallel.GPT(cfg, dist.new_group(list(range(tp))), sequence_parallel=True, dtype=torch.float64)
+    gpt3d.recompute_layers(model, mode)
+    x = torch.randn(2, T // tp, cfg.n_embd, dtype=torch.float64, requires_grad=True)  # (b, s/t, h)
+    meter = pipeline.ActivationMeter([model], {})  # what autograd saves, parameters left out
+    with meter.forward("layer 0"):
+        y = model.transformer.h["0"](x)
+    y.sum().backward()  # the recomputation runs (its masks replay: the test above)
+    return sum(meter.saved["layer 0"].values())
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_one_layer_stores_korthikantis_activation_bytes_up_to_three_named_differences(run_ranks, mode):
+    """Korthikanti et al. 2022 Table 2 with t-way tensor and sequence parallelism, in bytes of 16-bit
+    activations and 1-byte dropout masks: 34sbh/t + 5as^2b/t per layer without recomputation,
+    34sbh/t with selective recomputation, 2sbh/t (the layer's input) with full. Ours, in the same
+    units (float64 here: every byte count x 8/2), adds
+      4sbh (1 - 1/t): the inputs of the two column-parallel GEMMs are kept all-gathered (s, not s/t;
+                      Megatron keeps the shard and all-gathers it again in backward);
+      2sbh/t:         the dropout masks after attention and after the MLP cost as much as
+                      activations (torch's CPU dropout keeps its scaled mask in the activation
+                      dtype; Korthikanti counts 1 byte each, as a fused GPU dropout keeps);
+      8sb/t:          the two LayerNorms' mean and 1/std, one number each per token (small:
+                      Korthikanti leaves them out);
+    and, without recomputation, 6as^2b/t for the attention core instead of 5as^2b/t: the softmax,
+    its dropout mask (again as large as an activation) and the dropout's output, as torch's CPU
+    attention keeps them when it drops out (its math path; it also copies q, k and v, which then
+    replace the QKV output: the same bytes). Exact equality: a tensor stored more or less, or kept
+    twice, changes the count."""
+    t, s, b, h, a, elt = 2, 16, 2, 32, 4, 8
+    ours = 34 * s * b * h / t + 4 * s * b * h * (1 - 1 / t) + 2 * s * b * h / t + 8 * s * b / t
+    want = {"none": ours + 6 * a * s * s * b / t, "selective": ours, "full": 2 * s * b * h / t}[mode]
+    assert run_ranks(_stored_bytes_per_layer, t, mode, s)[0] == want * elt / 2
 
 
 def test_each_replica_reads_a_disjoint_slice_and_together_they_read_the_global_batch():
@@ -149,6 +202,79 @@ def _dp_pp(env, dp, pp, zero, steps):
 @pytest.mark.parametrize("zero", [False, True], ids=["dp", "zero1"])
 def test_dp2_x_pp2_equals_serial(run_ranks, zero):
     assert all(w <= TOL for w in run_ranks(_dp_pp, 4, 2, 2, zero, 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# 05's overlaps happen when they should (the parity tests above say they are right): each bucket's
+# reduction during the last backward of the chunks it holds, the tied embedding's after the flush;
+# ZeRO-1's gathers still in flight as the next step's first block starts.
+
+
+def _step_timeline(env, tc):
+    """One train_step; its actions and the DDP's events on one clock, and which chunks each bucket
+    holds parameters of."""
+    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp))
+    run = gpt3d.build(env, CFG, tc, groups)
+    tokens = data.split_tokens(data.load_tokens("", CFG.vocab_size, tc.seq_len), tc.seq_len)[0]
+    seen, execute, finish = {}, gpt3d.pipeline.execute, run.ddp.finish
+
+    def timed_execute(*args, **kwargs):  # t0=0: the actions' times are perf_counter's, as the events'
+        res = execute(*args, **{**kwargs, "t0": 0.0})
+        seen["actions"], seen["flushed"] = res.events, time.perf_counter()
+        return res
+
+    def kept_finish():
+        finish()
+        seen["events"] = list(run.ddp.events)  # train_step's zero_grad clears them
+
+    gpt3d.pipeline.execute, run.ddp.finish = timed_execute, kept_finish  # this forked rank's copies
+    gpt3d.train_step(run, *data.replica_batch(tokens, 0, tc, dist.get_rank(groups.dp)), 1e-3)
+    chunks_of = [{c for c, chunk in enumerate(run.chunks) for p in chunk.parameters() if i in run.ddp.buckets_of[p]}
+                 for i in range(len(run.ddp.buckets))]
+    return seen, chunks_of, run.ddp.held
+
+
+@pytest.mark.parametrize("v,zero1", [(1, False), (2, True)], ids=["1F1B, DP", "interleaved, ZeRO-1"])
+def test_each_bucket_reduces_during_its_chunks_last_backward_and_the_tied_embedding_after_the_flush(
+        run_ranks, v, zero1):
+    for seen, chunks_of, held in run_ranks(_step_timeline, 4, layout(1, 2, 2, v, zero1=zero1)):
+        last = {a.chunk: start for start, _, a in seen["actions"] if a.kind == "B"}  # the last one wins
+        launched = {i: t for kind, i, t in seen["events"] if kind == "launch"}
+        assert sorted(launched) == list(range(len(chunks_of)))  # every bucket, once
+        assert held and len(held) < len(chunks_of)  # every rank holds a copy of wte, and more
+        for i, t in launched.items():
+            if i in held:  # after the pipeline, once sync_tied_embeddings has added the other copy
+                assert t > seen["flushed"], i
+            else:  # not before its last gradient can come, and before the pipeline has ended
+                assert max(last[c] for c in chunks_of[i]) <= t < seen["flushed"], i
+
+
+def _gathers_in_flight(env, tc):
+    """Two train_steps; at each forward of the first block of chunk 0, the buckets whose ZeRO-1
+    gather is still in flight once that block has waited for its own."""
+    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp))
+    run = gpt3d.build(env, CFG, tc, groups)
+    tokens = data.split_tokens(data.load_tokens("", CFG.vocab_size, tc.seq_len), tc.seq_len)[0]
+    block = next(iter(run.chunks[0].transformer.h.values()))
+    in_flight, after_step = [], []
+    block.register_forward_pre_hook(lambda *_: in_flight.append(set(run.opt.gathers)))  # after build's
+    for step in range(2):
+        gpt3d.train_step(run, *data.replica_batch(tokens, step, tc, dist.get_rank(groups.dp)), 1e-3)
+        after_step.append(len(run.opt.gathers))
+    mine = {i for p in block.parameters() for i in run.ddp.buckets_of[p]}
+    return in_flight, after_step, mine, len(run.ddp.buckets)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
+def test_zero1_gathers_run_on_into_the_next_forward_each_block_waiting_for_its_own(run_ranks, overlap):
+    tc = layout(1, 2, 2, zero1=True, overlap_param_gather=overlap)
+    for in_flight, after_step, mine, n in run_ranks(_gathers_in_flight, 4, tc):
+        assert after_step == ([n, n] if overlap else [0, 0])  # step() returns before any gather is waited for
+        first, second = in_flight[:tc.microbatches], in_flight[tc.microbatches:]
+        assert first == [set()] * tc.microbatches  # nothing gathered before the first step
+        assert not second[0] & mine  # the block has its own weights ...
+        assert bool(second[0]) == overlap  # ... while the later layers' gathers are not yet waited for
+        assert second[1:] == [set()] * (tc.microbatches - 1)  # by the next microbatch all are in
 
 
 def test_the_rank_grid_follows_megatrons_order_tp_fastest_then_dp_then_pp():
@@ -231,6 +357,13 @@ def test_bad_input_stops_with_a_clear_message_and_no_hang(case, tmp_path):
 def test_an_unknown_flag_is_refused():
     proc = run("--no-such-flag", timeout=30)
     assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr
+
+
+def test_recompute_takes_a_mode_and_the_old_boolean_is_refused_by_name():
+    proc = run("--recompute", timeout=30)  # it was a switch; now none, selective or full
+    assert proc.returncode == 2 and "--recompute: expected one argument" in proc.stderr
+    with pytest.raises(ValueError, match="--recompute must be one of 'none', 'selective', 'full', got True"):
+        checks.check_fields(replace(BASE, recompute=True))
 
 
 def _nan_at_step_3(env):

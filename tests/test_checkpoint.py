@@ -15,6 +15,7 @@ import torch
 from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load
 from plumbing import checkpoint, gpt2
 from plumbing.launch import RankFailure
+from plumbing.reference import serial_train
 
 tensor_parallel = load("01_tensor_parallel")
 gpt3d = load("05_3d_gpt")
@@ -60,10 +61,28 @@ PAIRS = {
 @pytest.mark.parametrize("pair", PAIRS, ids=list(PAIRS))
 def test_a_checkpoint_loads_in_another_layout_and_the_trajectory_continues(run_ranks, tmp_path, pair):
     before, after = PAIRS[pair]
-    serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
+    serial = serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
     out = run_ranks(_reshard, before.tp * before.pp * before.dp, before, after, str(tmp_path))[0]
     assert out["start"] == 3
     assert tensor_parallel.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
+
+
+def _gathers_in_flight_at_each_save(env, root):
+    real, seen = gpt3d.Saver.save, []
+
+    def save(saver, run, step, say=print):
+        seen.append(len(run.opt.gathers))
+        return real(saver, run, step, say)
+
+    gpt3d.Saver.save = save  # this forked rank's class only
+    gpt3d.train(env, CFG, tc_for(1, 2, 2, zero1=True, save=root, save_every=2), quiet=True)
+    return seen
+
+
+def test_a_zero1_checkpoint_is_written_only_once_every_gather_has_landed(run_ranks, tmp_path):
+    # With overlap_param_gather the updated weights are still being gathered when a step returns;
+    # a save then would write some of the previous step's. (Whether it did would depend on timing.)
+    assert run_ranks(_gathers_in_flight_at_each_save, 4, str(tmp_path)) == [[0, 0, 0]] * 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,7 +117,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(run_ranks
     assert checkpoint.latest_checkpoint(root, messages.append).endswith("step_00000003")
     assert "an interrupted save" in messages[0]
     out = run_ranks(_resume, 2, tc_for(1, 2, 1, resume=root))[0]
-    serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
+    serial = serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
     assert out["start"] == 3 and tensor_parallel.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
 
 
@@ -119,7 +138,7 @@ def test_a_rank_killed_mid_step_stops_everyone_and_resume_loses_only_unsaved_ste
     with pytest.raises(RankFailure, match="rank 3 died with exit code -9"):
         run_ranks(_killed_in_step_4, 4, root)
     out = run_ranks(_resume, 4, tc_for(2, 2, 1, resume=root))[0]
-    serial = gpt3d.serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
+    serial = serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
     assert out["start"] == 3 and tensor_parallel.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
 
 
