@@ -2,7 +2,7 @@
 
 The rank grid is pure: it is checked here, for several worlds, against its definition. The other
 two run 05's own trainer (train) on tp=2 x pp=2 CPU ranks, the student's function in place of 05's,
-against 05's serial_train on the same data (computed here, before anything is installed): every
+against plumbing.reference's serial_train on the same data (computed here, before anything is installed): every
 step's loss and global gradient norm, in float64 to 1e-10, with clipping active so that the norm
 matters. Before that each looks at its piece alone: ScatterGather's pack and unpack on one tp
 group, and, parameter by parameter on every rank, whether counts_in_norm counts it.
@@ -16,6 +16,7 @@ import torch
 
 from exercises.autograder import Exercise, Planted, called, differences, first, installed, merged, \
     numbered, ranks, tp_group, warm
+from plumbing.reference import serial_train
 
 tensor_parallel = numbered("01_tensor_parallel")
 gpt3d = numbered("05_3d_gpt")
@@ -94,7 +95,7 @@ def config():
 
 def serial_reference():
     warm(meta=True)  # 05's build draws its weights on the meta device: import that once, here
-    ref = gpt3d.serial_train(CFG, config())
+    ref = serial_train(CFG, config())
     if max(ref["norms"]) <= BASE.grad_clip:
         raise RuntimeError("the check's serial run never clips: its gradient norm would not matter")
     return ref

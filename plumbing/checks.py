@@ -49,12 +49,13 @@ FIELDS = {
     "steps": _at_least(1), "lr": _POSITIVE, "min_lr": _at_least(0), "warmup_steps": _at_least(0),
     "weight_decay": _at_least(0), "grad_clip": _POSITIVE, "bucket_numel": _at_least(1),
     "zero1": _ANY, "scatter_gather": _ANY, "recompute": _ANY, "dtype": _ANY,
+    "overlap_grad_reduce": _ANY, "overlap_param_gather": _ANY,
     "eval_every": _at_least(0), "eval_batches": _at_least(1), "data": _ANY, "metrics": _ANY,
     "timeout_s": (lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"),
     "max_skipped_steps": _at_least(1),
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1), "resume": _ANY, "init_from": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
-    "graph_scope": _ANY, "overlap_input_grad": _ANY, "merge_loss_reductions": _ANY, "background_sends": _ANY,
+    "graph_scope": _ANY,
     # sampling (plumbing/sample.py)
     "sample": _ANY, "max_new_tokens": _at_least(1),
     "temperature": (lambda v: v > 0, "positive (for greedy decoding use --top-k 1)"), "top_k": _at_least(0),
@@ -129,9 +130,9 @@ def check_config(cfg, tc, world=None):
                          f"got tp={tp}, pp={pp}, dp={dp}")
     if getattr(tc, "graph_scope", "auto") == "step" and v > 1:
         raise ValueError(f"--graph-scope step captures one model chunk: it needs --virtual-stages 1, got {v}")
-    if getattr(tc, "cuda_graphs", None) and (tp > 1 or tc.recompute):
+    if getattr(tc, "cuda_graphs", None) and (tp > 1 or tc.recompute != "none"):
         raise ValueError(f"--cuda-graphs captures whole stages, which here needs tp=1 (a stage with tp > 1 "
-                         f"holds all-reduces) and no --recompute; got tp={tp}, recompute={tc.recompute}")
+                         f"holds all-reduces) and --recompute none; got tp={tp}, recompute={tc.recompute}")
 
 
 def check_device(tc, device):
@@ -242,7 +243,7 @@ def acceleration(tc, device):
     v = 1 (its graph holds one chunk: with v > 1 each chunk is captured on its own)."""
     gpu = device.type == "cuda"
     fused = gpu if tc.fused_kernels is None else tc.fused_kernels
-    graphs = (gpu and tc.tp == 1 and not tc.recompute) if tc.cuda_graphs is None else tc.cuda_graphs
+    graphs = (gpu and tc.tp == 1 and tc.recompute == "none") if tc.cuda_graphs is None else tc.cuda_graphs
     if not graphs:
         return fused, None
     if tc.graph_scope != "auto":

@@ -71,7 +71,7 @@ def summary(run, spec, flops, n_train, n_eval, say):
         f"{'interleaved 1F1B, v=' + str(tc.virtual_stages) if tc.virtual_stages > 1 else '1F1B'}, "
         f"m={tc.microbatches} microbatches of b={run.act_shape[0]}; "
         f"{'ZeRO-1' if tc.zero1 else 'data parallel'}; scatter/gather {on(run.wire)}, "
-        f"sequence parallel {on(tc.sequence_parallel)}, recompute {on(tc.recompute)}")
+        f"sequence parallel {on(tc.sequence_parallel)}, recompute {tc.recompute}")
     say(f"device    {run.dtype} on {env.device.type} ({dist.get_backend()}); kernels: {run.ops.name}; "
         f"CUDA graphs: {graphs}")
     say(f"training  {tc.steps} steps of B={tc.batch_size} x T={tc.seq_len} = "

@@ -1,0 +1,33 @@
+"""The serial reference of 05's trainer, for the tests and the exercises: the same data, learning-rate
+schedule and optimizer on one serial GPT-2 (01's GPT with no tp group), against which every layout
+is checked in float64. It is the correct answer, not part of the concept, so it lives here."""
+import importlib
+
+import torch
+
+from plumbing.data import global_batch, load_tokens, split_tokens
+
+
+def serial_train(cfg, tc):
+    """tc.steps AdamW steps of the serial model in tc.dtype: {"losses": [...], "norms": [...]}."""
+    tensor_parallel = importlib.import_module("01_tensor_parallel")
+    gpt3d = importlib.import_module("05_3d_gpt")  # at call time: 05 imports plumbing
+    dtype = getattr(torch, tc.dtype)
+    train_tokens, _ = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
+    model = tensor_parallel.GPT(cfg, None, seed=tc.seed, dtype=dtype)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": gpt3d.no_decay(params), "weight_decay": 0.0}],
+                            lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    losses, norms = [], []
+    for step in range(tc.steps):
+        idx, targets = global_batch(train_tokens, step, tc)
+        loss = model(idx, targets)[1]
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)))
+        for g in opt.param_groups:
+            g["lr"] = gpt3d.lr_at(step, tc)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, norms=norms)
