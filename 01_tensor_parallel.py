@@ -207,7 +207,9 @@ class GPTConfig:
 
 # Random numbers: replicated activations draw identical dropout masks on every tp rank (from the
 # default generator, seeded alike); split activations draw different ones (a tracked generator
-# seeded by tp rank), as Megatron's RNG tracker does.
+# seeded by tp rank), as Megatron's RNG tracker does (Shoeybi et al. 2019, Appendix B.2: one global
+# generator, one per rank inside the model-parallel regions). With sequence parallelism the dropouts
+# outside those regions see T/tp rows each, so they draw from the tracker too (Korthikanti 4.2.2).
 
 
 class TPRandom:
@@ -383,7 +385,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of vocab-split logits without gathering them: an all-reduce (MAX) of the
+    """Shoeybi et al. 2019, Section 3: the output GEMM is fused with the cross-entropy, so each
+    all-reduce carries B T numbers instead of B T V logits.
+    Mean cross-entropy of vocab-split logits without gathering them: an all-reduce (MAX) of the
     rows' maxima, then one of the target logits and sums of exponentials stacked, (2, N) (merge=False:
     one each). The max cannot join them: it is another reduction (MAX, not SUM), and both sums are
     of logits shifted by it (so that exp() cannot overflow on any rank): it must have arrived first."""

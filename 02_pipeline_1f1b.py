@@ -10,8 +10,9 @@ function (pp, m, stage) -> that stage's ordered list of actions, "F3" = forward 
   - simulate() replays the lists with per-action times: step time, idle time, bubble, peak
     microbatches in flight (Section 2.2.1: bubble = (pp - 1) / m for GPipe and 1F1B alike);
   - execute() runs one rank's list over real batched isend/irecv, its sends completing in the background.
-GPipe (all forwards, then all backwards) keeps all m microbatches' activations alive; 1F1B
-(PipeDream-Flush) starts backwards as soon as possible and keeps at most pp - stage alive.
+GPipe (Huang et al. 2019: all forwards, then all backwards) keeps all m microbatches' activations
+alive; 1F1B (PipeDream-Flush: Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN
+Training") starts backwards as soon as possible and keeps at most pp - stage alive.
 
 Run it:
     python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules
@@ -21,7 +22,6 @@ Run it:
 The demo checks GPipe and 1F1B against the serial model in float64 (loss and every gradient within
 1e-10, else exit 1), draws the simulated and measured timelines, and prints the bubble against its
 formula and each stage's peak stored activation bytes, with and without Megatron's deallocation.
-
 Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
 """
 import importlib

@@ -6,7 +6,7 @@ their gradients keeps them identical. Step by step:
   2. bucketed and overlapped: gradients are accumulated into one flat buffer laid out in reverse
      parameter order (the order backward produces them), cut into buckets; a hook marks each
      parameter ready, and a bucket's all-reduce is launched asynchronously the moment its last
-     parameter is ready, while backward goes on (PyTorch DDP, Megatron's DistributedDataParallel);
+     parameter is ready, while backward goes on (Li et al. 2020, Section 3.2: PyTorch DDP; Megatron's DDP);
   3. gradient accumulation over microbatches, synchronising only on the last one;
   4. ZeRO-1, Megatron's distributed optimizer (Rajbhandari et al. 2020, stage 1): reduce-scatter
      instead of all-reduce, each rank keeps AdamW state (and an fp32 master copy when parameters are
