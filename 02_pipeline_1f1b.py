@@ -53,7 +53,7 @@ class Action:
     kind: str  # "F" forward or "B" backward
     mb: int  # microbatch
     chunk: int = 0  # which of this rank's model chunks (03's virtual stages); always 0 here
-    # Steady-state 1F1B: runs as a forward-backward pair with no exchange in between (see
+    # Steady-state 1F1B: with v > 1 runs as a forward-backward pair with no exchange in between (see
     # rank_plan). A property of the position in a list, so it takes no part in equality.
     steady: bool = field(default=False, compare=False)
 
@@ -108,11 +108,11 @@ def produces(a, k, S):
 
 
 def run_groups(actions):
-    """Actions that run back to back: a steady forward with the backward after it, else one."""
+    """Actions that run back to back: with v > 1 a steady forward and the backward after it, else one."""
     groups, i = [], 0
     while i < len(actions):
-        pair = actions[i].steady and actions[i].kind == "F" and i + 1 < len(actions) \
-            and actions[i + 1].steady and actions[i + 1].kind == "B"
+        pair = n_chunks(actions) > 1 and actions[i].steady and actions[i].kind == "F" \
+            and i + 1 < len(actions) and actions[i + 1].steady and actions[i + 1].kind == "B"
         groups.append(actions[i:i + 1 + pair])
         i += 1 + pair
     return groups
@@ -122,9 +122,9 @@ def rank_plan(actions, rank, pp):
     """This rank's steps: ("comm", ops) boundaries and ("run", action). Each boundary is one
     batch: the sends of the previous group's outputs and the receives of the next group's inputs,
     posted together so that two ranks exchanging with each other both make progress (Megatron's
-    send_forward_recv_backward and friends). In the steady state a forward and a backward form one
-    group: a boundary between them can make two ranks wait on each other in the interleaved
-    schedule (03), and validate() finds that cycle."""
+    send_forward_recv_backward and friends). In 03's interleaved steady state a forward and a
+    backward form one group: a boundary between them can make two ranks wait on each other, and
+    validate() finds that cycle. At v = 1 each action has its own, or F would wait for B's input."""
     S = pp * n_chunks(actions)
     steps, outgoing = [], []
     for group in run_groups(actions):
@@ -211,8 +211,8 @@ def _check_channels_and_progress(plans, pp):
 
 
 # ----------------------------------------------------------------------------------------------
-# The simulator: replay the lists with per-action times. Sends are buffered here (a stage starts
-# as soon as its input has arrived); exact with ints or Fractions.
+# The simulator: replay the lists with per-action times, t_f and t_b one for every rank or a list of
+# each rank's. Sends are buffered (a stage starts once its input has arrived); exact with ints.
 
 
 @dataclass
@@ -235,6 +235,7 @@ def peak_in_flight(actions):
 def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0):
     """Deterministic replay: each action starts when its rank is free and its input has arrived."""
     S = pp * n_chunks([a for acts in schedule for a in acts])
+    t_f, t_b = (list(t) if isinstance(t, (list, tuple)) else [t] * pp for t in (t_f, t_b))
     done, clock, nxt = {}, [0] * pp, [0] * pp
     timeline = [[] for _ in range(pp)]
     while any(nxt[r] < len(schedule[r]) for r in range(pp)):
@@ -250,7 +251,7 @@ def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0):
                     break
                 start = max([clock[r]] + [done[(kind, st, a.mb)] + (t_comm if st % pp != r else 0)
                                           for kind, st in deps])
-                end = start + (t_f if a.kind == "F" else t_b)
+                end = start + (t_f[r] if a.kind == "F" else t_b[r])
                 done[(a.kind, k, a.mb)] = clock[r] = end
                 timeline[r].append((start, end, a))
                 nxt[r] += 1
@@ -260,8 +261,7 @@ def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0):
     step = max(clock)
     busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
     idle = [step - b for b in busy]
-    bubble = Fraction(sum(idle), sum(busy)) if all(isinstance(x, int) for x in idle + busy) \
-        else sum(idle) / sum(busy)
+    bubble = Fraction(sum(idle), sum(busy)) if all(isinstance(x, int) for x in idle + busy) else sum(idle) / sum(busy)
     return Simulation(step, idle, bubble, [peak_in_flight(acts) for acts in schedule], timeline)
 
 

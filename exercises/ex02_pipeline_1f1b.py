@@ -41,8 +41,8 @@ def one_f_one_b(pp, m, stage):
               backward to come back here (how many is that for stage s? for the last stage?),
               capped at m;
       steady: one forward of the next new microbatch, then the backward of the oldest one in
-              flight, repeated while forwards remain: mark both Actions steady=True (02's executor
-              then runs the pair back to back, with no message exchange between them);
+              flight, repeated while forwards remain: mark both Actions steady=True (a label here;
+              03's interleaved executor runs such a pair back to back, with no exchange between);
       drain:  the backwards that remain, oldest first.
     Returns [Action, ...] of length 2 m. At most pp - stage microbatches are ever in flight."""
     raise NotImplementedError("02.2 one_f_one_b: how many forwards must stage s run before a backward can "

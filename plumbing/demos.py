@@ -7,6 +7,7 @@ what the figures are and what they mean. The comparison with the serial model st
     serial_reference(pipeline, ..) 02, 03: the batch, its microbatches, the serial loss and gradients
     check_and_report(pipeline, ..) 02, 03: one step of a schedule against the reference, with its
                                    timelines, bubble, memory and traffic
+    fed_simulator(pipeline, ..)    bench_pipeline: 02's simulator fed a run's own measured times
 
 Nothing here imports a numbered file, so that any of them can use it without an import cycle: the
 pipeline functions take the pipeline module (02) as their first argument, and reach 01 through it.
@@ -151,3 +152,25 @@ def check_and_report(pipeline, env, cfg, name, schedule, ref, embed_group, say, 
     say(f"max relative difference against serial (loss and every gradient): {worst:.2e} "
         f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
     return worst <= 1e-10 and sim.bubble == formula, sim, ranks
+
+
+def fed_simulator(pipeline, env, events, schedule, shape, rounds=21):
+    """What 02's simulate() predicts for `schedule` fed a run's own times: each rank's t_f and t_b,
+    the mean durations of its forwards and backwards in its `events` (02's StepResult.events of
+    some steps), and t_comm, half the median round trip of one boundary tensor of `shape` between
+    ranks 0 and 1 through batch_isend_irecv, as 02 sends it. Collective: every rank calls it.
+    Returns (predicted step time, [t_f per rank], [t_b per rank], t_comm), in seconds."""
+    x, trips = torch.zeros(shape, device=env.device), []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for op in ((dist.isend, dist.irecv) if env.rank == 0 else (dist.irecv, dist.isend)) if env.rank < 2 else ():
+            for work in dist.batch_isend_irecv([dist.P2POp(op, x, 1 - env.rank)]):
+                work.wait()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        trips.append(time.perf_counter() - t0)
+    mine = [[e - s for s, e, a in events if a.kind == k] for k in "FB"]
+    mine = [sum(d) / len(d) for d in mine] + [sorted(trips)[rounds // 2] / 2]
+    t_f, t_b, trip = zip(*gather_numbers(mine, device=env.device))  # each rank's row
+    return pipeline.simulate(schedule, len(schedule), list(t_f), list(t_b), trip[0]).step_time, t_f, t_b, trip[0]
