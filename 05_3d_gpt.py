@@ -374,12 +374,12 @@ def train_step(run, idx, targets, lr, trace=None):
             res = pipeline.execute(run.schedule, run.chunks, groups.pp, micro, run.act_shape, wire=run.wire,
                                    call=call, deallocate=call is None, valid=valid,
                                    **(dict(t0=trace.t0, clock=trace.clock) if trace else {}))
-    if trace:
-        trace.add_pipeline(res, collectives)
     with span("tied-embedding all-reduce", "collective"):  # beside the buckets still in flight
         pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)
     with span("data-parallel gradient reduction", "collective"):
         run.ddp.finish()
+    if trace:
+        trace.add_pipeline(res, collectives, run.ddp.events)
     with span("global gradient norm and clipping", "collective"):
         norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
     with span("loss all-reduce", "collective"):

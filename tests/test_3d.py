@@ -321,6 +321,25 @@ def test_the_main_job_trains_8_ranks_shows_progress_and_summaries(tmp_path):
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "time_s"} <= set(lines[0])
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after the flush"])
+def test_the_trace_shows_each_bucket_reduction_beside_the_backward_it_hides_behind(tmp_path, overlap):
+    trace = tmp_path / "t.json"
+    proc = run("--tp", "1", "--pp", "2", "--dp", "2", "--n-layer", "2", "--batch-size", "8", "--microbatches", "2",
+               "--seq-len", "16", "--block-size", "16", "--eval-every", "0", "--steps", "3", "--bucket-numel", "3000",
+               "--trace", str(trace), *([] if overlap else ["--no-overlap-grad-reduce"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spans = [e for e in __import__("json").loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in range(4):
+        mine = [e for e in spans if e["tid"] == rank]
+        buckets = [e["ts"] for e in mine if e["cat"] == "dp collective"]
+        backward_end = max(e["ts"] + e["dur"] for e in mine if e["cat"] == "compute" and e["name"].startswith("B"))
+        finish = next(e["ts"] for e in mine if e["name"] == "data-parallel gradient reduction")
+        assert len(buckets) > 1
+        # On: a chunk's buckets are launched while its last backward runs, before the pipeline has
+        # drained; off: every one inside finish(), after the last backward.
+        assert (min(buckets) < backward_end) == overlap and all(t >= finish for t in buckets) != overlap
+
+
 def test_print_layout_and_plan_start_nothing():
     proc = run("--print-layout", "--tp", "8", "--pp", "4", "--dp", "2", timeout=30)
     assert proc.returncode == 0 and "pp groups: [[0, 16, 32, 48]" in proc.stdout
