@@ -23,12 +23,9 @@ Run it (it is the project's main job):
     python 05_3d_gpt.py --resume ckpt --sample "alice has 3 apples." --top-k 40
     torchrun --standalone --nproc_per_node 8 05_3d_gpt.py --tp 8 --pp 1 --dp 1 --dtype bfloat16
     torchrun --standalone --nproc_per_node 1 05_3d_gpt.py --tp 1 --pp 1 --dp 1   # kernels + a whole-step graph
-docs/RUNBOOK.md has multi-node torchrun and SLURM recipes.
-
-The run prints a start-up summary (model, data, layout, memory, FLOPs per iteration by eq. 3, the
-bubble), a progress bar, a line per save, and at the end a chart of the loss and, on the built-in
-corpus, how many single-digit sums greedy decoding gets right. --metrics FILE writes one JSON line
-per step; --trace FILE one step's timeline on every rank as a Chrome trace.
+docs/RUNBOOK.md has multi-node torchrun and SLURM recipes. The run prints a start-up summary (model,
+data, layout, memory, FLOPs per iteration by eq. 3, the bubble), a progress bar, a line per save,
+and a chart of the loss; --metrics FILE writes a JSON line per step, --trace FILE a Chrome trace.
 """
 import contextlib
 import copy
@@ -80,6 +77,9 @@ class TrainConfig:
     zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
     overlap_grad_reduce: bool = True  # reduce each gradient bucket during the chunk's last backward, not after the flush
     overlap_param_gather: bool = True  # ZeRO-1: all-gather the updated weights during the next forward, not before it
+    overlap_input_grad: bool = True  # tp: a column-parallel input gradient's all-reduce runs beside the dW GEMM
+    merge_loss_reductions: bool = True  # tp: the cross-entropy's target-logit and sum-of-exp all-reduces as one
+    background_sends: bool = True  # pp: a boundary waits for its receives only; its sends complete meanwhile
     sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
     scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
     recompute: Literal["none", "selective", "full"] = "none"  # rerun in backward: the attention core, or whole layers
@@ -296,7 +296,8 @@ def build(env, cfg, tc, groups):
     chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, tc.virtual_stages, groups.tp,
                                    sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
                                    init=False, dtype=dtype, device=env.device, ops=ops,
-                                   check_inputs=False)  # train_step checks each batch on the host
+                                   check_inputs=False,  # train_step checks each batch on the host
+                                   overlap_input_grad=tc.overlap_input_grad, merge_loss_reductions=tc.merge_loss_reductions)
     for c in chunks:
         c.load_full_state_dict(full)
         recompute_layers(c, tc.recompute)
@@ -372,7 +373,7 @@ def train_step(run, idx, targets, lr, trace=None):
                 call = run.graph.call
             # A graph's output is a static buffer it rewrites at the next replay: never deallocated.
             res = pipeline.execute(run.schedule, run.chunks, groups.pp, micro, run.act_shape, wire=run.wire,
-                                   call=call, deallocate=call is None, valid=valid,
+                                   call=call, deallocate=call is None, valid=valid, background_sends=tc.background_sends,
                                    **(dict(t0=trace.t0, clock=trace.clock) if trace else {}))
     with span("tied-embedding all-reduce", "collective"):  # beside the buckets still in flight
         pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)

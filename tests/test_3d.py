@@ -54,12 +54,14 @@ LAUNCHES = {  # grouped by world size: one launch runs several trainings in turn
     "world 8": [layout(2, 2, 2), layout(2, 2, 2, scatter_gather=False), layout(2, 2, 2, zero1=True),
                 layout(2, 2, 2, sequence_parallel=True), layout(2, 2, 2, recompute="full")],
 }
-OFF = dict(overlap_grad_reduce=False, overlap_param_gather=False)  # the reduction after the flush, as before
+OFF = dict(overlap_grad_reduce=False, overlap_param_gather=False,  # the reduction after the flush, as before,
+           overlap_input_grad=False, merge_loss_reductions=False, background_sends=False)  # and 01's, 02's switches
 
 
 def reduces(tc):
-    """Off, a layout runs only where the switches act: dp > 1 (the buckets, ZeRO-1's gather), and not
-    the variants of tp's traffic and of recomputation, which meet the reduction as the plain layout does."""
+    """Off, a layout runs only where the DP switches act: dp > 1 (the buckets, ZeRO-1's gather), and not
+    the variants of tp's traffic and of recomputation, which meet the reduction as the plain layout does.
+    The world-8 layouts have tp = pp = 2 too: there 01's and 02's switches are off as well."""
     same_tp = (tc.scatter_gather, tc.sequence_parallel, tc.recompute) == (BASE.scatter_gather, BASE.sequence_parallel,
                                                                          BASE.recompute)
     return tc.dp > 1 and same_tp
@@ -76,7 +78,7 @@ def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks,
     for tc, out in zip(tcs, run_ranks(_train_all, world, tcs)[0]):
         what = f"tp={tc.tp} pp={tc.pp} dp={tc.dp} v={tc.virtual_stages} zero1={tc.zero1} " \
                f"sp={tc.sequence_parallel} recompute={tc.recompute} sg={tc.scatter_gather} fused={tc.fused_kernels} " \
-               f"overlap={tc.overlap_grad_reduce, tc.overlap_param_gather}"
+               f"overlap={tc.overlap_grad_reduce, tc.overlap_param_gather, tc.overlap_input_grad, tc.background_sends}"
         for key in ("losses", "norms"):
             got, want = torch.tensor(out[key]), torch.tensor(serial[key])
             assert tensor_parallel.max_rel_diff(got, want) <= TOL, (what, key, got - want)
@@ -319,6 +321,24 @@ def test_the_main_job_trains_8_ranks_shows_progress_and_summaries(tmp_path):
     assert [x["step"] for x in lines] == list(range(20))
     assert lines[-1]["loss"] < lines[0]["loss"] - 1.0  # it learns the built-in corpus
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "time_s"} <= set(lines[0])
+
+
+def _switches(env, tc):
+    """Build 05's run and take one train_step: where each of 01's and 02's switches ended up."""
+    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp))
+    run, seen, execute = gpt3d.build(env, CFG, tc, groups), {}, gpt3d.pipeline.execute
+    gpt3d.pipeline.execute = lambda *args, **kw: (seen.update(kw), execute(*args, **kw))[1]  # this rank only
+    tokens = data.split_tokens(data.load_tokens("", CFG.vocab_size, tc.seq_len), tc.seq_len)[0]
+    gpt3d.train_step(run, *data.replica_batch(tokens, 0, tc, 0), 1e-3)
+    linears = [m.overlap_input_grad for c in run.chunks for m in c.modules() if hasattr(m, "overlap_input_grad")]
+    return linears, [c.merge_loss_reductions for c in run.chunks], seen["background_sends"]
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+def test_05s_flags_reach_01s_and_02s_overlap_switches(run_ranks, on):
+    tc = replace(BASE, tp=2, overlap_input_grad=on, merge_loss_reductions=on, background_sends=on)
+    linears, merges, sends = run_ranks(_switches, 2, tc)[0]
+    assert len(linears) > 4 and set(linears) == {on} and set(merges) == {on} and sends is on
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after the flush"])
