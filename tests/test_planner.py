@@ -345,7 +345,7 @@ def test_selective_recomputation_reruns_only_the_attention_core():
     B, s, l, h = 8, ONE_T.seq_len, ONE_T.n_layer, ONE_T.n_embd
     none, sel, full = (planner.flops_per_iteration(ONE_T, B, r) for r in ("none", "selective", "full"))
     assert sel - none == pytest.approx(4 * B * s * s * h * l, rel=1e-12)  # QK^T and scores @ V again
-    assert full == planner.flops_per_iteration(ONE_T, B, True)  # 05's --recompute is a bool
+    assert full == planner.flops_per_iteration(ONE_T, B, True)  # a bool still works: True is full
     assert none == planner.flops_per_iteration(ONE_T, B, False)
     # Korthikanti Table 2: selective keeps s b h (10 + 24/t) per layer (34/t with sp), no s^2 terms.
     L = planner.Layout(8, 64, 6, 3072, recompute="selective")
