@@ -95,14 +95,14 @@ class BucketedDDP:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.counts = [sum(1 for p in self.params if i in self.buckets_of[p]) for i in range(len(self.buckets))]
         self.held = {i for p in hold for i in self.buckets_of[p]}
-        self.sync, self.microbatches = True, 1  # sync: False on all but a step's last microbatch
+        self.sync, self.microbatches, self.clock = True, 1, time.perf_counter  # sync: on a step's last microbatch
         self.zero_grad()
 
     def zero_grad(self):
         for p in self.params:  # the buffer is not cleared (see _on_grad)
             p.grad = None
         self.unwritten, self.pending, self.seen = set(self.params), list(self.counts), dict.fromkeys(self.params, 0)
-        self.works, self.events = {}, []  # events: ("ready", param index) / ("launch", bucket), in order
+        self.works, self.events = {}, []  # events: ("ready", param index) / ("launch", bucket), at clock()
 
     def _on_grad(self, p):
         # Into the flat buffer (in its dtype, e.g. fp32 for bf16 parameters), divided by dp: the
@@ -117,7 +117,7 @@ class BucketedDDP:
         self.seen[p] += 1  # a pipeline (05) runs each chunk's last microbatch at another time: count
         if not self.sync or self.seen[p] < self.microbatches:
             return  # accumulating: synchronise only on the last microbatch
-        self.events.append(("ready", self.index[p], time.perf_counter()))
+        self.events.append(("ready", self.index[p], self.clock()))
         for i in self.buckets_of[p]:
             self.pending[i] -= 1
             if self.pending[i] == 0 and self.overlap and i not in self.held:
@@ -125,7 +125,7 @@ class BucketedDDP:
 
     def _launch(self, i):
         bucket = self.grad_buffer[slice(*self.buckets[i])]
-        self.events.append(("launch", i, time.perf_counter()))
+        self.events.append(("launch", i, self.clock()))
         if self.zero:
             shard = bucket.new_empty(bucket.numel() // self.dp)
             self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, group=self.group, async_op=True), shard)
@@ -209,15 +209,15 @@ class FlatAdamW:
         if not self.overlap_gather:
             self.wait_gather()
 
-    def wait_gather(self, params=None):
-        """Wait for the all-gathers in flight of the buckets holding `params` (None: every one)."""
-        wanted = self.gathers.keys() if params is None else {i for p in params for i in self.ddp.buckets_of[p]}
-        for i in wanted & self.gathers.keys():
+    def wait_gather(self, buckets=None):
+        """Wait for the all-gathers in flight of `buckets` (indices; None: every one)."""
+        for i in (self.gathers.keys() if buckets is None else buckets) & self.gathers.keys():
             self.gathers.pop(i)[0].wait()
 
     def gather_before_forward(self, module, params):
         """Make each forward of `module` first wait for the gathers of the buckets holding `params`."""
-        module.register_forward_pre_hook(lambda *_: self.wait_gather(params))
+        buckets = {i for p in params for i in self.ddp.buckets_of[p]}  # found once, not at every forward
+        module.register_forward_pre_hook(lambda *_: self.wait_gather(buckets))
 
     def state_bytes(self):
         masters = sum(p.master.numel() * p.master.element_size() for p in self.pieces if p.master is not p.weights)

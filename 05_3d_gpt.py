@@ -355,6 +355,7 @@ def train_step(run, idx, targets, lr, trace=None):
     plumbing.trace.StepTrace, records the step's timeline."""
     tc, groups = run.tc, run.groups
     span = trace.span if trace else (lambda name, category: contextlib.nullcontext())
+    run.ddp.clock = trace.clock if trace else time.perf_counter  # the buckets' events on the trace's clock
     # Checked and counted here, on the host, on every rank: a bad id stops every stage at once (not
     # the first stage alone, the others left waiting), and the executor reads nothing back.
     check_tokens(idx, run.cfg, tc.tp if tc.sequence_parallel else 1)
@@ -452,10 +453,7 @@ def train(env, cfg, tc, quiet=False):
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
     losses, norms, evals, skipped, in_a_row, t_start = [], [], [], [], 0, time.perf_counter()
     for step in progress:
-        trace = StepTrace(env.device) if tc.trace and step == traced else None
-        if trace:
-            dist.barrier()  # every rank's clock starts together
-            trace.start()
+        trace = StepTrace(env.device).start() if tc.trace and step == traced else None
         t0, lr = time.perf_counter(), lr_at(step, tc)
         loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dist.get_rank(groups.dp)), lr, trace)
         record = dict(step=step, loss=loss, lr=lr, grad_norm=norm, time_s=time.perf_counter() - t0)
@@ -480,8 +478,9 @@ def train(env, cfg, tc, quiet=False):
             evals.append((step, record["eval_loss"]))
         if step == start and run.ops is not tensor_parallel.TORCH_OPS:  # what the dispatcher chose
             progress.note(f"kernel paths: {kernels.build.report()}")
-        progress.log(record)  # before the checkpoint: a crash between the two loses no line
-        if saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps):
+        saving = saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps)
+        progress.log(record, durable=saving)  # on disk before the checkpoint: a crash between loses no line
+        if saving:
             run.opt.wait_gather()  # ZeRO-1's gathers may still be in flight; the checkpoint reads every weight
             saver.save(run, step + 1, progress.note)
     progress.close()

@@ -518,8 +518,6 @@ def check_plan_args(args, c=Cluster()):
     b, v = count("--plan-micro-batch", args.plan_micro_batch), count("--plan-v", args.plan_v)
     need(batch % b == 0, "--plan-micro-batch", b, f"must divide --plan-batch={batch}")
     need(spec.n_layer % v == 0, "--plan-v", v, f"must divide the model's {spec.n_layer} layers")
-    need(args.plan_recompute in RECOMPUTE, "--plan-recompute", args.plan_recompute,
-         f"must be one of {', '.join(RECOMPUTE)}")
     amount("--plan-tokens", args.plan_tokens)
     amount("--plan-gpu-mem", args.plan_gpu_mem)
     if args.plan_tflops is not None:

@@ -70,13 +70,15 @@ def _fsync_dir(path):
 
 
 def _finite(run):
-    """Names of this rank's parameters or optimizer state holding inf or NaN (none, normally)."""
-    bad = [f"{n}" for c in run.chunks for n, p in c.named_parameters() if not torch.isfinite(p).all()]
-    for st in run.opt.optimizer.state.values():
-        if any(torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all() for t in st.values()):
-            bad.append("the optimizer state")
-            break
-    return bad
+    """Names of this rank's parameters or optimizer state holding inf or NaN (none, normally). One
+    read-back from the device when all is finite; the names are looked for only when it is not."""
+    params = [(n, p) for c in run.chunks for n, p in c.named_parameters()]
+    state = [t for st in run.opt.optimizer.state.values() for t in st.values()
+             if torch.is_tensor(t) and t.is_floating_point()]
+    if bool(torch.stack([torch.isfinite(t).all() for t in [p for _, p in params] + state]).all()):
+        return []
+    bad = [n for n, p in params if not torch.isfinite(p).all()]
+    return bad + (["the optimizer state"] if not all(torch.isfinite(t).all() for t in state) else [])
 
 
 class Saver:

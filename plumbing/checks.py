@@ -106,7 +106,7 @@ def check_config(cfg, tc, world=None):
     if world is not None and tp * dp * pp != world:
         raise ValueError(f"the world size {world} does not match tp={tp} x dp={dp} x pp={pp}")
     stages = pp * v
-    if cfg.n_layer % stages or stages > cfg.n_layer:
+    if cfg.n_layer % stages:  # also when there are more stages than layers
         raise ValueError(f"--n-layer: n_layer={cfg.n_layer} is not divisible by {stages} pipeline stages "
                          f"(pp x v = {pp} x {v}); uneven splits are not supported")
     if tc.batch_size % (dp * m):
@@ -197,15 +197,16 @@ def machine_bytes(device):
 
 def check_memory(cfg, tc, device, ranks_here):
     """Refuse a run whose weights, gradients and AdamW state alone (activations not counted) would
-    not fit: on a GPU, the fullest rank's share against the device; on CPU, the ranks_here ranks
-    started on this machine against its RAM."""
+    not fit: on a GPU, the fullest rank's share (planner.params_per_gpu: the first stage) against the
+    device; on CPU, ranks_here ranks of that share against this machine's RAM."""
     import planner
-    params = planner.params_exact(planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size,
-                                                    cfg.block_size))
+    spec = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size)
+    params, zero1 = planner.params_exact(spec), getattr(tc, "zero1", False)
+    fullest = planner.params_per_gpu(spec, planner.Layout(tc.tp, tc.pp, tc.dp, tc.batch_size))  # the first stage
     elt = {"float64": 8, "bfloat16": 2}.get(tc.dtype, 2 if tc.dtype == "auto" and device.type == "cuda" else 4)
     grad = max(elt, 4)  # low-precision weights keep fp32 gradients, masters and moments
-    per_copy = params * (elt + grad + 2 * grad + (4 if elt < 4 else 0))  # + AdamW's two moments
-    per_rank = per_copy / (tc.tp * tc.pp)
+    state = 2 * grad + (4 if elt < 4 else 0)  # AdamW's two moments (and fp32 masters): 1/dp of them with ZeRO-1
+    per_rank = fullest * (elt + grad + state / (tc.dp if zero1 else 1))
     total = per_rank if device.type == "cuda" else per_rank * ranks_here
     have = machine_bytes(device)
     if have and total > have:

@@ -161,16 +161,17 @@ def fed_simulator(pipeline, env, events, schedule, shape, rounds=21):
     ranks 0 and 1 through batch_isend_irecv, as 02 sends it. Collective: every rank calls it.
     Returns (predicted step time, [t_f per rank], [t_b per rank], t_comm), in seconds."""
     x, trips = torch.zeros(shape, device=env.device), []
+    ping_pong = {0: (dist.isend, dist.irecv), 1: (dist.irecv, dist.isend)}.get(env.rank, ()) if env.world_size > 1 else ()
     for _ in range(rounds):
         dist.barrier()
         t0 = time.perf_counter()
-        for op in ((dist.isend, dist.irecv) if env.rank == 0 else (dist.irecv, dist.isend)) if env.rank < 2 else ():
+        for op in ping_pong:
             for work in dist.batch_isend_irecv([dist.P2POp(op, x, 1 - env.rank)]):
                 work.wait()
         if x.is_cuda:
             torch.cuda.synchronize()
         trips.append(time.perf_counter() - t0)
-    mine = [[e - s for s, e, a in events if a.kind == k] for k in "FB"]
-    mine = [sum(d) / len(d) for d in mine] + [sorted(trips)[rounds // 2] / 2]
-    t_f, t_b, trip = zip(*gather_numbers(mine, device=env.device))  # each rank's row
-    return pipeline.simulate(schedule, len(schedule), list(t_f), list(t_b), trip[0]).step_time, t_f, t_b, trip[0]
+    durations = [[e - s for s, e, a in events if a.kind == k] for k in "FB"]
+    mine = [sum(d) / len(d) for d in durations] + [sorted(trips)[rounds // 2] / 2]
+    t_f, t_b, t_comm = zip(*gather_numbers(mine, device=env.device))  # each rank's row; t_comm: rank 0's
+    return pipeline.simulate(schedule, len(schedule), list(t_f), list(t_b), t_comm[0]).step_time, t_f, t_b, t_comm[0]

@@ -79,15 +79,22 @@ def import_gpt2(path):
         elif not name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers
             full[name] = value.t().contiguous() if name.endswith(CONV1D) else value
     wte = full.get("transformer.wte.weight")
-    if head is not None and wte is not None and (head.shape != wte.shape or not torch.equal(head, wte)):
+    if head is not None and wte is not None and not torch.equal(head, wte):  # False for other shapes too
         raise ValueError(f"{path}: lm_head.weight differs from transformer.wte.weight; this GPT-2 ties its "
                          f"output layer to the token embedding and cannot represent an untied one")
-    want = {n: p.shape for n, p in tensor_parallel.GPT(cfg, device="meta").named_parameters()}
-    bad = [f"{n}: {tuple(full[n].shape) if n in full else 'missing'} instead of {tuple(s)}"
-           for n, s in want.items() if n not in full or full[n].shape != s]
+    bad = _misfits(cfg, full)[0]
     if bad:
         raise ValueError(f"{path} does not fit its config.json: " + "; ".join(bad[:5]))
     return cfg, full, None
+
+
+def _misfits(cfg, full):
+    """What in `full` does not fit cfg's GPT-2: (each parameter missing or of another shape, the
+    names it has beyond them)."""
+    want = {n: p.shape for n, p in tensor_parallel.GPT(cfg, device="meta").named_parameters()}
+    bad = [f"{n}: {tuple(full[n].shape) if torch.is_tensor(full.get(n)) else 'missing'} instead of {tuple(s)}"
+           for n, s in want.items() if not torch.is_tensor(full.get(n)) or full[n].shape != s]
+    return bad, sorted(set(full) - set(want))
 
 
 def _load(file, read):
@@ -116,13 +123,10 @@ def _import_state_dict(path):
         except TypeError as e:
             raise ValueError(f"--init-from {path}: its _config is not a GPTConfig ({e})") from None
     tokenizer = full.pop("_tokenizer", None)
-    if cfg is not None:
-        want = {n: p.shape for n, p in tensor_parallel.GPT(cfg, device="meta").named_parameters()}
-        bad = [f"{n}: {tuple(full[n].shape) if torch.is_tensor(full.get(n)) else 'missing'} instead of {tuple(s)}"
-               for n, s in want.items() if not torch.is_tensor(full.get(n)) or full[n].shape != s]
-        if bad or set(full) - set(want):
-            raise ValueError(f"--init-from {path} does not fit its own config: "
-                             + "; ".join(bad[:3] or [f"unexpected {sorted(set(full) - set(want))[:3]}"]))
+    bad, extra = _misfits(cfg, full) if cfg is not None else ([], [])
+    if bad or extra:
+        raise ValueError(f"--init-from {path} does not fit its own config: "
+                         + "; ".join(bad[:3] or [f"unexpected {extra[:3]}"]))
     return cfg, full, tokenizer
 
 

@@ -170,8 +170,9 @@ class Progress:
         if self.show:
             tqdm.write(text)
 
-    def log(self, record):
-        """record: step, loss, lr, grad_norm, time_s, and eval_loss on eval steps."""
+    def log(self, record, durable=False):
+        """record: step, loss, lr, grad_norm, time_s, and eval_loss on eval steps. durable: fsync the
+        line (before a checkpoint), not on every step."""
         record["tokens_per_s"] = self.tokens / record["time_s"]
         shown = dict(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
         if self.mfu_seconds:
@@ -182,7 +183,8 @@ class Progress:
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
-            os.fsync(self.metrics.fileno())  # on disk before this step's checkpoint is written
+            if durable:
+                os.fsync(self.metrics.fileno())
 
     def close(self):
         if self.metrics:

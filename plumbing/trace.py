@@ -38,7 +38,7 @@ class Collective:
 @contextmanager
 def trace_comm(clock=time.perf_counter):
     """Record every collective of 01 as a Collective while the block runs. clock reads the time
-    (05's --trace passes one that first waits for the GPU)."""
+    (05's --trace passes its StepTrace's: on a GPU, CUDA events, so spans are device time)."""
     global _log, _clock
     _log, _clock = [], clock
     try:
@@ -104,7 +104,7 @@ class StepTrace:
     work, not its launch, and nothing waits for the device in between (overlap stays visible)."""
 
     def __init__(self, device):
-        self.device, self.spans, self.t0, self.host = device, [], 0.0, []
+        self.device, self.spans, self.t0 = device, [], 0.0
         self.gpu, self.events = device.type == "cuda", []
 
     def clock(self):
@@ -123,7 +123,9 @@ class StepTrace:
         return start.elapsed_time(self.events[round(self.t0 + offset)]) / 1e3
 
     def start(self):
-        self.t0, self.host_t0 = self.clock(), time.perf_counter()
+        dist.barrier()  # every rank's clock starts together
+        self.t0 = self.clock()
+        return self
 
     @contextmanager
     def span(self, name, category):
@@ -133,12 +135,11 @@ class StepTrace:
 
     def add_pipeline(self, result, collectives, buckets=()):
         """The executor's actions and exchanges (timed from t0 already), 01's collectives, and 04's
-        bucket reductions (BucketedDDP.events, called after its finish()): each from its launch to
-        now, by when it has completed. Those are read on the host's clock: on a GPU, where the host
-        launched them, which can be ahead of the device."""
-        now = time.perf_counter() - self.host_t0
-        self.host += [(t - self.host_t0, now, f"bucket {i} reduction (launched; complete by the end of finish)",
-                       "dp collective") for kind, i, t in buckets if kind == "launch"]
+        bucket reductions (BucketedDDP.events on this clock, called after its finish()): each from its
+        launch to now, by when it has completed."""
+        now = self.clock() - self.t0
+        self.spans += [(t - self.t0, now, f"bucket {i} reduction (launched; complete by the end of finish)",
+                        "dp collective") for kind, i, t in buckets if kind == "launch"]
         self.spans += [(s, e, str(a), "compute") for s, e, a in result.events]
         self.spans += [(s, e, f"p2p exchange ({n} ops)", "p2p wait") for s, e, n in result.waits]
         self.spans += [(c.start - self.t0, c.end - self.t0, f"{c.op} {c.tag}", "tp collective")
@@ -148,7 +149,7 @@ class StepTrace:
         """Gather every rank's spans (a collective: every rank calls it); rank 0 writes the file."""
         if self.gpu:
             torch.cuda.synchronize(self.device)  # every event has happened
-        spans = [(self.seconds(s), self.seconds(e), name, cat) for s, e, name, cat in self.spans] + self.host
+        spans = [(self.seconds(s), self.seconds(e), name, cat) for s, e, name, cat in self.spans]
         every = gather_json(sorted(spans), group, self.device)
         if dist.get_rank(group) == 0:
             write_chrome_trace(path, [(title, list(zip(track_names, every)))])
