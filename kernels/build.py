@@ -139,15 +139,16 @@ def nvcc_check(cu, archs=ARCHS):
 
 
 def cuda_toolkit():
-    """The CUDA toolkit's root, found from nvcc (torch's CPU builds do not look for it), or None."""
+    """The CUDA toolkit's root (the one whose include/ has cuda_runtime.h), or None: torch's
+    CUDA_HOME if it is one, else found from nvcc. torch's CPU builds do not look for it, and its
+    CUDA builds guess it from nvcc's path, wrong for a wrapper script such as /usr/local/bin/nvcc."""
+    from torch.utils import cpp_extension
+
     nvcc = shutil.which("nvcc")
-    if not nvcc:
-        return None
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True)  # follows wrappers
-    for root in (os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"):
-        if os.path.exists(os.path.join(root, "include", "cuda_runtime.h")) and out.returncode == 0:
-            return root
-    return None
+    roots = [cpp_extension.CUDA_HOME]
+    if nvcc and subprocess.run([nvcc, "--version"], capture_output=True).returncode == 0:
+        roots += [os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"]
+    return next((r for r in roots if r and os.path.exists(os.path.join(r, "include", "cuda_runtime.h"))), None)
 
 
 def binding_check(bindings):
@@ -169,7 +170,7 @@ def binding_check(bindings):
         with open(os.path.join(stand_in, "cuda_cmake_macros.h"), "w") as f:
             f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-        cuda_home = cpp_extension.CUDA_HOME or cuda_toolkit()
+        cuda_home = cuda_toolkit()
         if cuda_home:  # c10/cuda's headers include the CUDA runtime's
             includes.append(f"-I{os.path.join(cuda_home, 'include')}")
         includes.append(f"-I{os.path.join(tmp, 'stand_in')}")

@@ -8,6 +8,8 @@ tanh/exp chains and catches any wrong term (O(1e-3) or more). GPU: the issue's b
 fp32 and 1e-2 in bf16, as max|kernel - ref| / max|ref| against the reference in float64 on the
 same (rounded) inputs: fp32 keeps ~7 digits through a few transcendental ops, bf16 ~3 digits.
 """
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,13 +30,31 @@ def test_every_cu_file_compiles_with_nvcc_alone_for_sm80_and_sm90(cu):
 
 
 @needs_nvcc
-def test_every_binding_compiles_against_this_torchs_headers():
+def test_every_binding_compiles_against_this_torchs_headers(tmp_path, monkeypatch):
     import kernels
+    from torch.utils import cpp_extension
+
+    # Whatever torch guessed for the toolkit: here a root without the CUDA headers, as torch 2.11's
+    # CUDA wheel guesses behind a wrapper script /usr/local/bin/nvcc (see the next test).
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
 
     bindings = {m.__name__.split(".")[-1]: m.BINDING for m in kernels.families()}
     assert len(bindings) == len(build.cu_files())  # one binding per .cu: none forgotten
     ok, out = build.binding_check(bindings)
     assert ok, out[-4000:]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("torchs_guess", ["none", "no headers"])
+def test_the_toolkit_is_found_whatever_torch_guessed(torchs_guess, tmp_path, monkeypatch):
+    # A CPU build of torch has no CUDA_HOME; a CUDA build guesses it from nvcc's path, which for a
+    # wrapper script (/usr/local/bin/nvcc) is /usr/local, with no cuda_runtime.h: torch 2.11's
+    # CUDA wheel failed the binding check above on this machine that way.
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None if torchs_guess == "none" else str(tmp_path))
+    root = build.cuda_toolkit()
+    assert root is not None and (Path(root) / "include" / "cuda_runtime.h").exists(), root
 
 
 # ----------------------------------------------------------------------------------------------
