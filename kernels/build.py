@@ -47,6 +47,10 @@ def extension(family, binding, functions):
     if family not in _extensions:
         from torch.utils import cpp_extension
 
+        root = cuda_toolkit()
+        if root and root != cpp_extension.CUDA_HOME:  # torch's guess has no CUDA headers: nvcc would fail
+            print(f"kernels: CUDA toolkit {root} (torch guessed {cpp_extension.CUDA_HOME})", flush=True)
+            cpp_extension.CUDA_HOME = root
         cu = (KERNELS_DIR / f"{family}.cu").read_text()
         digest = hashlib.sha1((cu + (KERNELS_DIR / "common.cuh").read_text() + binding).encode()).hexdigest()
         print(f"kernels: building {family}.cu (first use; cached afterwards)", flush=True)

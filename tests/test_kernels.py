@@ -55,6 +55,12 @@ def test_the_toolkit_is_found_whatever_torch_guessed(torchs_guess, tmp_path, mon
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None if torchs_guess == "none" else str(tmp_path))
     root = build.cuda_toolkit()
     assert root is not None and (Path(root) / "include" / "cuda_runtime.h").exists(), root
+    # ... and the real build (cpp_extension.load_inline, which runs CUDA_HOME's nvcc) is pointed at it
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda **kw: seen.append(cpp_extension.CUDA_HOME))
+    monkeypatch.setattr(build, "_extensions", {})
+    build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    assert seen == [root]
 
 
 # ----------------------------------------------------------------------------------------------
