@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CPU_TOL, GPU_TOL, check_against_unfused, load, needs_cuda, needs_nvcc, randn, rel
+from conftest import GPU_TOL, check_against_unfused, load, needs_cuda, needs_nvcc, randn, rel
 from kernels import bias_gelu, build
 
 tensor_parallel = load("01_tensor_parallel")
