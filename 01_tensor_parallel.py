@@ -3,9 +3,10 @@
 What this file adds: the foundation. The two conjugate operators of the paper's Figure 3, f
 (identity forward, all-reduce backward) and g (all-reduce forward, identity backward), come first;
 then their sequence-parallel twins (Korthikanti et al. 2022, Section 4.2.2), column- and row-
-parallel linear layers (the column one hiding its backward all-reduce behind its weight gradient),
-a vocab-parallel embedding and cross-entropy, the tp random-number tracker, and a GPT-2 built from
-them in which tp=1 *is* the serial model. Every later file imports this one.
+parallel linear layers, a vocab-parallel embedding and cross-entropy, the tp random-number tracker,
+and a GPT-2 built from them in which tp=1 *is* the serial model. Every later file imports this one.
+Two optimizations come last, after the concept, in a section of their own: the trainer (05) turns
+them on; the demo runs the paper's path.
 
 Run it:
     python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
@@ -14,14 +15,16 @@ Run it:
 
 The demo runs the serial GPT-2 and the tensor-parallel one from the same float64 weights, forward
 and backward on one batch, and prints the max relative difference of the logits and of every
-gradient, and every collective in the order it ran; it exits 1 if any difference exceeds 1e-10.
-Launching the ranks and printing the report are plumbing (plumbing/launch.py, plumbing/demos.py).
+gradient, and every collective in the order it ran, named by the operator that issued it (f, g,
+...) and the layer it ran in; it exits 1 if any difference exceeds 1e-10. Launching the ranks,
+naming the collectives and printing the report are plumbing (plumbing/launch.py, trace.py, demos.py).
 
 Glossary, used in every file:
     B batch, T sequence length, C = n_embd channels, nh heads, hs = C // nh head size, V vocabulary;
     tp / pp / dp: tensor- / pipeline- / data-parallel sizes, v virtual chunks per rank, m microbatches.
 """
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,7 +38,7 @@ from plumbing import cli, demos
 from plumbing.data import check_tokens
 from plumbing.launch import launch, new_tp_group, printer, run_main  # the first two: for the README
 from plumbing.shards import gather_full, init_full, join_shards, load_full_state_dict, max_rel_diff, split_full
-from plumbing.trace import recorded, trace_comm
+from plumbing.trace import trace_comm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -48,13 +51,13 @@ class CopyToTP(torch.autograd.Function):
     same input, so the input's gradient is the sum of the ranks' partial gradients."""
 
     @staticmethod
-    def forward(ctx, x, group, tag):
-        ctx.group, ctx.tag = group, tag
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(), ctx.group, ctx.tag + " backward"), None, None
+        return all_reduce(grad, ctx.group), None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -62,22 +65,22 @@ class ReduceFromTP(torch.autograd.Function):
     of the ranks' partial outputs, and each partial output's gradient is the whole gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, tag):
-        return all_reduce(x.clone(), group, tag + " forward")  # clone: never write into an input
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None
 
 
-def copy_to_tp(x, group, tag=""):
+def copy_to_tp(x, group):
     """f: identity forward, all-reduce backward (before a column-parallel layer)."""
-    return x if tp_size(group) == 1 else CopyToTP.apply(x, group, tag)
+    return x if tp_size(group) == 1 else CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x, group, tag=""):
+def reduce_from_tp(x, group):
     """g: all-reduce forward, identity backward (after a row-parallel layer)."""
-    return x if tp_size(group) == 1 else ReduceFromTP.apply(x, group, tag)
+    return x if tp_size(group) == 1 else ReduceFromTP.apply(x, group)
 
 
 def tp_size(group):
@@ -89,106 +92,157 @@ def tp_rank(group):
 
 
 # ----------------------------------------------------------------------------------------------
-# The collectives under them, each recorded while plumbing.trace.trace_comm() is on (the demo
-# lists them). torch 2.13 renamed the tensor-in/tensor-out ones; 2.11 and 2.12 have the old names.
-
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The collectives under the operators. torch 2.13 renamed the tensor-in/tensor-out ones; 2.11 and
+# 2.12 have the old names.
 
 
-class InFlight:
-    """A collective launched with async_op=True: wait() finishes it and returns its result (traced
-    from launch to wait, so the span covers what ran while it travelled)."""
-
-    def __init__(self, op, x, tag, launch, result):
-        self.span, self.result = recorded(op, x, tag), result
-        self.span.__enter__()
-        self.work = launch()
-
-    def wait(self):
-        self.work.wait()
-        self.span.__exit__(None, None, None)
-        return self.result
-
-
-def all_reduce(x, group, tag, op=dist.ReduceOp.SUM, async_op=False):
-    """In-place all-reduce over the tp group (a no-op for group=None); async_op (tp > 1): an InFlight."""
+def all_reduce(x, group, op=dist.ReduceOp.SUM):
+    """The sum (or max) of x over the group's ranks, in a new tensor: an input is never written."""
     if tp_size(group) == 1:
         return x
-    flight = InFlight("all-reduce", x, tag, lambda: dist.all_reduce(x, op=op, group=group, async_op=True), x)
-    return flight if async_op else flight.wait()
+    x = x.clone()
+    dist.all_reduce(x, op=op, group=group)
+    return x
 
 
-def _split(x, group, dim, tag):
+def all_gather_single(out, x, group, async_op=False):
+    """Every rank's x, stacked along dim 0 in rank order, into out."""
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out, x, group, async_op=False):
+    """The sum over the ranks of x, whose dim 0 holds tp blocks: block i of the sum to rank i's out."""
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group, async_op=async_op)
+
+
+def split(x, group, dim):
+    """This rank's slice of dim."""
     return x.chunk(tp_size(group), dim)[tp_rank(group)].contiguous()
 
 
-def _all_gather(x, group, dim, tag):
-    tp, x = tp_size(group), x.contiguous()
-    out = x.new_empty((tp * x.shape[0], *x.shape[1:]))  # the ranks' tensors stacked along dim 0
-    with recorded("all-gather", out, tag):
-        all_gather_single(out, x, group=group)
-    return torch.cat(out.chunk(tp), dim)
+def gather(x, group, dim):
+    """Every rank's x, concatenated along dim in rank order."""
+    x = x.contiguous()
+    out = x.new_empty((tp_size(group) * x.shape[0], *x.shape[1:]))  # stacked along dim 0
+    all_gather_single(out, x, group)
+    return torch.cat(out.chunk(tp_size(group)), dim)
 
 
-def _reduce_scatter(x, group, dim, tag, async_op=False):
-    tp = tp_size(group)
-    chunks = torch.cat(x.chunk(tp, dim))  # rank i's part of dim moved to block i of dim 0
-    out = chunks.new_empty((chunks.shape[0] // tp, *chunks.shape[1:]))
-    flight = InFlight("reduce-scatter", chunks, tag,
-                      lambda: reduce_scatter_single(out, chunks, group=group, async_op=True), out)
-    return flight if async_op else flight.wait()
+def reduce_scatter(x, group, dim):
+    """The sum over the ranks of x, of which this rank keeps its slice of dim."""
+    blocks = torch.cat(x.chunk(tp_size(group), dim))  # rank i's slice of dim moved to block i of dim 0
+    out = blocks.new_empty((blocks.shape[0] // tp_size(group), *blocks.shape[1:]))
+    reduce_scatter_single(out, blocks, group)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
-# Sequence parallelism (Korthikanti et al. 2022, Section 4.2.2) and the other splits: each is a
-# pair of conjugate collectives, one in forward and the other in backward, like f and g.
+# The other conjugate pairs, one Function each as f and g are: the last dim split and gathered
+# (for logits), and sequence parallelism (Korthikanti et al. 2022, Section 4.2.2), which splits the
+# activations outside the tp regions along T. Its g-bar and g replace f and g: an all-reduce is a
+# reduce-scatter followed by an all-gather, so the pair moves the same bytes as f and g.
+
+SEQ = 1  # activations are (B, T, C): sequence parallelism splits dim 1
 
 
-class _Conjugate(torch.autograd.Function):
-    """Run `fwd` in forward and its conjugate `bwd` on the gradient in backward."""
+class ScatterToTP(torch.autograd.Function):
+    """Keep this rank's slice of the last dim in forward; all-gather the last dim in backward."""
 
     @staticmethod
-    def forward(ctx, x, fwd, bwd, group, dim, tag):
-        ctx.bwd, ctx.group, ctx.dim, ctx.tag = bwd, group, dim, tag
-        return fwd(x, group, dim, tag + " forward")
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split(x, group, -1)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.bwd(grad, ctx.group, ctx.dim, ctx.tag + " backward"), None, None, None, None, None
+        return gather(grad, ctx.group, -1), None
 
 
-def _conjugate(fwd, bwd, dim, contract):
-    """The operator x -> fwd(x) whose backward is bwd: the identity when tp is 1."""
-    def operator(x, group, tag=""):
-        return x if tp_size(group) == 1 else _Conjugate.apply(x, fwd, bwd, group, dim, tag)
-    operator.__doc__ = contract
-    return operator
+class GatherFromTP(torch.autograd.Function):
+    """All-gather the last dim in forward; keep this rank's slice of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.group, -1), None
 
 
-SEQ_DIM = 1  # activations are (B, T, C); sequence parallelism shards T
-scatter_to_tp = _conjugate(_split, _all_gather, -1, "Keep this rank's slice of the last dim; all-gather back.")
-gather_from_tp = _conjugate(_all_gather, _split, -1, "All-gather the last dim; keep this rank's slice back.")
-scatter_to_sp = _conjugate(_split, _all_gather, SEQ_DIM, "Keep this rank's slice of T; all-gather T back.")
-gather_from_sp = _conjugate(_all_gather, _reduce_scatter, SEQ_DIM,
-                            "g-bar of sequence parallelism: all-gather T; reduce-scatter T back.")
-reduce_scatter_to_sp = _conjugate(_reduce_scatter, _all_gather, SEQ_DIM,
-                                  "g of sequence parallelism: reduce-scatter T; all-gather T back.")
+class ScatterToSP(torch.autograd.Function):
+    """Keep this rank's slice of T in forward; all-gather T in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather(grad, ctx.group, SEQ), None
 
 
-def enter_tp(x, group, sp, tag=""):
-    """Into a column-parallel layer: f, or with sequence parallelism the all-gather of T."""
-    return gather_from_sp(x, group, tag) if sp else copy_to_tp(x, group, tag)
+class GatherFromSP(torch.autograd.Function):
+    """g-bar, sequence parallelism's f: all-gather T in forward; reduce-scatter T in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):  # every rank used the whole sequence: each slice's gradient is a sum
+        return reduce_scatter(grad, ctx.group, SEQ), None
 
 
-def exit_tp(y, group, sp, tag=""):
-    """Out of a row-parallel layer: g, or with sequence parallelism the reduce-scatter over T."""
-    return reduce_scatter_to_sp(y, group, tag) if sp else reduce_from_tp(y, group, tag)
+class ReduceScatterToSP(torch.autograd.Function):
+    """Sequence parallelism's g: reduce-scatter T in forward; all-gather T in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # each rank keeps its slice of the sum
+        ctx.group = group
+        return reduce_scatter(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):  # each rank's partial output fed every slice
+        return gather(grad, ctx.group, SEQ), None
 
 
-def sp_param(p, group, sp, tag=""):
+def scatter_to_tp(x, group):
+    return x if tp_size(group) == 1 else ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x, group):
+    return x if tp_size(group) == 1 else GatherFromTP.apply(x, group)
+
+
+def scatter_to_sp(x, group):
+    return x if tp_size(group) == 1 else ScatterToSP.apply(x, group)
+
+
+def gather_from_sp(x, group):
+    return x if tp_size(group) == 1 else GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sp(x, group):
+    return x if tp_size(group) == 1 else ReduceScatterToSP.apply(x, group)
+
+
+def enter_tp(x, group, sp):
+    """Into a column-parallel layer: f, or with sequence parallelism g-bar (the all-gather of T)."""
+    return gather_from_sp(x, group) if sp else copy_to_tp(x, group)
+
+
+def exit_tp(y, group, sp):
+    """Out of a row-parallel layer: g, or with sequence parallelism its reduce-scatter over T."""
+    return reduce_scatter_to_sp(y, group) if sp else reduce_from_tp(y, group)
+
+
+def sp_param(p, group, sp):
     """f on a replicated parameter used on T/tp of the tokens, so its gradient sums all of them."""
-    return copy_to_tp(p, group, tag) if sp else p
+    return copy_to_tp(p, group) if sp else p
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,34 +292,6 @@ class TPRandom:
 
 
 # ----------------------------------------------------------------------------------------------
-# The elementwise pieces of a block, in one object: the seam kernels/ plugs into. Megatron fuses
-# each into one kernel (Narayanan et al. 2021, Section 4.2); here they are plain PyTorch, and
-# kernels.FusedOps has the same methods. skip_bias_add (Megatron's name) on the linears below hands
-# their bias to the op after them, which adds it in the same pass.
-
-
-class Ops:
-    """Unfused PyTorch: each line below is one or more separate kernels on a GPU."""
-
-    name = "pytorch"
-
-    def layer_norm(self, x, w, b, eps):
-        return F.layer_norm(x, x.shape[-1:], w, b, eps)
-
-    def bias_gelu(self, y, b):  # y: (..., n), b: (n,)
-        return F.gelu(y + b, approximate="tanh")
-
-    def bias_dropout_add(self, y, b, residual, p):  # residual + dropout(y + b); p=0 in eval
-        return residual + F.dropout(y + b, p, p > 0)
-
-    def attention(self, q, k, v, p):  # causal; q, k, v: (B, nh, T, hs)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-
-
-TORCH_OPS = Ops()
-
-
-# ----------------------------------------------------------------------------------------------
 # Layers. A split parameter carries .tp_dim (the dim it is split along), .tp_full (its unpadded
 # full size there) and .tp_fused (how many separately split blocks it stacks, 3 for Q,K,V).
 
@@ -275,96 +301,57 @@ def _mark_split(p, dim, full, fused=1):
     return p
 
 
-class OverlappedColumnLinear(torch.autograd.Function):
-    """F.linear(enter_tp(x), weight, bias) as one autograd node, whose backward launches dX's all-
-    reduce (with sp its reduce-scatter, Korthikanti et al. 2022, 4.2.2) and computes dW and db while
-    it travels: Megatron's async all-reduce (Narayanan et al. 2021, Section 4); as two nodes, f's
-    would start after the linear's whole backward. sp: saves the gathered input (Megatron re-gathers)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, sp, tag):  # x: (B, T, n_in), or (B, T/tp, n_in) with sp
-        total = _all_gather(x, group, SEQ_DIM, tag + " forward") if sp else x  # (B, T, n_in)
-        ctx.save_for_backward(total, weight)
-        ctx.group, ctx.sp, ctx.tag, ctx.bias = group, sp, tag, bias is not None
-        return F.linear(total, weight, bias)  # (B, T, n_out/tp)
-
-    @staticmethod
-    def backward(ctx, grad):  # grad: (B, T, n_out/tp)
-        total, weight = ctx.saved_tensors
-        dx, tag = grad @ weight, ctx.tag + " backward"  # this rank's part of dX: (B, T, n_in)
-        flight = (_reduce_scatter(dx, ctx.group, SEQ_DIM, tag, async_op=True) if ctx.sp
-                  else all_reduce(dx, ctx.group, tag, async_op=True))  # launched, not waited for
-        dy = grad.reshape(-1, grad.shape[-1])  # (B T, n_out/tp)
-        dw = dy.T @ total.reshape(-1, total.shape[-1])  # (n_out/tp, n_in), while dX travels
-        db = dy.sum(0) if ctx.bias else None
-        return flight.wait(), dw, db, None, None, None
-
-
-def column_linear(x, weight, bias, group, sp, tag, overlap):
-    """X A_i^T + b_i after enter_tp: with overlap, the node above; else f (or g-bar) then F.linear."""
-    if overlap and tp_size(group) > 1:
-        return OverlappedColumnLinear.apply(x, weight, bias, group, sp, tag)
-    return F.linear(enter_tp(x, group, sp, tag), weight, bias)
-
-
 class ColumnParallelLinear(nn.Module):
-    """Y = X A + b with A split by output columns: rank i computes X A_i + b_i, no communication.
-    overlap_input_grad: the backward overlaps dX's all-reduce with dW (OverlappedColumnLinear)."""
+    """Y = X A + b with A split by output columns: rank i computes f(X) A_i + b_i, its n_out/tp
+    columns of Y, with no communication in forward (f is the identity there)."""
 
-    def __init__(self, n_in, n_out, group, sp=False, fused=1, gather_output=False, skip_bias_add=False,
-                 overlap_input_grad=True, **factory):
+    def __init__(self, n_in, n_out, group, sp=False, fused=1, gather_output=False, bias=True, **factory):
         super().__init__()
         tp = tp_size(group)
         if n_out % (fused * tp):
             raise ValueError(f"output size {n_out} must be divisible by {fused} x tp={tp}")
-        if gather_output and skip_bias_add:
-            raise ValueError("skip_bias_add returns the local shard and its bias: not with gather_output")
-        self.group, self.sp, self.gather_output, self.tag = group, sp, gather_output, ""
-        self.skip_bias_add, self.overlap_input_grad = skip_bias_add, overlap_input_grad  # skip: return (X A_i, b_i)
+        self.group, self.sp, self.gather_output = group, sp, gather_output
         self.weight = _mark_split(nn.Parameter(torch.empty(n_out // tp, n_in, **factory)), 0, n_out, fused)
-        self.bias = _mark_split(nn.Parameter(torch.empty(n_out // tp, **factory)), 0, n_out, fused)
+        self.bias = _mark_split(nn.Parameter(torch.empty(n_out // tp, **factory)), 0, n_out, fused) if bias else None
 
     def forward(self, x):  # (B, T, n_in), or (B, T/tp, n_in) with sequence parallelism
-        y = column_linear(x, self.weight, None if self.skip_bias_add else self.bias, self.group, self.sp,
-                          self.tag, self.overlap_input_grad)  # (B, T, n_out/tp)
+        y = F.linear(enter_tp(x, self.group, self.sp), self.weight, self.bias)  # (B, T, n_out/tp)
         if not self.gather_output:
-            return (y, self.bias) if self.skip_bias_add else y
-        y = gather_from_tp(y, self.group, self.tag)  # blocks ordered rank-major: reorder them
+            return y
+        y = gather_from_tp(y, self.group)  # blocks ordered rank-major: reorder them
         return rearrange(y, "... (tp f c) -> ... (f tp c)", tp=tp_size(self.group), f=self.weight.tp_fused)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A + b with A split by input rows and X already split: Y = sum_i X_i A_i, then + b once."""
+    """Y = X A + b with A split by input rows and X already split: Y = g(sum_i X_i A_i), then + b."""
 
-    def __init__(self, n_in, n_out, group, sp=False, skip_bias_add=False, **factory):
+    def __init__(self, n_in, n_out, group, sp=False, **factory):
         super().__init__()
         tp = tp_size(group)
         if n_in % tp:
             raise ValueError(f"input size {n_in} must be divisible by tp={tp}")
-        self.group, self.sp, self.tag, self.skip_bias_add = group, sp, "", skip_bias_add
+        self.group, self.sp = group, sp
         self.weight = _mark_split(nn.Parameter(torch.empty(n_out, n_in // tp, **factory)), 1, n_in)
         self.bias = nn.Parameter(torch.empty(n_out, **factory))
 
     def forward(self, x):  # (B, T, n_in/tp)
-        y = exit_tp(F.linear(x, self.weight), self.group, self.sp, self.tag)
+        y = exit_tp(F.linear(x, self.weight), self.group, self.sp)  # (B, T, n_out), or T/tp with sp
         # The bias joins after the reduce: added before it, it would be summed tp times.
-        b = sp_param(self.bias, self.group, self.sp, self.tag + ".bias")
-        return (y, b) if self.skip_bias_add else y + b  # skip: bias + dropout + residual fused later
+        return y + sp_param(self.bias, self.group, self.sp)
 
 
 class LayerNorm(nn.Module):
     """LayerNorm (eps 1e-5) with replicated weights; under sequence parallelism it runs on T/tp."""
 
-    def __init__(self, n, group, sp=False, ops=None, **factory):
+    def __init__(self, n, group, sp=False, **factory):
         super().__init__()
-        self.group, self.sp, self.tag, self.ops = group, sp, "", ops or TORCH_OPS
+        self.group, self.sp = group, sp
         self.weight = nn.Parameter(torch.empty(n, **factory))
         self.bias = nn.Parameter(torch.empty(n, **factory))
 
     def forward(self, x):
-        w = sp_param(self.weight, self.group, self.sp, self.tag + ".weight")
-        b = sp_param(self.bias, self.group, self.sp, self.tag + ".bias")
-        return self.ops.layer_norm(x, w, b, 1e-5)
+        w, b = (sp_param(p, self.group, self.sp) for p in (self.weight, self.bias))
+        return F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -372,7 +359,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, n_vocab, n_padded, n_embd, group, **factory):
         super().__init__()
-        self.group, self.tag = group, ""
+        self.group = group
         self.per_rank = n_padded // tp_size(group)
         self.start = tp_rank(group) * self.per_rank
         self.weight = _mark_split(nn.Parameter(torch.empty(self.per_rank, n_embd, **factory)), 0, n_vocab)
@@ -381,35 +368,31 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.start
         other = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(other[..., None], 0)
-        return reduce_from_tp(out, self.group, self.tag)
+        return reduce_from_tp(out, self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Shoeybi et al. 2019, Section 3: the output GEMM is fused with the cross-entropy, so each
     all-reduce carries B T numbers instead of B T V logits.
     Mean cross-entropy of vocab-split logits without gathering them: an all-reduce (MAX) of the
-    rows' maxima, then one of the target logits and sums of exponentials stacked, (2, N) (merge=False:
-    one each). The max cannot join them: it is another reduction (MAX, not SUM), and both sums are
-    of logits shifted by it (so that exp() cannot overflow on any rank): it must have arrived first."""
+    rows' maxima, then the sums over the ranks of the target logits and of the sums of exponentials
+    (sums(group, a, b): an all-reduce each). Both sums are of logits shifted by the max (so that
+    exp() cannot overflow on any rank): the max must have arrived first."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, n_vocab, ignore_index, tag, merge=True):
+    def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
         Vl = logits.shape[1]  # logits (N, V/tp): N = B T rows
         start = tp_rank(group) * Vl
         padded = torch.arange(start, start + Vl, device=logits.device) >= n_vocab
         logits = logits.masked_fill(padded, -math.inf)  # padded columns are never a possible token
-        top = all_reduce(logits.max(dim=1).values, group, tag + " max", dist.ReduceOp.MAX)
+        top = all_reduce(logits.max(dim=1).values, group, dist.ReduceOp.MAX)
         shifted = logits - top[:, None]  # the global max, so exp() cannot overflow on any rank
         local, valid = target - start, target != ignore_index
-        mine = valid & (local >= 0) & (local < Vl)
+        mine = valid & (local >= 0) & (local < Vl)  # the target logit is on this rank
         local = local.masked_fill(~mine, 0)
         picked = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
         exp = shifted.exp()
-        if merge:
-            picked, total = all_reduce(torch.stack([picked, exp.sum(dim=1)]), group, tag + " target logit, sum exp")
-        else:
-            picked = all_reduce(picked, group, tag + " target logit")
-            total = all_reduce(exp.sum(dim=1), group, tag + " sum exp")
+        picked, total = sums(group, picked, exp.sum(dim=1))  # over the ranks: (N,) each
         n_valid = valid.sum().clamp(min=1)  # no valid target at all: loss 0 and no gradient, not 0/0
         loss = (total.log() - picked).masked_fill(~valid, 0).sum() / n_valid
         ctx.save_for_backward(exp.div_(total[:, None]), local, mine, valid, n_valid)
@@ -421,17 +404,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits = softmax * (valid.to(softmax.dtype) * grad / n_valid)[:, None]  # a new tensor:
         rows = torch.arange(len(local), device=local.device)  # the graph can run backward again
         grad_logits[rows, local] -= mine.to(softmax.dtype) * (grad / n_valid) * valid  # - onehot
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, tag="loss", merge=True):
-    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp);
-    merge: the target logits and the sums of exponentials share one all-reduce."""
+def sum_each(group, *xs):
+    """Each tensor summed over the ranks, one all-reduce each (the cross-entropy's sums)."""
+    return [all_reduce(x, group) for x in xs]
+
+
+def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, sums=sum_each):
+    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp)."""
     Vl = logits.shape[-1]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), target.reshape(-1), group,
-                                            n_vocab, ignore_index, tag, merge)
+                                            n_vocab, ignore_index, sums)
 
 
 def padded_vocab_size(n_vocab, tp, divisible_by=1):
@@ -442,58 +429,59 @@ def padded_vocab_size(n_vocab, tp, divisible_by=1):
 class ParallelMLP(nn.Module):
     """c_fc column-parallel -> GeLU(tanh) on the shard, no communication -> c_proj row-parallel."""
 
-    def __init__(self, cfg, group, sp=False, ops=None, skip_bias_add=False, **factory):
+    def __init__(self, cfg, group, sp=False, **factory):
         super().__init__()
-        self.c_fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, group, sp, skip_bias_add=True, **factory)
-        self.c_proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, group, sp, skip_bias_add, **factory)
-        self.ops = ops or TORCH_OPS
+        self.c_fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, group, sp, **factory)
+        self.c_proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, group, sp, **factory)
 
-    def forward(self, x):  # skip_bias_add: returns (output without c_proj's bias, that bias)
-        return self.c_proj(self.ops.bias_gelu(*self.c_fc(x)))
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # (B, T, 4C/tp) in between
 
 
 class ParallelAttention(nn.Module):
     """Causal self-attention with nh/tp heads per rank: column-parallel QKV, row-parallel output."""
 
-    def __init__(self, cfg, group, rng, sp=False, ops=None, skip_bias_add=False, **factory):
+    def __init__(self, cfg, group, rng, sp=False, **factory):
         super().__init__()
         C = cfg.n_embd
         self.c_attn = ColumnParallelLinear(C, 3 * C, group, sp, fused=3, **factory)
-        self.c_proj = RowParallelLinear(C, C, group, sp, skip_bias_add, **factory)
-        self.hs, self.p, self.rng, self.ops = C // cfg.n_head, cfg.dropout, rng, ops or TORCH_OPS
+        self.c_proj = RowParallelLinear(C, C, group, sp, **factory)
+        self.hs, self.p, self.rng = C // cfg.n_head, cfg.dropout, rng
 
-    def forward(self, x):  # skip_bias_add: returns (output without c_proj's bias, that bias)
+    def forward(self, x):
         qkv = self.c_attn(x)  # (B, T, 3 C/tp)
         # nh is this rank's head count, read off the shape: C/tp = (nh/tp) * hs.
         q, k, v = rearrange(qkv, "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
         p = self.p if self.training else 0.0
         with self.rng.fork() if p else contextlib.nullcontext():  # each rank holds other heads,
-            y = self.ops.attention(q, k, v, p)  # so other masks
+            y = self.core(q, k, v, p)  # so other masks
         return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
+
+    def core(self, q, k, v, p):  # (B, nh/tp, T, hs) each; 05 recomputes it, kernels/ fuses it
+        """softmax(q k^T / sqrt(hs)) v, causal, with dropout p on the probabilities."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
 class Block(nn.Module):
     """Pre-LN transformer block: x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x)))."""
 
-    def __init__(self, cfg, group, rng, sp=False, ops=None, **factory):
+    def __init__(self, cfg, group, rng, sp=False, **factory):
         super().__init__()
-        self.ops = ops or TORCH_OPS
-        self.ln_1 = LayerNorm(cfg.n_embd, group, sp, self.ops, **factory)
-        self.attn = ParallelAttention(cfg, group, rng, sp, self.ops, skip_bias_add=True, **factory)
-        self.ln_2 = LayerNorm(cfg.n_embd, group, sp, self.ops, **factory)
-        self.mlp = ParallelMLP(cfg, group, sp, self.ops, skip_bias_add=True, **factory)
+        self.ln_1 = LayerNorm(cfg.n_embd, group, sp, **factory)
+        self.attn = ParallelAttention(cfg, group, rng, sp, **factory)
+        self.ln_2 = LayerNorm(cfg.n_embd, group, sp, **factory)
+        self.mlp = ParallelMLP(cfg, group, sp, **factory)
         self.p, self.rng, self.sp = cfg.dropout, rng, sp
 
     def forward(self, x):
-        x = self._residual(*self.attn(self.ln_1(x)), x)
-        return self._residual(*self.mlp(self.ln_2(x)), x)
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
 
-    def _residual(self, y, bias, x):
-        # Megatron's bias-dropout-add: the branch's last bias, the dropout and the residual add are
-        # one elementwise pass. With sp the residual stream is split, so its masks are too.
+    def dropout(self, y):
         p = self.p if self.training else 0.0
-        with self.rng.fork() if p and self.sp else contextlib.nullcontext():
-            return self.ops.bias_dropout_add(y, bias, x, p)
+        with self.rng.fork() if p and self.sp else contextlib.nullcontext():  # sp: a split stream,
+            return F.dropout(y, p, p > 0)  # so each rank's slice of T draws its own mask
+
 
 # ----------------------------------------------------------------------------------------------
 # GPT-2. With group=None (tp=1) this is the plain serial GPT-2: the same class, not a twin.
@@ -501,13 +489,12 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """GPT-2 over a tp group. A pipeline chunk (02) is the same class cut to some `layers`, with
-    pre_process (the embeddings) on the first chunk and post_process (ln_f, head, loss) on the last.
-    Exact switches, on by default: overlap_input_grad (OverlappedColumnLinear), merge_loss_reductions."""
+    pre_process (the embeddings) on the first chunk and post_process (ln_f, head, loss) on the last;
+    02's chunks share one tracked random stream (rng)."""
 
-    def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True,
-                 dtype=torch.float32, device="cpu", vocab_divisible_by=1, layers=None,
-                 pre_process=True, post_process=True, ops=None, rng=None, check_inputs=True,
-                 overlap_input_grad=True, merge_loss_reductions=True):
+    def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True, dtype=torch.float32,
+                 device="cpu", vocab_divisible_by=1, layers=None, pre_process=True, post_process=True,
+                 rng=None, check_inputs=True):
         super().__init__()
         layers = range(cfg.n_layer) if layers is None else layers
         tp = tp_size(group)
@@ -521,8 +508,7 @@ class GPT(nn.Module):
         # One tracked stream per process (Megatron's tracker): a rank's pipeline chunks share it.
         self.rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
         self.check_inputs = check_inputs  # False: the caller checked the batch once, on the host
-        self.overlap_input_grad, self.merge_loss_reductions = overlap_input_grad, merge_loss_reductions
-        self.ops = ops or TORCH_OPS
+        self.loss_sums = sum_each  # how the cross-entropy's sums travel (merged_sums, at the end)
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
         tr = self.transformer = nn.ModuleDict()
         if pre_process or post_process:  # the head is tied to wte: the last chunk holds a copy
@@ -530,15 +516,13 @@ class GPT(nn.Module):
         if pre_process:
             tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
         # Keyed by global layer index, so a chunk's parameter names are the serial model's names.
-        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, self.ops, **factory)
-                                 for i in layers})
+        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, **factory) for i in layers})
         if post_process:
-            tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, self.ops, **factory)
-        for name, module in self.named_modules():
-            if hasattr(module, "tag"):
-                module.tag = name  # so traced collectives say where they come from
-            if isinstance(module, ColumnParallelLinear):
-                module.overlap_input_grad = overlap_input_grad
+            tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)
+            # The output layer is tied to the token embedding: column-parallel over the same vocab
+            # rows, with wte's weight as its own (made on "meta", then replaced: no copy is kept).
+            self.lm_head = ColumnParallelLinear(cfg.n_embd, V_pad, group, self.sp, bias=False, dtype=dtype, device="meta")
+            self.lm_head.weight = tr["wte"].weight
         if init and device != "meta":
             self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
 
@@ -558,20 +542,17 @@ class GPT(nn.Module):
         tr = self.transformer
         x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
         if self.sp:
-            x = scatter_to_sp(x, self.group, "transformer.wpe")  # (B, T/tp, C)
+            x = scatter_to_sp(x, self.group)  # (B, T/tp, C)
         p = self.cfg.dropout if self.training else 0.0
         with self.rng.fork() if p and self.sp else contextlib.nullcontext():  # split: its own masks
             return F.dropout(x, p, p > 0)
 
     def head(self, x, targets, ignore_index=-100):
-        x, wte = self.transformer.ln_f(x), self.transformer.wte.weight
-        # The output layer is tied to the token embedding: column-parallel over the same vocab rows.
-        logits = column_linear(x, wte, None, self.group, self.sp, "lm_head", self.overlap_input_grad)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V_pad/tp)
         if targets is None:
             return logits, None
-        kw = {} if self.merge_loss_reductions else {"merge": False}  # exercises/ swap in one without it
         return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size,
-                                                    ignore_index, **kw)
+                                                    ignore_index, self.loss_sums)
 
     def load_full_state_dict(self, full):
         """Load this model's part (its layers, its shards) of a full serial state dict."""
@@ -586,12 +567,77 @@ class GPT(nn.Module):
 
     def full_logits(self, logits):
         """Gather vocab-split logits (B, T, V_pad/tp) into (B, T, V)."""
-        return gather_from_tp(logits, self.group, "gather logits")[..., : self.cfg.vocab_size]
+        return gather_from_tp(logits, self.group)[..., : self.cfg.vocab_size]
 
 
 def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
     """The full GPT-2 weights from a seed (plumbing.shards.init_full: GPT-2's initialisation)."""
     return init_full(GPT(cfg, device="meta").named_parameters(), cfg.n_layer, seed, dtype, random_all)
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizations, after the concept. Each computes the same function as the code above (tests/
+# test_tensor_parallel.py holds them equal in float64 over 10 AdamW steps) and only changes when
+# the same sums travel. 05's trainer turns both on, through optimize(); 01's demo runs the above.
+
+
+class OverlappedColumnLinear(torch.autograd.Function):
+    """F.linear(enter_tp(x), weight, bias) as one autograd node: Megatron's asynchronous input-gradient
+    all-reduce, one of the overlaps of tensor-parallel communication with compute that MegaScale
+    (Jiang et al. 2024, Section 3.3) describes. Before: the column-parallel layer is the node of f and the node of the linear; autograd runs the
+    linear's whole backward (dX, then dW) and only then f's, so dX's all-reduce waits for dW's GEMM and
+    nothing runs while it travels. Now: the backward launches dX's all-reduce (with sp its reduce-
+    scatter, Korthikanti 4.2.2) the moment dX is computed, and computes dW and db while it travels.
+    With sp it saves the gathered input (Megatron re-gathers it in backward, to save memory)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sp):  # x: (B, T, n_in), or (B, T/tp, n_in) with sp
+        total = gather(x, group, SEQ) if sp else x  # (B, T, n_in)
+        ctx.save_for_backward(total, weight)
+        ctx.group, ctx.sp, ctx.bias = group, sp, bias is not None
+        return F.linear(total, weight, bias)  # (B, T, n_out/tp)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (B, T, n_out/tp)
+        total, weight = ctx.saved_tensors
+        dx = grad @ weight  # this rank's part of dX: (B, T, n_in)
+        if ctx.sp:  # launched, not waited for
+            blocks = torch.cat(dx.chunk(tp_size(ctx.group), SEQ))  # as reduce_scatter() lays them out
+            dx = blocks.new_empty((blocks.shape[0] // tp_size(ctx.group), *blocks.shape[1:]))
+            work = reduce_scatter_single(dx, blocks, ctx.group, async_op=True)
+        else:
+            work = dist.all_reduce(dx, group=ctx.group, async_op=True)  # in place: dx is ours
+        dy = grad.reshape(-1, grad.shape[-1])  # (B T, n_out/tp)
+        dw = dy.T @ total.reshape(-1, total.shape[-1])  # (n_out/tp, n_in), while dX travels
+        db = dy.sum(0) if ctx.bias else None
+        work.wait()
+        return dx, dw, db, None, None
+
+
+def overlapped_forward(linear, x):
+    """A ColumnParallelLinear's forward through OverlappedColumnLinear (optimize() installs it)."""
+    y = OverlappedColumnLinear.apply(x, linear.weight, linear.bias, linear.group, linear.sp)
+    if not linear.gather_output:
+        return y
+    y = gather_from_tp(y, linear.group)
+    return rearrange(y, "... (tp f c) -> ... (f tp c)", tp=tp_size(linear.group), f=linear.weight.tp_fused)
+
+
+def merged_sums(group, *xs):
+    """sum_each in one all-reduce of the stacked tensors: the cross-entropy's target logits and sums
+    of exponentials, (2, N), travel together (Megatron merges them so); the max cannot join them: it
+    is another reduction, and both sums need it first."""
+    return all_reduce(torch.stack(xs), group).unbind(0)
+
+
+def optimize(model, overlap_input_grad=True, merge_loss_reductions=True):
+    """Turn the optimizations above on in `model` (any module holding 01's layers); returns it."""
+    for m in model.modules():
+        if overlap_input_grad and isinstance(m, ColumnParallelLinear) and tp_size(m.group) > 1:
+            m.forward = functools.partial(overlapped_forward, m)
+        if merge_loss_reductions and isinstance(m, GPT):
+            m.loss_sums = merged_sums
+    return model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -611,7 +657,7 @@ def demo(env, cfg, args):
     model.load_full_state_dict(full)
     ref_logits, ref_loss = serial(idx, targets)
     ref_loss.backward()
-    with trace_comm() as log:  # every collective of one forward + backward
+    with trace_comm(model) as log:  # every collective of one forward + backward, named by its layer
         logits, loss = model(idx, targets)
         loss.backward()
     diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),

@@ -25,7 +25,6 @@ formula and each stage's peak stored activation bytes, with and without Megatron
 Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
 """
 import importlib
-import sys
 import time
 from contextlib import contextmanager
 from collections import Counter
@@ -53,8 +52,8 @@ class Action:
     kind: str  # "F" forward or "B" backward
     mb: int  # microbatch
     chunk: int = 0  # which of this rank's model chunks (03's virtual stages); always 0 here
-    # Steady-state 1F1B: with v > 1 runs as a forward-backward pair with no exchange in between (see
-    # rank_plan). A property of the position in a list, so it takes no part in equality.
+    # 03: a steady-state forward runs with the backward after it as one pair, with no exchange in
+    # between (see rank_plan). A property of the position in a list: it takes no part in equality.
     steady: bool = field(default=False, compare=False)
 
     def __str__(self):
@@ -73,7 +72,7 @@ def one_f_one_b(pp, m, stage):
     warmup = min(pp - stage - 1, m)
     acts = [Action("F", i) for i in range(warmup)]
     for i in range(m - warmup):  # steady state: the forward of a new microbatch, the oldest backward
-        acts += [Action("F", warmup + i, steady=True), Action("B", i, steady=True)]
+        acts += [Action("F", warmup + i), Action("B", i)]
     return acts + [Action("B", i) for i in range(m - warmup, m)]
 
 
@@ -108,10 +107,10 @@ def produces(a, k, S):
 
 
 def run_groups(actions):
-    """Actions that run back to back: with v > 1 a steady forward and the backward after it, else one."""
+    """Actions that run back to back: a steady forward and the backward after it (03), else one."""
     groups, i = [], 0
     while i < len(actions):
-        pair = n_chunks(actions) > 1 and actions[i].steady and actions[i].kind == "F" \
+        pair = actions[i].steady and actions[i].kind == "F" \
             and i + 1 < len(actions) and actions[i + 1].steady and actions[i + 1].kind == "B"
         groups.append(actions[i:i + 1 + pair])
         i += 1 + pair
@@ -325,28 +324,11 @@ def check_world(pp, world_size):
         raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
 
 
-def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
-    """The output layer is tied to the token embedding. With pp > 1 the first and the last stage
-    each hold a copy; summing their gradients over the embedding group (Megatron's) keeps the
-    copies identical and gives both the serial model's gradient. grad_of(p) is where p's gradient
-    lives (04 keeps it in a flat buffer); it is updated in place."""
-    grads = [grad_of(c.transformer.wte.weight) for c in chunks if "wte" in c.transformer]
-    if len(grads) > 1:  # first and last chunk on this rank (pp=1 with v>1): add locally
-        total = sum(grads)
-        for g in grads:
-            g.copy_(total)
-    if embed_group is not None and grads:
-        dist.all_reduce(grads[0], group=embed_group)
-        for g in grads[1:]:
-            g.copy_(grads[0])
-
-
 # ----------------------------------------------------------------------------------------------
-# The executor: runs exactly one rank's list, with the messages rank_plan derives from it.
-# Later files plug into it through optional arguments, each named here once: wire= is how a
-# boundary tensor travels (05's scatter/gather), call= runs a chunk's forward (kernels/graphs.py
-# replays a CUDA graph through it), clock= reads the time of its events (05's --trace); and
-# sync_tied_embeddings' grad_of= says where a gradient lives (04's flat buffer, in 05).
+# The executor: runs exactly one rank's list, with the messages rank_plan derives from it. 05 plugs
+# into it through two arguments, each named here once: wire= is how a boundary tensor travels (05's
+# scatter/gather), clock= reads the time of its events (05's --trace); exchange= is an optimization
+# (BackgroundSends, at the end of this file).
 
 
 @dataclass
@@ -369,6 +351,20 @@ class Wire:
 
     def unpack(self, buf):
         return buf
+
+
+class Exchange:
+    """A boundary's sends and receives, posted as one batch and all waited for before the next
+    action runs. Returns the messages sent: their tensors may now change, or be freed."""
+
+    def __call__(self, ops, sent):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return sent
+
+    def flush(self):
+        """At the step's end: the messages whose sends are still in flight, once they completed."""
+        return []
 
 
 class ActivationMeter:
@@ -404,15 +400,14 @@ class ActivationMeter:
 
 
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True, valid=None,
-            ignore_index=-100, t0=None, wire=None, call=None, clock=time.perf_counter, background_sends=True):
+            ignore_index=-100, wire=None, exchange=None, clock=time.perf_counter, t0=None):
     """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
     (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in the
     chunks' parameters; the loss of microbatch i is weighted by its share valid[i] / sum(valid) of
     the tokens that count (not ignore_index), so the sum is the serial model's mean loss. Pass
     valid, counted on the host, to keep device read-backs out of the loop (None: counted here).
-    background_sends: a boundary waits for its receives; its sends complete while the next actions
-    run and are retired (waited for, sent outputs deallocated) at the next boundary or step's end."""
-    wire = wire or Wire(act_shape)
+    deallocate: free each sent output's storage once its send completed (Megatron's trick)."""
+    wire, exchange = wire or Wire(act_shape), exchange or Exchange()
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     S = pp * len(chunks)
     dtype, device = next(chunks[0].parameters()).dtype, next(chunks[0].parameters()).device
@@ -420,18 +415,14 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
     n_valid = max(sum(valid), 1)  # a microbatch with no valid target weighs 0: it adds nothing
     inbox, outbox, inputs, outputs = {}, {}, {}, {}
     meter, t0 = ActivationMeter(chunks, outputs), clock() if t0 is None else t0
-    events, waits, loss, n_msgs, n_bytes, in_flight = [], [], None, 0, 0, []
+    events, waits, loss, n_msgs, n_bytes = [], [], None, 0, 0
 
-    def retire():  # wait for in_flight's sends, [(work or None, message, tensor)]: then they may change
-        for work, msg, _ in in_flight:
-            if work is not None:
-                work.wait()
-            if msg[0] == "act":
-                key = ((msg[1] - 1) // pp, msg[2])  # the output's chunk; its backward may have run already
-                meter.unsent.discard(key)
-                if deallocate and key in outputs:  # Megatron's trick: backward does not read it (the last
-                    outputs[key].untyped_storage().resize_(0)  # op is an add), so free it, keep its graph
-        in_flight.clear()
+    def sent(msg):  # its send completed: the tensor may change now
+        if msg[0] == "act":
+            key = ((msg[1] - 1) // pp, msg[2])  # the output's chunk; its backward may have run already
+            meter.unsent.discard(key)
+            if deallocate and key in outputs:  # backward does not read a stage's output (its last op
+                outputs[key].untyped_storage().resize_(0)  # is an add): free it, keep its graph
 
     for kind, step in rank_plan(actions, rank, pp):
         if kind == "comm":  # one batch: this boundary's sends and receives, posted together
@@ -444,18 +435,8 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 else:  # poisoned, so a receive that never happened shows up as NaN
                     inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, inbox[msg], dist.get_global_rank(pp_group, peer), pp_group))
-            works, sends = dist.batch_isend_irecv(ops), [(None, msg, None) for side, _, msg in step if side == "send"]
-            # Gloo returns a work per op, so the sends can go on; NCCL one for the whole batch, which the
-            # receives need; and a captured graph (call=) rewrites its outputs at its next replay: wait for all.
-            if background_sends and call is None and len(works) == len(ops):
-                sends = [(w, msg, op.tensor) for w, op, (side, _, msg) in zip(works, ops, step) if side == "send"]
-                works = [w for w, (side, _, _) in zip(works, step) if side == "recv"]
-            for work in works:
-                work.wait()
-            retire()  # the previous boundary's sends: they had its actions' time to complete
-            in_flight += sends
-            if all(work is None for work, _, _ in sends):  # waited for above: free them now
-                retire()
+            for msg in exchange(ops, [msg for side, _, msg in step if side == "send"]):
+                sent(msg)
             for side, _, msg in step:
                 if side == "recv":
                     inbox[msg] = wire.unpack(inbox[msg])
@@ -468,8 +449,7 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
         if a.kind == "F":  # receive -> forward -> send
             x = idx if k == 0 else inbox.pop(("act", k, a.mb)).requires_grad_()
             with meter.forward(key):
-                tgt = targets if k == S - 1 else None
-                y = chunks[a.chunk](x, tgt) if call is None else call(a.chunk, a.mb, x, tgt)
+                y = chunks[a.chunk](x, targets if k == S - 1 else None)
             if k == S - 1:
                 y = y[1] * (valid[a.mb] / n_valid)
                 loss = y.detach() if loss is None else loss + y.detach()
@@ -488,20 +468,116 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 box[("grad", k - 1, a.mb)] = x.grad if box is inbox else wire.pack(x.grad)
         events.append((start, clock() - t0, a))
         meter.measure()
-    retire()  # the end of the step: nothing is left in flight when the caller goes on
+    for msg in exchange.flush():  # the end of the step: nothing is left in flight when the caller goes on
+        sent(msg)
     return StepResult(loss, events, meter.peak, n_msgs, n_bytes, waits)
 
 
+def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
+    """The output layer is tied to the token embedding. With pp > 1 the first and the last stage
+    each hold a copy; summing their gradients over the embedding group (Megatron's) keeps the
+    copies identical and gives both the serial model's gradient. grad_of(p) is where p's gradient
+    lives (05: 04's flat buffer); it is updated in place."""
+    grads = [grad_of(c.transformer.wte.weight) for c in chunks if "wte" in c.transformer]
+    if len(grads) > 1:  # first and last chunk on this rank (pp=1 with v>1): add locally
+        total = sum(grads)
+        for g in grads:
+            g.copy_(total)
+    if embed_group is not None and grads:
+        dist.all_reduce(grads[0], group=embed_group)
+        for g in grads[1:]:
+            g.copy_(grads[0])
+
+
+def pipeline_step(cfg, actions, pp_group, embed_group, full, microbatches, deallocate=True):
+    """One forward and backward of the whole batch on this rank: its chunks built from the full
+    weights, its list of actions run, the tied embedding's gradients summed. Returns (chunks, result)."""
+    pp, rank, dtype = dist.get_world_size(pp_group), dist.get_rank(pp_group), full["transformer.wte.weight"].dtype
+    device = microbatches[0][0].device
+    chunks = build_chunks(cfg, pp, rank, n_chunks(actions), init=False, dtype=dtype, device=device)
+    for c in chunks:
+        c.load_full_state_dict(full)
+    act_shape = (*microbatches[0][0].shape, cfg.n_embd)  # a stage's output: (b, T, C)
+    result = execute(actions, chunks, pp_group, microbatches, act_shape, deallocate=deallocate)
+    sync_tied_embeddings(chunks, embed_group)
+    return chunks, result
+
+
+def differences(chunks, result, ref_loss, ref_grads):
+    """The largest relative difference of this rank's loss (on the last stage) and gradients from serial."""
+    diffs = [tensor_parallel.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
+    return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
+
+
 # ----------------------------------------------------------------------------------------------
-# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch. The comparing
-# and the printing, shared with 03, are plumbing (plumbing/demos.py).
+# Optimization, after the concept: 05's trainer turns it on (--background-sends, the default).
+
+
+class BackgroundSends(Exchange):
+    """Exchange, with the sends left in flight. Before: a boundary waits for its sends as for its
+    receives, so a rank whose peer is busy sits idle until that peer posts the matching receive.
+    Now: a boundary waits for its receives only (the next action needs them); its sends complete
+    while that action runs, and are waited for at the next boundary or the step's end, when their
+    tensors may change or be freed. MegaScale (Jiang et al. 2024, Section 3.3) decouples the sends
+    and receives of pipeline parallelism so. validate()'s rendezvous model is the conservative one:
+    this only relaxes it (a wait moved later), so what validates runs either way."""
+
+    def __init__(self):
+        self.in_flight = []  # [(work, message)] from the previous boundary
+
+    def __call__(self, ops, sent):
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # NCCL: one work for the whole batch, which the receives need
+            for work in works:
+                work.wait()
+            return self.flush() + sent
+        for work, op in zip(works, ops):
+            if op.op is not dist.isend:
+                work.wait()
+        done = self.flush()  # the previous boundary's sends: they had its actions' time to complete
+        self.in_flight = list(zip([w for w, op in zip(works, ops) if op.op is dist.isend], sent))
+        return done
+
+    def flush(self):
+        for work, _ in self.in_flight:
+            work.wait()
+        done, self.in_flight = [msg for _, msg in self.in_flight], []
+        return done
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch. Printing the
+# figures is plumbing (plumbing/demos.py); the step and the comparison are here.
+
+
+def serial_reference(cfg, args, m, device):
+    """What the demo compares against: the batch cut into m microbatches, the full float64
+    weights, and the serial model's loss and gradients on that batch."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(device)
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=device)
+    serial.load_full_state_dict(full)
+    loss = serial(idx, targets)[1]
+    loss.backward()
+    return split_batch(idx, targets, m), full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
+
+
+def run_schedule(env, cfg, schedule, ref, embed_group):
+    """One step of `schedule` (every rank's list) against the serial reference, twice: outputs
+    deallocated once sent, then kept (to show what deallocation saves). This rank's figures."""
+    microbatches, full, ref_loss, ref_grads = ref
+    dist.barrier()  # the ranks start together, so their measured timelines line up
+    chunks, result = pipeline_step(cfg, schedule[env.rank], dist.group.WORLD, embed_group, full, microbatches)
+    kept = pipeline_step(cfg, schedule[env.rank], dist.group.WORLD, embed_group, full, microbatches, deallocate=False)[1]
+    return differences(chunks, result, ref_loss, ref_grads), result, kept
 
 
 def demo(env, cfg, args):
     pp, m, say = args.pp, args.microbatches, printer(env)
     check_world(pp, env.world_size)  # every check runs before the first collective
     split_layers(cfg.n_layer, pp)
-    ref = demos.serial_reference(sys.modules[__name__], env, cfg, args, m)
+    ref = serial_reference(cfg, args, m, env.device)
     say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
@@ -509,8 +585,9 @@ def demo(env, cfg, args):
     for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
         schedule = [SCHEDULES[name](pp, m, s) for s in range(pp)]
         validate(schedule, pp, m)
-        good, _, measured[name] = demos.check_and_report(sys.modules[__name__], env, cfg, name,
-                                                                 schedule, ref, embed_group, say)
+        worst, result, kept = run_schedule(env, cfg, schedule, ref, embed_group)
+        good, _, measured[name] = demos.report_pipeline(env, name, schedule, simulate(schedule, pp), worst,
+                                                        result, kept, render, say)
         ok &= good
     if args.trace and env.rank == 0:
         write_timelines(args.trace, {n: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)

@@ -91,7 +91,7 @@ def demo(env, cfg, args):
     pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
     check_interleaving(pp, m, v)
     pipeline.split_layers(cfg.n_layer, pp * v)
-    ref = demos.serial_reference(pipeline, env, cfg, args, m)
+    ref = pipeline.serial_reference(cfg, args, m, env.device)
     say = printer(env)
     say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
@@ -107,8 +107,10 @@ def demo(env, cfg, args):
     ok, out = True, {}
     for name, schedule in runs.items():
         pipeline.validate(schedule, pp, m)
-        good, sim, ranks = demos.check_and_report(pipeline, env, cfg, name, schedule, ref, embed_group,
-                                                          say, *times[name], end=end, width=150)
+        worst, result, kept = pipeline.run_schedule(env, cfg, schedule, ref, embed_group)
+        good, sim, ranks = demos.report_pipeline(env, name, schedule, pipeline.simulate(schedule, pp, *times[name]),
+                                                 worst, result, kept, pipeline.render, say, *times[name], end=end,
+                                                 width=150)
         ok &= good
         out[name] = sim, ranks
     (s1, r1), (s2, r2) = out["1f1b"], out["interleaved"]

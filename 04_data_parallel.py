@@ -64,11 +64,13 @@ def allreduce_gradients(params, group):
 
 class BucketedDDP:
     """Gradients go into one flat buffer (reverse parameter order) cut into buckets of `bucket_numel`
-    elements; a bucket's reduction is launched once its parameters' gradients are final (under sync,
-    each one's `microbatches`-th of the step), else by finish() (overlap=False; `hold`: the caller
-    adds into those after backward). zero=True reduce-scatters instead (ZeRO-1: see FlatAdamW)."""
+    elements; under sync (the step's last microbatch) a bucket's reduction is launched the moment its
+    last parameter's gradient arrives (overlap=False: all of them in finish()). zero=True reduce-
+    scatters instead (ZeRO-1: see FlatAdamW)."""
 
-    def __init__(self, params, group, bucket_numel, zero=False, overlap=True, grad_dtype=None, hold=()):
+    clock = time.perf_counter  # what the events are timed by (05's --trace sets its own)
+
+    def __init__(self, params, group, bucket_numel, zero=False, overlap=True, grad_dtype=None):
         if bucket_numel <= 0:
             raise ValueError(f"the bucket size must be positive, got bucket_numel={bucket_numel}")
         self.params = [p for p in params if p.requires_grad]
@@ -94,41 +96,48 @@ class BucketedDDP:
             self.buckets_of[p] = [i for i, (a, b) in enumerate(self.buckets) if a < lo + p.numel() and lo < b]
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.counts = [sum(1 for p in self.params if i in self.buckets_of[p]) for i in range(len(self.buckets))]
-        self.held = {i for p in hold for i in self.buckets_of[p]}
-        self.sync, self.microbatches, self.clock = True, 1, time.perf_counter  # sync: on a step's last microbatch
+        self.sync = True  # False while accumulating: a microbatch before the step's last
         self.zero_grad()
 
     def zero_grad(self):
         for p in self.params:  # the buffer is not cleared (see _on_grad)
             p.grad = None
-        self.unwritten, self.pending, self.seen = set(self.params), list(self.counts), dict.fromkeys(self.params, 0)
+        self.unwritten, self.pending = set(self.params), list(self.counts)
         self.works, self.events = {}, []  # events: ("ready", param index) / ("launch", bucket), at clock()
 
     def _on_grad(self, p):
-        # Into the flat buffer (in its dtype, e.g. fp32 for bf16 parameters), divided by dp: the
-        # reduction then sums to the average, each replica's loss being the mean of its shard. A
-        # step's first write overwrites (DDP's trick: no clearing pass), later microbatches add.
+        # Into the flat buffer (in its dtype, e.g. fp32 for bf16 parameters; there, not in bf16, the
+        # division), divided by dp: the reduction then sums to the average, each replica's loss being
+        # the mean of its shard. A step's first write overwrites (DDP's trick: no clearing pass),
+        # later microbatches add.
         if p in self.unwritten:
-            torch.mul(p.grad, 1 / self.dp, out=self.views[p])
+            self.views[p].copy_(p.grad).mul_(1 / self.dp)
             self.unwritten.discard(p)
         else:
             self.views[p].add_(p.grad, alpha=1 / self.dp)
         p.grad = None
-        self.seen[p] += 1  # a pipeline (05) runs each chunk's last microbatch at another time: count
-        if not self.sync or self.seen[p] < self.microbatches:
+        if not self.final(p):
             return  # accumulating: synchronise only on the last microbatch
         self.events.append(("ready", self.index[p], self.clock()))
         for i in self.buckets_of[p]:
             self.pending[i] -= 1
-            if self.pending[i] == 0 and self.overlap and i not in self.held:
+            if self.pending[i] == 0 and self.overlap and self.launch_now(i):
                 self._launch(i)
+
+    def final(self, p):
+        """Whether p's gradient is now final for this step (PipelineDDP counts microbatches)."""
+        return self.sync
+
+    def launch_now(self, i):
+        """Whether bucket i, complete, is launched from the hook (PipelineDDP holds some back)."""
+        return True
 
     def _launch(self, i):
         bucket = self.grad_buffer[slice(*self.buckets[i])]
         self.events.append(("launch", i, self.clock()))
         if self.zero:
             shard = bucket.new_empty(bucket.numel() // self.dp)
-            self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, group=self.group, async_op=True), shard)
+            self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, self.group, async_op=True), shard)
         else:
             self.works[i] = (dist.all_reduce(bucket, group=self.group, async_op=True), None)
 
@@ -172,11 +181,10 @@ class Piece:
 class FlatAdamW:
     """AdamW over the elements of the flat buffer this rank owns: with ZeRO-1 (ddp.zero) its 1/dp of
     every bucket, after which the updated parameters are all-gathered, so the state per rank is 1/dp
-    of plain data parallelism's; without, every element. Low-precision weights get fp32 masters.
-    overlap_gather: step() leaves the gathers in flight; wait_gather() (or gather_before_forward)."""
+    of plain data parallelism's; without, every element. Low-precision weights get fp32 masters."""
 
-    def __init__(self, ddp, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, no_decay=(), overlap_gather=False):
-        self.ddp, self.overlap_gather, no_decay = ddp, overlap_gather, {id(p) for p in no_decay}
+    def __init__(self, ddp, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, no_decay=()):
+        self.ddp, no_decay = ddp, {id(p) for p in no_decay}
         self.gathers, self.pieces, groups = {}, [], {True: [], False: []}  # gathers: bucket -> (work, shard)
         for i in range(len(ddp.buckets)):
             a, b = ddp.shard_range(i)
@@ -204,20 +212,18 @@ class FlatAdamW:
         # ZeRO-1: every rank's shard to every rank, from the buffer's end: the first layers, used first
         for i, (lo, hi) in reversed(list(enumerate(ddp.buckets)) if ddp.zero else []):
             mine = ddp.param_buffer[slice(*ddp.shard_range(i))].clone()
-            work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, group=ddp.group, async_op=True)
+            work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, ddp.group, async_op=True)
             self.gathers[i] = (work, mine)
-        if not self.overlap_gather:
-            self.wait_gather()
+        self.after_step()
+
+    def after_step(self):
+        """The updated weights are all there when step() returns (OverlappedGather: not yet)."""
+        self.wait_gather()
 
     def wait_gather(self, buckets=None):
         """Wait for the all-gathers in flight of `buckets` (indices; None: every one)."""
         for i in (self.gathers.keys() if buckets is None else buckets) & self.gathers.keys():
             self.gathers.pop(i)[0].wait()
-
-    def gather_before_forward(self, module, params):
-        """Make each forward of `module` first wait for the gathers of the buckets holding `params`."""
-        buckets = {i for p in params for i in self.ddp.buckets_of[p]}  # found once, not at every forward
-        module.register_forward_pre_hook(lambda *_: self.wait_gather(buckets))
 
     def state_bytes(self):
         masters = sum(p.master.numel() * p.master.element_size() for p in self.pieces if p.master is not p.weights)
@@ -228,6 +234,50 @@ def optimizer_state_bytes(optimizer):
     """Bytes of every state tensor (AdamW's two moments; the step counters are scalars)."""
     return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
                if torch.is_tensor(t) and t.dim() > 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# For a pipeline, after the concept: 05's trainer uses both (--overlap-grad-reduce, and
+# --overlap-param-gather with ZeRO-1, the defaults). MegaScale (Jiang et al. 2024, Section 3.3)
+# overlaps the data-parallel reduce-scatter with the last microbatch's backward and the all-gather
+# with the first microbatch's forward so.
+
+
+class PipelineDDP(BucketedDDP):
+    """BucketedDDP for a pipeline chunk. Before: a step's last microbatch sets sync for the whole
+    model, but in a pipeline each chunk runs its m backwards at its own times. Now: a gradient is final
+    at its own m-th accumulation, so each bucket launches during its chunk's last backward; and the
+    buckets of `hold` (the tied embedding, which the other stage's copy is added into after backward)
+    wait for finish()."""
+
+    def __init__(self, params, group, bucket_numel, microbatches, hold=(), **kwargs):
+        super().__init__(params, group, bucket_numel, **kwargs)
+        self.microbatches, self.held = microbatches, {i for p in hold for i in self.buckets_of[p]}
+
+    def zero_grad(self):
+        super().zero_grad()
+        self.seen = dict.fromkeys(self.params, 0)
+
+    def final(self, p):
+        self.seen[p] += 1
+        return self.sync and self.seen[p] == self.microbatches
+
+    def launch_now(self, i):
+        return i not in self.held
+
+
+class OverlappedGather(FlatAdamW):
+    """FlatAdamW whose ZeRO-1 all-gathers run into the next forward. Before: step() waits for every
+    gather. Now: step() returns with them in flight, first layers first, and each module registered
+    with wait_before_forward() waits for its own weights' buckets only (Megatron's overlap_param_gather)."""
+
+    def after_step(self):
+        pass
+
+    def wait_before_forward(self, module, params):
+        """Make each forward of `module` first wait for the gathers of the buckets holding `params`."""
+        buckets = {i for p in params for i in self.ddp.buckets_of[p]}  # found once, not at every forward
+        module.register_forward_pre_hook(lambda *_: self.wait_gather(buckets))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,7 +312,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
             allreduce_gradients(model.parameters(), group)
         opt.step()
         ddp.zero_grad() if ddp else opt.zero_grad()
-        losses.append(float(tensor_parallel.all_reduce(total, group, "loss") / dp))
+        losses.append(float(tensor_parallel.all_reduce(total, group) / dp))
     state = opt.state_bytes() if mode == "zero1" else optimizer_state_bytes(opt)
     return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}, timeline, state, demos.checksum(model)
 

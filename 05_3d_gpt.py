@@ -28,7 +28,6 @@ data, layout, memory, FLOPs per iteration by eq. 3, the bubble), a progress bar,
 and a chart of the loss; --metrics FILE writes a JSON line per step, --trace FILE a Chrome trace.
 """
 import contextlib
-import copy
 import dataclasses
 import functools
 import importlib
@@ -60,7 +59,7 @@ data_parallel = importlib.import_module("04_data_parallel")
 
 
 @dataclass
-class TrainConfig:
+class Layout:
     tp: int = 2  # tensor-parallel size (ranks inside a stage)
     pp: int = 2  # pipeline stages
     dp: int = 2  # data-parallel replicas
@@ -68,41 +67,66 @@ class TrainConfig:
     batch_size: int = 32  # global batch B, in sequences
     microbatches: int = 4  # m per replica; micro-batch size b = B / (dp m)
     seq_len: int = 64  # T, tokens per sequence
+    sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
+    zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
+    recompute: Literal["none", "selective", "full"] = "none"  # rerun in backward: the attention core, or whole layers
+
+
+@dataclass
+class Optimization:
     steps: int = 200  # optimizer steps, counted from 0 (a resumed run stops at the same total)
     lr: float = 3e-3  # peak learning rate, reached after the warmup
     min_lr: float = 3e-4  # learning rate at the last step, after the cosine decay
     warmup_steps: int = 20  # linear warmup from lr/(warmup+1) to lr
     weight_decay: float = 0.1  # AdamW decay of the 2-D weights (not biases or LayerNorms)
     grad_clip: float = 1.0  # clip the global gradient norm to this
-    zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
-    overlap_grad_reduce: bool = True  # reduce each gradient bucket during the chunk's last backward, not after the flush
-    overlap_param_gather: bool = True  # ZeRO-1: all-gather the updated weights during the next forward, not before it
-    overlap_input_grad: bool = True  # tp: a column-parallel input gradient's all-reduce runs beside the dW GEMM
-    merge_loss_reductions: bool = True  # tp: the cross-entropy's target-logit and sum-of-exp all-reduces as one
-    background_sends: bool = True  # pp: a boundary waits for its receives only; its sends complete meanwhile
-    sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
-    scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
-    recompute: Literal["none", "selective", "full"] = "none"  # rerun in backward: the attention core, or whole layers
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    bucket_numel: int = 2_000_000  # gradient bucket, in elements
-    eval_every: int = 50  # steps between eval losses on the held-out split (0: never)
-    eval_batches: int = 2  # held-out batches per eval loss
-    data: str = ""  # a text file (its bytes), or a uint16 .bin (scripts/prepare_data.py); none: the built-in corpus
-    trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
-    metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
-    seed: int = 1337  # weights, data order, dropout and sampling
-    timeout_s: float = 120.0  # every collective's timeout, in seconds (at most 3600)
-    max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
-    save: str = ""  # write checkpoints under this directory
-    save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
-    keep: int = 2  # checkpoints kept, the newest
-    resume: str = ""  # continue from the newest complete checkpoint here (any layout)
-    init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
+
+
+@dataclass
+class Speed:  # the optimizations each chapter adds after its concept: each on by default here
+    overlap_input_grad: bool = True  # 01: a column-parallel input gradient's all-reduce runs beside the dW GEMM
+    merge_loss_reductions: bool = True  # 01: the cross-entropy's target-logit and sum-of-exp all-reduces as one
+    background_sends: bool = True  # 02: a boundary waits for its receives only; its sends complete meanwhile
+    overlap_grad_reduce: bool = True  # 04: reduce each gradient bucket during the chunk's last backward, not after the flush
+    overlap_param_gather: bool = True  # 04, ZeRO-1: all-gather the updated weights during the next forward, not before it
+    scatter_gather: bool = True  # 05: each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
+    bucket_numel: int = 2_000_000  # 04: gradient bucket, in elements
     fused_kernels: bool | None = None  # kernels/ fused ops; unset: on on GPU, off on CPU
     kernel_path: Literal["auto", "cuda", "reference"] = "auto"  # fused kernels: CUDA where they apply, forced, or the PyTorch references
     flash_attention: bool = True  # with fused kernels: SDPA attention, or (off) matmul + fused causal softmax
     cuda_graphs: bool | None = None  # unset: on on GPU where the layout allows (tp = 1, no recompute)
     graph_scope: Literal["auto", "stage", "step"] = "auto"  # auto: the whole step at tp = pp = dp = 1, else per stage
+
+
+@dataclass
+class Loop:
+    eval_every: int = 50  # steps between eval losses on the held-out split (0: never)
+    eval_batches: int = 2  # held-out batches per eval loss
+    seed: int = 1337  # weights, data order, dropout and sampling
+    timeout_s: float = 120.0  # every collective's timeout, in seconds (at most 3600)
+    max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
+
+
+@dataclass
+class Files:
+    data: str = ""  # a text file (its bytes), or a uint16 .bin (scripts/prepare_data.py); none: the built-in corpus
+    save: str = ""  # write checkpoints under this directory
+    save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
+    keep: int = 2  # checkpoints kept, the newest
+    resume: str = ""  # continue from the newest complete checkpoint here (any layout)
+    init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
+    metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
+    trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
+
+
+@dataclass
+class TrainConfig(Files, Loop, Speed, Optimization, Layout):
+    """Every flag of the trainer, one flat record (tc.tp, tc.lr, ...); --help prints it in these groups."""
+
+
+GROUPS = [(Layout, "layout"), (Optimization, "optimization"), (Speed, "speed: the chapters' optimizations"),
+          (Loop, "the training loop"), (Files, "files")]
 
 
 MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
@@ -190,8 +214,7 @@ def recompute_layers(chunk, mode):
         if mode == "full":
             block.forward = functools.partial(_recomputed, block.forward, chunk.rng)
         elif mode == "selective":  # q, k and v are kept; the (B, nh, T, T) tensors are not
-            block.attn.ops = copy.copy(block.attn.ops)
-            block.attn.ops.attention = functools.partial(checkpoint, block.attn.ops.attention, use_reentrant=False)
+            block.attn.core = functools.partial(checkpoint, block.attn.core, use_reentrant=False)
 
 
 def _recomputed(forward, rng, x):
@@ -269,12 +292,11 @@ class Run:
     schedule: list  # this rank's actions: 1F1B, or interleaved 1F1B when v > 1
     act_shape: tuple  # a stage's output: (b, T, C), T/tp with sequence parallelism
     wire: object  # ScatterGather, or None: boundary tensors travel whole
-    ddp: object  # 04's BucketedDDP over the chunks' parameters
-    opt: object  # 04's FlatAdamW
+    ddp: object  # 04's BucketedDDP (PipelineDDP) over the chunks' parameters
+    opt: object  # 04's FlatAdamW (or OverlappedGather)
     dtype: torch.dtype
-    ops: object  # 01's Ops, or kernels.FusedOps
-    graph_mode: str | None  # CUDA graphs: None, "stage" or "step"
-    graph: object = None  # captured at the first step, when real batches give the shapes
+    ops: object  # kernels.FusedOps, or None: 01's layers as written
+    forward_backward: object  # forward_backward below, or kernels.graphs' CUDA-graph replay of it
 
 
 def resolve_dtype(tc, device):
@@ -291,40 +313,41 @@ def build(env, cfg, tc, groups):
     # Megatron's CPU initialisation: the full model from the seed (or imported GPT-2 weights),
     # then this rank's part of it.
     full = import_gpt2(tc.init_from)[1] if tc.init_from else tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dtype)
-    fused, graph_mode = acceleration(tc, env.device)
-    ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else tensor_parallel.TORCH_OPS
     chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, tc.virtual_stages, groups.tp,
                                    sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
-                                   init=False, dtype=dtype, device=env.device, ops=ops,
-                                   check_inputs=False,  # train_step checks each batch on the host
-                                   overlap_input_grad=tc.overlap_input_grad, merge_loss_reductions=tc.merge_loss_reductions)
+                                   init=False, dtype=dtype, device=env.device,
+                                   check_inputs=False)  # train_step checks each batch on the host
+    fused, graph_mode = acceleration(tc, env.device)
+    ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else None
     for c in chunks:
         c.load_full_state_dict(full)
+        tensor_parallel.optimize(c, tc.overlap_input_grad, tc.merge_loss_reductions)
+        if ops:
+            kernels.fuse(c, ops, tc.overlap_input_grad)
         recompute_layers(c, tc.recompute)
     params = [p for c in chunks for p in c.parameters()]
     # Gradients are reduced in fp32 when the weights are bf16; the optimizer keeps fp32 masters. A
-    # gradient is final at the last of its chunk's m backwards, when its bucket's reduction can start
-    # (Megatron's sync during each chunk's last microbatch), except the tied embedding's buckets: they
-    # wait for train_step to add the other stage's copy in.
+    # gradient is final at the last of its chunk's m backwards, when its bucket's reduction can start,
+    # except the tied embedding's buckets: they wait for train_step to add the other stage's copy in.
     grad_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
     wte = [c.transformer.wte.weight for c in chunks if "wte" in c.transformer]
-    ddp = data_parallel.BucketedDDP(params, groups.dp, tc.bucket_numel, zero=tc.zero1, grad_dtype=grad_dtype,
-                                    overlap=tc.overlap_grad_reduce, hold=wte)
-    ddp.microbatches = tc.microbatches
-    opt = data_parallel.FlatAdamW(ddp, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
-                                  no_decay=no_decay(params), overlap_gather=tc.zero1 and tc.overlap_param_gather
-                                  and graph_mode is None)  # a graph's replay runs no forward hooks
-    if opt.overlap_gather:  # each block waits for its own weights; the chunk, first, for the rest
+    ddp = data_parallel.PipelineDDP(params, groups.dp, tc.bucket_numel, tc.microbatches, hold=wte, zero=tc.zero1,
+                                    grad_dtype=grad_dtype, overlap=tc.overlap_grad_reduce)
+    overlap_gather = tc.zero1 and tc.overlap_param_gather and graph_mode is None  # a graph's replay runs no hooks
+    opt = (data_parallel.OverlappedGather if overlap_gather else data_parallel.FlatAdamW)(
+        ddp, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, no_decay=no_decay(params))
+    if overlap_gather:  # each block waits for its own weights; the chunk, first, for the rest
         for c in chunks:
-            opt.gather_before_forward(c, [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")])
+            opt.wait_before_forward(c, [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")])
             for block in c.transformer.h.values():
-                opt.gather_before_forward(block, list(block.parameters()))
+                opt.wait_before_forward(block, list(block.parameters()))
     schedule = interleaved.interleaved(tc.pp, tc.microbatches, pp_rank, tc.virtual_stages)
     b = tc.batch_size // (tc.dp * tc.microbatches)
     act_shape = (b, tc.seq_len // (tc.tp if tc.sequence_parallel else 1), cfg.n_embd)
     sg = tc.scatter_gather and tc.tp > 1 and not tc.sequence_parallel  # with sp it is split already
     wire = ScatterGather(act_shape, groups.tp) if sg else None
-    return Run(env, cfg, tc, groups, chunks, schedule, act_shape, wire, ddp, opt, dtype, ops, graph_mode)
+    step = cuda_graphs.Graphed(graph_mode, forward_backward, pipeline.StepResult) if graph_mode else forward_backward
+    return Run(env, cfg, tc, groups, chunks, schedule, act_shape, wire, ddp, opt, dtype, ops, step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,27 +378,15 @@ def train_step(run, idx, targets, lr, trace=None):
     plumbing.trace.StepTrace, records the step's timeline."""
     tc, groups = run.tc, run.groups
     span = trace.span if trace else (lambda name, category: contextlib.nullcontext())
-    run.ddp.clock = trace.clock if trace else time.perf_counter  # the buckets' events on the trace's clock
     # Checked and counted here, on the host, on every rank: a bad id stops every stage at once (not
     # the first stage alone, the others left waiting), and the executor reads nothing back.
     check_tokens(idx, run.cfg, tc.tp if tc.sequence_parallel else 1)
     valid = [int((t != -100).sum()) for t in targets.chunk(tc.microbatches)]
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
-    run.ddp.sync = run.graph_mode != "step"  # the whole-step graph's hooks run at capture: reduce after it
-    with trace_comm(trace.clock) if trace else contextlib.nullcontext() as collectives:
-        if run.graph_mode == "step":
-            run.graph = run.graph or cuda_graphs.StepGraph(run.chunks[0], micro, run.ddp)
-            with span("forward + backward (one CUDA graph)", "compute"):
-                res = pipeline.StepResult(run.graph.replay(micro), [], 0, 0, 0)
-        else:
-            call = None
-            if run.graph_mode == "stage":
-                run.graph = run.graph or stage_graphs(run, micro)
-                call = run.graph.call
-            # A graph's output is a static buffer it rewrites at the next replay: never deallocated.
-            res = pipeline.execute(run.schedule, run.chunks, groups.pp, micro, run.act_shape, wire=run.wire,
-                                   call=call, deallocate=call is None, valid=valid, background_sends=tc.background_sends,
-                                   **(dict(t0=trace.t0, clock=trace.clock) if trace else {}))
+    run.ddp.clock = trace.clock if trace else time.perf_counter  # the buckets' events on the trace's clock
+    with trace_comm(*run.chunks, clock=trace.clock, groups=[groups.tp]) if trace else contextlib.nullcontext() \
+            as collectives:  # the tp group's collectives, named by the layers that ran them
+        res = run.forward_backward(run, micro, valid, trace)
     with span("tied-embedding all-reduce", "collective"):  # beside the buckets still in flight
         pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)
     with span("data-parallel gradient reduction", "collective"):
@@ -395,16 +406,20 @@ def train_step(run, idx, targets, lr, trace=None):
     return loss, norm, res
 
 
-def stage_graphs(run, micro):
-    """Capture this rank's chunks, one copy per microbatch slot, from the first step's shapes."""
-    pp_rank, v = dist.get_rank(run.groups.pp), len(run.chunks)
-    samples = {c: (micro[0][0] if c == 0 and pp_rank == 0 else torch.randn(
-        run.act_shape, dtype=run.dtype, device=run.env.device, requires_grad=True), micro[0][1]) for c in range(v)}
-    return cuda_graphs.StageGraphs(run.chunks, run.schedule, v - 1 if pp_rank == run.tc.pp - 1 else None, samples)
+def forward_backward(run, micro, valid, trace=None, chunks=None, plain=False):
+    """This replica's microbatches through the pipeline: 02's executor runs this rank's list, with
+    scatter/gather on the wire and (background_sends) 02's BackgroundSends. trace: the executor's
+    events go on its timeline. chunks, plain (kernels/graphs.py): run
+    these chunks instead, with nothing left in flight and no output freed (a graph owns them)."""
+    exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
+    timing = dict(t0=trace.t0, clock=trace.clock) if trace else {}
+    return pipeline.execute(run.schedule, chunks or run.chunks, run.groups.pp, micro, run.act_shape, wire=run.wire,
+                            valid=valid, exchange=exchange, deallocate=not plain, **timing)
 
 
-def forward_only(run, idx, targets, call=None):
-    """This replica's batch through the pipeline, forward only (eval mode, no gradients)."""
+def forward_only(run, idx, targets, chunks=None):
+    """This replica's batch through the pipeline, forward only (eval mode, no gradients); chunks:
+    stand-ins for run.chunks that wrap them (the end report's probe reads the logits so)."""
     forwards = [pipeline.Action("F", a.mb, a.chunk) for a in run.schedule if a.kind == "F"]
     valid = [int((t != -100).sum()) for t in targets.chunk(run.tc.microbatches)]  # on the host
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
@@ -412,8 +427,8 @@ def forward_only(run, idx, targets, call=None):
         c.eval()
     try:
         with torch.no_grad():
-            return pipeline.execute(forwards, run.chunks, run.groups.pp, micro, run.act_shape, wire=run.wire,
-                                    call=call, valid=valid)
+            return pipeline.execute(forwards, chunks or run.chunks, run.groups.pp, micro, run.act_shape,
+                                    wire=run.wire, valid=valid)
     finally:
         for c in run.chunks:
             c.train()
@@ -476,7 +491,7 @@ def train(env, cfg, tc, quiet=False):
         if tc.eval_every and ((step + 1) % tc.eval_every == 0 or step == tc.steps - 1):
             record["eval_loss"] = evaluate(run, eval_tokens)
             evals.append((step, record["eval_loss"]))
-        if step == start and run.ops is not tensor_parallel.TORCH_OPS:  # what the dispatcher chose
+        if step == start and run.ops:  # what the dispatcher chose
             progress.note(f"kernel paths: {kernels.build.report()}")
         saving = saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps)
         progress.log(record, durable=saving)  # on disk before the checkpoint: a crash between loses no line
@@ -510,8 +525,9 @@ def parser():
                          "Hugging Face GPT-2 directory and exit")
     actions.add_argument("--export-state-dict", metavar="FILE", help="write --resume's newest checkpoint "
                          "as a plain serial state dict (.pt) and exit")
-    cli.add_dataclass_args(p, TrainConfig, "training")
     cli.add_dataclass_args(p, tensor_parallel.GPTConfig, "model", **MODEL_DEFAULTS)
+    for group, title in GROUPS:
+        cli.add_dataclass_args(p, group, title)
     cli.add_dataclass_args(p, sample.SampleConfig, "sampling (with --resume or --init-from)")
     planner.add_plan_args(p)
     return p

@@ -11,14 +11,17 @@ Each <family>.cu is plain CUDA C++ (nvcc alone compiles it); <family>.py holds t
 reference of the same formulas, the thin torch binding and the autograd Function. build.py
 compiles at first use and dispatches; graphs.py captures CUDA graphs.
 
-FusedOps plugs the families into the GPT of 01 (which takes any object with Ops' methods):
-    model = GPT(cfg, group, ops=kernels.FusedOps("auto"))
+fuse() plugs them into a GPT of 01 (its one seam: 01's layers are written with plain PyTorch ops):
+    model = kernels.fuse(GPT(cfg, group), kernels.FusedOps("auto"))
 """
+import contextlib
+import functools
 import importlib
 import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from . import build
 
@@ -41,7 +44,7 @@ def prebuild(mode="auto"):
 
 
 class FusedOps:
-    """01's Ops with every elementwise piece fused. mode: "auto" (kernels on CUDA tensors, the
+    """Every elementwise piece of a block fused. mode: "auto" (kernels on CUDA tensors, the
     references elsewhere), "cuda" (kernels or an error), "reference" (the references: same math,
     PyTorch). flash=True keeps attention in PyTorch's scaled_dot_product_attention; flash=False
     computes it as matmul -> fused scaled causal softmax -> dropout -> matmul, as Megatron does
@@ -69,3 +72,52 @@ class FusedOps:
         scores = q @ k.transpose(-2, -1)  # (B, nh, T, T), unscaled: the kernel scales
         probs = self.softmax_mod.scaled_masked_softmax(scores, 1 / math.sqrt(q.shape[-1]), mode=self.mode)
         return F.dropout(probs, p, p > 0) @ v  # (B, nh, T, hs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The seam: Megatron's fused transformer layer, the same function as 01's Block with each
+# elementwise chain one kernel. The bias of c_fc moves into the GeLU kernel, and each row-parallel
+# layer's bias into the bias-dropout-add kernel, so those linears run without theirs.
+
+
+def fuse(model, ops, overlap_input_grad=True):
+    """Swap the forwards of model's 01 layers (LayerNorm, the attention core, Block) for ops' fused
+    ones; overlap_input_grad: c_fc, computed here, overlaps as 01's optimize() does. Returns model."""
+    tp = importlib.import_module("01_tensor_parallel")
+    for m in model.modules():
+        if isinstance(m, tp.LayerNorm):
+            m.forward = functools.partial(_layer_norm, tp, m, ops)
+        elif isinstance(m, tp.ParallelAttention):
+            m.core = ops.attention
+        elif isinstance(m, tp.Block):
+            m.forward = functools.partial(_block, tp, m, ops, overlap_input_grad)
+    return model
+
+
+def _layer_norm(tp, ln, ops, x):
+    return ops.layer_norm(x, tp.sp_param(ln.weight, ln.group, ln.sp), tp.sp_param(ln.bias, ln.group, ln.sp), 1e-5)
+
+
+def _block(tp, block, ops, overlap, x):
+    a, mlp, p = block.attn, block.mlp, block.p if block.training else 0.0
+    q, k, v = rearrange(a.c_attn(block.ln_1(x)), "B T (three nh hs) -> three B nh T hs", three=3, hs=a.hs)
+    pa = a.p if a.training else 0.0
+    with a.rng.fork() if pa else contextlib.nullcontext():
+        y = a.core(q, k, v, pa)  # (B, nh/tp, T, hs)
+    x = _residual(block, ops, *_row(tp, a.c_proj, rearrange(y, "B nh T hs -> B T (nh hs)")), x, p)
+    fc = mlp.c_fc  # its GEMM without the bias: the GeLU kernel adds it
+    if overlap and tp.tp_size(fc.group) > 1:
+        h = tp.OverlappedColumnLinear.apply(block.ln_2(x), fc.weight, None, fc.group, fc.sp)
+    else:
+        h = F.linear(tp.enter_tp(block.ln_2(x), fc.group, fc.sp), fc.weight)
+    return _residual(block, ops, *_row(tp, mlp.c_proj, ops.bias_gelu(h, fc.bias)), x, p)
+
+
+def _row(tp, linear, x):
+    """A RowParallelLinear's output without its bias, and the bias (f on it with sp)."""
+    return tp.exit_tp(F.linear(x, linear.weight), linear.group, linear.sp), tp.sp_param(linear.bias, linear.group, linear.sp)
+
+
+def _residual(block, ops, y, bias, x, p):
+    with block.rng.fork() if p and block.sp else contextlib.nullcontext():  # sp: the split stream
+        return ops.bias_dropout_add(y, bias, x, p)

@@ -11,11 +11,14 @@ Transformer Engine's make_graphed_callables). Two ways of using them here:
                communication is inside a graph. With tp > 1 a chunk's forward contains the
                tensor-parallel all-reduces, so it is not captured here.
   StepGraph    the whole forward + backward of a step as one graph, when tp = pp = dp = 1.
+  Graphed      05's seam: its forward_backward, replayed through either of them.
 
 Static buffers. A graph reads its input from, and writes its output and everything autograd saves
 for backward to, fixed addresses. A microbatch holds those until its backward ran, so microbatches
 in flight at the same time need their own copies: slots() reads the schedule (pure data) and gives
-each (chunk, microbatch) the lowest free copy. Each copy is captured with its own memory pool,
+each (chunk, microbatch) the lowest free copy. Each copy has its own sample input tensors (torch
+uses them as the static input buffer, which each replay overwrites: shared, slot 1's forward would
+overwrite the input that slot 0's backward still reads) and is captured with its own memory pool,
 since graphs sharing a pool are only safe when replayed in capture order, which a 1F1B schedule
 is not.
 
@@ -30,7 +33,10 @@ is off at tp = 1 precisely so that nothing swaps generator states inside a captu
 dropout kernel reads its seed through a pointer from a tensor drawn inside the graph, for the
 same reason.
 """
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -66,29 +72,68 @@ class _Slot(nn.Module):
         return out[1] if self.last else out
 
 
+class GraphedChunk(nn.Module):
+    """A chunk for 02's executor, whose calls replay the captured graphs: its k-th call in a step is
+    the k-th forward of this chunk in the rank's list, so it knows the microbatch, hence the slot."""
+
+    def __init__(self, chunk, graphed, slot_per_call, last):
+        super().__init__()
+        self.chunk, self.graphed, self.slot_per_call, self.last, self.calls = chunk, graphed, slot_per_call, last, 0
+
+    def forward(self, x, targets=None):
+        slot = self.slot_per_call[self.calls % len(self.slot_per_call)]
+        self.calls += 1
+        if self.last:
+            return None, self.graphed[slot](x, targets)  # the shape of GPT's (logits, loss); logits not kept
+        return self.graphed[slot](x)
+
+
 class StageGraphs:
-    """This rank's chunks, each captured once per slot. call(c, mb, x, targets) replays chunk c's
-    forward for microbatch mb (the executor's `call` hook); autograd then replays the matching
-    backward graph when the executor runs that microbatch's backward."""
+    """This rank's chunks, each captured once per slot; .chunks replace them in 02's executor, whose
+    forward calls replay the forward graphs; autograd then replays the matching backward graph when
+    the executor runs that microbatch's backward."""
 
     def __init__(self, chunks, actions, last, samples):
-        """last: the chunk index holding the loss (None if not on this rank); samples[c]: example (x, targets) of chunk c's real shapes and dtypes (x requires grad
-        unless it is token ids)."""
-        self.slot_of, counts = slots(actions)
-        self.last = last
-        self.graphed = {}
-        for c, n in sorted(counts.items()):
-            x, targets = samples[c]
-            args = (x, targets) if c == last else (x,)
-            for s in range(n):  # separate calls: separate memory pools (see the docstring)
-                self.graphed[c, s] = torch.cuda.make_graphed_callables(_Slot(chunks[c], c == last), args)
-        self.captured = len(self.graphed)
+        """last: the chunk index holding the loss (None if not on this rank); samples[c]: example
+        (x, targets) of chunk c's real shapes and dtypes (x requires grad unless it is token ids)."""
+        slot_of, counts = slots(actions)
+        self.chunks = []
+        for c, chunk in enumerate(chunks):
+            graphed = []
+            for _ in range(counts.get(c, 0)):  # separate calls: separate memory pools (see the docstring)
+                # Each slot its own sample tensors: they become the graph's static input buffers,
+                # which every replay overwrites, and the microbatch in a slot holds until its backward.
+                x, targets = (t.detach().clone().requires_grad_(t.requires_grad) for t in samples[c])
+                args = (x, targets) if c == last else (x,)
+                graphed.append(torch.cuda.make_graphed_callables(_Slot(chunk, c == last), args))
+            order = [slot_of[c, a.mb] for a in actions if a.kind == "F" and a.chunk == c]
+            self.chunks.append(GraphedChunk(chunk, graphed, order, c == last))
+        self.captured = sum(len(g.graphed) for g in self.chunks)
 
-    def call(self, c, mb, x, targets):
-        fn = self.graphed[c, self.slot_of[c, mb]]
-        if c == self.last:
-            return None, fn(x, targets)  # the shape of GPT's (logits, loss); logits not kept
-        return fn(x)
+
+class Graphed:
+    """05's forward_backward(run, micro, valid, trace), replayed from CUDA graphs captured at the
+    first step, when real batches give the shapes (the one seam 05 has for graphs). mode "stage":
+    StageGraphs' chunks through 02's executor, nothing left in flight (a graph rewrites its outputs at
+    its next replay); "step": the whole step as one StepGraph, for tp = pp = dp = 1."""
+
+    def __init__(self, mode, eager, result):
+        self.mode, self.eager, self.result, self.graph = mode, eager, result, None
+
+    def __call__(self, run, micro, valid, trace=None):
+        span = trace.span if trace else (lambda name, category: contextlib.nullcontext())
+        if self.mode == "step":
+            run.ddp.sync = False  # the hooks ran at capture: the buckets are reduced after it, in finish()
+            self.graph = self.graph or StepGraph(run.chunks[0], micro, run.ddp)
+            with span("forward + backward (one CUDA graph)", "compute"):
+                return self.result(self.graph.replay(micro), [], 0, 0, 0)
+        if self.graph is None:
+            pp_rank, v = dist.get_rank(run.groups.pp), len(run.chunks)
+            samples = {c: (micro[0][0] if c == 0 and pp_rank == 0 else torch.randn(
+                run.act_shape, dtype=run.dtype, device=run.env.device, requires_grad=True), micro[0][1])
+                for c in range(v)}
+            self.graph = StageGraphs(run.chunks, run.schedule, v - 1 if pp_rank == run.tc.pp - 1 else None, samples)
+        return self.eager(run, micro, valid, trace, chunks=self.graph.chunks, plain=True)
 
 
 class StepGraph:

@@ -1,16 +1,15 @@
 """The numbered files' demos, the part that is not the concept: timing, fingerprints, and printing
-what the figures are and what they mean. The comparison with the serial model stays in each file.
+what the figures are and what they mean. Running each step and comparing it with the serial model stay in each file.
 
     report_tp(say, ...)            01: the differences, every collective, what layer 0's count means
     median_seconds(fn)             01: the median time of a few calls, a demo's rough figure
     checksum(module)               04: a hash of the weights' bytes, to show replicas bit-identical
-    serial_reference(pipeline, ..) 02, 03: the batch, its microbatches, the serial loss and gradients
-    check_and_report(pipeline, ..) 02, 03: one step of a schedule against the reference, with its
-                                   timelines, bubble, memory and traffic
+    report_pipeline(env, ...)      02, 03: one schedule's step, printed: its timelines, bubble,
+                                   memory, traffic and difference from serial (02 ran and compared it)
     fed_simulator(pipeline, ..)    bench_pipeline: 02's simulator fed a run's own measured times
 
-Nothing here imports a numbered file, so that any of them can use it without an import cycle: the
-pipeline functions take the pipeline module (02) as their first argument, and reach 01 through it.
+Nothing here imports a numbered file, so that any of them can use it without an import cycle:
+what a function needs of 02 it takes as an argument.
 """
 import ctypes
 import hashlib
@@ -28,16 +27,25 @@ from plumbing.launch import gather_numbers
 # 01 and 04
 
 
+# The paper's name of each operator class of 01 that issues a collective, for the demo's list.
+PAPER_NAMES = {"CopyToTP": "f", "ReduceFromTP": "g", "GatherFromSP": "g-bar", "ReduceScatterToSP": "g",
+               "ScatterToSP": "split", "GatherFromTP": "gather", "ScatterToTP": "split",
+               "_VocabParallelCrossEntropy": "loss", "OverlappedColumnLinear": "f (overlapped)"}
+
+
 def report_tp(say, diffs, ref_loss, loss, log, sp, n_local, n_full, times, cpu):
     """01's demo output: the loss, every difference, every collective, and what they mean."""
     say(f"\nloss: serial {ref_loss:.12f}  tp {loss:.12f}")
     say(f"max relative difference against serial ({len(diffs)} tensors):")
     say("\n".join(f"  {d:9.2e}  {name}" for name, d in diffs.items()))
-    say("\ncollectives on rank 0 for one forward + backward, in the order they ran:")
-    say("\n".join(f"  {c.op:15s} {c.tag:48s} {str(c.shape):16s} {c.nbytes / 1024:7.1f} KiB" for c in log))
-    layer0 = [c.tag for c in log if c.tag.startswith("transformer.h.0.")]
-    say(f"layer 0: {sum('forward' in t for t in layer0)} forward and {sum('backward' in t for t in layer0)} "
-        f"backward collectives; {len(log)} in all, {sum(c.nbytes for c in log) / 1024:.1f} KiB")
+    say("\ncollectives on rank 0 for one forward + backward, in the order they ran, each with the operator\n"
+        "that issued it and the layer it ran in:")
+    say("\n".join(f"  {c.op:16s} {PAPER_NAMES.get(c.operator, c.operator):6s} {c.where:44s} {str(c.shape):14s} "
+                   f"{c.nbytes / 1024:7.1f} KiB" for c in log))
+    layer0 = [c for c in log if c.module.startswith("transformer.h.0.")]
+    say(f"layer 0: {sum(c.direction == 'forward' for c in layer0)} forward and "
+        f"{sum(c.direction == 'backward' for c in layer0)} backward collectives; {len(log)} in all, "
+        f"{sum(c.nbytes for c in log) / 1024:.1f} KiB")
     say("  sequence parallelism turns each all-reduce of f and g into an all-gather and a reduce-\n"
         "  scatter (the bytes of 2 all-reduces; Korthikanti 4.2.2); the other backward ones sum the\n"
         "  gradients of the replicated LayerNorms and biases, each rank having seen T/tp tokens" if sp
@@ -73,20 +81,6 @@ def checksum(module):
 # 02 and 03
 
 
-def serial_reference(pipeline, env, cfg, args, m):
-    """What every demo compares against: the batch cut into m microbatches, the full float64
-    weights, and the serial model's loss and gradients on that batch."""
-    tensor_parallel = pipeline.tensor_parallel
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
-    serial.load_full_state_dict(full)
-    loss = serial(idx, targets)[1]
-    loss.backward()
-    return pipeline.split_batch(idx, targets, m), full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
-
-
 @dataclass
 class RankFigures:
     """One rank's figures from a demo step, gathered to every rank as numbers (no pickling)."""
@@ -98,48 +92,30 @@ class RankFigures:
     bytes_sent: int
 
 
-def run_and_compare(pipeline, env, cfg, schedule, ref, embed_group):
-    """One step of `schedule` (every rank's list) from the reference's weights, twice (outputs
-    deallocated, then kept); every rank's RankFigures."""
-    microbatches, full, ref_loss, ref_grads = ref
-    max_rel_diff = pipeline.tensor_parallel.max_rel_diff
-
-    def step(deallocate):
-        chunks = pipeline.build_chunks(cfg, len(schedule), env.rank, pipeline.n_chunks(schedule[env.rank]),
-                                       init=False, dtype=torch.float64, device=env.device)
-        for c in chunks:
-            c.load_full_state_dict(full)
-        dist.barrier()
-        res = pipeline.execute(schedule[env.rank], chunks, dist.group.WORLD, microbatches,
-                               (*microbatches[0][0].shape, cfg.n_embd), deallocate=deallocate)
-        pipeline.sync_tied_embeddings(chunks, embed_group)
-        return chunks, res
-
-    chunks, res = step(deallocate=True)
-    diffs = [max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
-    diffs += [max_rel_diff(res.loss, ref_loss)] if res.loss is not None else []
-    kept = step(deallocate=False)[1]
-    flat = [max(diffs), res.peak_activation_bytes, kept.peak_activation_bytes, res.messages, res.bytes_sent]
-    flat += [t for s, e, _ in res.events for t in (s, e)]  # the i-th event is the i-th action of the list
+def gather_figures(env, schedule, worst, result, kept):
+    """Every rank's RankFigures from its own: `result` and `kept` are 02's StepResults of one step
+    with outputs deallocated and kept."""
+    flat = [worst, result.peak_activation_bytes, kept.peak_activation_bytes, result.messages, result.bytes_sent]
+    flat += [t for s, e, _ in result.events for t in (s, e)]  # the i-th event is the i-th action of the list
     return [RankFigures(row[0], [(row[5 + 2 * i], row[6 + 2 * i], a) for i, a in enumerate(schedule[r])],
                         *(int(x) for x in row[1:5]))
             for r, row in enumerate(gather_numbers(flat, device=env.device))]
 
 
-def check_and_report(pipeline, env, cfg, name, schedule, ref, embed_group, say, t_f=1, t_b=2, end=None,
-                     width=100):
-    """Run `schedule`, compare with the serial reference, and print its timelines, bubble, memory
-    and traffic. Returns (ok, the simulation, every rank's RankFigures)."""
-    pp, m, v = len(schedule), len(ref[0]), pipeline.n_chunks(schedule[0])
-    ranks = run_and_compare(pipeline, env, cfg, schedule, ref, embed_group)
-    worst, sim, formula = max(r.worst for r in ranks), pipeline.simulate(schedule, pp, t_f, t_b), Fraction(pp - 1, v * m)
+def report_pipeline(env, name, schedule, sim, worst, result, kept, render, say, t_f=1, t_b=2, end=None, width=100):
+    """Print one schedule's run: its simulated and measured timelines, bubble, memory, traffic and
+    difference from serial. sim: 02's simulate() of `schedule`; render: 02's render. Collective:
+    every rank calls it. Returns (ok, sim, every rank's RankFigures)."""
+    pp, m, v = len(schedule), sum(a.kind == "F" and a.chunk == 0 for a in schedule[0]), 1 + max(a.chunk for a in schedule[0])
+    ranks = gather_figures(env, schedule, worst, result, kept)
+    worst, formula = max(r.worst for r in ranks), Fraction(pp - 1, v * m)
     busy = sum(e - s for r in ranks for s, e, _ in r.events)
     span = max(r.events[-1][1] for r in ranks) - min(r.events[0][0] for r in ranks)
     say(f"\n=== {name}: pp={pp} v={v} m={m} ===")
-    say(f"simulated timeline (t_f={t_f}, t_b={t_b} per chunk):\n{pipeline.render(sim.timeline, width, end)}")
+    say(f"simulated timeline (t_f={t_f}, t_b={t_b} per chunk):\n{render(sim.timeline, width, end)}")
     say(f"bubble: simulated {sim.bubble} = {float(sim.bubble):.4f}, formula (pp-1)/(v m) = {formula}"
         f"  {'(equal)' if sim.bubble == formula else '(DIFFERENT)'}")
-    say(f"measured timeline (this run):\n{pipeline.render([r.events for r in ranks])}\n"
+    say(f"measured timeline (this run):\n{render([r.events for r in ranks])}\n"
         f"measured idle / busy: {(pp * span - busy) / busy:.3f}")
     if env.device.type == "cpu":
         say(f"  not the simulated {float(sim.bubble):.3f}: the simulator gives every rank a device of "

@@ -60,7 +60,7 @@ def summary(run, spec, flops, n_train, n_eval, say):
     sim = pipeline.simulate([interleaved.interleaved(tc.pp, tc.microbatches, s, tc.virtual_stages)
                          for s in range(tc.pp)], tc.pp)
     on = lambda flag: "on" if flag else "off"  # noqa: E731
-    graphs = {None: "off", "stage": "per stage and microbatch", "step": "whole step"}[run.graph_mode]
+    graphs = {None: "off", "stage": "per stage and microbatch", "step": "whole step"}[getattr(run.forward_backward, "mode", None)]
     data = tc.data or "the built-in corpus"
     say(f"model     GPT-2: {cfg.n_layer} layers, {cfg.n_head} heads, C={cfg.n_embd}, V={cfg.vocab_size}, "
         f"block {cfg.block_size}, dropout {cfg.dropout:g}; {params_exact(spec):,} parameters"
@@ -72,7 +72,7 @@ def summary(run, spec, flops, n_train, n_eval, say):
         f"m={tc.microbatches} microbatches of b={run.act_shape[0]}; "
         f"{'ZeRO-1' if tc.zero1 else 'data parallel'}; scatter/gather {on(run.wire)}, "
         f"sequence parallel {on(tc.sequence_parallel)}, recompute {tc.recompute}")
-    say(f"device    {run.dtype} on {env.device.type} ({dist.get_backend()}); kernels: {run.ops.name}; "
+    say(f"device    {run.dtype} on {env.device.type} ({dist.get_backend()}); kernels: {run.ops.name if run.ops else 'pytorch'}; "
         f"CUDA graphs: {graphs}")
     say(f"training  {tc.steps} steps of B={tc.batch_size} x T={tc.seq_len} = "
         f"{tc.batch_size * tc.seq_len:,} tokens; AdamW lr {tc.lr:g} -> {tc.min_lr:g} (warmup "
@@ -118,19 +118,16 @@ def report(run, out, wall, say):
 def sum_probe(run, forward_only):
     """How many of the 100 single-digit sums greedy decoding gets right, split into the sums the
     built-in corpus states and the held-out ones it never does: [right, of, right, of]. 05's
-    forward_only(run, idx, targets, call) runs the pipeline; the last stage reads its logits
-    through the executor's call hook, and the counts are summed over the world."""
+    forward_only(run, idx, targets, chunks) runs the pipeline; the last stage's chunk is wrapped to
+    read its logits, and the counts are summed over the world."""
     tc, dp_rank = run.tc, dist.get_rank(run.groups.dp)
     counts = torch.zeros(4, dtype=torch.float64, device=run.env.device)  # seen right/of, held right/of
     rows_per_mb = tc.batch_size // (tc.dp * tc.microbatches)
     for idx, targets, pairs in probe_batches(tc.seq_len, tc.batch_size):
         mine = pairs[dp_rank * (tc.batch_size // tc.dp):(dp_rank + 1) * (tc.batch_size // tc.dp)]
 
-        def call(c, mb, x, tgt):
-            out = run.chunks[c](x, tgt)
-            if tgt is None:
-                return out
-            logits = run.chunks[c].full_logits(out[0])  # (b, T, V): every tp rank holds all of it
+        def score(chunk, mb, out, tgt):
+            logits = chunk.full_logits(out[0])  # (b, T, V): every tp rank holds all of it
             scored = tgt != -100
             right = ((logits.argmax(-1) == tgt) | ~scored).all(-1)  # (b,): every scored token right
             if dist.get_rank(run.groups.tp) == 0:
@@ -139,12 +136,26 @@ def sum_probe(run, forward_only):
                         k = 2 if held_out(*pair) else 0
                         counts[k] += ok
                         counts[k + 1] += 1
-            return out
 
         rows = slice(dp_rank * tc.batch_size // tc.dp, (dp_rank + 1) * tc.batch_size // tc.dp)
-        forward_only(run, idx[rows], targets[rows], call=call)  # this replica's rows
+        forward_only(run, idx[rows], targets[rows], [_Scored(c, score) for c in run.chunks])  # this replica's rows
     dist.all_reduce(counts)
     return [int(x) for x in counts.tolist()]
+
+
+class _Scored(torch.nn.Module):
+    """A chunk whose forwards with targets (the last stage's, in microbatch order) are scored."""
+
+    def __init__(self, chunk, score):
+        super().__init__()
+        self.chunk, self.score, self.mb = chunk, score, 0
+
+    def forward(self, x, targets=None):
+        out = self.chunk(x, targets)
+        if targets is not None:
+            self.score(self.chunk, self.mb, out, targets)
+            self.mb += 1
+        return out
 
 
 class Progress:

@@ -1,14 +1,16 @@
 """Traces: every collective as it runs, and timelines as Chrome trace JSON, which chrome://tracing
 and ui.perfetto.dev open offline (Perfetto runs in the browser and uploads nothing).
 
-    with trace_comm() as log:  ...   every collective 01 runs in the block, as a Collective
+    with trace_comm(model) as log:  ...   every collective run in the block, as a Collective,
+                                         named by the layer of model that ran it
     write_chrome_trace(path, [(process, [(track, [(start_s, end_s, name, category)])])])
     write_timelines(path, {name: per-rank [(start, end, action)]})   02's and 03's schedules
     StepTrace        one training step's timeline on this rank (05's --trace): compute, waits for
                      point-to-point messages, collectives and data-parallel buckets, each a span
 """
-import contextlib
 import json
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,53 +21,131 @@ import torch.distributed as dist
 from plumbing.launch import gather_json
 
 # ----------------------------------------------------------------------------------------------
-# Collectives: 01 runs each one inside recorded(), which logs it while trace_comm() is on.
+# Collectives, observed from outside: while trace_comm() is on, torch.distributed's collectives are
+# wrapped so that each call is logged, and module hooks say which layer ran it, forward or backward.
+# Nothing in the numbered files names its collectives: they call torch.distributed as they would.
 
-_log, _clock = None, time.perf_counter  # the list trace_comm() fills, and how it reads the time
+_PATCHED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+            "reduce_scatter_single")
 
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective as trace_comm() saw it; the tag names the layer and forward or backward."""
-    op: str
-    tag: str
-    shape: tuple
-    nbytes: int
-    start: float  # the clock before and after it
+    """One collective as trace_comm() saw it."""
+    op: str  # "all-reduce", "all-reduce (max)", "all-gather" or "reduce-scatter"
+    module: str  # the innermost traced module running it ("" outside them)
+    direction: str  # "forward" or "backward"
+    operator: str  # the class whose code issued it: CopyToTP (f), ReduceFromTP (g), ...
+    shape: tuple  # this rank's tensor: the reduced one, or the shard gathered or scattered
+    nbytes: int  # the whole tensor's bytes: the reduced one, or the gathered / scattered one
+    start: float  # the clock at the call, and when it was done (an async one: at its wait())
     end: float
+
+    @property
+    def where(self):
+        return f"{self.module or '(model)'} {self.direction}".strip()
 
 
 @contextmanager
-def trace_comm(clock=time.perf_counter):
-    """Record every collective of 01 as a Collective while the block runs. clock reads the time
-    (05's --trace passes its StepTrace's: on a GPU, CUDA events, so spans are device time)."""
-    global _log, _clock
-    _log, _clock = [], clock
+def trace_comm(*modules, clock=time.perf_counter, groups=None):
+    """Record each collective torch.distributed runs in the block as a Collective (a list, yielded),
+    named by the innermost of `modules`' submodules running it. groups: record only those on these
+    process groups (None: all). clock reads the time (05's --trace passes its StepTrace's: on a GPU,
+    CUDA events, so spans are device time)."""
+    log, stack, hooks, originals = [], [], [], {}
+
+    def push(name, direction):
+        return lambda *_: stack.append((name, direction))
+
+    def pop(name, direction):
+        def hook(*_):
+            if (name, direction) in stack:  # the last such entry, wherever it is
+                del stack[len(stack) - 1 - stack[::-1].index((name, direction))]
+        return hook
+
+    for root in modules:
+        for name, m in root.named_modules():
+            hooks += [m.register_forward_pre_hook(push(name, "forward")),
+                      m.register_forward_hook(pop(name, "forward")),
+                      m.register_full_backward_pre_hook(push(name, "backward")),
+                      m.register_full_backward_hook(pop(name, "backward"))]
+
+    def wrap(fn_name, fn):
+        def traced(*args, **kwargs):
+            group, async_op = kwargs.get("group"), kwargs.get("async_op", False)
+            if getattr(_local, "inside", False) or (groups is not None and group not in groups):
+                return fn(*args, **kwargs)
+            op, shape, nbytes = _describe(fn_name, args, kwargs)
+            operator, direction = _issuer()
+            module, stacked = stack[-1] if stack else ("", "")
+            start, _local.inside = clock(), True
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                _local.inside = False
+            entry = dict(op=op, module=module, direction=direction or stacked, operator=operator,
+                         shape=shape, nbytes=nbytes, start=start)
+            if async_op:
+                return _TracedWork(work, log, entry, clock)
+            log.append(Collective(**entry, end=clock()))
+            return work
+        return traced
+
+    for fn_name in _PATCHED:
+        if hasattr(dist, fn_name):
+            originals[fn_name] = getattr(dist, fn_name)
+            setattr(dist, fn_name, wrap(fn_name, originals[fn_name]))
     try:
-        yield _log
+        yield log
     finally:
-        _log, _clock = None, time.perf_counter
+        for fn_name, fn in originals.items():
+            setattr(dist, fn_name, fn)
+        for h in hooks:
+            h.remove()
 
 
-def recorded(op, x, tag):
-    """Around one collective on tensor x: logged, with its bytes and times, while trace_comm() is
-    on. Off, it costs one comparison: 01 wraps every collective in it, on the hot path."""
-    return _OFF if _log is None else _Recorder(op, x, tag)
+_local = threading.local()  # inside a traced call: a collective it calls is part of it, not another
 
 
-class _Recorder:
-    def __init__(self, op, x, tag):
-        self.op, self.x, self.tag = op, x, tag
+def _describe(fn_name, args, kwargs):
+    """(op, this rank's shape, the whole tensor's bytes) of a call of torch.distributed.fn_name."""
+    if fn_name == "all_reduce":
+        x = args[0]
+        op = kwargs.get("op", dist.ReduceOp.SUM)
+        return "all-reduce" + (" (max)" if op == dist.ReduceOp.MAX else ""), tuple(x.shape), x.numel() * x.element_size()
+    out, x = args[0], args[1]
+    if "gather" in fn_name:  # x: this rank's shard; out: every rank's, stacked along dim 0
+        return "all-gather", tuple(x.shape), out.numel() * out.element_size()
+    return "reduce-scatter", tuple(out.shape), x.numel() * x.element_size()
 
-    def __enter__(self):
-        self.start = _clock()
 
-    def __exit__(self, *exc):
-        x = self.x
-        _log.append(Collective(self.op, self.tag, tuple(x.shape), x.numel() * x.element_size(), self.start, _clock()))
+def _issuer():
+    """(class, "forward" / "backward" / "") of the nearest caller that is a method of a class
+    (CopyToTP.backward, ReduceFromTP.forward, ScatterGather.unpack, ...), skipping module-level helpers."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        parts = frame.f_code.co_qualname.split(".")
+        if len(parts) >= 2 and "<locals>" not in parts and frame.f_code.co_filename != __file__:
+            return parts[-2], parts[-1] if parts[-1] in ("forward", "backward") else ""
+        frame = frame.f_back
+    return "", ""
 
 
-_OFF = contextlib.nullcontext()
+class _TracedWork:
+    """An async collective's work: logged, from its launch, when it is waited for."""
+
+    def __init__(self, work, log, entry, clock):
+        self.work, self.log, self.entry, self.clock, self.logged = work, log, entry, clock, False
+
+    def wait(self, *args):
+        out = self.work.wait(*args)
+        if not self.logged:
+            self.log.append(Collective(**self.entry, end=self.clock()))
+            self.logged = True
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,7 +222,7 @@ class StepTrace:
                         "dp collective") for kind, i, t in buckets if kind == "launch"]
         self.spans += [(s, e, str(a), "compute") for s, e, a in result.events]
         self.spans += [(s, e, f"p2p exchange ({n} ops)", "p2p wait") for s, e, n in result.waits]
-        self.spans += [(c.start - self.t0, c.end - self.t0, f"{c.op} {c.tag}", "tp collective")
+        self.spans += [(c.start - self.t0, c.end - self.t0, f"{c.op} {c.operator} {c.where}", "tp collective")
                        for c in collectives]
 
     def write(self, path, title, track_names, group=None):

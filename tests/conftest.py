@@ -204,6 +204,11 @@ def pipeline_batch(m, rows_per_mb=2, T=16, seed=3):
     return idx, targets
 
 
+def exchange(background_sends):
+    """02's boundary exchange: BackgroundSends (the optimization 05 turns on), or the plain one."""
+    return pipeline.BackgroundSends() if background_sends else pipeline.Exchange()
+
+
 def pipeline_train(env, make_schedule, m, steps, v=1, cfg=PIPELINE_CFG):
     """Train `steps` AdamW steps through the pipeline and the serial model side by side."""
     pp = env.world_size

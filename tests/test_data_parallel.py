@@ -81,12 +81,12 @@ def _held_and_overlapped(env, args, batches):
     ref_losses, ref_params = data_parallel.serial_training(CFG, args, full, batches)
     model = tensor_parallel.GPT(CFG, None, init=False, dtype=torch.float64)
     model.load_full_state_dict(full)
-    ddp = data_parallel.BucketedDDP(model.parameters(), group, args.bucket_numel, zero=True,
+    ddp = data_parallel.PipelineDDP(model.parameters(), group, args.bucket_numel, 1, zero=True,
                                     hold=[model.transformer.wte.weight])
-    opt = data_parallel.FlatAdamW(ddp, lr=args.lr, weight_decay=0.1, overlap_gather=True)
-    opt.gather_before_forward(model, [p for n, p in model.named_parameters() if ".h." not in n])
+    opt = data_parallel.OverlappedGather(ddp, lr=args.lr, weight_decay=0.1)
+    opt.wait_before_forward(model, [p for n, p in model.named_parameters() if ".h." not in n])
     for block in model.transformer.h.values():
-        opt.gather_before_forward(block, list(block.parameters()))
+        opt.wait_before_forward(block, list(block.parameters()))
     diffs, during_backward, in_flight = [], [], []
     for (idx, targets), ref_loss in zip(batches, ref_losses):
         loss = model(*data_parallel.shard_batch(idx, targets, dp, env.rank))[1]
@@ -96,7 +96,7 @@ def _held_and_overlapped(env, args, batches):
         opt.step()
         in_flight.append(len(opt.gathers))
         ddp.zero_grad()
-        mean = tensor_parallel.all_reduce(loss.detach(), group, "loss") / dp
+        mean = tensor_parallel.all_reduce(loss.detach(), group) / dp
         diffs.append(tensor_parallel.max_rel_diff(mean, torch.tensor(ref_loss, dtype=torch.float64)))
     opt.wait_gather()  # the last step's weights, before reading them
     diffs += [tensor_parallel.max_rel_diff(p.detach(), ref_params[n].detach()) for n, p in model.named_parameters()]

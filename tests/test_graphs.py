@@ -7,6 +7,7 @@ replays the very kernels eager ran, so 1e-6 relative on the loss (in practice eq
 kernels' fp32 results differ from PyTorch's by ~1e-6 per op (other summation orders, tanhf/expf),
 which AdamW carries through 6 steps to ~1e-5, so 1e-4 relative on the loss trajectory.
 """
+import dataclasses
 import json
 import subprocess
 import sys
@@ -62,42 +63,105 @@ def test_interleaved_slots_never_give_two_in_flight_microbatches_one_copy(pp, m,
 
 
 # ----------------------------------------------------------------------------------------------
-# The replay path through the executor, with capture replaced by the plain module (CPU).
+# The replay path through the executor, on CPU, with a stand-in for torch.cuda.make_graphed_callables
+# that keeps the semantics a wrong buffer plan would break: the sample tensors it is given ARE the
+# graph's static inputs; each call copies its inputs into them and computes from them, and the
+# backward reads what the forward saved, which still points into them. (torch's capture does the
+# same: a replay's copy into the static input is no autograd operation, so nothing notices a later
+# replay overwriting an input that an earlier microbatch's backward still needs; neither does this.)
 
 
-def _stage_graphs_match_eager(env, sched_name):
+def faithful_make_graphed_callables(module, sample_args):
+    static, params = sample_args, tuple(module.parameters())
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs_and_params):
+            inputs = inputs_and_params[:len(static)]
+            for buffer, x in zip(static, inputs):
+                buffer.data.copy_(x)  # into the static input: .data, so no version counter sees it
+            with torch.enable_grad():
+                leaves = [b.detach().requires_grad_(b.requires_grad) for b in static]  # b's storage
+                out = module(*leaves)
+            ctx.leaves, ctx.out = leaves, out
+            return out.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            wrt = [x for x in ctx.leaves if x.requires_grad] + list(params)
+            got = iter(torch.autograd.grad(ctx.out, wrt, grad, allow_unused=True))
+            return tuple(next(got) if x.requires_grad else None for x in ctx.leaves) + tuple(got)
+
+    return lambda *inputs: Replay.apply(*inputs, *params)
+
+
+def _graph_step(env, v, m, sched_name, graphed):
+    """One step of this rank's list through the executor, eager or through StageGraphs' chunks."""
     pp, rank = env.world_size, env.rank
     torch.manual_seed(0)
-    micro = pipeline.split_batch(torch.randint(97, (8, 16)), torch.randint(97, (8, 16)), 4)
-    full = tensor_parallel.init_state_dict(CFG, 3, dtype=torch.float64, random_all=True)
-    results = []
-    for graphed in (False, True):
-        chunks = pipeline.build_chunks(CFG, pp, rank, 1, None, init=False, dtype=torch.float64)
-        for c in chunks:
-            c.load_full_state_dict(full)
-        actions = pipeline.SCHEDULES[sched_name](pp, 4, rank)
-        call = None
-        if graphed:  # the stand-in "capture" returns the wrapper itself: replays are plain calls
-            real, torch.cuda.make_graphed_callables = torch.cuda.make_graphed_callables, lambda mod, args: mod
-            try:
-                x = micro[0][0] if rank == 0 else torch.randn(2, 16, 16, dtype=torch.float64, requires_grad=True)
-                sg = graphs.StageGraphs(chunks, actions, 0 if rank == pp - 1 else None, {0: (x, micro[0][1])})
-            finally:
-                torch.cuda.make_graphed_callables = real
-            call = sg.call
-            assert sg.captured == graphs.slots(actions)[1][0]
-        res = pipeline.execute(actions, chunks, dist.group.WORLD, micro, (2, 16, 16), call=call, deallocate=not graphed)
-        results.append((None if res.loss is None else float(res.loss),
-                        {n: p.grad.clone() for n, p in chunks[0].named_parameters()}))
-    return results
+    micro = pipeline.split_batch(torch.randint(97, (2 * m, 16)), torch.randint(97, (2 * m, 16)), m)
+    cfg = dataclasses.replace(CFG, n_layer=pp * v)  # a layer per chunk
+    full = tensor_parallel.init_state_dict(cfg, 3, dtype=torch.float64, random_all=True)
+    chunks = pipeline.build_chunks(cfg, pp, rank, v, None, init=False, dtype=torch.float64)
+    for c in chunks:
+        c.load_full_state_dict(full)
+    actions = interleaved.interleaved(pp, m, rank, v) if sched_name == "interleaved" else \
+        pipeline.SCHEDULES[sched_name](pp, m, rank)
+    run_chunks, captured = chunks, None
+    if graphed:
+        real, torch.cuda.make_graphed_callables = torch.cuda.make_graphed_callables, faithful_make_graphed_callables
+        try:
+            samples = {c: (micro[0][0] if c == 0 and rank == 0 else
+                           torch.randn(2, 16, 16, dtype=torch.float64, requires_grad=True), micro[0][1]) for c in range(v)}
+            sg = graphs.StageGraphs(chunks, actions, v - 1 if rank == pp - 1 else None, samples)
+        finally:
+            torch.cuda.make_graphed_callables = real
+        run_chunks, captured = sg.chunks, sg.captured
+        assert captured == sum(graphs.slots(actions)[1].values())
+    res = pipeline.execute(actions, run_chunks, dist.group.WORLD, micro, (2, 16, 16), deallocate=not graphed)
+    shared = max(graphs.slots(actions)[1].values()) > 1  # some chunk has two microbatches in flight
+    return (None if res.loss is None else float(res.loss),
+            {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}, shared)
 
 
-@pytest.mark.parametrize("sched_name", ["1f1b", "gpipe"])
-def test_replays_through_the_executor_give_the_eager_loss_and_gradients(run_ranks, sched_name):
-    for (loss_e, grads_e), (loss_g, grads_g) in run_ranks(_stage_graphs_match_eager, 2, sched_name):
+def _stage_graphs_match_eager(env, v, m, sched_name):
+    return [_graph_step(env, v, m, sched_name, graphed) for graphed in (False, True)]
+
+
+@pytest.mark.parametrize("pp,v,m,sched_name", [(2, 1, 4, "1f1b"), (2, 1, 4, "gpipe"), (3, 1, 4, "1f1b"),
+                                               (1, 4, 4, "interleaved"), (2, 2, 4, "interleaved")])
+def test_replays_through_the_executor_give_the_eager_loss_and_gradients_with_shared_slots(run_ranks, pp, v, m,
+                                                                                            sched_name):
+    # Stages whose chunks take an activation and hold two or more microbatches in flight (1F1B at
+    # pp >= 3 on its middle stages, pp = 2 with v = 2, pp = 1 with v = 4) read their inputs back in
+    # backward: with one static input shared by a chunk's slots, the later forward's input replaces the
+    # earlier one's and ln_1's gradients, then every upstream gradient, come out wrong (O(1)).
+    results = run_ranks(_stage_graphs_match_eager, pp, v, m, sched_name)
+    assert any(shared for (_, _, shared), _ in results)
+    for (loss_e, grads_e, _), (loss_g, grads_g, _) in results:
         assert loss_e == loss_g
         for n in grads_e:
             assert tensor_parallel.max_rel_diff(grads_g[n], grads_e[n]) <= 1e-12, n
+
+
+def _train_graphed(env, graphed, steps=3):
+    """05's trainer at pp = 2, v = 2 (a layout with shared slots), its stage graphs captured by the
+    faithful stand-in (graphed) or not: the losses of `steps` steps."""
+    gpt3d = load("05_3d_gpt")
+    tc = gpt3d.TrainConfig(tp=1, pp=2, dp=1, virtual_stages=2, batch_size=8, microbatches=4, seq_len=16, steps=steps,
+                           lr=1e-2, dtype="float64", eval_every=0, bucket_numel=500, timeout_s=30)
+    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, 1, 1, 2))
+    run = gpt3d.build(env, CFG, tc, groups)
+    if graphed:
+        run.forward_backward = graphs.Graphed("stage", gpt3d.forward_backward, pipeline.StepResult)
+    torch.cuda.make_graphed_callables = faithful_make_graphed_callables  # this forked rank only
+    gen = torch.Generator().manual_seed(1)
+    return [gpt3d.train_step(run, *torch.randint(97, (2, 8, 16), generator=gen), 1e-2)[0] for _ in range(steps)]
+
+
+def test_a_layout_with_shared_slots_trains_to_the_same_losses_with_and_without_stage_graphs(run_ranks):
+    eager, graphed = (run_ranks(_train_graphed, 2, g)[0] for g in (False, True))
+    assert tensor_parallel.max_rel_diff(torch.tensor(graphed), torch.tensor(eager)) <= 1e-12, (eager, graphed)
 
 
 # ----------------------------------------------------------------------------------------------

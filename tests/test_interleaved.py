@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from conftest import PIPELINE_CFG, TOL, load, pipeline_train, run_script
+from conftest import exchange, PIPELINE_CFG, TOL, load, pipeline_train, run_script
 
 tensor_parallel = load("01_tensor_parallel")
 pipeline = load("02_pipeline_1f1b")
@@ -72,8 +72,8 @@ def test_rank_r_holds_chunks_r_r_plus_pp_and_so_on():
 
 
 def train_with(env, background_sends, *args):
-    """conftest's pipeline_train with execute(background_sends=...), patched in this forked rank only."""
-    pipeline.execute = functools.partial(pipeline.execute, background_sends=background_sends)
+    """conftest's pipeline_train with execute(exchange=...), patched in this forked rank only."""
+    pipeline.execute = functools.partial(pipeline.execute, exchange=exchange(background_sends))
     return pipeline_train(env, *args)
 
 

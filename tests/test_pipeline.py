@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PIPELINE_CFG, TOL, load, pipeline_batch, pipeline_train, run_script
+from conftest import exchange, PIPELINE_CFG, TOL, load, pipeline_batch, pipeline_train, run_script
 from plumbing.trace import write_timelines
 
 tensor_parallel = load("01_tensor_parallel")
@@ -103,9 +103,9 @@ def test_timelines_draw_and_trace(tmp_path):
 
 
 def train_with(env, background_sends, *args):
-    """conftest's pipeline_train with execute(background_sends=...): patched in this rank's own
+    """conftest's pipeline_train with execute(exchange=...): patched in this rank's own
     (forked) process, so nothing outside the test sees it."""
-    pipeline.execute = functools.partial(pipeline.execute, background_sends=background_sends)
+    pipeline.execute = functools.partial(pipeline.execute, exchange=exchange(background_sends))
     return pipeline_train(env, *args)
 
 
@@ -160,7 +160,7 @@ def _send_waits(env, name, m, background_sends):
         c.register_forward_pre_hook(lambda module, args: log.append(("run",)))
     idx, targets = pipeline_batch(m)
     pipeline.execute(lists(name, env.world_size, m)[env.rank], chunks, dist.group.WORLD,
-                     pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), background_sends=background_sends)
+                     pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), exchange=exchange(background_sends))
     return log, intact
 
 
@@ -194,7 +194,7 @@ def _memory(env, name, m, deallocate, background_sends):
     idx, targets = pipeline_batch(m)
     res = pipeline.execute(lists(name, env.world_size, m)[env.rank], chunks, torch.distributed.group.WORLD,
                            pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), deallocate=deallocate,
-                           background_sends=background_sends)
+                           exchange=exchange(background_sends))
     return res.peak_activation_bytes
 
 

@@ -4,10 +4,10 @@ Tolerance: everything runs in float64 and is compared as max|a - b| / max|b| <= 
 a matmul or a sum across ranks only reorders additions, which costs a few float64 ulps (~1e-15)
 per reduction; a real bug (a bias added tp times, a wrong shard, a missing all-reduce) is O(1).
 Weights, biases, LayerNorm parameters and inputs are all random, never zeros or ones, so that
-such bugs cannot hide. The two communication switches (overlap_input_grad: the column-parallel
-backward's asynchronous all-reduce; merge_loss_reductions: the cross-entropy's two all-reduces
-instead of three) change when and how the same sums travel, never what is summed: the same
-tolerance holds with each on and off, and a reduction lost or waited for too late is O(1).
+such bugs cannot hide. The two optimizations that optimize() turns on (overlap_input_grad: the
+column-parallel backward's asynchronous all-reduce; merge_loss_reductions: the cross-entropy's two
+all-reduces instead of three) change when and how the same sums travel, never what is summed: the
+same tolerance holds with each on and off, and a reduction lost or waited for too late is O(1).
 """
 import pytest
 import torch
@@ -69,11 +69,8 @@ def _local(t, layout, sp, tp, rank):
 
 
 def set_overlap(module, on):
-    """overlap_input_grad on every column-parallel layer inside module (GPT sets it this way too)."""
-    for m in module.modules():
-        if isinstance(m, tensor_parallel.ColumnParallelLinear):
-            m.overlap_input_grad = on
-    return module
+    """overlap_input_grad on every column-parallel layer inside module (optimize(), as 05 does)."""
+    return tensor_parallel.optimize(module, overlap_input_grad=on, merge_loss_reductions=False)
 
 
 def _compare_blocks(env, tp, overlap):
@@ -174,8 +171,9 @@ def _cross_entropy(env, V, ignore_index, merge):
     padded = torch.cat([full, torch.full((N, V_pad - V), 1e4, dtype=F64)], 1)  # poison the padding
     local = padded.chunk(tp, 1)[r].clone().requires_grad_()
     with trace_comm() as log:
+        sums = tensor_parallel.merged_sums if merge else tensor_parallel.sum_each
         loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index,
-                                                            merge=merge)
+                                                            sums=sums)
     dloss = 0.7  # a non-unit upstream gradient
     loss.backward(torch.tensor(dloss, dtype=F64))
     ref_in = full.clone().requires_grad_()
@@ -183,7 +181,7 @@ def _cross_entropy(env, V, ignore_index, merge):
     ref.backward(torch.tensor(dloss, dtype=F64))
     ref_grad = torch.cat([ref_in.grad, torch.zeros(N, V_pad - V, dtype=F64)], 1).chunk(tp, 1)[r]
     return rel(loss.detach(), ref.detach()), rel(local.grad, ref_grad), local.grad, V_pad, \
-        [(c.op, c.tag, c.shape) for c in log]
+        [(c.op, c.operator, c.shape) for c in log]
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["2-all-reduces", "3-all-reduces"])
@@ -194,9 +192,9 @@ def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_with_padding_and_ig
     N = 24
     # The max has its own all-reduce (MAX); the target logits and the sums of exponentials share
     # one of (2, N) when merged, else one each. None at tp=1.
-    want = [] if tp == 1 else [("all-reduce", "loss max", (N,))] + (
-        [("all-reduce", "loss target logit, sum exp", (2, N))] if merge else
-        [("all-reduce", "loss target logit", (N,)), ("all-reduce", "loss sum exp", (N,))])
+    ce = "_VocabParallelCrossEntropy"
+    want = [] if tp == 1 else [("all-reduce (max)", ce, (N,))] + (
+        [("all-reduce", ce, (2, N))] if merge else [("all-reduce", ce, (N,)), ("all-reduce", ce, (N,))])
     for r, (dloss, dgrad, grad, V_pad, log) in enumerate(run_ranks(_cross_entropy, tp, V, ignore_index, merge)):
         assert log == want
         assert dloss <= TOL and dgrad <= TOL, (r, dloss, dgrad)
@@ -297,7 +295,8 @@ def _whole_model(env, sp, switches, steps):
     group, tp, r = env_group(env)
     full = tensor_parallel.init_state_dict(CFG, 4, dtype=F64, random_all=True)
     serial = tensor_parallel.GPT(CFG, None, init=False, dtype=F64)
-    model = tensor_parallel.GPT(CFG, group, sequence_parallel=sp, init=False, dtype=F64, **switches)
+    model = tensor_parallel.optimize(tensor_parallel.GPT(CFG, group, sequence_parallel=sp, init=False, dtype=F64),
+                                     **switches)
     serial.load_full_state_dict(full)
     model.load_full_state_dict(full)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (serial, model)]
@@ -324,11 +323,11 @@ def _whole_model(env, sp, switches, steps):
     return diffs
 
 
-SWITCHES = {"defaults": {}, "both-off": dict(overlap_input_grad=False, merge_loss_reductions=False),
+SWITCHES = {"optimized": {}, "plain": dict(overlap_input_grad=False, merge_loss_reductions=False),
             "overlap-off": dict(overlap_input_grad=False), "merge-off": dict(merge_loss_reductions=False)}
 
 
-@pytest.mark.parametrize("switches", ["defaults", "both-off"])
+@pytest.mark.parametrize("switches", ["optimized", "plain"])
 @pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tp_gpt2_equals_serial_gpt2_loss_grads_and_10_adamw_steps(run_ranks, tp, sp, switches):
@@ -367,12 +366,12 @@ class CountGemms(TorchDispatchMode):
 
 def _spans(env, sp, overlap):
     group, tp, r = env_group(env)
-    model = tensor_parallel.GPT(CFG, group, sequence_parallel=sp, dtype=F64, overlap_input_grad=overlap)
+    model = set_overlap(tensor_parallel.GPT(CFG, group, sequence_parallel=sp, dtype=F64), overlap)
     idx = torch.randint(CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
     gemms = CountGemms()
-    with gemms, trace_comm(clock=lambda: gemms.n) as log:  # a span's "time" is GEMMs run during it
+    with gemms, trace_comm(model, clock=lambda: gemms.n) as log:  # a span's "time" is GEMMs run during it
         model(idx, idx)[1].backward()
-    return [(c.op, c.tag, c.shape, c.end - c.start) for c in log]
+    return [(c.op, c.where, c.shape, c.end - c.start) for c in log]
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
@@ -392,34 +391,36 @@ def _replaced_f(env, overlap):
     group, tp, r = env_group(env)
     calls = []
 
-    def f(x, group, tag=""):  # a grader's stand-in for a student's copy_to_tp
-        calls.append(tag)
-        return original(x, group, tag)
+    def f(x, group):  # a grader's stand-in for a student's copy_to_tp
+        calls.append(tuple(x.shape))
+        return original(x, group)
 
     original, tensor_parallel.copy_to_tp = tensor_parallel.copy_to_tp, f  # in this forked rank only
-    model = tensor_parallel.GPT(CFG, group, dtype=F64, overlap_input_grad=overlap)
+    model = set_overlap(tensor_parallel.GPT(CFG, group, dtype=F64), overlap)
     idx = torch.randint(CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
     model(idx, idx)[1].backward()
     return calls
 
 
-def _old_cross_entropy(env):
+def _student_cross_entropy(env):
     group, tp, r = env_group(env)
+    calls = []
 
-    def ce(logits, target, group, n_vocab, ignore_index=-100, tag="loss"):  # no `merge`
-        return original(logits, target, group, n_vocab, ignore_index, tag)
+    def ce(logits, target, group, n_vocab, ignore_index=-100, sums=tensor_parallel.sum_each):  # 01's signature
+        calls.append(sums)
+        return original(logits, target, group, n_vocab, ignore_index, sums)
 
     original, tensor_parallel.vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy, ce
     model = tensor_parallel.GPT(CFG, group, dtype=F64)
     idx = torch.randint(CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
-    return model(idx, idx)[1].item()
+    return model(idx, idx)[1].item(), calls == [tensor_parallel.sum_each]
 
 
-def test_a_replaced_f_takes_effect_with_the_overlap_off_and_an_old_style_cross_entropy_still_fits(run_ranks):
-    # exercises/ grade a student's f by replacing copy_to_tp in the module: with the overlap off every
-    # column-parallel layer (2 per block, and the output layer) calls it; with the overlap on, none.
+def test_a_replaced_f_takes_effect_with_the_overlap_off_and_a_replaced_cross_entropy_is_called(run_ranks):
+    # exercises/ grade a student's f by replacing copy_to_tp in the module: in the paper's path (the
+    # default) every column-parallel layer (2 per block, and the output layer) calls it; with the
+    # overlap on, none does.
     off = run_ranks(_replaced_f, 2, False)[0]
-    assert sorted(off) == sorted([f"transformer.h.{i}.{m}" for i in range(CFG.n_layer)
-                                  for m in ("attn.c_attn", "mlp.c_fc")] + ["lm_head"])
+    assert off == [(3, 16, CFG.n_embd)] * (2 * CFG.n_layer + 1)
     assert run_ranks(_replaced_f, 2, True)[0] == []
-    assert all(loss > 0 for loss in run_ranks(_old_cross_entropy, 2))
+    assert all(loss > 0 and called for loss, called in run_ranks(_student_cross_entropy, 2))
