@@ -1,34 +1,46 @@
-"""The course's figures, computed from the simulator and from real CPU runs: text in the terminal
-always, and a PNG beside it when matplotlib is installed.
+"""The course's figures, computed from the simulator and from real CPU runs: text in the terminal,
+and an SVG of each, written by hand from Python (no plotting package), for slides and docs/DIAGRAMS.md.
 
-    python3 scripts/figures.py                      # every figure; PNGs in figures/ with matplotlib
-    python3 scripts/figures.py bubble memory        # some of them
-    python3 scripts/figures.py --out /tmp/figs      # PNGs elsewhere
-    python3 scripts/figures.py --no-png             # text only
+    python3 scripts/figures.py                       # every figure: text here, SVGs into docs/figures/
+    python3 scripts/figures.py bubble memory         # some of them
+    python3 scripts/figures.py --svg-dir /tmp/figs   # the SVGs elsewhere
+    python3 scripts/figures.py --no-svg              # text only
 
-The figures (docs/DIAGRAMS.md shows each and says what it means):
-    bubble   the pipeline bubble against m for v = 1, 2, 4 (pp = 4): 02's simulate() on 03's lists,
-             beside the formula (pp - 1)/(v m); exact fractions
-    memory   peak stored activation bytes per stage for GPipe, 1F1B and interleaved 1F1B, measured by
-             02's executor (its ActivationMeter) on pp = 4 CPU ranks
-    overlap  04's BucketedDDP on dp = 2 CPU ranks: backward, and each bucket's reduction, launched
-             during backward and seen done, on one time axis (a real run: the times vary)
-    grid     05's rank grid for tp = 2 x dp = 2 x pp = 2, drawn as stages of replicas of tp groups
-    zero     ZeRO-1's partition of the flat gradient buffer of a real BucketedDDP (dp = 4): which
-             rank keeps the optimizer state of which elements of each bucket
+The first command regenerates the committed docs/figures/*.svg, and tests/test_figures.py checks that
+they are byte for byte what this script writes today (all but overlap.svg, a timed run that differs
+every time: commit it again only when you mean to). The same calls give the same bytes: no
+timestamps, coordinates rounded to 2 decimals.
+
+The figures (docs/DIAGRAMS.md shows each and says what it means), each NAME drawn into NAME.svg:
+    f-and-g            f and g in the MLP and the attention block (01; Shoeybi et al. 2019, Figure 3)
+    sequence-parallel  LayerNorm and dropout on T/tp of the sequence, g-bar into the tensor-parallel
+                       region and g out of it (01; Korthikanti et al. 2022, Section 4.2.2)
+    grid               05's rank grid for tp = 2 x dp = 2 x pp = 2: its tp, dp and pp groups
+    schedules          1F1B and interleaved 1F1B (v = 2) on one time scale, pp = 4, m = 8: 02's
+                       simulate() on 02's and 03's lists (Narayanan et al. 2021, Figure 4)
+    bubble             the pipeline bubble against m for v = 1, 2, 4 (pp = 4): 02's simulate() on 03's
+                       lists, beside the formula (pp - 1)/(v m); exact fractions
+    memory             peak stored activation bytes per stage for GPipe, 1F1B and interleaved 1F1B,
+                       measured by 02's executor (its ActivationMeter) on pp = 4 CPU ranks
+    overlap            04's BucketedDDP on dp = 2 CPU ranks: backward, and each bucket's reduction,
+                       launched during backward and seen done, on one time axis (a real run: the
+                       times vary)
+    zero               ZeRO-1's partition of the flat gradient buffer of a real BucketedDDP (dp = 4):
+                       which rank keeps the optimizer state of which elements of each bucket
 The loss curve of a run is scripts/plot_metrics.py's (from 05's --metrics).
-
-Exit code 0; 1 with -o/--out given and a PNG asked for but matplotlib missing (text printed anyway).
 """
 import argparse
 import importlib
+import math
 import os
 import sys
 import textwrap
 import time
 from fractions import Fraction
+from xml.sax.saxutils import escape
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -41,6 +53,460 @@ pipeline = importlib.import_module("02_pipeline_1f1b")
 interleaved = importlib.import_module("03_interleaved")
 data_parallel = importlib.import_module("04_data_parallel")
 gpt3d = importlib.import_module("05_3d_gpt")
+
+SVG_DIR = os.path.join(ROOT, "docs", "figures")
+
+
+# ----------------------------------------------------------------------------------------------
+# SVG, written by hand: a few elements, the same bytes for the same calls
+
+
+WIDTH = 900  # px: every figure; a slide scales it
+FONT = "Helvetica, Arial, sans-serif"
+INK, GREY, RULE, PALE = "#222222", "#666666", "#bbbbbb", "#f2f2f2"
+# Okabe and Ito's palette, told apart with every common colour blindness.
+BLUE, SKY, ORANGE, VERMILLION, GREEN, PURPLE = "#0072B2", "#56B4E9", "#E69F00", "#D55E00", "#009E73", "#CC79A7"
+
+
+def num(x):
+    """A number as SVG text: at most 2 decimals, no trailing zeros, never '-0', so that the bytes
+    do not depend on float noise below a hundredth of a pixel."""
+    text = f"{float(x):.2f}".rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
+def text_width(text, size):
+    """About how wide `text` is at font size `size` (px), for laying out labels: 0.6 of the size a
+    letter, as in DejaVu Sans, a common fallback font (Helvetica and Arial are narrower)."""
+    return 0.6 * size * len(text)
+
+
+class Svg:
+    """One picture: a white page of `width` px with a title (also its <title>, which screen readers
+    and slide tools show) and an optional subtitle; height may be set once the layout is known."""
+
+    def __init__(self, title, subtitle="", width=WIDTH, height=600):
+        self.title, self.width, self.height = title, width, height
+        self.body, self.arrow_colours = [], []
+        self.text(width / 2, 30, title, size=19, anchor="middle", font_weight="bold")
+        if subtitle:
+            self.text(width / 2, 52, subtitle, size=13, anchor="middle", fill=GREY)
+
+    def element(self, tag, content=None, **attrs):
+        """<tag a="..."/>: a trailing _ in a name is dropped (class_), other _ become - (font_size)."""
+        parts = [tag]
+        for key, value in attrs.items():
+            if value is not None:
+                text = num(value) if isinstance(value, (int, float, Fraction)) else escape(str(value), {'"': "&quot;"})
+                parts.append(f'{key.rstrip("_").replace("_", "-")}="{text}"')
+        head = " ".join(parts)
+        self.body.append(f"<{head}/>" if content is None else f"<{head}>{escape(content)}</{tag}>")
+
+    def rect(self, x, y, w, h, fill="none", stroke=None, **attrs):
+        self.element("rect", x=x, y=y, width=w, height=h, fill=fill, stroke=stroke, **attrs)
+
+    def line(self, x1, y1, x2, y2, stroke=INK, **attrs):
+        self.element("line", x1=x1, y1=y1, x2=x2, y2=y2, stroke=stroke, **attrs)
+
+    def polyline(self, points, stroke=INK, **attrs):
+        self.element("polyline", points=" ".join(f"{num(x)},{num(y)}" for x, y in points), fill="none",
+                     stroke=stroke, **attrs)
+
+    def circle(self, cx, cy, r, fill=INK, **attrs):
+        self.element("circle", cx=cx, cy=cy, r=r, fill=fill, **attrs)
+
+    def text(self, x, y, text, size=13, anchor="start", fill=INK, **attrs):
+        """Text whose baseline is at y."""
+        self.element("text", text, x=x, y=y, font_size=size, text_anchor=anchor if anchor != "start" else None,
+                     fill=fill, **attrs)
+
+    def label(self, x, y, text, size=13, **attrs):
+        """Text centred vertically on y (a baseline a third of the size below it)."""
+        self.text(x, y + 0.35 * size, text, size=size, **attrs)
+
+    def arrow(self, x1, y1, x2, y2, colour=INK, width=1.5, both=False, **attrs):
+        """A line from (x1, y1) with an arrowhead at (x2, y2), and at (x1, y1) too if `both`."""
+        if colour not in self.arrow_colours:
+            self.arrow_colours.append(colour)
+        head = f"url(#arrow-{colour.lstrip('#')})"
+        self.line(x1, y1, x2, y2, stroke=colour, stroke_width=width, marker_start=head if both else None,
+                  marker_end=head, **attrs)
+
+    def box(self, x, y, w, h, lines, fill="white", stroke=INK, colour=INK, size=13, **attrs):
+        """A rounded box with lines of text centred in it; the first line in `size`, the rest smaller."""
+        self.rect(x, y, w, h, fill=fill, stroke=stroke, rx=5, stroke_width=1.2, **attrs)
+        sizes = [size] + [size - 2] * (len(lines) - 1)
+        top = y + h / 2 - (sum(sizes) * 1.25 - 0.25 * sizes[-1]) / 2
+        for text, s in zip(lines, sizes):
+            self.text(x + w / 2, top + s, text, size=s, anchor="middle", fill=colour)
+            top += s * 1.25
+
+    def swatch(self, x, y, fill, text, size=13, stroke=None):
+        """A legend entry: a small square of colour, then its text (y is the entry's middle)."""
+        self.rect(x, y - 7, 14, 14, fill=fill, stroke=stroke, rx=2)
+        self.label(x + 20, y, text, size=size)
+
+    def render(self):
+        markers = "".join(
+            f'<marker id="arrow-{c.lstrip("#")}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
+            f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{c}"/></marker>'
+            for c in self.arrow_colours)
+        w, h = num(self.width), num(self.height)
+        head = [
+            '<?xml version="1.0" encoding="UTF-8"?>',
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+            f'font-family="{FONT}">',
+            f"<title>{escape(self.title)}</title>",
+        ] + ([f"<defs>{markers}</defs>"] if markers else []) + [f'<rect width="{w}" height="{h}" fill="white"/>']
+        return "\n".join(head + self.body + ["</svg>"]) + "\n"
+
+
+def nice_step(span, count=5):
+    """A tick spacing of 1, 2, 2.5 or 5 times a power of ten that cuts `span` into about `count`."""
+    raw = span / count
+    power = 10 ** math.floor(math.log10(raw))
+    return next(k * power for k in (1, 2, 2.5, 5, 10) if k * power >= raw * 0.999)
+
+
+class Axes:
+    """A plot area `box` = (left, top, right, bottom) in px, showing x in xs = (lo, hi) and y in
+    ys = (lo, hi), y upwards."""
+
+    def __init__(self, svg, box, xs, ys):
+        self.svg, self.box, self.xs, self.ys = svg, box, xs, ys
+
+    def x(self, v):
+        left, _, right, _ = self.box
+        return left + (v - self.xs[0]) / (self.xs[1] - self.xs[0]) * (right - left)
+
+    def y(self, v):
+        _, top, _, bottom = self.box
+        return bottom - (v - self.ys[0]) / (self.ys[1] - self.ys[0]) * (bottom - top)
+
+    def draw(self, xticks, yticks, xlabel, ylabel, xfmt=lambda v: f"{v:g}", yfmt=lambda v: f"{v:g}"):
+        """Grid lines at the y ticks, the two axes, tick labels and axis labels."""
+        left, top, right, bottom = self.box
+        s = self.svg
+        for v in yticks:
+            s.line(left, self.y(v), right, self.y(v), stroke="#e3e3e3")
+            s.label(left - 8, self.y(v), yfmt(v), size=12, anchor="end", fill=GREY)
+        for v in xticks:
+            s.line(self.x(v), bottom, self.x(v), bottom + 5, stroke=INK)
+            s.text(self.x(v), bottom + 20, xfmt(v), size=12, anchor="middle", fill=GREY)
+        s.line(left, bottom, right, bottom, stroke=INK)
+        s.line(left, top, left, bottom, stroke=INK)
+        s.text((left + right) / 2, bottom + 42, xlabel, size=13, anchor="middle")
+        s.text(left - 58, (top + bottom) / 2, ylabel, size=13, anchor="middle",
+               transform=f"rotate(-90 {num(left - 58)} {num((top + bottom) / 2)})")
+
+
+def ticks(lo, hi, step):
+    """Every multiple of step from lo to hi (both included when they are multiples)."""
+    first = math.ceil(lo / step - 1e-9)
+    return [k * step for k in range(first, math.floor(hi / step + 1e-9) + 1)]
+
+
+# ----------------------------------------------------------------------------------------------
+# f and g in a block, and sequence parallelism's transitions: drawings of 01's operators
+
+
+FG_PANELS = [  # (panel, [(box text, what it is)] inside the tensor-parallel region, per rank r)
+    ("MLP", [("c_fc: X·A{r}", "column-parallel, C → 4C/tp"), ("GeLU", "4C/tp units"),
+             ("c_proj: Y{r}·B{r}", "row-parallel, 4C/tp → C")]),
+    ("self-attention", [("c_attn: X·A{r}", "column-parallel, C → 3C/tp"), ("attention", "nh/tp heads"),
+                        ("c_proj: Y{r}·B{r}", "row-parallel, C/tp → C")]),
+]
+F_AND_G = [  # (name, 01's function, forward, backward, why)
+    ("f", "copy_to_tp", "identity", "all-reduce", "every rank read the same X: its gradient sums the ranks' parts"),
+    ("g", "reduce_from_tp", "all-reduce", "identity",
+     "Z is the sum of the ranks' partial outputs; bias added once, after"),
+]
+SUB = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")  # A0 -> A₀
+
+
+def f_and_g_text(tp=2):
+    lines = [f"f and g in one transformer block, tp = {tp} (Shoeybi et al. 2019, Figure 3; 01's copy_to_tp and "
+             f"reduce_from_tp); r is the rank:"]
+    for name, boxes in FG_PANELS:
+        inside = " -> ".join(f"{text.format(r='_r')} ({what})" for text, what in boxes)
+        lines.append(f"  {name + ':':<15} X -> f -> {inside} -> g -> Z + bias, dropout")
+    lines += [f"  {name}  {fn:<15} forward: {fwd:<11} backward: {bwd:<11} ({why})"
+              for name, fn, fwd, bwd, why in F_AND_G]
+    lines.append("per block: 2 all-reduces in forward (the g's) and 2 in backward (the f's); none inside a region")
+    return "\n".join(lines)
+
+
+def f_and_g_svg(_=None, tp=2):
+    s = Svg(f"f and g in a transformer block, tensor parallel over tp = {tp} ranks",
+            "Shoeybi et al. 2019, Figure 3 · 01_tensor_parallel.py: f = copy_to_tp, g = reduce_from_tp")
+    f_colour, g_colour = GREEN, ORANGE
+    xs = [(184, 170), (372, 76), (466, 170)]  # the boxes inside the region: (left, width)
+    lane_h, top = 62, 78
+    for k, (name, boxes) in enumerate(FG_PANELS):
+        y0 = top + k * (tp * (lane_h + 8) + 50)
+        s.text(16, y0 + 14, f"({'ab'[k]}) {name}", size=15, font_weight="bold")
+        lanes = [y0 + 26 + r * (lane_h + 8) for r in range(tp)]
+        mid = (lanes[0] + lanes[-1] + lane_h) / 2
+        for r, ly in enumerate(lanes):
+            s.rect(170, ly, 480, lane_h, fill=PALE, rx=6)
+            s.text(178, ly + 13, f"rank {r}", size=11, fill=GREY)
+            cy = ly + 36
+            for i, ((x, w), (text, what)) in enumerate(zip(xs, boxes)):
+                s.box(x, cy - 17, w, 34, [text.format(r=str(r).translate(SUB)), what], size=13)
+                if i:
+                    s.arrow(xs[i - 1][0] + xs[i - 1][1], cy, x - 2, cy)
+            s.arrow(156, mid, xs[0][0] - 2, cy)  # f hands every rank the same X
+            s.arrow(xs[-1][0] + xs[-1][1], cy, 666, mid)  # g sums the ranks' outputs
+        s.text(410, lanes[-1] + lane_h + 14, "tensor-parallel region: no communication inside",
+               size=11, anchor="middle", fill=GREY)
+        s.box(16, mid - 22, 80, 44, ["X", "(B, T, C)"], size=15)
+        s.arrow(96, mid, 118, mid)
+        s.box(120, mid - 18, 36, 36, ["f"], fill=f_colour, stroke=f_colour, colour="white", size=17)
+        s.box(668, mid - 18, 36, 36, ["g"], fill=g_colour, stroke=g_colour, colour=INK, size=17)
+        s.arrow(704, mid, 726, mid)
+        s.box(728, mid - 22, 156, 44, ["Z + bias, dropout", "then + residual, (B, T, C)"], size=13)
+    y = top + len(FG_PANELS) * (tp * (lane_h + 8) + 50) + 6
+    for name, fn, fwd, bwd, why in F_AND_G:
+        colour = f_colour if name == "f" else g_colour
+        s.rect(16, y - 11, 22, 22, fill=colour, rx=3)
+        s.label(27, y, name, size=14, anchor="middle", fill="white" if name == "f" else INK, font_weight="bold")
+        s.label(48, y, f"{name} ({fn}): forward {fwd}, backward {bwd}: {why}", size=13)
+        y += 28
+    s.label(16, y, "Per block: 2 all-reduces in forward (the two g's), 2 in backward (the two f's). "
+                   "A = [A₀, A₁] split by columns, B = [B₀; B₁] by rows.", size=13, fill=GREY)
+    s.height = y + 24
+    return s.render()
+
+
+SP_OPS = [  # (name, 01's function, forward, backward)
+    ("g-bar", "gather_from_sp", "all-gather T", "reduce-scatter T"),
+    ("g", "reduce_scatter_to_sp", "reduce-scatter T", "all-gather T"),
+]
+
+
+def sequence_parallel_text(tp=2):
+    lines = [f"sequence parallelism, tp = {tp} (Korthikanti et al. 2022, Section 4.2.2; 01's gather_from_sp and "
+             f"reduce_scatter_to_sp):",
+             "  LayerNorm on (B, T/tp, C) -> g-bar -> self-attention or MLP on (B, T, C), split as in f and g -> g "
+             "-> + bias, dropout, + residual on (B, T/tp, C)"]
+    lines += [f"  {name:<5}  {fn:<20} forward: {fwd:<16} backward: {bwd}" for name, fn, fwd, bwd in SP_OPS]
+    lines.append("an all-reduce is a reduce-scatter then an all-gather: the bytes of f and g, with LayerNorm's and "
+                 "dropout's activations stored 1/tp on each rank")
+    return "\n".join(lines)
+
+
+def _sequence_strip(s, x, y, w, tp, rank):
+    """T drawn as tp cells: the ones this rank holds filled (all of them if rank is None)."""
+    cell = w / tp
+    for q in range(tp):
+        held = rank is None or q == rank
+        s.rect(x + q * cell, y, cell, 9, fill=BLUE if held else "white", stroke=BLUE, stroke_width=1)
+
+
+def sequence_parallel_svg(_=None, tp=2):
+    s = Svg(f"Sequence parallelism: in and out of the tensor-parallel region, tp = {tp}",
+            "Korthikanti et al. 2022, Section 4.2.2 (Figure 5) · 01_tensor_parallel.py: g-bar = gather_from_sp, "
+            "g = reduce_scatter_to_sp")
+    regions = [(16, 230, "sequence-parallel region", "(B, T/tp, C) on each rank", "#eaf3fa"),
+               (336, 262, "tensor-parallel region", "(B, T, C) on every rank", "#fdf3e1"),
+               (688, 196, "sequence-parallel region", "(B, T/tp, C) on each rank", "#eaf3fa")]
+    ops = [(262, PURPLE), (614, ORANGE)]  # g-bar and g, between the regions: (left, colour), 58 px wide
+    lane_h, top = 84, 116
+    bottom = top + tp * (lane_h + 8)
+    for x, w, name, shape, tint in regions:
+        s.rect(x, 70, w, bottom - 70 + 4, fill=tint, rx=8)
+        s.text(x + w / 2, 88, name, size=13, anchor="middle", font_weight="bold")
+        s.text(x + w / 2, 104, shape, size=12, anchor="middle", fill=GREY)
+    for r in range(tp):
+        ly = top + r * (lane_h + 8)
+        s.text(28, ly + 10, f"rank {r}", size=11, fill=GREY)
+        boxes = [(28, 206, ["LayerNorm", f"tokens {r}·T/tp to {r + 1}·T/tp"], r),
+                 (348, 238, ["self-attention or MLP", "split by heads or hidden units"], None),
+                 (700, 172, ["+ bias, dropout", "+ residual"], r)]
+        for x, w, lines, held in boxes:
+            s.box(x, ly + 16, w, 42, lines, size=13)
+            _sequence_strip(s, x + 10, ly + 66, w - 20, tp, held)
+        cy = ly + 37
+        for (x, _), (bx, bw, _, _) in zip(ops, boxes):
+            s.arrow(bx + bw + 2, cy, x - 2, cy)  # into the operator
+        for (x, _), (bx, _, _, _) in zip(ops, boxes[1:]):
+            s.arrow(x + 60, cy, bx - 2, cy)  # out of it
+    for (name, fn, fwd, bwd), (x, colour) in zip(SP_OPS, ops):
+        s.rect(x, top + 8, 58, bottom - top - 16, fill=colour, rx=5)
+        s.label(x + 29, (top + bottom) / 2, "ḡ" if name == "g-bar" else "g", size=22, anchor="middle",
+                font_weight="bold", fill=INK)
+    y = bottom + 30
+    for (name, fn, fwd, bwd), (_, colour) in zip(SP_OPS, ops):
+        s.rect(16, y - 11, 22, 22, fill=colour, rx=3)
+        s.label(27, y, "ḡ" if name == "g-bar" else "g", size=15, anchor="middle", font_weight="bold")
+        s.label(48, y, f"{name} ({fn}): forward {fwd}, backward {bwd}", size=13)
+        y += 28
+    s.swatch(16, y, BLUE, "the tokens a rank holds: T/tp of them outside the region, all T inside", stroke=BLUE)
+    notes = textwrap.wrap("An all-reduce is a reduce-scatter then an all-gather: the same bytes as f and g, while "
+                          "LayerNorm's and dropout's activations are stored 1/tp on each rank. LayerNorm's weight and "
+                          "bias see T/tp tokens per rank: their gradients are all-reduced over tp in backward (01's "
+                          "sp_param). A layer is this twice: attention, then MLP.", 114)
+    for k, note in enumerate(notes):
+        s.label(16, y + 30 + 20 * k, note, size=13, fill=GREY)
+    s.height = y + 30 + 20 * len(notes)
+    return s.render()
+
+
+# ----------------------------------------------------------------------------------------------
+# grid: 05's rank grid
+
+
+def grid_text(tp=2, dp=2, pp=2):
+    """05's rank_grid, drawn: a box per pipeline stage, a row per replica, the tp group in each row."""
+    grid = gpt3d.rank_grid(tp * dp * pp, tp, dp, pp)
+    width = len(f"rank {tp * dp * pp - 1}") + 2
+    inner = tp * width
+    lead = " " * 11
+    box = lead + "     ".join("+" + "-" * inner + "+" for _ in range(pp))
+    lines = [f"world {tp * dp * pp} = tp {tp} x dp {dp} x pp {pp}; rank = (p dp + d) tp + t (05's rank_grid)", "",
+             lead + "     ".join(f"{f'stage {p}':^{inner + 2}}" for p in range(pp)), box]
+    for d in range(dp):
+        rows = ["|" + "".join(f"{f'rank {r}':^{width}}" for r in grid["tp"][p * dp + d]) + "|" for p in range(pp)]
+        lines.append(f"{f'replica {d}':<11}" + " --> ".join(rows))
+    lines += [box, f"tp groups, a row in a box (one node: NVLink): {grid['tp']}",
+              f"dp groups, a column of a box (the gradient all-reduce): {grid['dp']}",
+              f"pp groups, along the arrows (point-to-point): {grid['pp']}",
+              f"embed groups, the first and the last stage (the tied embedding): {grid['embed']}"]
+    return "\n".join(lines)
+
+
+def grid_svg(_=None, tp=2, dp=2, pp=2):
+    """Each rank placed by its position in its own groups, as rank_grid lists them: its index in its
+    tp group is t, in its dp group d, in its pp group p."""
+    world = tp * dp * pp
+    grid = gpt3d.rank_grid(world, tp, dp, pp)
+    where = {}
+    for kind in ("tp", "dp", "pp"):
+        for group in grid[kind]:
+            for i, r in enumerate(group):
+                where.setdefault(r, {})[kind] = i
+    s = Svg(f"The rank grid: world {world} = tp {tp} × dp {dp} × pp {pp}",
+            f"05_3d_gpt.py's rank_grid({world}, tp={tp}, dp={dp}, pp={pp}): rank = (p·dp + d)·tp + t")
+    box_w, box_h, gap, pad, pitch = 100, 44, 20, 12, 92
+    inner = tp * box_w + (tp - 1) * gap + 2 * pad  # a tp group's outline
+    stage_w, between = inner + 32, 96
+    left = (WIDTH - (pp * stage_w + (pp - 1) * between)) / 2 + 30
+    top = 76
+    stage_h = 44 + dp * pitch - (pitch - box_h - 2 * 10) + 12
+    at = {}  # rank -> the top left of its box
+    for r in range(world):
+        t, d, p = where[r]["tp"], where[r]["dp"], where[r]["pp"]
+        at[r] = (left + p * (stage_w + between) + 16 + pad + t * (box_w + gap), top + 44 + d * pitch + 10)
+    for p in range(pp):
+        x = left + p * (stage_w + between)
+        s.rect(x, top, stage_w, stage_h, fill=PALE, stroke=RULE, rx=8)
+        s.text(x + stage_w / 2, top + 24, f"pipeline stage {p}", size=14, anchor="middle", font_weight="bold")
+    for d in range(dp):
+        s.label(left - 14, top + 44 + d * pitch + 32, f"replica {d}", size=13, anchor="end")
+    for group in grid["tp"]:  # a row of a stage: adjacent ranks, one node
+        x, y = at[group[0]]
+        s.rect(x - pad, y - 10, inner, box_h + 20, fill="#e3f4ee", stroke=GREEN, stroke_width=2, rx=8)
+    for group in grid["dp"]:  # the same (t, p) in every replica
+        for a, b in zip(group, group[1:]):
+            (xa, ya), (_, yb) = at[a], at[b]
+            s.arrow(xa + box_w / 2, ya + box_h + 2, xa + box_w / 2, yb - 2, colour=BLUE, width=2, both=True)
+    for r, (x, y) in at.items():
+        s.box(x, y, box_w, box_h, [f"rank {r}", f"t{where[r]['tp']} · d{where[r]['dp']} · p{where[r]['pp']}"],
+              stroke=INK, size=14)
+    nxt = {g[i]: g[i + 1] for g in grid["pp"] for i in range(len(g) - 1)}  # a rank's pp peer downstream
+    for group in grid["tp"]:  # one arrow per row and pair of stages carries the pp pairs of that row
+        first = group[0]
+        if first in nxt:
+            (x, y), (x2, _) = at[first], at[nxt[first]]
+            x_end, y_mid = x - pad + inner, y + box_h / 2
+            s.arrow(x_end + 4, y_mid, x2 - pad - 4, y_mid, colour=ORANGE, width=2.5)
+            s.text((x_end + x2 - pad) / 2, y_mid - 9, ", ".join(f"{a}→{nxt[a]}" for a in group), size=12,
+                   anchor="middle", fill=INK)
+    y = top + stage_h + 34
+    legend = [(lambda yy: s.rect(12, yy - 8, 28, 16, fill="#e3f4ee", stroke=GREEN, stroke_width=2, rx=4),
+               f"tp groups, a row of a stage (adjacent ranks, one node: NVLink): {grid['tp']}"),
+              (lambda yy: s.arrow(10, yy, 40, yy, colour=BLUE, width=1.5, both=True),
+               f"dp groups, down a stage (the gradient all-reduce): {grid['dp']}"),
+              (lambda yy: s.arrow(10, yy, 40, yy, colour=ORANGE, width=2),
+               f"pp groups, along the arrows (point-to-point): {grid['pp']}"),
+              (lambda yy: None, f"embedding groups, the first and the last stage (the tied wte): {grid['embed']}")]
+    for draw, text in legend:
+        draw(y)
+        s.label(48, y, text, size=13)
+        y += 26
+    s.height = y + 4
+    return s.render()
+
+
+# ----------------------------------------------------------------------------------------------
+# schedules: 02's simulator on 1F1B's and interleaved 1F1B's lists, on one time scale
+
+
+def schedules_data(pp=4, m=8, v=2):
+    """(pp, m, v, {name: 02's Simulation}): a whole stage's forward takes 1 and its backward 2, and
+    a chunk of 1/v of a stage 1/v of that (03's demo's times), so the two share one time scale."""
+    return pp, m, v, {
+        "1F1B": pipeline.simulate([pipeline.one_f_one_b(pp, m, s) for s in range(pp)], pp, 1, 2),
+        f"interleaved 1F1B, v={v}": pipeline.simulate([interleaved.interleaved(pp, m, s, v) for s in range(pp)], pp,
+                                                       Fraction(1, v), Fraction(2, v))}
+
+
+def schedules_text(data, width=132):
+    pp, m, v, runs = data
+    end = max(sim.step_time for sim in runs.values())
+    out = [f"1F1B and interleaved 1F1B, pp={pp}, m={m}, on one time scale (02's simulate() and render()): F<mb> a "
+           f"forward, B<mb>== a backward,", "lower case the second chunk, '.' idle; a stage's forward takes 1, its "
+           "backward 2, a chunk's 1/v of that"]
+    for (name, sim), formula in zip(runs.items(), ("(pp-1)/m", "(pp-1)/(v m)")):
+        out += ["", f"{name}: step time {float(sim.step_time):g}, bubble {sim.bubble} = {formula}",
+                pipeline.render(sim.timeline, width, end)]
+    return "\n".join(out)
+
+
+def schedules_svg(data):
+    pp, m, v, runs = data
+    end = max(sim.step_time for sim in runs.values())
+    s = Svg(f"1F1B and interleaved 1F1B on one time scale: pp = {pp}, m = {m}, v = {v}",
+            "Narayanan et al. 2021, Figure 4 · 02's simulate() on 02's one_f_one_b and 03's interleaved lists")
+    left, right = 70, WIDTH - 16
+    scale = (right - left) / float(end)
+    colours = {("F", 0): (BLUE, "white"), ("F", 1): (SKY, INK), ("B", 0): (VERMILLION, "white"),
+               ("B", 1): (ORANGE, INK)}
+    names = {("F", 0): "forward", ("F", 1): "forward, second chunk", ("B", 0): "backward",
+             ("B", 1): "backward, second chunk"}
+    x = left
+    for key, (fill, _) in colours.items():
+        s.swatch(x, 78, fill, names[key])
+        x += 36 + text_width(names[key], 13)
+    s.label(x + 6, 78, "number = microbatch", size=13, fill=GREY)
+    row_h, y = 26, 104
+    for (name, sim), formula in zip(runs.items(), ("(pp − 1)/m", "(pp − 1)/(v·m)")):
+        s.text(left, y + 14, f"{name}: step time {float(sim.step_time):g}, bubble {sim.bubble} = {formula}", size=14,
+               font_weight="bold")
+        y += 24
+        for r, timeline in enumerate(sim.timeline):
+            ry = y + r * (row_h + 4)
+            s.label(left - 10, ry + row_h / 2, f"rank {r}", size=13, anchor="end")
+            s.rect(left, ry, float(sim.step_time) * scale, row_h, fill="#e6e6e6")  # idle: the bubble
+            for start, stop, action in timeline:
+                fill, ink = colours[(action.kind, action.chunk % 2)]
+                bx, bw = left + float(start) * scale, float(stop - start) * scale
+                s.rect(bx, ry, bw, row_h, fill=fill, stroke="white", stroke_width=1, class_=action.kind)
+                s.label(bx + bw / 2, ry + row_h / 2, str(action.mb), size=11 if bw < 16 else 12,
+                        anchor="middle", fill=ink)
+        stop_x = left + float(sim.step_time) * scale
+        s.line(stop_x, y - 4, stop_x, y + pp * (row_h + 4), stroke=INK, stroke_dasharray="4 3")
+        y += pp * (row_h + 4) + 18
+    for t in ticks(0, float(end), 3):
+        s.line(left + t * scale, y - 14, left + t * scale, y - 9, stroke=INK)
+        s.text(left + t * scale, y + 4, f"{t:g}", size=12, anchor="middle", fill=GREY)
+    s.line(left, y - 14, right, y - 14, stroke=INK)
+    s.text((left + right) / 2, y + 24, "time: a stage's forward takes 1, its backward 2; a chunk's 1/v of that",
+           size=13, anchor="middle")
+    s.text(left, y + 48, "Grey is idle time, the bubble. Interleaving cuts each stage into v chunks and fills and "
+           "drains the pipeline v times faster.", size=13, fill=GREY)
+    s.height = y + 62
+    return s.render()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,17 +540,38 @@ def bubble_text(data, pp=4):
     return "\n".join(lines) + "\n\n" + chart
 
 
-def bubble_png(data, path, plt, pp=4):
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for v, rows in data.items():
-        ms = [m for m, _, _ in rows]
-        line = ax.plot(ms, [float(f) for _, _, f in rows], "-", label=f"(pp-1)/(v m), v={v}")[0]
-        ax.plot(ms, [float(s) for _, s, _ in rows], "o", color=line.get_color(), label=f"simulated, v={v}")
-    ax.set_xlabel("m (microbatches)")
-    ax.set_ylabel("bubble (idle / busy)")
-    ax.set_title(f"Pipeline bubble, pp={pp}: the simulator on the schedules' lists")
-    ax.legend()
-    return _save(fig, path, plt)
+def bubble_svg(data, pp=4):
+    s = Svg(f"The pipeline bubble against m, pp = {pp}",
+            "02's simulate() on 03's lists (points), on the formula (pp − 1)/(v·m) (lines); a chunk takes 1/v "
+            "of a stage's time")
+    ms = [m for m, _, _ in next(iter(data.values()))]
+    top = max(float(x) for rows in data.values() for _, sim, f in rows for x in (sim, f))
+    step = nice_step(top, 8)
+    ax = Axes(s, (100, 80, 860, 400), (ms[0] - 1, ms[-1] + 1), (0, math.ceil(top / step - 1e-9) * step))
+    ax.draw(ms, ticks(0, ax.ys[1], step), "m, microbatches per step", "bubble = idle time / busy time")
+    colours = [BLUE, VERMILLION, GREEN, PURPLE, ORANGE]
+    for (v, rows), colour in zip(data.items(), colours):
+        curve = [ms[0] + Fraction(k, 8) for k in range(8 * (ms[-1] - ms[0]) + 1)]  # m in steps of 1/8
+        s.polyline([(ax.x(m), ax.y(float(Fraction(pp - 1) / (v * m)))) for m in curve], stroke=colour, stroke_width=2)
+        for m, sim, f in rows:
+            s.circle(ax.x(m), ax.y(float(sim)), 5.5, fill=colour, stroke="white", stroke_width=1.5, class_="simulated")
+    s.rect(562, 78, 300, 38 + 22 * len(data) + 10, fill="white", stroke=RULE, rx=4)
+    y = 92
+    for (v, rows), colour in zip(data.items(), colours):
+        s.line(574, y, 604, y, stroke=colour, stroke_width=2)
+        s.circle(589, y, 5.5, fill=colour, stroke="white", stroke_width=1.5)
+        kind = "1F1B" if v == 1 else "interleaved"
+        s.label(614, y, f"v = {v} ({kind}): {rows[0][1]} at m = {rows[0][0]}", size=13)
+        y += 22
+    s.line(574, y + 4, 604, y + 4, stroke=INK, stroke_width=2)
+    s.label(614, y + 4, "line: the formula (pp − 1)/(v·m)", size=13)
+    s.circle(589, y + 26, 5.5, fill=INK)
+    s.label(614, y + 26, "point: simulated, an exact fraction", size=13)
+    same = all(sim == f for rows in data.values() for _, sim, f in rows)
+    s.text(100, 470, "Every simulated bubble equals its formula exactly." if same else
+           "MISMATCH: a simulated bubble differs from its formula.", size=13, fill=GREY)
+    s.height = 488
+    return s.render()
 
 
 def weights(cfg, dtype):
@@ -139,17 +626,38 @@ def memory_text(data, pp=4, m=8):
             f"stage ((v+1) pp - 1 chunks of 1/v stage) for its smaller bubble")
 
 
-def memory_png(data, path, plt, pp=4, m=8):
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    width = 0.8 / len(data)
-    for k, (name, values) in enumerate(data.items()):
-        ax.bar([s + k * width for s in range(pp)], [x / 1024 for x in values], width, label=name)
-    ax.set_xticks([s + width * (len(data) - 1) / 2 for s in range(pp)])
-    ax.set_xticklabels([f"stage {s}" for s in range(pp)])
-    ax.set_ylabel("peak stored activations (KiB)")
-    ax.set_title(f"Activation memory per stage, pp={pp}, m={m} (measured, CPU)")
-    ax.legend()
-    return _save(fig, path, plt)
+def memory_svg(data, pp=4, m=8):
+    s = Svg(f"Peak stored activations per pipeline stage, pp = {pp}, m = {m}",
+            f"counted by 02's ActivationMeter in one step on {pp} CPU ranks (float64; outputs freed once sent)")
+    kib = {name: [b / 1024 for b in values] for name, values in data.items()}
+    top = max(max(values) for values in kib.values())
+    step = nice_step(top, 7)
+    ax = Axes(s, (100, 96, 860, 396), (0, pp), (0, math.ceil(top / step) * step))
+    ax.draw([], ticks(0, ax.ys[1], step), "", "peak stored activations (KiB)", yfmt=lambda v: f"{v:,.0f}")
+    colours = [GREY, BLUE, ORANGE, GREEN]
+    n, bar_w, bar_gap = len(kib), 52, 8
+    for st in range(pp):
+        centre = ax.x(st + 0.5)
+        s.text(centre, 396 + 22, f"stage {st}", size=13, anchor="middle")
+        for k, ((name, values), colour) in enumerate(zip(kib.items(), colours)):
+            x = centre - (n * bar_w + (n - 1) * bar_gap) / 2 + k * (bar_w + bar_gap)
+            s.rect(x, ax.y(values[st]), bar_w, ax.y(0) - ax.y(values[st]), fill=colour, class_="bar")
+            s.text(x + bar_w / 2, ax.y(values[st]) - 5, f"{values[st]:,.0f}", size=11, anchor="middle")
+    x = 110
+    for (name, _), colour in zip(kib.items(), colours):
+        s.swatch(x, 76, colour, name)
+        x += 44 + text_width(name, 13)
+    names = list(data)
+    ratio = data[names[1]][0] / data[names[0]][0]
+    notes = [f"1F1B / GPipe on stage 0: {ratio:.3f} (pp/m = {pp / m:.3f}). GPipe keeps all m microbatches' "
+             f"activations, 1F1B at most pp − stage;",
+             "the last stage also keeps the logits for the loss. Interleaving keeps (v + 1)·pp − 1 chunks of 1/v "
+             "stage on the first",
+             "stage: the memory it pays for a v times smaller bubble."]
+    for k, note in enumerate(notes):
+        s.text(16, 450 + 20 * k, note, size=13, fill=GREY)
+    s.height = 450 + 20 * len(notes)
+    return s.render()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,43 +722,55 @@ def overlap_text(data, dp=2):
             + bucket_timeline(start, end, events, n))
 
 
-def overlap_png(data, path, plt):
+def overlap_svg(data, dp=2):
+    """One row for backward (a tick where each gradient arrived), one bar per bucket launched: from
+    its launch to when it was first seen done (class "bucket", for tests)."""
     start, end, events, n = data
     ms = lambda t: 1e3 * (t - start)  # noqa: E731
-    fig, ax = plt.subplots(figsize=(8, 0.5 * n + 1.8))
-    ax.broken_barh([(0, ms(end))], (n, 0.8), color="tab:gray")
-    launch_at = {i: t for kind, i, t in events if kind == "launch"}
-    done_at = {i: t for kind, i, t in events if kind == "done"}
-    for i, t in launch_at.items():
-        ax.broken_barh([(ms(t), max(ms(done_at.get(i, t)) - ms(t), 0.05))], (n - 1 - i, 0.8), color="tab:blue")
-    ax.set_yticks([n + 0.4] + [n - 1 - i + 0.4 for i in range(n)])
-    ax.set_yticklabels(["backward"] + [f"bucket {i}" for i in range(n)])
-    ax.set_xlabel("ms after backward began")
-    ax.set_title("Bucketed gradient all-reduce overlapping backward (04, measured on CPU)")
-    return _save(fig, path, plt)
+    launched = {i: t for kind, i, t in events if kind == "launch"}
+    done = {i: t for kind, i, t in events if kind == "done"}
+    s = Svg("Bucketed gradient all-reduce overlapping backward: one real run",
+            f"04's BucketedDDP on dp = {dp} CPU ranks, a 4-layer GPT-2; rank 0's last backward, {n} buckets; "
+            f"the times vary from run to run")
+    row_h, top = 22, 96
+    last = max([ms(t) for _, _, t in events] + [ms(end)])
+    step = nice_step(last, 8)
+    ax = Axes(s, (120, top, WIDTH - 30, top + (n + 1) * row_h), (0, math.ceil(last / step) * step), (0, 1))
+    bottom = ax.box[3]
+    for t in ticks(0, ax.xs[1], step):
+        s.line(ax.x(t), top - 4, ax.x(t), bottom, stroke="#e3e3e3")
+        s.text(ax.x(t), bottom + 18, f"{t:g}", size=12, anchor="middle", fill=GREY)
+    s.text((120 + WIDTH - 30) / 2, bottom + 40, "ms after backward began", size=13, anchor="middle")
+    s.label(110, top + row_h / 2, "backward", size=13, anchor="end", font_weight="bold")
+    s.rect(ax.x(0), top + 3, ax.x(ms(end)) - ax.x(0), row_h - 6, fill=GREY, class_="backward")
+    for kind, _, t in events:
+        if kind == "ready":
+            s.line(ax.x(ms(t)), top + 1, ax.x(ms(t)), top + row_h - 1, stroke="white", stroke_width=1.2)
+    for i in range(n):
+        y = top + (i + 1) * row_h
+        s.label(110, y + row_h / 2, f"bucket {i}", size=13, anchor="end")
+        if i in launched:
+            a = ms(launched[i])
+            b = ms(done[i]) if i in done else a
+            x0 = ax.x(a)
+            s.rect(x0, y + 4, max(ax.x(b) - x0, 2), row_h - 8, fill=BLUE, class_="bucket")
+            s.circle(x0, y + row_h / 2, 3.5, fill=VERMILLION)
+    s.line(ax.x(ms(end)), top - 4, ax.x(ms(end)), bottom, stroke=INK, stroke_dasharray="4 3")
+    s.text(ax.x(ms(end)), top - 8, "backward ends", size=12, anchor="middle")
+    s.line(120, bottom, WIDTH - 30, bottom, stroke=INK)
+    y = bottom + 68
+    s.swatch(16, y, GREY, "backward running (a white tick: a gradient arrived in its hook)")
+    s.swatch(16, y + 24, BLUE, "a bucket's all-reduce, from its launch (red dot, from the gradient hook) to when "
+                               "the run first saw it done")
+    early = sum(t < end for t in launched.values())
+    s.label(16, y + 52, f"{early} of {n} launched before backward finished. On this CPU they share the cores with "
+                        f"backward; on GPUs they run on the network.", size=13, fill=GREY)
+    s.height = y + 70
+    return s.render()
 
 
 # ----------------------------------------------------------------------------------------------
-# grid and zero: pictures of a layout
-
-
-def grid_text(tp=2, dp=2, pp=2):
-    """05's rank_grid, drawn: a box per pipeline stage, a row per replica, the tp group in each row."""
-    grid = gpt3d.rank_grid(tp * dp * pp, tp, dp, pp)
-    width = len(f"rank {tp * dp * pp - 1}") + 2
-    inner = tp * width
-    lead = " " * 11
-    box = lead + "     ".join("+" + "-" * inner + "+" for _ in range(pp))
-    lines = [f"world {tp * dp * pp} = tp {tp} x dp {dp} x pp {pp}; rank = (p dp + d) tp + t (05's rank_grid)", "",
-             lead + "     ".join(f"{f'stage {p}':^{inner + 2}}" for p in range(pp)), box]
-    for d in range(dp):
-        rows = ["|" + "".join(f"{f'rank {r}':^{width}}" for r in grid["tp"][p * dp + d]) + "|" for p in range(pp)]
-        lines.append(f"{f'replica {d}':<11}" + " --> ".join(rows))
-    lines += [box, f"tp groups, a row in a box (one node: NVLink): {grid['tp']}",
-              f"dp groups, a column of a box (the gradient all-reduce): {grid['dp']}",
-              f"pp groups, along the arrows (point-to-point): {grid['pp']}",
-              f"embed groups, the first and the last stage (the tied embedding): {grid['embed']}"]
-    return "\n".join(lines)
+# zero: ZeRO-1's partition of a real BucketedDDP's buffer
 
 
 ZERO_CFG = tensor_parallel.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -292,27 +812,75 @@ def zero_text(z, width=64):
     return "\n".join(lines)
 
 
+def zero_svg(z):
+    """Three rows on one scale: the parameters in the flat buffer, its buckets, and each bucket's dp
+    shards coloured by the rank that owns them."""
+    dp, total = z["dp"], z["total"]
+    s = Svg(f"ZeRO-1: the flat gradient buffer, its buckets, and who owns which shard (dp = {dp})",
+            f"04's BucketedDDP(zero=True) on {dp} CPU ranks, a one-layer GPT-2: {total:,} elements in reverse "
+            f"parameter order, buckets of {z['buckets'][0][1]:,}")
+    left, right = 150, WIDTH - 20
+    x = lambda e: left + e / total * (right - left)  # noqa: E731
+    # Parameter names above the buffer, in as many rows as they need not to overlap.
+    rows_end, placed = [], []
+    for name, off, k in sorted(z["params"], key=lambda p: p[1]):
+        if x(off + k) - x(off) < 30:
+            continue  # biases and LayerNorm weights: a tick, no name
+        short = name.replace("transformer.", "")
+        centre, half = (x(off) + x(off + k)) / 2, text_width(short, 11) / 2 + 4
+        row = next((j for j, e in enumerate(rows_end) if e < centre - half), len(rows_end))
+        rows_end[row:row + 1] = [centre + half]
+        placed.append((short, centre, row))
+    y_buf = 84 + 16 * len(rows_end) + 8
+    for short, centre, row in placed:
+        ty = y_buf - 12 - 16 * row
+        s.line(centre, ty + 3, centre, y_buf, stroke=RULE)
+        s.text(centre, ty, short, size=11, anchor="middle")
+    s.label(left - 10, y_buf + 14, "parameters", size=13, anchor="end")
+    for name, off, numel in sorted(z["params"], key=lambda p: p[1]):
+        small = x(off + numel) - x(off) < 30
+        s.rect(x(off), y_buf, x(off + numel) - x(off), 28, fill="#8c8c8c" if small else "#dedede", stroke="white",
+               stroke_width=1.2, class_="param")
+    y_b = y_buf + 44
+    s.label(left - 10, y_b + 14, "buckets", size=13, anchor="end")
+    for i, (lo, hi) in enumerate(z["buckets"]):
+        s.rect(x(lo), y_b, x(hi) - x(lo), 28, fill="white", stroke=INK, stroke_width=1.2, class_="bucket")
+        text = f"bucket {i}: [{lo:,}, {hi:,})"
+        fits = [t for t in (text, f"bucket {i}", f"{i}") if text_width(t, 12) < x(hi) - x(lo) - 6]
+        s.label((x(lo) + x(hi)) / 2, y_b + 14, fits[0] if fits else "", size=12, anchor="middle")
+    y_s = y_b + 44
+    colours = [BLUE, ORANGE, GREEN, PURPLE, SKY, VERMILLION, GREY, "#999933"]
+    s.label(left - 10, y_s + 14, "owner (ZeRO-1)", size=13, anchor="end")
+    for q in range(dp):
+        for lo, hi in z["shards"][q]:
+            colour = colours[q % len(colours)]
+            s.rect(x(lo), y_s, x(hi) - x(lo), 28, fill=colour, stroke="white", stroke_width=1, class_="shard")
+            if x(hi) - x(lo) > 22:
+                s.label((x(lo) + x(hi)) / 2, y_s + 14, f"r{q}", size=12, anchor="middle",
+                        fill="white" if colour in (BLUE, GREEN, PURPLE) else INK)
+    for e in ticks(0, total, nice_step(total, 8)):
+        s.line(x(e), y_s + 30, x(e), y_s + 35, stroke=INK)
+        s.text(x(e), y_s + 49, f"{e:,.0f}", size=11, anchor="middle", fill=GREY)
+    s.text((left + right) / 2, y_s + 68, "element of the flat buffer", size=13, anchor="middle")
+    y = y_s + 96
+    owned = [sum(b - a for a, b in z["shards"][q]) for q in range(dp)]
+    for q in range(dp):
+        s.swatch(16 + q * 216, y, colours[q % len(colours)], f"rank {q} owns {owned[q]:,} elements")
+    notes = ["Parameters: the dark slivers are biases and LayerNorm weights, too small to name.",
+             f"Each bucket is cut into dp = {dp} equal shards. Its gradients are reduce-scattered: rank q receives "
+             "the sum of its shards only,",
+             "keeps AdamW's moments (and, for bf16, fp32 master weights) for them, updates them, then all-gathers "
+             "every rank's weights.",
+             "A shard may cut a parameter in two: the optimizer works on flat elements, not on parameters "
+             "(04's Piece)."]
+    for k, note in enumerate(notes):
+        s.text(16, y + 32 + 20 * k, note, size=13, fill=GREY)
+    s.height = y + 32 + 20 * len(notes)
+    return s.render()
+
+
 # ----------------------------------------------------------------------------------------------
 # The command line
-
-
-def _save(fig, path, plt):
-    try:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    return path
-
-
-def pyplot():
-    """matplotlib.pyplot, or None when matplotlib is not installed (it is optional)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # files, not windows
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def tidy(text):
@@ -321,36 +889,43 @@ def tidy(text):
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
-FIGURES = {  # name: (data, text, png or None)
-    "bubble": (bubble_data, bubble_text, bubble_png),
-    "memory": (memory_data, memory_text, memory_png),
-    "overlap": (overlap_data, overlap_text, overlap_png),
-    "grid": (lambda: None, lambda _: grid_text(), None),
-    "zero": (zero_data, zero_text, None),
+FIGURES = {  # name: (data, text, svg); each svg(data) is the text of NAME.svg
+    "f-and-g": (lambda: None, lambda _: f_and_g_text(), f_and_g_svg),
+    "sequence-parallel": (lambda: None, lambda _: sequence_parallel_text(), sequence_parallel_svg),
+    "grid": (lambda: None, lambda _: grid_text(), grid_svg),
+    "schedules": (schedules_data, schedules_text, schedules_svg),
+    "bubble": (bubble_data, bubble_text, bubble_svg),
+    "memory": (memory_data, memory_text, memory_svg),
+    "overlap": (overlap_data, overlap_text, overlap_svg),
+    "zero": (zero_data, zero_text, zero_svg),
 }
+TIMED = {"overlap"}  # a real run's times: its SVG differs on every run
+
+
+def write_svg(path, svg):
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write(svg)
+    return path
 
 
 def main(argv=None, out=print):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("figures", nargs="*", choices=[[]] + list(FIGURES), metavar="FIGURE",
                         help=f"any of {', '.join(FIGURES)} (default: all)")
-    parser.add_argument("-o", "--out", help="the folder for the PNGs (default: figures/)")
-    parser.add_argument("--no-png", action="store_true", help="text only, even with matplotlib")
+    parser.add_argument("--svg-dir", default=SVG_DIR, help="the folder for the SVGs (default: docs/figures/ "
+                        "of this repository, the committed ones)")
+    parser.add_argument("--no-svg", action="store_true", help="text only")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # tiny models: a second thread only waits for a core (the ranks use one too)
-    plt = None if args.no_png else pyplot()
-    folder = args.out or "figures"
-    if plt:
-        os.makedirs(folder, exist_ok=True)
+    if not args.no_svg:
+        os.makedirs(args.svg_dir, exist_ok=True)
     for name in args.figures or list(FIGURES):
-        make, text, png = FIGURES[name]
+        make, text, svg = FIGURES[name]
         data = make()
         out(f"=== {name} ===\n{tidy(text(data))}\n")
-        if plt and png:
-            out(f"wrote {png(data, os.path.join(folder, name + '.png'), plt)}\n")
-    if plt is None and not args.no_png:
-        out("matplotlib is not installed, so only the text is above: pip install matplotlib for the PNGs")
-        return 1 if args.out else 0
+        if not args.no_svg:
+            path = write_svg(os.path.join(args.svg_dir, name + ".svg"), svg(data))
+            out(f"wrote {path}" + (" (a timed run: it differs every time)" if name in TIMED else "") + "\n")
     return 0
 
 

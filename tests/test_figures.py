@@ -1,13 +1,15 @@
 """scripts/figures.py and plumbing/charts.py: the course's figures come from the simulator and from real
-CPU runs, say what they should, and are the ones docs/DIAGRAMS.md shows.
+CPU runs, say what they should, and are the ones docs/DIAGRAMS.md shows, as text and as the SVGs
+committed in docs/figures/.
 
 Exact comparisons throughout: the bubble is a Fraction from 02's simulator, the activation bytes
-are counted (not timed) by 02's ActivationMeter, the grid and the ZeRO-1 partition are integers;
-only the overlap timeline is timed, and for it only its structure is checked. matplotlib is
-optional: the PNG path is run with a stand-in pyplot that records each call, and the path without
-it too.
+are counted (not timed) by 02's ActivationMeter, the grid and the ZeRO-1 partition are integers,
+and every SVG but one is compared byte for byte with what the script draws today; only the overlap
+figure is timed, and for it only its structure is checked. Each figure's data is made once for the
+whole file (the `data` fixture): the memory figure runs 4 CPU ranks, the overlap figure 2.
 """
 import importlib.util
+import xml.etree.ElementTree as ET
 from fractions import Fraction
 
 import pytest
@@ -16,6 +18,10 @@ from conftest import ROOT
 from plumbing import charts
 
 DIAGRAMS = (ROOT / "docs" / "DIAGRAMS.md").read_text()
+SVG_DIR = ROOT / "docs" / "figures"
+SVGS = sorted(path.stem for path in SVG_DIR.glob("*.svg"))  # the committed figures
+TIMED = "overlap"  # a real run's times: its SVG differs on every run
+NS = {"svg": "http://www.w3.org/2000/svg"}
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +30,23 @@ def figures():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def data(figures):
+    """data(name): the figure's data as the script makes it, made once per file (the overlap run
+    with 2 steps, not 3: one to warm up is enough for its structure)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = figures.overlap_data(steps=2) if name == "overlap" else figures.FIGURES[name][0]()
+        return made[name]
+    return get
+
+
+def svg_of(figures, data, name):
+    return figures.FIGURES[name][2](data(name))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,26 +82,26 @@ def test_a_bucket_never_launched_and_one_not_seen_done_are_said_so():
 # The figures, and the copies of them in docs/DIAGRAMS.md
 
 
-def test_the_simulated_bubble_equals_the_formula_for_every_m_and_v_and_the_doc_shows_this_table(figures):
-    data = figures.bubble_data()
-    for v, rows in data.items():
+def test_the_simulated_bubble_equals_the_formula_for_every_m_and_v_and_the_doc_shows_this_table(figures, data):
+    bubble = data("bubble")
+    for v, rows in bubble.items():
         assert [(m, s) for m, s, _ in rows] == [(m, Fraction(3, v * m)) for m, _, _ in rows]  # pp = 4
-    text = figures.tidy(figures.bubble_text(data))
+    text = figures.tidy(figures.bubble_text(bubble))
     assert "every simulated bubble equals its formula" in text and "  32 |           3/32     3/32" in text
     assert text in DIAGRAMS
 
 
-def test_activation_memory_per_stage_follows_the_microbatches_in_flight_and_the_doc_shows_it(figures):
-    data = figures.memory_data()  # pp = 4, m = 8, on 4 CPU ranks
-    gpipe, ofob, inter = data.values()
+def test_activation_memory_per_stage_follows_the_microbatches_in_flight_and_the_doc_shows_it(figures, data):
+    memory = data("memory")  # pp = 4, m = 8, on 4 CPU ranks
+    gpipe, ofob, inter = memory.values()
     assert ofob[0] * 2 == gpipe[0]  # 1F1B keeps pp = 4 of GPipe's m = 8 microbatches on stage 0
     assert ofob == sorted(ofob, reverse=True)  # and pp - stage on stage `stage`: less further down
     assert all(o < i < g for o, i, g in zip(ofob, inter, gpipe))  # interleaving pays for its bubble
-    assert figures.tidy(figures.memory_text(data)) in DIAGRAMS
+    assert figures.tidy(figures.memory_text(memory)) in DIAGRAMS
 
 
-def test_the_overlap_figure_is_a_real_run_whose_buckets_launch_during_backward(figures):
-    start, end, events, n = figures.overlap_data(steps=2)
+def test_the_overlap_figure_is_a_real_run_whose_buckets_launch_during_backward(figures, data):
+    start, end, events, n = data("overlap")
     launch = {i: t for kind, i, t in events if kind == "launch"}
     done = {i: t for kind, i, t in events if kind == "done"}
     assert sorted(launch) == sorted(done) == list(range(n)) and n > 2
@@ -88,65 +111,103 @@ def test_the_overlap_figure_is_a_real_run_whose_buckets_launch_during_backward(f
     assert "launched before backward finished" in text
 
 
-def test_the_grid_and_the_zero1_partition_are_drawn_from_05_and_04_and_the_doc_shows_them(figures):
+def test_the_grid_and_the_zero1_partition_are_drawn_from_05_and_04_and_the_doc_shows_them(figures, data):
     grid = figures.tidy(figures.grid_text())
     assert "replica 0  | rank 0  rank 1 | --> | rank 4  rank 5 |" in grid
     assert "dp groups, a column of a box (the gradient all-reduce): [[0, 2], [1, 3], [4, 6], [5, 7]]" in grid
     assert grid in DIAGRAMS
-    z = figures.zero_data()
+    z = data("zero")
     for i, (lo, hi) in enumerate(z["buckets"]):
         assert [z["shards"][q][i] for q in range(4)] == [(lo + q * (hi - lo) // 4, lo + (q + 1) * (hi - lo) // 4)
                                                           for q in range(4)]
     assert figures.tidy(figures.zero_text(z)) in DIAGRAMS
 
 
+def test_the_1f1b_and_interleaved_timelines_share_one_time_scale_with_the_formulas_bubbles(figures, data):
+    pp, m, v, runs = data("schedules")  # pp = 4, m = 8, v = 2
+    one, inter = runs.values()
+    assert (one.bubble, inter.bubble) == (Fraction(pp - 1, m), Fraction(pp - 1, v * m))
+    assert one.step_time > inter.step_time  # the same work, v times less fill and drain
+    assert figures.tidy(figures.schedules_text((pp, m, v, runs))) in DIAGRAMS
+
+
 # ----------------------------------------------------------------------------------------------
-# The command line: PNGs with matplotlib, text without
+# The SVGs in docs/figures: regenerated by the script, embedded in docs/DIAGRAMS.md
 
 
-class FakePyplot:
-    """Records every call on the figure and axes; savefig writes the file (a PNG stand-in)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def subplots(self, *args, **kwargs):
-        return self.Recorder(self.calls), self.Recorder(self.calls)
-
-    def close(self, fig):
-        pass
-
-    class Recorder:
-        def __init__(self, calls):
-            self.calls = calls
-
-        def __getattr__(self, method):
-            def call(*args, **kwargs):
-                self.calls.append((method, args, kwargs))
-                if method == "savefig":
-                    with open(args[0], "w") as f:
-                        f.write("png")
-                return [self] if method == "plot" else None
-            return call
-
-        def get_color(self):
-            return "C0"
+def test_every_figure_has_a_committed_svg_and_every_committed_svg_is_a_figure(figures):
+    assert SVGS == sorted(figures.FIGURES)
 
 
-def test_with_matplotlib_each_plot_is_a_png_with_the_formula_beside_the_points(figures, tmp_path, monkeypatch, capsys):
-    plt = FakePyplot()
-    monkeypatch.setattr(figures, "pyplot", lambda: plt)
-    assert figures.main(["bubble", "grid", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "bubble.png").read_text() == "png" and not (tmp_path / "grid.png").exists()
-    plots = [(args[2], kw["label"]) for name, args, kw in plt.calls if name == "plot"]
-    assert [style for style, _ in plots] == ["-", "o"] * 3  # per v: the formula's line, then the simulated points
-    assert plots[0][1] == "(pp-1)/(v m), v=1" and plots[-1][1] == "simulated, v=4"
-    assert f"wrote {tmp_path / 'bubble.png'}" in capsys.readouterr().out
+@pytest.mark.parametrize("name", [n for n in SVGS if n != TIMED])
+def test_each_committed_svg_is_byte_for_byte_what_the_script_draws_today(figures, data, name):
+    committed = (SVG_DIR / f"{name}.svg").read_bytes()
+    assert committed == svg_of(figures, data, name).encode("utf-8"), \
+        f"docs/figures/{name}.svg is not what the code draws today: python3 scripts/figures.py {name}"
 
 
-def test_without_matplotlib_the_text_is_printed_and_an_explicit_out_fails(figures, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(figures, "pyplot", lambda: None)
-    assert figures.main(["grid"]) == 0
-    out = capsys.readouterr().out
-    assert "=== grid ===" in out and "pip install matplotlib" in out
-    assert figures.main(["grid", "--out", str(tmp_path)]) == 1 and not list(tmp_path.iterdir())
+@pytest.mark.parametrize("name", SVGS)
+def test_each_svg_is_xml_with_a_title_a_white_page_and_a_fixed_width(name):
+    root = ET.parse(SVG_DIR / f"{name}.svg").getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    width, height = int(root.get("width")), int(root.get("height"))
+    assert 800 <= width <= 960 and root.get("viewBox") == f"0 0 {width} {height}"
+    assert root.find("svg:title", NS).text.strip()  # what slide tools and screen readers show
+    page = root.find("svg:rect", NS)  # the first drawn element: a white page under everything
+    assert (page.get("width"), page.get("height"), page.get("fill")) == (str(width), str(height), "white")
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert root.find("svg:title", NS).text in texts  # the title is drawn, too
+    assert all(int(t.get("font-size")) >= 11 for t in root.iter("{http://www.w3.org/2000/svg}text"))
+
+
+def overlap_rows(svg):
+    """(bucket bars, bucket row labels, backward bars) of an overlap SVG."""
+    root = ET.fromstring(svg)
+    rects = list(root.iter("{http://www.w3.org/2000/svg}rect"))
+    labels = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text.startswith("bucket ")]
+    return ([r for r in rects if r.get("class") == "bucket"], labels,
+            [r for r in rects if r.get("class") == "backward"])
+
+
+def test_the_overlap_svg_draws_backward_and_one_bar_per_bucket_of_a_real_run(figures, data):
+    n = data("overlap")[3]
+    bars, labels, backward = overlap_rows(svg_of(figures, data, "overlap"))
+    assert len(bars) == len(labels) == n > 2 and len(backward) == 1
+    assert labels == [f"bucket {i}" for i in range(n)] and all(float(r.get("width")) > 0 for r in bars)
+    # The committed one is another run (the times differ), of the same model and buckets.
+    assert [len(x) for x in overlap_rows((SVG_DIR / "overlap.svg").read_text(encoding="utf-8"))] == [n, n, 1]
+
+
+def test_the_timelines_svg_draws_every_action_of_both_schedules_with_its_microbatch(figures, data):
+    pp, m, v, runs = data("schedules")
+    root = ET.fromstring(svg_of(figures, data, "schedules"))
+    boxes = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("class") in ("F", "B")]
+    assert len(boxes) == 2 * pp * m * (1 + v)  # a forward and a backward per microbatch, stage and chunk
+    assert sum(r.get("class") == "F" for r in boxes) == len(boxes) // 2
+    assert len({r.get("fill") for r in boxes}) == 4  # forward and backward, first and second chunk
+
+
+def test_docs_diagrams_embeds_every_svg_by_its_relative_path():
+    for name in SVGS:
+        assert f"](figures/{name}.svg)" in DIAGRAMS, name
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line: text always, SVGs unless --no-svg
+
+
+def test_the_command_line_prints_each_figure_and_writes_its_svg_where_asked(figures, tmp_path):
+    lines = []
+    assert figures.main(["grid", "f-and-g", "--svg-dir", str(tmp_path)], out=lines.append) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f-and-g.svg", "grid.svg"]
+    for name in ("grid", "f-and-g"):
+        assert (tmp_path / f"{name}.svg").read_bytes() == (SVG_DIR / f"{name}.svg").read_bytes()
+        assert any(line.startswith(f"=== {name} ===") for line in lines)
+    assert f"wrote {tmp_path / 'grid.svg'}\n" in lines
+    assert figures.tidy(figures.grid_text()) in "".join(lines)
+
+
+def test_no_svg_prints_the_text_and_writes_nothing(figures, tmp_path):
+    lines = []
+    assert figures.main(["grid", "--no-svg", "--svg-dir", str(tmp_path / "none")], out=lines.append) == 0
+    assert not (tmp_path / "none").exists() and lines[0].startswith("=== grid ===")
