@@ -151,12 +151,26 @@ def test_the_demo_runs_unchanged_under_torchrun():
 
 
 def test_the_readme_baseline_example_runs_as_written(tmp_path):
+    # `pip install -e .` puts megatron_scratch on the path; PYTHONPATH does the same here (the
+    # install itself is checked once by hand: see pyproject.toml). The script runs from elsewhere.
     text = (ROOT / "README.md").read_text()
     code = text.split("## Use it as a correctness baseline")[1].split("```python\n")[1].split("```")[0]
+    assert "from megatron_scratch import tensor_parallel" in code and "sys.path" not in code
     script = tmp_path / "example.py"
-    script.write_text(code.replace("/path/to/this/repo", str(ROOT)))
-    proc, _ = run(str(script), fresh=True)
+    script.write_text(code)
+    proc = run_script(str(script), fresh=True, timeout=120, env={"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_package_names_each_chapter_and_pyproject_installs_it():
+    import tomllib
+    import megatron_scratch
+    names = {"tensor_parallel": "01_", "pipeline": "02_", "interleaved": "03_", "data_parallel": "04_", "gpt3d": "05_"}
+    for name, prefix in names.items():
+        assert getattr(megatron_scratch, name).__name__.startswith(prefix)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "megatron_scratch" in project["tool"]["setuptools"]["packages"]
+    assert all((ROOT / p / "__init__.py").exists() for p in project["tool"]["setuptools"]["packages"])
 
 
 # ----------------------------------------------------------------------------------------------
