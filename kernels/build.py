@@ -13,6 +13,7 @@ it cannot; "reference" always runs the reference. `calls` counts which path each
 import collections
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -132,14 +133,32 @@ def cu_files():
     return sorted(KERNELS_DIR.glob("*.cu"))
 
 
-def nvcc_check(cu, archs=ARCHS):
+def nvcc_check(cu, archs=ARCHS, extra=()):
     """Compile one .cu for each arch with nvcc alone (no torch); returns (ok, compiler output)."""
     nvcc = shutil.which("nvcc")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    cmd = [nvcc, "-std=c++17", "-O3", "--Werror", "all-warnings", "-I", str(KERNELS_DIR), *gencode,
+    cmd = [nvcc, "-std=c++17", "-O3", "--Werror", "all-warnings", "-I", str(KERNELS_DIR), *gencode, *extra,
            "-c", str(cu), "-o", os.devnull]
     out = subprocess.run(cmd, capture_output=True, text=True)
     return out.returncode == 0, out.stdout + out.stderr
+
+
+def static_smem(cu, archs=ARCHS):
+    """Each kernel's static shared memory in bytes, as ptxas reports it (nvcc -Xptxas -v) for
+    every arch: {kernel name: the largest over its dtype instantiations and the archs}."""
+    ok, out = nvcc_check(cu, archs, extra=("-Xptxas", "-v"))
+    if not ok:
+        raise ValueError(f"nvcc failed on {cu}:\n{out[-3000:]}")
+    sizes, kernel = {}, None
+    for line in out.splitlines():
+        entry = re.search(r"Compiling entry function '_Z(\d+)(\w+)'", line)
+        if entry:  # an Itanium-mangled name: its length, then the name, then the template arguments
+            kernel = entry[2][:int(entry[1])]
+        if kernel and re.search(r"ptxas info\s*: Used ", line):  # "... 128 bytes smem" only if any
+            smem = re.search(r"(\d+) bytes smem", line)
+            sizes[kernel] = max(sizes.get(kernel, 0), int(smem[1]) if smem else 0)
+            kernel = None
+    return sizes
 
 
 def cuda_toolkit():
