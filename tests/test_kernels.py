@@ -8,6 +8,7 @@ tanh/exp chains and catches any wrong term (O(1e-3) or more). GPU: the issue's b
 fp32 and 1e-2 in bf16, as max|kernel - ref| / max|ref| against the reference in float64 on the
 same (rounded) inputs: fp32 keeps ~7 digits through a few transcendental ops, bf16 ~3 digits.
 """
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,35 @@ def test_the_toolkit_is_found_whatever_torch_guessed(torchs_guess, tmp_path, mon
     monkeypatch.setattr(build, "_extensions", {})
     build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
     assert seen == [root]
+
+
+def test_every_launcher_takes_its_launch_error_rather_than_peeking_at_it():
+    """cudaPeekAtLastError leaves the error pending: the next launch check (torch's after an
+    unrelated kernel, or the next launcher's) would report it again as its own. A source check:
+    a CPU cannot launch anything (the next test is its GPU twin)."""
+    files = [*build.cu_files(), build.KERNELS_DIR / "common.cuh"]
+    code = {f.name: re.sub(r"//[^\n]*", "", f.read_text()) for f in files}  # comments may name it
+    assert not [name for name, text in code.items() if "cudaPeekAtLastError" in text]
+    status = re.search(r"launch_status\(\) \{(.*?)\n\}", code["common.cuh"], re.S)
+    assert status and "cudaGetLastError()" in status[1], "common.cuh's launch_status() must take the error"
+    for name, text in code.items():
+        if "<<<" in text:  # it launches: its launchers must say how the launch went
+            assert "return launch_status();" in text, name
+
+
+@needs_cuda
+def test_a_failed_launch_is_reported_once_by_its_launcher_and_not_by_the_next_cuda_op():
+    from kernels import layernorm
+
+    ext = build.extension("layernorm", layernorm.BINDING, layernorm.FUNCTIONS)
+    x = randn(4, 64, seed=0, dtype=torch.float32, device="cuda")
+    w, stats = torch.ones(64, device="cuda"), torch.ones(4, device="cuda")
+    empty_grid = torch.empty(2, 0, 64, device="cuda")  # (2, G, C) with G = 0: a grid of no blocks
+    with pytest.raises(RuntimeError, match="layernorm_backward: invalid configuration"):
+        layernorm.kernel_backward(ext, x, x, w, stats, stats, torch.empty_like(x), empty_grid)
+    # The error was taken: torch's own launch check after its next kernel finds none pending.
+    assert torch.equal(x * 2, x + x)
+    torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------------------------
