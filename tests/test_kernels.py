@@ -8,7 +8,10 @@ tanh/exp chains and catches any wrong term (O(1e-3) or more). GPU: the issue's b
 fp32 and 1e-2 in bf16, as max|kernel - ref| / max|ref| against the reference in float64 on the
 same (rounded) inputs: fp32 keeps ~7 digits through a few transcendental ops, bf16 ~3 digits.
 """
+import os
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -60,8 +63,61 @@ def test_the_toolkit_is_found_whatever_torch_guessed(torchs_guess, tmp_path, mon
     seen = []
     monkeypatch.setattr(cpp_extension, "load_inline", lambda **kw: seen.append(cpp_extension.CUDA_HOME))
     monkeypatch.setattr(build, "_extensions", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # not the user's cache
     build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
     assert seen == [root]
+
+
+# The build lock: torch's load_inline is stubbed (no compiler runs); the lock file is put where
+# torch's own cpp_extension would take it, found by torch's function, not ours.
+
+
+def torchs_lock(tmp_path, monkeypatch):
+    """(torch's lock file for bias_gelu's build under a fresh TORCH_EXTENSIONS_DIR, the stub's record
+    of load_inline's calls: whether the lock existed then, and the build directory it was given)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_extensions", {})
+    monkeypatch.setattr(build, "_failed", {})
+    directory = cpp_extension._get_build_directory(build.extension_name("bias_gelu", bias_gelu.BINDING), False)
+    lock = Path(directory) / "lock"
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load_inline",
+                        lambda **kw: calls.append((lock.exists(), kw.get("build_directory"))))
+    return lock, calls
+
+
+def test_a_build_lock_left_by_a_killed_build_is_refused_naming_the_file_to_delete(tmp_path, monkeypatch):
+    lock, calls = torchs_lock(tmp_path, monkeypatch)
+    lock.touch()
+    old = time.time() - build.STALE_LOCK_S - 60  # the killed build's last change, long ago
+    os.utime(lock, (old, old))
+    os.utime(lock.parent, (old, old))
+    for mode in ("cuda", "auto"):  # "auto" does not fall back in silence: the file is the fix
+        with pytest.raises(build.StaleBuildLock, match=f"nothing in .* has changed for .*rm {lock}$"):
+            build.built(mode, "bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    assert calls == []  # torch's load_inline, which would wait forever, was never reached
+
+
+def test_a_live_build_lock_is_waited_for_then_the_build_runs(tmp_path, monkeypatch, capsys):
+    lock, calls = torchs_lock(tmp_path, monkeypatch)
+    monkeypatch.setattr(build, "LOCK_POLL_S", 0.05)
+    lock.touch()  # another process's build, just started
+    threading.Timer(0.3, lock.unlink).start()  # ... which finishes
+    build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    assert calls == [(False, str(lock.parent))]  # torch's load_inline after the lock went, in its directory
+    assert f"waiting for another process's build of bias_gelu.cu (its lock {lock}" in capsys.readouterr().out
+
+
+def test_a_build_lock_with_no_progress_while_waited_for_becomes_stale(tmp_path, monkeypatch):
+    lock, calls = torchs_lock(tmp_path, monkeypatch)
+    monkeypatch.setattr(build, "LOCK_POLL_S", 0.05)
+    monkeypatch.setattr(build, "STALE_LOCK_S", 0.5)
+    lock.touch()  # fresh, but its build was killed a moment later: nothing changes after it
+    with pytest.raises(build.StaleBuildLock, match=f"rm {lock}$"):
+        build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    assert calls == []
 
 
 def test_every_launcher_takes_its_launch_error_rather_than_peeking_at_it():
