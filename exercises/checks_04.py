@@ -167,8 +167,9 @@ def _zero(env, ref):
     dp = env.world_size
     ddp = data_parallel.BucketedDDP(model.parameters(), group, ARGS.bucket_numel, zero=True)
     mine = [tuple(ddp.shard_range(i)) for i in range(len(ddp.buckets))]
+    # On the run's device: NCCL (a torchrun launch on GPUs) takes no CPU tensors.
     every = [[tuple(map(int, row[2 * i:2 * i + 2])) for i in range(len(mine))]
-             for row in gather_numbers([x for ab in mine for x in ab], group)]
+             for row in gather_numbers([x for ab in mine for x in ab], group, device=env.device)]
     for i, (lo, hi) in enumerate(ddp.buckets):
         parts = [every[q][i] for q in range(dp)]
         want = [(lo + q * (hi - lo) // dp, lo + (q + 1) * (hi - lo) // dp) for q in range(dp)]

@@ -4,7 +4,9 @@ Each family kernels/<name>.py pairs kernels/<name>.cu (plain CUDA C++: kernels a
 take raw pointers and a stream) with a thin torch binding, a few lines of C++ kept in the .py.
 They are compiled together by torch.utils.cpp_extension the first time the kernel is used on a
 CUDA tensor, and cached by torch (under TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by
-default) under a name that hashes the sources, so an edit rebuilds and nothing else does.
+default) under a name that hashes the sources, so an edit rebuilds and nothing else does. A lock
+file left there by a build that was killed is refused, naming the file to delete, rather than
+waited on forever (wait_for_build_lock).
 
 Dispatch, per call: mode "auto" runs the kernel for CUDA tensors of a supported dtype (fp32,
 fp16, bf16) and shape and the reference otherwise; "cuda" runs the kernel or raises, saying why
@@ -13,8 +15,11 @@ it cannot; "reference" always runs the reference. `calls` counts which path each
 import collections
 import hashlib
 import os
+import re
 import shutil
 import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -51,14 +56,86 @@ def extension(family, binding, functions):
         if root and root != cpp_extension.CUDA_HOME:  # torch's guess has no CUDA headers: nvcc would fail
             print(f"kernels: CUDA toolkit {root} (torch guessed {cpp_extension.CUDA_HOME})", flush=True)
             cpp_extension.CUDA_HOME = root
-        cu = (KERNELS_DIR / f"{family}.cu").read_text()
-        digest = hashlib.sha1((cu + (KERNELS_DIR / "common.cuh").read_text() + binding).encode()).hexdigest()
+        name = extension_name(family, binding)
+        directory = build_directory(name)
+        wait_for_build_lock(family, directory)
+        os.makedirs(directory, exist_ok=True)
         print(f"kernels: building {family}.cu (first use; cached afterwards)", flush=True)
         _extensions[family] = cpp_extension.load_inline(
-            name=f"megatron_ref_{family}_{digest[:12]}", cpp_sources=[PRELUDE + binding],
-            cuda_sources=[cu], functions=list(functions), extra_include_paths=[str(KERNELS_DIR)],
-            extra_cuda_cflags=["-O3"], verbose=False)
+            name=name, cpp_sources=[PRELUDE + binding], cuda_sources=[(KERNELS_DIR / f"{family}.cu").read_text()],
+            functions=list(functions), extra_include_paths=[str(KERNELS_DIR)], extra_cuda_cflags=["-O3"],
+            build_directory=directory, verbose=False)
     return _extensions[family]
+
+
+def extension_name(family, binding):
+    """The extension's name: the family and a hash of its sources, so an edit rebuilds."""
+    cu = (KERNELS_DIR / f"{family}.cu").read_text()
+    digest = hashlib.sha1((cu + (KERNELS_DIR / "common.cuh").read_text() + binding).encode()).hexdigest()
+    return f"megatron_ref_{family}_{digest[:12]}"
+
+
+def build_directory(name):
+    """Where torch's cpp_extension builds `name`, and keeps its lock: TORCH_EXTENSIONS_DIR/name, else
+    torch's default root, one folder per Python and CUDA version (as cpp_extension lays it out).
+    Passed to load_inline, so the lock looked at below is the one torch takes."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
+    return os.path.join(root, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# The build lock. torch's cpp_extension builds under a lock file, <build directory>/lock: the first
+# process to create it builds, the others wait until it is gone. A build killed part-way (a job
+# cancelled during the minutes of a cold build) leaves the file behind, and every later run then
+# waits in torch forever, silently: no collective is pending yet, so no timeout fires. So the lock
+# is looked at before torch is called: a live build changes the files beside it (ninja's log, the
+# objects) every minute or so; a lock with nothing changed beside it for STALE_LOCK_S is refused,
+# naming the file to delete. (The lock holds no pid, and the build may run on another node that
+# shares the directory, so its age is the only sign.)
+
+STALE_LOCK_S = 600.0  # about 10 times the longest single compile step seen (49-55 s a family, 2 cores)
+LOCK_POLL_S = 1.0
+
+
+class StaleBuildLock(ValueError):
+    """A build lock left by a killed build. Raised in every mode: the fix is to delete one file."""
+
+
+def _last_change(directory):
+    """Seconds since anything in the build directory (the lock included) last changed."""
+    times = [os.stat(directory).st_mtime] + [e.stat().st_mtime for e in os.scandir(directory)]
+    return time.time() - max(times)
+
+
+def wait_for_build_lock(family, directory):
+    """Return once no build of `family` holds its lock in `directory` (at once, normally); wait,
+    and say so, while another process builds; raise StaleBuildLock if the lock is stale."""
+    lock, said = os.path.join(directory, "lock"), False
+    while True:
+        try:
+            if not os.path.exists(lock):
+                return
+            idle = _last_change(directory)
+        except FileNotFoundError:  # the build finished (or the directory was removed) meanwhile
+            continue
+        if idle > STALE_LOCK_S:
+            raise StaleBuildLock(
+                f"kernels: the build lock {lock} is stale: nothing in {directory} has changed for {idle:.0f} s "
+                f"(a live build of {family}.cu changes it every minute or so; the limit is "
+                f"kernels.build.STALE_LOCK_S = {STALE_LOCK_S:g} s). A build that was killed left it, and torch "
+                f"would wait on it forever. If no process is building {family}.cu (on this node, or on any "
+                f"node sharing {directory}), delete the lock and run again: rm {lock}")
+        if not said:
+            print(f"kernels: waiting for another process's build of {family}.cu (its lock {lock}; last change "
+                  f"{idle:.0f} s ago; refused as stale after {STALE_LOCK_S:g} s without one)", flush=True)
+            said = True
+        time.sleep(LOCK_POLL_S)
 
 
 def unsupported(*tensors):
@@ -98,6 +175,8 @@ def built(mode, family, binding, functions):
         return None
     try:
         return extension(family, binding, functions)
+    except StaleBuildLock:  # not a machine without a toolkit: a file to delete, said in every mode
+        raise
     except Exception as e:
         if mode == "cuda":
             raise
@@ -132,14 +211,32 @@ def cu_files():
     return sorted(KERNELS_DIR.glob("*.cu"))
 
 
-def nvcc_check(cu, archs=ARCHS):
+def nvcc_check(cu, archs=ARCHS, extra=()):
     """Compile one .cu for each arch with nvcc alone (no torch); returns (ok, compiler output)."""
     nvcc = shutil.which("nvcc")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    cmd = [nvcc, "-std=c++17", "-O3", "--Werror", "all-warnings", "-I", str(KERNELS_DIR), *gencode,
+    cmd = [nvcc, "-std=c++17", "-O3", "--Werror", "all-warnings", "-I", str(KERNELS_DIR), *gencode, *extra,
            "-c", str(cu), "-o", os.devnull]
     out = subprocess.run(cmd, capture_output=True, text=True)
     return out.returncode == 0, out.stdout + out.stderr
+
+
+def static_smem(cu, archs=ARCHS):
+    """Each kernel's static shared memory in bytes, as ptxas reports it (nvcc -Xptxas -v) for
+    every arch: {kernel name: the largest over its dtype instantiations and the archs}."""
+    ok, out = nvcc_check(cu, archs, extra=("-Xptxas", "-v"))
+    if not ok:
+        raise ValueError(f"nvcc failed on {cu}:\n{out[-3000:]}")
+    sizes, kernel = {}, None
+    for line in out.splitlines():
+        entry = re.search(r"Compiling entry function '_Z(\d+)(\w+)'", line)
+        if entry:  # an Itanium-mangled name: its length, then the name, then the template arguments
+            kernel = entry[2][:int(entry[1])]
+        if kernel and re.search(r"ptxas info\s*: Used ", line):  # "... 128 bytes smem" only if any
+            smem = re.search(r"(\d+) bytes smem", line)
+            sizes[kernel] = max(sizes.get(kernel, 0), int(smem[1]) if smem else 0)
+            kernel = None
+    return sizes
 
 
 def cuda_toolkit():

@@ -75,9 +75,11 @@ static inline int grid_for(int64_t work, int threads) {
 }
 
 // What a launcher returns: nullptr if the launch went in, else CUDA's message for the error. It
-// peeks rather than takes the error, so that torch's own checks still see it.
+// takes the error (cudaGetLastError), and the binding raises it: reported once, by the launcher
+// whose launch failed. Peeking would leave it pending, so that the next launch check, torch's own
+// after an unrelated kernel or the next launcher's here, would report it again as its own failure.
 static inline const char* launch_status() {
-  const cudaError_t err = cudaPeekAtLastError();
+  const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 

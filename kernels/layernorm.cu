@@ -10,7 +10,8 @@
 // Backward recomputes xhat from x and the saved (mean, rstd) instead of storing it.
 #include "common.cuh"
 
-// Below this a launch needs no opt-in; asking for more than that is a per-kernel attribute.
+// A block's shared memory, static and dynamic together, up to which a launch needs no opt-in;
+// more than that is a per-kernel attribute.
 static const int DEFAULT_SMEM_BYTES = 48 * 1024;
 
 // x, y: (rows, C); w, b: (C,); mean, rstd: (rows,) fp32. A block handles one row at a time
@@ -93,12 +94,20 @@ __global__ void layernorm_backward_kernel(const T* __restrict__ g, const T* __re
   }
 }
 
-// Launch `kernel` with `bytes` of dynamic shared memory, raising its limit first when it needs
-// more than the default (up to 163 KiB on A100, 227 KiB on H100; above that this fails and says so).
+// Launch `kernel` with `bytes` of dynamic shared memory, raising its limit first when the block's
+// whole shared memory needs more than the default (up to 163 KiB on A100, 227 KiB on H100; above
+// that this fails and says so). The whole is dynamic plus static: each kernel's scratch[32] is
+// 128 B of its own (ptxas -v says so), and without the opt-in a launch whose total passes 48 KiB
+// fails with "invalid argument" (forward at C = 12257..12288, backward at 6129..6144, before this
+// counted it). cudaFuncGetAttributes reads the static size from the compiled kernel itself.
 template <typename Kernel, typename... Args>
 static const char* launch(Kernel kernel, int blocks, int threads, int bytes, cudaStream_t stream,
                           Args... args) {
-  if (bytes > DEFAULT_SMEM_BYTES) {
+  cudaFuncAttributes attributes;
+  const cudaError_t query = cudaFuncGetAttributes(&attributes, kernel);
+  if (query != cudaSuccess) return cudaGetErrorString(query);
+  const size_t static_bytes = attributes.sharedSizeBytes;
+  if (bytes + static_bytes > DEFAULT_SMEM_BYTES) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return cudaGetErrorString(err);
   }

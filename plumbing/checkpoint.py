@@ -1,8 +1,9 @@
 """Checkpoints: sharded, atomic, durable, bit-identical on resume, and loadable in any other layout.
 
-    Saver(root, keep)                       save(run, step): every rank writes and fsyncs its own
+    Saver(root, keep, timeout_s)            save(run, step): every rank writes and fsyncs its own
                                             shard, then rank 0 the manifest, and one rename makes
-                                            step_N visible; keeps the newest `keep` of its own saves
+                                            step_N visible; keeps the newest `keep` of its own saves.
+                                            Its own group and timeout (a collective to construct)
     latest_checkpoint(root)                 the newest complete step under root (or root itself)
     read_manifest(path, cfg, tc)            the manifest, checked field by field, and refused if it
                                             is of another model or batch
@@ -26,6 +27,7 @@ import re
 import shutil
 import time
 import zipfile
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -81,11 +83,44 @@ def _finite(run):
     return bad + (["the optimizer state"] if not all(torch.isfinite(t).all() for t in state) else [])
 
 
-class Saver:
-    """Checkpoints of one run under root, keeping the newest `keep` of those this run wrote."""
+SAVE_TIMEOUT_S = 1800.0  # a save's own collectives: every rank's shard written and fsynced, then the rotation
 
-    def __init__(self, root, keep):
-        self.root, self.keep, self.written = root, keep, []
+
+class Saver:
+    """Checkpoints of one run under root, keeping the newest `keep` of those this run wrote.
+
+    A save waits for every rank's torch.save and fsync, and then for rank 0's manifest, rename and
+    rotation: for multi-GB shards on a busy parallel filesystem, minutes, far past the training
+    collectives' timeout (--timeout-s). So a save synchronises in a group of its own, made here, with
+    its own timeout, timeout_s; it is gloo, whatever the training backend, for torch's monitored
+    barrier, whose rank 0 names the ranks that had not arrived. Constructing a Saver is a
+    collective: every rank makes one, at the same point."""
+
+    def __init__(self, root, keep, timeout_s=SAVE_TIMEOUT_S):
+        self.root, self.keep, self.written, self.timeout_s = root, keep, [], timeout_s
+        # Its own timeout bounds what ranks other than 0 wait for rank 0 (the barrier's own bounds
+        # rank 0's wait for them): a little longer, so that rank 0, which knows who is missing,
+        # reports first.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + 30))
+
+    def _barrier(self, step, after):
+        """Return once every rank has done `after`; raise, naming who had not, after timeout_s."""
+        try:
+            dist.monitored_barrier(self.group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        except RuntimeError as e:
+            text, rank = str(e).strip().splitlines()[0], dist.get_rank()
+            late = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
+            if late:  # rank 0: torch names every rank that did not arrive in time
+                who = f"rank(s) {late[1].strip()} had not finished {after}"
+            elif rank:
+                who = (f"rank {rank} had finished {after}, but rank 0 did not answer: rank 0 waits for every "
+                       f"rank, and its own error names those that had not finished; if it names none, rank 0 "
+                       f"itself was the slow one")
+            else:
+                who = f"not every rank had finished {after}"
+            raise RuntimeError(f"saving step {step} under {self.root} timed out after {self.timeout_s:g} s (the "
+                               f"save's own timeout, Saver's timeout_s; --timeout-s does not bound a save): "
+                               f"{who}. torch: {text}") from e
 
     def save(self, run, step, say=print):
         """Write step `step` (the number of steps done) under root/step_<step>. Rank 0 says where,
@@ -97,15 +132,15 @@ class Saver:
             say(f"removing {tmp}: an interrupted save of this step, never completed")
             shutil.rmtree(tmp)
         bad = _finite(run)
-        flag = torch.tensor([float(bool(bad))], device=run.env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # also: nobody writes before the removal above
+        flag = torch.tensor([float(bool(bad))])  # on the CPU: the save's group is gloo
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # also: nobody writes before the removal above
         if flag.item():
             where = f"this rank holds non-finite values in {', '.join(bad[:3])}" if bad else "another rank does"
             raise FloatingPointError(f"not saving step {step}: {where}; the last checkpoint is left as it was")
         os.makedirs(tmp, exist_ok=True)
         shard = _shard(run)
         _write(os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"), lambda f: torch.save(shard, f))
-        dist.barrier()  # every shard is on disk before the step becomes visible
+        self._barrier(step, f"writing its shard to {tmp}")  # every shard is on disk before the step becomes visible
         if run.env.rank == 0:
             manifest = json.dumps(_manifest(run, step), indent=1).encode()
             _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(manifest))
@@ -118,7 +153,7 @@ class Saver:
             for old in self.written[:-self.keep]:  # only this run's own saves are ever removed
                 shutil.rmtree(old)
             self.written = self.written[-self.keep:]
-        dist.barrier()
+        self._barrier(step, f"the save (rank 0 last: the manifest, the rename to {final}, the rotation)")
 
 
 def _shard(run):

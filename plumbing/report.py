@@ -3,7 +3,8 @@
     print_layout(tc, grid)     --print-layout: every rank's (tp, dp, pp) and every group
     summary(run, ...)          a few grouped lines: model, data, layout, device, training, files,
                                memory and FLOPs by the planner's formulas
-    report(run, out, ...)      throughput, a chart of the loss, the message size, the sum probe
+    report(run, out, ...)      throughput, a chart of the loss, the message size, the sum probe;
+                               on a GPU, the measured peak memory beside the estimate
     sum_probe(run, forward)    how many single-digit sums greedy decoding gets right (built-in corpus)
     Progress                   the loop's progress bar, notes above it, and --metrics lines
 """
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from planner import PEAK_BF16_FLOPS, Layout, activation_bytes_per_layer, layers_in_flight, params_exact
+from planner import PEAK_BF16_FLOPS, Layout, ModelSpec, activation_bytes_per_layer, layers_in_flight, \
+    params_exact
 from plumbing.charts import ascii_chart
 from plumbing.data import held_out
 from plumbing.tokenizer import tokenizer_of
@@ -44,19 +46,40 @@ def print_layout(tc, grid):
         print(f"{kind} groups: {grid[kind]}")
 
 
-def summary(run, spec, flops, n_train, n_eval, say):
-    """The start-up summary (rank 0): a few grouped lines, not the config's repr."""
-    cfg, tc, env = run.cfg, run.tc, run.env
+def memory_estimate(run, spec):
+    """This rank's bytes by the planner's formulas: {weights, gradients, optimizer, activations}."""
+    tc = run.tc
     local = sum(p.numel() for c in run.chunks for p in c.parameters())
-    per_rank = [int(x[0]) for x in gather_numbers([local], device=env.device)]
     elt = torch.empty((), dtype=run.dtype).element_size()
-    grad_elt = run.ddp.grad_buffer.element_size()
     owned = sum(p.master.numel() for p in run.opt.pieces)
     masters = sum(p.master.numel() for p in run.opt.pieces if p.master is not p.weights)
     L = Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=run.act_shape[0], v=tc.virtual_stages,
                recompute=tc.recompute, sequence_parallel=tc.sequence_parallel)
     # Korthikanti's activation bytes assume 2-byte (bf16) activations: rescale to ours.
-    act = activation_bytes_per_layer(spec, L) * layers_in_flight(spec, L) * elt / 2
+    return dict(weights=local * elt, gradients=local * run.ddp.grad_buffer.element_size(),
+                optimizer=2 * owned * max(elt, 4) + masters * 4,  # two AdamW moments, plus fp32 masters
+                activations=activation_bytes_per_layer(spec, L) * layers_in_flight(spec, L) * elt / 2)
+
+
+def measured_peak(env, estimate_bytes):
+    """The end report's memory line on a GPU: every rank's torch.cuda.max_memory_allocated(), rank
+    0's beside the start-up estimate, and the fullest rank's. A collective there: every rank calls
+    it. None on a CPU, where torch does not count allocations."""
+    if env.device.type != "cuda":
+        return None
+    peaks = [int(x[0]) for x in gather_numbers([torch.cuda.max_memory_allocated(env.device)], device=env.device)]
+    fullest = max(range(len(peaks)), key=peaks.__getitem__)
+    return (f"memory    rank 0, measured peak (torch.cuda.max_memory_allocated): {peaks[0] / 2**20:,.2f} MiB, "
+            f"estimated {estimate_bytes / 2**20:,.2f} MiB (weights, gradients, optimizer and activations at "
+            f"start-up); the fullest rank, {fullest}: {peaks[fullest] / 2**20:,.2f} MiB")
+
+
+def summary(run, spec, flops, n_train, n_eval, say):
+    """The start-up summary (rank 0): a few grouped lines, not the config's repr."""
+    cfg, tc, env = run.cfg, run.tc, run.env
+    local = sum(p.numel() for c in run.chunks for p in c.parameters())
+    per_rank = [int(x[0]) for x in gather_numbers([local], device=env.device)]
+    mem = memory_estimate(run, spec)
     sim = pipeline.simulate([interleaved.interleaved(tc.pp, tc.microbatches, s, tc.virtual_stages)
                          for s in range(tc.pp)], tc.pp)
     on = lambda flag: "on" if flag else "off"  # noqa: E731
@@ -81,10 +104,9 @@ def summary(run, spec, flops, n_train, n_eval, say):
     say(f"files     checkpoints: {tc.save or 'none'}"
         + (f" (every {tc.save_every} steps, keep {tc.keep})" if tc.save else "")
         + f"; resume: {tc.resume or 'no'}; metrics: {tc.metrics or 'none'}; trace: {tc.trace or 'none'}")
-    opt_bytes = 2 * owned * max(elt, 4) + masters * 4  # two AdamW moments, plus fp32 masters
-    say(f"memory    rank 0, estimated: weights {local * elt / 2**20:.2f} MiB, gradients "
-        f"{local * grad_elt / 2**20:.2f} MiB, optimizer {opt_bytes / 2**20:.2f} MiB, activations "
-        f"{act / 2**20:.2f} MiB (Korthikanti Table 2); parameters per rank {per_rank}")
+    say(f"memory    rank 0, estimated: weights {mem['weights'] / 2**20:.2f} MiB, gradients "
+        f"{mem['gradients'] / 2**20:.2f} MiB, optimizer {mem['optimizer'] / 2**20:.2f} MiB, activations "
+        f"{mem['activations'] / 2**20:.2f} MiB (Korthikanti Table 2); parameters per rank {per_rank}")
     say(f"compute   FLOPs per iteration (eq. 3): {flops:.3e}; pipeline bubble (pp-1)/(v m) = "
         f"{sim.bubble} (simulated, t_b = 2 t_f)")
 
@@ -109,6 +131,9 @@ def report(run, out, wall, say):
         f"({'scatter/gather on' if run.wire else 'scatter/gather off'}"
         f"{', sequence parallel' if tc.sequence_parallel else ''})")
     say(f"peak stored activation bytes on rank 0 (last step): {out['peak_activation_bytes']:,}")
+    if run.env.device.type == "cuda":  # the memory checklist's figure (G12); not counted on a CPU
+        spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)  # as 05 builds it
+        say(measured_peak(run.env, sum(memory_estimate(run, spec).values())))
     if "sums" in out:
         seen, of_seen, held, of_held = out["sums"]
         say(f"sums, greedy \"x plus y is\" for x, y < 10: {seen}/{of_seen} right of those in the "

@@ -7,6 +7,7 @@ trajectory within 1e-10 (float64), the parity tolerance of test_3d.py.
 """
 import os
 import signal
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load
 from plumbing import checkpoint, gpt2
-from plumbing.launch import RankFailure
+from plumbing.launch import RankFailure, launch
 from plumbing.reference import serial_train
 
 tensor_parallel = load("01_tensor_parallel")
@@ -140,6 +141,39 @@ def test_a_rank_killed_mid_step_stops_everyone_and_resume_loses_only_unsaved_ste
     out = run_ranks(_resume, 4, tc_for(2, 2, 1, resume=root))[0]
     serial = serial_train(CFG, replace(BASE, steps=STEPS))["losses"]
     assert out["start"] == 3 and tensor_parallel.max_rel_diff(torch.tensor(out["losses"]), torch.tensor(serial[3:])) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow saves: a save runs in its own group, under its own timeout, not the training collectives'
+
+
+def _slow_shard_on_rank_1(env, root, delay_s, save_timeout_s, collective_timeout_s):
+    real_save = torch.save
+
+    def slow_save(obj, f):  # rank 1's shard: multi-GB on a busy filesystem, say
+        if env.rank == 1:
+            time.sleep(delay_s)
+        real_save(obj, f)
+
+    torch.save = slow_save  # this forked rank's torch only
+    gpt3d.Saver = lambda root, keep: checkpoint.Saver(root, keep, timeout_s=save_timeout_s)  # 05's, here
+    return gpt3d.train(env, CFG, tc_for(1, 2, 1, steps=2, save=root, timeout_s=collective_timeout_s),
+                       quiet=True)["losses"]
+
+
+def test_a_save_slower_than_its_timeout_fails_naming_the_rank_that_had_not_written_its_shard(run_ranks, tmp_path):
+    with pytest.raises(RankFailure, match=r"rank 0 failed:(.|\n)*saving step 2 under .* timed out after 1 s "
+                                          r"(.|\n)*: rank\(s\) 1 had not finished writing its shard to "
+                                          r".*step_00000002.tmp\."):
+        run_ranks(_slow_shard_on_rank_1, 2, str(tmp_path), 2.5, 1.0, 20.0)
+    assert os.listdir(tmp_path) == ["step_00000002.tmp"]  # never made visible
+
+
+def test_a_save_slower_than_the_collective_timeout_completes_under_its_own(tmp_path):
+    # Every training collective, and the default group, time out after 1.5 s; rank 1's shard takes 3 s.
+    losses = launch(_slow_shard_on_rank_1, 2, str(tmp_path), 3.0, 30.0, 1.5, timeout_s=1.5, deadline_s=60)
+    assert len(losses[1]) == 2 and os.listdir(tmp_path) == ["step_00000002"]
+    assert checkpoint.read_manifest(str(tmp_path / "step_00000002"))["step"] == 2
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,12 +13,14 @@ C = 1 is kept, with its own test: the variance is exactly 0 and xhat exactly 0, 
 dw = 0 and db = sum g exactly, in the reference and in the kernel. F.layer_norm on CPU leaves
 rounding noise there (~1e-13 where the answer is 0), so against it the bound is absolute.
 """
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import build, layernorm
-from conftest import CPU_TOL, GPU_TOL, needs_cuda, randn, rel
+from conftest import CPU_TOL, GPU_TOL, needs_cuda, needs_nvcc, randn, rel
 
 F64 = torch.float64
 TOL = {**GPU_TOL, torch.float16: 1e-3}
@@ -118,12 +120,99 @@ def test_weights_of_the_wrong_shape_and_empty_inputs_are_refused():
 
 
 # ----------------------------------------------------------------------------------------------
+# Shared memory, read from the compiler and the source (no GPU needed)
+
+# CUDA's facts, not the source's: a block may use 48 KiB of shared memory, static and dynamic
+# together, unless its kernel opts in to more (cudaFuncAttributeMaxDynamicSharedMemorySize); with
+# the opt-in, up to 163 KiB on A100 and 227 KiB on H100 (CUDA C++ Programming Guide, the table of
+# technical specifications per compute capability).
+DEFAULT_SMEM_BYTES = 48 * 1024
+A100_OPT_IN_SMEM_BYTES = 163 * 1024
+CU = build.KERNELS_DIR / "layernorm.cu"
+
+
+def c_expression(text, **names):
+    """Evaluate one of layernorm.cu's integer expressions or conditions with Python's arithmetic:
+    casts dropped, sizeof(float) = 4. A name this does not bind fails, saying the source changed."""
+    py = re.sub(r"\((?:int|size_t|int64_t)\)", "", text).replace("sizeof(float)", "4")
+    assert re.fullmatch(r"[\w\s+*()<>=]+", py), f"{CU.name}: cannot read {text!r}; update this test"
+    try:
+        return eval(py, {"__builtins__": {}}, names)
+    except NameError as e:
+        raise AssertionError(f"{CU.name}: {text!r} uses a name this test does not know ({e}); update it")
+
+
+def top_level_args(call):
+    """The arguments of a call's text from just after its '(', split at commas outside brackets."""
+    args, depth, start = [], 0, 0
+    for i, ch in enumerate(call):
+        if ch in "(<":
+            depth += 1
+        elif ch in ")>" and depth:
+            depth -= 1
+        elif ch == ")" and not depth:
+            return args + [call[start:i].strip()]
+        elif ch == "," and not depth:
+            args.append(call[start:i].strip())
+            start = i + 1
+    raise AssertionError(f"{CU.name}: an unclosed launch( call")
+
+
+@pytest.fixture(scope="module")
+def smem():
+    """(static shared memory per kernel as ptxas reports it for sm_80 and sm_90, the source's
+    opt-in guard, its dynamic-bytes expression per kernel): one nvcc run, about 2 s."""
+    src = CU.read_text()
+    guard = re.search(r"if \(([^{;\n]*)\)\s*\{\s*const cudaError_t \w+ = cudaFuncSetAttribute", src)
+    assert guard, f"{CU.name}: no `if (...) {{ ... cudaFuncSetAttribute` guard around the opt-in"
+    default = re.search(r"DEFAULT_SMEM_BYTES = ([^;]+);", src)[1]
+    dynamic = {}
+    for call in re.finditer(r"\blaunch\((\w+)<T>,", src):
+        args = top_level_args(src[call.end():])
+        dynamic[call[1]] = args[2]  # launch(kernel, blocks, threads, bytes, ...): after the kernel
+    return build.static_smem(CU), guard[1], c_expression(default), dynamic
+
+
+@needs_nvcc
+def test_every_row_length_up_to_max_c_fits_the_default_shared_memory_or_the_launch_opts_in(smem):
+    """What this proves, without a GPU: for every C <= MAX_C and both kernels, either the block's
+    whole shared memory (the launcher's dynamic bytes, read from its source, plus the kernel's
+    static bytes as ptxas reports them) fits CUDA's default 48 KiB, or the launcher's opt-in guard,
+    evaluated as the source writes it with the static bytes the compiled kernel reports, is true.
+    It does not prove that cudaFuncGetAttributes returns ptxas's figure (it reads the same cubin)
+    or that the launch then succeeds: the GPU test below at C = 6144, 12288 does."""
+    static, guard, default, dynamic = smem
+    assert set(dynamic) == {"layernorm_forward_kernel", "layernorm_backward_kernel"} <= set(static), (dynamic, static)
+    failing = {}
+    for kernel, expression in dynamic.items():
+        for C in range(1, layernorm.MAX_C + 1):
+            request = c_expression(expression, C=C)
+            fits = request + static[kernel] <= DEFAULT_SMEM_BYTES
+            opts_in = c_expression(guard, bytes=request, static_bytes=static[kernel], DEFAULT_SMEM_BYTES=default)
+            if not (fits or opts_in):
+                failing.setdefault(kernel, []).append(C)
+    ranges = {k: f"C in [{cs[0]}, {cs[-1]}] ({len(cs)} sizes)" for k, cs in failing.items()}
+    assert not failing, (f"launches that would fail with 'invalid argument': {ranges}; static shared memory "
+                         f"{static}, the opt-in guard `{guard}`")
+
+
+@needs_nvcc
+def test_the_longest_row_fits_the_a100s_opt_in_shared_memory(smem):
+    static, _, _, dynamic = smem
+    for kernel, expression in dynamic.items():
+        total = c_expression(expression, C=layernorm.MAX_C) + static[kernel]
+        assert total <= A100_OPT_IN_SMEM_BYTES, (kernel, total)
+
+
+# ----------------------------------------------------------------------------------------------
 # The kernel, on a GPU
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("C", [1, 7, 768, 1000, 1024, 4096, 4097, layernorm.MAX_C])
+# 6144 and 12288 (the paper's 18.4B and 145.6B models): the backward's and the forward's dynamic
+# shared memory is exactly 48 KiB there, which with the static 128 B needs the opt-in.
+@pytest.mark.parametrize("C", [1, 7, 768, 1000, 1024, 4096, 4097, 6144, 12288, 12289, layernorm.MAX_C])
 @pytest.mark.parametrize("rows", [1, 3, 777])
 def test_kernel_matches_the_float64_reference(rows, C, dtype):
     ext = build.extension("layernorm", layernorm.BINDING, layernorm.FUNCTIONS)

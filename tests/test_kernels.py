@@ -8,6 +8,10 @@ tanh/exp chains and catches any wrong term (O(1e-3) or more). GPU: the issue's b
 fp32 and 1e-2 in bf16, as max|kernel - ref| / max|ref| against the reference in float64 on the
 same (rounded) inputs: fp32 keeps ~7 digits through a few transcendental ops, bf16 ~3 digits.
 """
+import os
+import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,8 +63,90 @@ def test_the_toolkit_is_found_whatever_torch_guessed(torchs_guess, tmp_path, mon
     seen = []
     monkeypatch.setattr(cpp_extension, "load_inline", lambda **kw: seen.append(cpp_extension.CUDA_HOME))
     monkeypatch.setattr(build, "_extensions", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # not the user's cache
     build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
     assert seen == [root]
+
+
+# The build lock: torch's load_inline is stubbed (no compiler runs); the lock file is put where
+# torch's own cpp_extension would take it, found by torch's function, not ours.
+
+
+def torchs_lock(tmp_path, monkeypatch):
+    """(torch's lock file for bias_gelu's build under a fresh TORCH_EXTENSIONS_DIR, the stub's record
+    of load_inline's calls: whether the lock existed then, and the build directory it was given)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_extensions", {})
+    monkeypatch.setattr(build, "_failed", {})
+    directory = cpp_extension._get_build_directory(build.extension_name("bias_gelu", bias_gelu.BINDING), False)
+    lock = Path(directory) / "lock"
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load_inline",
+                        lambda **kw: calls.append((lock.exists(), kw.get("build_directory"))))
+    return lock, calls
+
+
+def test_a_build_lock_left_by_a_killed_build_is_refused_naming_the_file_to_delete(tmp_path, monkeypatch):
+    lock, calls = torchs_lock(tmp_path, monkeypatch)
+    lock.touch()
+    old = time.time() - build.STALE_LOCK_S - 60  # the killed build's last change, long ago
+    os.utime(lock, (old, old))
+    os.utime(lock.parent, (old, old))
+    for mode in ("cuda", "auto"):  # "auto" does not fall back in silence: the file is the fix
+        with pytest.raises(build.StaleBuildLock, match=f"nothing in .* has changed for .*rm {lock}$"):
+            build.built(mode, "bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    assert calls == []  # torch's load_inline, which would wait forever, was never reached
+
+
+def test_a_live_build_lock_is_waited_for_then_the_build_runs(tmp_path, monkeypatch, capsys):
+    lock, calls = torchs_lock(tmp_path, monkeypatch)
+    monkeypatch.setattr(build, "LOCK_POLL_S", 0.05)
+    lock.touch()  # another process's build, just started
+    threading.Timer(0.3, lock.unlink).start()  # ... which finishes
+    build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    assert calls == [(False, str(lock.parent))]  # torch's load_inline after the lock went, in its directory
+    assert f"waiting for another process's build of bias_gelu.cu (its lock {lock}" in capsys.readouterr().out
+
+
+def test_a_build_lock_with_no_progress_while_waited_for_becomes_stale(tmp_path, monkeypatch):
+    lock, calls = torchs_lock(tmp_path, monkeypatch)
+    monkeypatch.setattr(build, "LOCK_POLL_S", 0.05)
+    monkeypatch.setattr(build, "STALE_LOCK_S", 0.5)
+    lock.touch()  # fresh, but its build was killed a moment later: nothing changes after it
+    with pytest.raises(build.StaleBuildLock, match=f"rm {lock}$"):
+        build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    assert calls == []
+
+
+def test_every_launcher_takes_its_launch_error_rather_than_peeking_at_it():
+    """cudaPeekAtLastError leaves the error pending: the next launch check (torch's after an
+    unrelated kernel, or the next launcher's) would report it again as its own. A source check:
+    a CPU cannot launch anything (the next test is its GPU twin)."""
+    files = [*build.cu_files(), build.KERNELS_DIR / "common.cuh"]
+    code = {f.name: re.sub(r"//[^\n]*", "", f.read_text()) for f in files}  # comments may name it
+    assert not [name for name, text in code.items() if "cudaPeekAtLastError" in text]
+    status = re.search(r"launch_status\(\) \{(.*?)\n\}", code["common.cuh"], re.S)
+    assert status and "cudaGetLastError()" in status[1], "common.cuh's launch_status() must take the error"
+    for name, text in code.items():
+        if "<<<" in text:  # it launches: its launchers must say how the launch went
+            assert "return launch_status();" in text, name
+
+
+@needs_cuda
+def test_a_failed_launch_is_reported_once_by_its_launcher_and_not_by_the_next_cuda_op():
+    from kernels import layernorm
+
+    ext = build.extension("layernorm", layernorm.BINDING, layernorm.FUNCTIONS)
+    x = randn(4, 64, seed=0, dtype=torch.float32, device="cuda")
+    w, stats = torch.ones(64, device="cuda"), torch.ones(4, device="cuda")
+    empty_grid = torch.empty(2, 0, 64, device="cuda")  # (2, G, C) with G = 0: a grid of no blocks
+    with pytest.raises(RuntimeError, match="layernorm_backward: invalid configuration"):
+        layernorm.kernel_backward(ext, x, x, w, stats, stats, torch.empty_like(x), empty_grid)
+    # The error was taken: torch's own launch check after its next kernel finds none pending.
+    assert torch.equal(x * 2, x + x)
+    torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------------------------

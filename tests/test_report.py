@@ -1,0 +1,50 @@
+"""plumbing/report: on a GPU the end report prints the measured peak memory beside the start-up
+estimate (the GPU checklist's G12 reads it); on a CPU, where torch counts no allocations, nothing.
+
+No GPU here: torch.cuda.max_memory_allocated and the gather across ranks are stubbed, and the run
+is a stand-in holding only what report() reads.
+"""
+from types import SimpleNamespace
+
+import torch
+
+from conftest import TRAINER_BASE, TRAINER_CFG
+from plumbing import report
+from plumbing.launch import RankEnv
+
+MiB = 2**20
+OUT = dict(losses=[5.5, 5.25], evals=[], start=0, bytes_per_message=64, peak_activation_bytes=1000)
+ESTIMATE = dict(weights=1 * MiB, gradients=2 * MiB, optimizer=3 * MiB, activations=4 * MiB)  # 10 MiB
+
+
+def end_report(device, monkeypatch, peaks):
+    """The lines report() says on rank 0 of two, whose peaks (bytes) are `peaks`, on `device`."""
+    run = SimpleNamespace(tc=TRAINER_BASE, cfg=TRAINER_CFG, dtype=torch.float32, wire=None,
+                          env=RankEnv(0, len(peaks), 0, torch.device(device)))
+    asked = []
+
+    def max_memory_allocated(dev=None):
+        asked.append(dev)
+        return peaks[0]
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", max_memory_allocated)
+    monkeypatch.setattr(report, "gather_numbers", lambda values, device="cpu": [[p] for p in peaks])
+    monkeypatch.setattr(report, "memory_estimate", lambda run, spec: ESTIMATE, raising=False)
+    lines = []
+    report.report(run, OUT, 2.0, lines.append)
+    return lines, asked
+
+
+def test_on_a_gpu_the_end_report_prints_the_measured_peak_beside_the_estimate(monkeypatch):
+    lines, asked = end_report("cuda:0", monkeypatch, peaks=[12 * MiB, 30 * MiB])
+    memory = [line for line in lines if line.startswith("memory")]
+    assert memory == ["memory    rank 0, measured peak (torch.cuda.max_memory_allocated): 12.00 MiB, estimated "
+                      "10.00 MiB (weights, gradients, optimizer and activations at start-up); the fullest rank, "
+                      "1: 30.00 MiB"]
+    assert asked == [torch.device("cuda:0")]  # this rank's own device, not whichever is current
+
+
+def test_on_a_cpu_the_end_report_says_nothing_of_a_peak_it_cannot_measure(monkeypatch):
+    lines, asked = end_report("cpu", monkeypatch, peaks=[12 * MiB, 30 * MiB])
+    assert asked == [] and not [line for line in lines if "peak (torch.cuda" in line or line.startswith("memory")]
+    assert any(line.startswith("peak stored activation bytes") for line in lines)  # the rest is there
