@@ -114,6 +114,7 @@ class Files:
     save: str = ""  # write checkpoints under this directory
     save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
     keep: int = 2  # checkpoints kept, the newest
+    save_timeout_s: float = 1800.0  # a save's own timeout: every rank's shard written and fsynced, and the rotation
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
@@ -464,7 +465,7 @@ def train(env, cfg, tc, quiet=False):
     elif tc.resume:
         say(f"no complete checkpoint in {tc.resume}: starting from step 0")
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
-    saver = Saver(tc.save, tc.keep) if tc.save else None
+    saver = Saver(tc.save, tc.keep, tc.save_timeout_s) if tc.save else None
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
     losses, norms, evals, skipped, in_a_row, t_start = [], [], [], [], 0, time.perf_counter()
     for step in progress:

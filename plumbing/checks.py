@@ -54,7 +54,8 @@ FIELDS = {
     "eval_every": _at_least(0), "eval_batches": _at_least(1), "data": _ANY, "metrics": _ANY,
     "timeout_s": (lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"),
     "max_skipped_steps": _at_least(1),
-    "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1), "resume": _ANY, "init_from": _ANY,
+    "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
+    "save_timeout_s": (lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), "resume": _ANY, "init_from": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
     "graph_scope": _ANY,
     # sampling (plumbing/sample.py)

@@ -105,6 +105,7 @@ CASES = {
     "05 timeout 0": ("05", ["--timeout-s", "0"], "--timeout-s must be positive and at most 3600"),
     "05 timeout 1e12": ("05", ["--timeout-s", "1e12"], "--timeout-s must be positive and at most 3600 (seconds), got 1000000000000.0"),
     "05 timeout nan": ("05", ["--timeout-s", "nan"], "--timeout-s must be a finite number, got nan"),
+    "05 save timeout 0": ("05", ["--save-timeout-s", "0"], "--save-timeout-s must be positive and at most 86400 (seconds), got 0.0"),
     "05 save every -1": ("05", ["--save-every", "-1"], "--save-every must be at least 0, got -1"),
     "05 save every without save": ("05", ["--save-every", "5"], "--save-every 5 needs --save DIR"),
     "05 keep 0": ("05", ["--keep", "0"], "--keep must be at least 1, got 0"),
