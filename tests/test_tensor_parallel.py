@@ -424,3 +424,55 @@ def test_a_replaced_f_takes_effect_with_the_overlap_off_and_a_replaced_cross_ent
     assert off == [(3, 16, CFG.n_embd)] * (2 * CFG.n_layer + 1)
     assert run_ranks(_replaced_f, 2, True)[0] == []
     assert all(loss > 0 and called for loss, called in run_ranks(_student_cross_entropy, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# What 01's demo configuration runs: the paper's path, and nothing else.
+
+
+def _functions_run(env, sp, optimized):
+    """How many times each autograd Function of 01 ran in one forward + backward of the demo's model
+    (the demo's sizes, tp = 2), its forward and its backward counted apart."""
+    group, tp, r = env_group(env)
+    counts = {}
+    functions = [tensor_parallel.CopyToTP, tensor_parallel.ReduceFromTP, tensor_parallel.ScatterToSP,
+                 tensor_parallel.GatherFromSP, tensor_parallel.ReduceScatterToSP, tensor_parallel.GatherFromTP,
+                 tensor_parallel.OverlappedColumnLinear, tensor_parallel._VocabParallelCrossEntropy]
+    for fn in functions:  # counted in this forked rank only
+        for step in ("forward", "backward"):
+            def counted(*args, _real=getattr(fn, step), _key=f"{fn.__name__}.{step}"):
+                counts[_key] = counts.get(_key, 0) + 1
+                return _real(*args)
+            setattr(fn, step, staticmethod(counted))
+    cfg = tensor_parallel.parser().parse_args([])  # the demo's model flags, as it runs with none given
+    cfg = tensor_parallel.GPTConfig(**{k: getattr(cfg, k) for k in ("vocab_size", "block_size", "n_layer",
+                                                                     "n_head", "n_embd", "dropout")})
+    model = tensor_parallel.GPT(cfg, group, sequence_parallel=sp, dtype=F64)
+    if optimized:
+        tensor_parallel.optimize(model)
+    idx = torch.randint(cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    model(idx, idx)[1].backward()
+    return counts
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
+def test_the_demo_runs_f_and_g_and_with_sp_its_operators_and_the_overlapped_linear_only_when_asked(run_ranks, sp):
+    L = 2  # the demo's n_layer
+    counts = run_ranks(_functions_run, 2, sp, False)[0]
+    columns = 2 * L + 1  # c_attn and c_fc in each block, and the output layer
+    if sp:  # g-bar into each column-parallel layer, sp's g out of each row-parallel one, the split after
+        # the embeddings; f (CopyToTP) on each replicated parameter used on T/tp tokens: 2 LayerNorm
+        # parameters x (2 L + 1) LayerNorms, and each row-parallel bias
+        want = {"GatherFromSP.forward": columns, "GatherFromSP.backward": columns,
+                "ReduceScatterToSP.forward": 2 * L, "ReduceScatterToSP.backward": 2 * L,
+                "ScatterToSP.forward": 1, "ScatterToSP.backward": 1,
+                "CopyToTP.forward": 2 * (2 * L + 1) + 2 * L, "CopyToTP.backward": 2 * (2 * L + 1) + 2 * L,
+                "ReduceFromTP.forward": 1, "ReduceFromTP.backward": 1}  # g: the vocab-parallel embedding
+    else:  # f before each column-parallel layer, g after each row-parallel layer and the embedding
+        want = {"CopyToTP.forward": columns, "CopyToTP.backward": columns,
+                "ReduceFromTP.forward": 2 * L + 1, "ReduceFromTP.backward": 2 * L + 1}
+    want.update({"_VocabParallelCrossEntropy.forward": 1, "_VocabParallelCrossEntropy.backward": 1})
+    assert counts == want
+    optimized = run_ranks(_functions_run, 2, sp, True)[0]
+    assert optimized["OverlappedColumnLinear.forward"] == columns  # asked for: it replaces f (or g-bar)
+    assert "CopyToTP.forward" not in optimized or sp
