@@ -122,6 +122,8 @@ def split(x, group, dim):
 
 def gather(x, group, dim):
     """Every rank's x, concatenated along dim in rank order."""
+    if tp_size(group) == 1:
+        return x
     x = x.contiguous()
     out = x.new_empty((tp_size(group) * x.shape[0], *x.shape[1:]))  # stacked along dim 0
     all_gather_single(out, x, group)
@@ -130,6 +132,8 @@ def gather(x, group, dim):
 
 def reduce_scatter(x, group, dim):
     """The sum over the ranks of x, of which this rank keeps its slice of dim."""
+    if tp_size(group) == 1:
+        return x
     blocks = torch.cat(x.chunk(tp_size(group), dim))  # rank i's slice of dim moved to block i of dim 0
     out = blocks.new_empty((blocks.shape[0] // tp_size(group), *blocks.shape[1:]))
     reduce_scatter_single(out, blocks, group)
@@ -210,24 +214,10 @@ class ReduceScatterToSP(torch.autograd.Function):
         return gather(grad, ctx.group, SEQ), None
 
 
-def scatter_to_tp(x, group):
-    return x if tp_size(group) == 1 else ScatterToTP.apply(x, group)
-
-
-def gather_from_tp(x, group):
-    return x if tp_size(group) == 1 else GatherFromTP.apply(x, group)
-
-
-def scatter_to_sp(x, group):
-    return x if tp_size(group) == 1 else ScatterToSP.apply(x, group)
-
-
-def gather_from_sp(x, group):
-    return x if tp_size(group) == 1 else GatherFromSP.apply(x, group)
-
-
-def reduce_scatter_to_sp(x, group):
-    return x if tp_size(group) == 1 else ReduceScatterToSP.apply(x, group)
+# Their lower-case names, as f's and g's; at tp = 1 each is the identity (split, gather and
+# reduce_scatter return x there).
+scatter_to_tp, gather_from_tp = ScatterToTP.apply, GatherFromTP.apply
+scatter_to_sp, gather_from_sp, reduce_scatter_to_sp = ScatterToSP.apply, GatherFromSP.apply, ReduceScatterToSP.apply
 
 
 def enter_tp(x, group, sp):
@@ -315,7 +305,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _mark_split(nn.Parameter(torch.empty(n_out // tp, **factory)), 0, n_out, fused) if bias else None
 
     def forward(self, x):  # (B, T, n_in), or (B, T/tp, n_in) with sequence parallelism
-        y = F.linear(enter_tp(x, self.group, self.sp), self.weight, self.bias)  # (B, T, n_out/tp)
+        return self.output(F.linear(enter_tp(x, self.group, self.sp), self.weight, self.bias))  # (B, T, n_out/tp)
+
+    def output(self, y):  # with gather_output, every rank's columns, (B, T, n_out)
         if not self.gather_output:
             return y
         y = gather_from_tp(y, self.group)  # blocks ordered rank-major: reorder them
@@ -616,11 +608,7 @@ class OverlappedColumnLinear(torch.autograd.Function):
 
 def overlapped_forward(linear, x):
     """A ColumnParallelLinear's forward through OverlappedColumnLinear (optimize() installs it)."""
-    y = OverlappedColumnLinear.apply(x, linear.weight, linear.bias, linear.group, linear.sp)
-    if not linear.gather_output:
-        return y
-    y = gather_from_tp(y, linear.group)
-    return rearrange(y, "... (tp f c) -> ... (f tp c)", tp=tp_size(linear.group), f=linear.weight.tp_fused)
+    return linear.output(OverlappedColumnLinear.apply(x, linear.weight, linear.bias, linear.group, linear.sp))
 
 
 def merged_sums(group, *xs):

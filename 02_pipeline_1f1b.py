@@ -9,7 +9,9 @@ function (pp, m, stage) -> that stage's ordered list of actions, "F3" = forward 
     messages can be matched without deadlock even if every send waits for its receive;
   - simulate() replays the lists with per-action times: step time, idle time, bubble, peak
     microbatches in flight (Section 2.2.1: bubble = (pp - 1) / m for GPipe and 1F1B alike);
-  - execute() runs one rank's list over real batched isend/irecv, its sends completing in the background.
+  - execute() runs one rank's list over real batched isend/irecv; pipeline_step() is one training
+    step's forward and backward on a rank: build its chunks, execute its list, sync the tied embedding.
+After the concept, one optimization: BackgroundSends, which 05's trainer turns on.
 GPipe (Huang et al. 2019: all forwards, then all backwards) keeps all m microbatches' activations
 alive; 1F1B (PipeDream-Flush: Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN
 Training") starts backwards as soon as possible and keeps at most pp - stage alive.
@@ -26,7 +28,6 @@ Layer split: n_layer must be divisible by the number of stages; uneven splits ar
 """
 import importlib
 import time
-from contextlib import contextmanager
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from plumbing import cli, demos
 from plumbing.launch import printer, run_main
+from plumbing.meter import ActivationMeter  # what execute() counts of activation memory
 from plumbing.trace import write_timelines
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -365,38 +367,6 @@ class Exchange:
     def flush(self):
         """At the step's end: the messages whose sends are still in flight, once they completed."""
         return []
-
-
-class ActivationMeter:
-    """The activation bytes a rank holds for backward: what autograd saves (parameters excluded)
-    for each microbatch in flight, plus each stage output still held after it was sent; every
-    storage counted once. `peak` is the most seen at any boundary or after any action."""
-
-    def __init__(self, chunks, outputs):
-        self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-        self.outputs, self.saved, self.unsent, self.peak = outputs, {}, set(), 0
-
-    @contextmanager
-    def forward(self, key):
-        """Count what autograd saves while microbatch `key`'s forward runs."""
-        saved = self.saved[key] = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in self.params:
-                saved[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-
-    def measure(self):
-        live = {}
-        for key, y in self.outputs.items():
-            live.update(self.saved[key])
-            if y.dim() and key not in self.unsent:
-                live[y.untyped_storage().data_ptr()] = y.untyped_storage().nbytes()
-        self.peak = max(self.peak, sum(live.values()))
 
 
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True, valid=None,

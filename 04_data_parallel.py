@@ -11,8 +11,11 @@ their gradients keeps them identical. Step by step:
   4. ZeRO-1, Megatron's distributed optimizer (Rajbhandari et al. 2020, stage 1): reduce-scatter
      instead of all-reduce, each rank keeps AdamW state (and an fp32 master copy when parameters are
      lower precision) only for its 1/dp of every bucket, updates it, and all-gathers parameters
-     (FlatAdamW), each module of the next forward waiting only for its own weights' buckets.
-05 composes this with the pipeline: each stage reduces over its own dp group (Narayanan §3).
+     (FlatAdamW).
+05 composes this with the pipeline: each stage reduces over its own dp group (Narayanan §3). What a
+pipeline needs beyond this comes after the concept, in the last section: PipelineDDP (each chunk's
+buckets reduced during its own last backward) and OverlappedGather (ZeRO-1's gather run into the
+next forward), both turned on by 05's trainer.
 
 Run it:
     python 04_data_parallel.py                    # dp=4 CPU ranks

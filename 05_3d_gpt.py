@@ -10,7 +10,11 @@ reducing over its own dp group during each model chunk's last backward. New here
   - activation recomputation, of whole layers or of the attention core (Korthikanti et al. 2022, §5);
   - the global gradient norm for clipping across tp, pp and dp, every element counted once;
   - the training step and loop: AdamW with weight-decay groups, warmup then cosine decay, a held-out
-    eval loss; fused kernels and CUDA graphs where the device allows (Section 4.2; kernels/).
+    eval loss.
+The trainer turns on every optimization the chapters add after their concepts (the "speed" flags,
+each on by default: 01's overlapped linear and merged loss reductions, 02's background sends, 04's
+pipeline buckets and overlapped ZeRO-1 gather), and, where the device allows, fused kernels and CUDA
+graphs (Section 4.2), each behind one seam of kernels/ (kernels.fuse, kernels.graphs.Graphed).
 What a run needs but does not teach is plumbing/: data, checkpoints (sharded, atomic, loadable in
 any layout), GPT-2 weights, sampling, the summary and the progress bar; the planner (--plan, the
 papers' cost formulas) is planner.py.
@@ -56,81 +60,6 @@ tensor_parallel = importlib.import_module("01_tensor_parallel")
 pipeline = importlib.import_module("02_pipeline_1f1b")
 interleaved = importlib.import_module("03_interleaved")
 data_parallel = importlib.import_module("04_data_parallel")
-
-
-@dataclass
-class Layout:
-    tp: int = 2  # tensor-parallel size (ranks inside a stage)
-    pp: int = 2  # pipeline stages
-    dp: int = 2  # data-parallel replicas
-    virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
-    batch_size: int = 32  # global batch B, in sequences
-    microbatches: int = 4  # m per replica; micro-batch size b = B / (dp m)
-    seq_len: int = 64  # T, tokens per sequence
-    sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
-    zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
-    recompute: Literal["none", "selective", "full"] = "none"  # rerun in backward: the attention core, or whole layers
-
-
-@dataclass
-class Optimization:
-    steps: int = 200  # optimizer steps, counted from 0 (a resumed run stops at the same total)
-    lr: float = 3e-3  # peak learning rate, reached after the warmup
-    min_lr: float = 3e-4  # learning rate at the last step, after the cosine decay
-    warmup_steps: int = 20  # linear warmup from lr/(warmup+1) to lr
-    weight_decay: float = 0.1  # AdamW decay of the 2-D weights (not biases or LayerNorms)
-    grad_clip: float = 1.0  # clip the global gradient norm to this
-    dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-
-
-@dataclass
-class Speed:  # the optimizations each chapter adds after its concept: each on by default here
-    overlap_input_grad: bool = True  # 01: a column-parallel input gradient's all-reduce runs beside the dW GEMM
-    merge_loss_reductions: bool = True  # 01: the cross-entropy's target-logit and sum-of-exp all-reduces as one
-    background_sends: bool = True  # 02: a boundary waits for its receives only; its sends complete meanwhile
-    overlap_grad_reduce: bool = True  # 04: reduce each gradient bucket during the chunk's last backward, not after the flush
-    overlap_param_gather: bool = True  # 04, ZeRO-1: all-gather the updated weights during the next forward, not before it
-    scatter_gather: bool = True  # 05: each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
-    bucket_numel: int = 2_000_000  # 04: gradient bucket, in elements
-    fused_kernels: bool | None = None  # kernels/ fused ops; unset: on on GPU, off on CPU
-    kernel_path: Literal["auto", "cuda", "reference"] = "auto"  # fused kernels: CUDA where they apply, forced, or the PyTorch references
-    flash_attention: bool = True  # with fused kernels: SDPA attention, or (off) matmul + fused causal softmax
-    cuda_graphs: bool | None = None  # unset: on on GPU where the layout allows (tp = 1, no recompute)
-    graph_scope: Literal["auto", "stage", "step"] = "auto"  # auto: the whole step at tp = pp = dp = 1, else per stage
-
-
-@dataclass
-class Loop:
-    eval_every: int = 50  # steps between eval losses on the held-out split (0: never)
-    eval_batches: int = 2  # held-out batches per eval loss
-    seed: int = 1337  # weights, data order, dropout and sampling
-    timeout_s: float = 120.0  # every collective's timeout, in seconds (at most 3600)
-    max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
-
-
-@dataclass
-class Files:
-    data: str = ""  # a text file (its bytes), or a uint16 .bin (scripts/prepare_data.py); none: the built-in corpus
-    save: str = ""  # write checkpoints under this directory
-    save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
-    keep: int = 2  # checkpoints kept, the newest
-    save_timeout_s: float = 1800.0  # a save's own timeout: every rank's shard written and fsynced, and the rotation
-    resume: str = ""  # continue from the newest complete checkpoint here (any layout)
-    init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
-    metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
-    trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
-
-
-@dataclass
-class TrainConfig(Files, Loop, Speed, Optimization, Layout):
-    """Every flag of the trainer, one flat record (tc.tp, tc.lr, ...); --help prints it in these groups."""
-
-
-GROUPS = [(Layout, "layout"), (Optimization, "optimization"), (Speed, "speed: the chapters' optimizations"),
-          (Loop, "the training loop"), (Files, "files")]
-
-
-MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,6 +370,85 @@ def evaluate(run, tokens):
     losses = [shared_loss(forward_only(run, *replica_batch(tokens, i, run.tc, dp_rank, salt=1)).loss, run)
               for i in range(run.tc.eval_batches)]
     return sum(losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's flags: one flat config (tc.tp, tc.lr, ...) made of groups, which --help prints apart
+
+
+@dataclass
+class Layout:
+    tp: int = 2  # tensor-parallel size (ranks inside a stage)
+    pp: int = 2  # pipeline stages
+    dp: int = 2  # data-parallel replicas
+    virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
+    batch_size: int = 32  # global batch B, in sequences
+    microbatches: int = 4  # m per replica; micro-batch size b = B / (dp m)
+    seq_len: int = 64  # T, tokens per sequence
+    sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
+    zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
+    recompute: Literal["none", "selective", "full"] = "none"  # rerun in backward: the attention core, or whole layers
+
+
+@dataclass
+class Optimization:
+    steps: int = 200  # optimizer steps, counted from 0 (a resumed run stops at the same total)
+    lr: float = 3e-3  # peak learning rate, reached after the warmup
+    min_lr: float = 3e-4  # learning rate at the last step, after the cosine decay
+    warmup_steps: int = 20  # linear warmup from lr/(warmup+1) to lr
+    weight_decay: float = 0.1  # AdamW decay of the 2-D weights (not biases or LayerNorms)
+    grad_clip: float = 1.0  # clip the global gradient norm to this
+    dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+
+
+@dataclass
+class Speed:  # the optimizations each chapter adds after its concept: each on by default here
+    overlap_input_grad: bool = True  # 01: a column-parallel input gradient's all-reduce runs beside the dW GEMM
+    merge_loss_reductions: bool = True  # 01: the cross-entropy's target-logit and sum-of-exp all-reduces as one
+    background_sends: bool = True  # 02: a boundary waits for its receives only; its sends complete meanwhile
+    overlap_grad_reduce: bool = True  # 04: reduce each gradient bucket during the chunk's last backward, not after the flush
+    overlap_param_gather: bool = True  # 04, ZeRO-1: all-gather the updated weights during the next forward, not before it
+    scatter_gather: bool = True  # 05: each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
+    bucket_numel: int = 2_000_000  # 04: gradient bucket, in elements
+    fused_kernels: bool | None = None  # kernels/ fused ops; unset: on on GPU, off on CPU
+    kernel_path: Literal["auto", "cuda", "reference"] = "auto"  # fused kernels: CUDA where they apply, forced, or the PyTorch references
+    flash_attention: bool = True  # with fused kernels: SDPA attention, or (off) matmul + fused causal softmax
+    cuda_graphs: bool | None = None  # unset: on on GPU where the layout allows (tp = 1, no recompute)
+    graph_scope: Literal["auto", "stage", "step"] = "auto"  # auto: the whole step at tp = pp = dp = 1, else per stage
+
+
+@dataclass
+class Loop:
+    eval_every: int = 50  # steps between eval losses on the held-out split (0: never)
+    eval_batches: int = 2  # held-out batches per eval loss
+    seed: int = 1337  # weights, data order, dropout and sampling
+    timeout_s: float = 120.0  # every collective's timeout, in seconds (at most 3600)
+    max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
+
+
+@dataclass
+class Files:
+    data: str = ""  # a text file (its bytes), or a uint16 .bin (scripts/prepare_data.py); none: the built-in corpus
+    save: str = ""  # write checkpoints under this directory
+    save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
+    keep: int = 2  # checkpoints kept, the newest
+    save_timeout_s: float = 1800.0  # a save's own timeout: every rank's shard written and fsynced, and the rotation
+    resume: str = ""  # continue from the newest complete checkpoint here (any layout)
+    init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
+    metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
+    trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
+
+
+@dataclass
+class TrainConfig(Files, Loop, Speed, Optimization, Layout):
+    """Every flag of the trainer, one flat record (tc.tp, tc.lr, ...); --help prints it in these groups."""
+
+
+GROUPS = [(Layout, "layout"), (Optimization, "optimization"), (Speed, "speed: the chapters' optimizations"),
+          (Loop, "the training loop"), (Files, "files")]
+
+
+MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The numbered files' demos, the part that is not the concept: timing, fingerprints, and printing
-what the figures are and what they mean. Running each step and comparing it with the serial model stay in each file.
+what the figures are and what they mean. Running each step and comparing it with the serial model
+stay in each file.
 
     report_tp(say, ...)            01: the differences, every collective, what layer 0's count means
     median_seconds(fn)             01: the median time of a few calls, a demo's rough figure
