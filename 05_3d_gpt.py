@@ -246,6 +246,9 @@ def build(env, cfg, tc, groups):
     chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, tc.virtual_stages, groups.tp,
                                    sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
                                    init=False, dtype=dtype, device=env.device,
+                                   # Megatron's padding: V_pad a multiple of 128 tp, so the output
+                                   # layer's GEMM has aligned sizes (50257 -> 50304 at tp = 1)
+                                   vocab_divisible_by=VOCAB_DIVISIBLE_BY,
                                    check_inputs=False)  # train_step checks each batch on the host
     fused, graph_mode = acceleration(tc, env.device)
     ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else None
@@ -448,6 +451,7 @@ GROUPS = [(Layout, "layout"), (Optimization, "optimization"), (Speed, "speed: th
           (Loop, "the training loop"), (Files, "files")]
 
 
+VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by: V_pad is a multiple of it times tp
 MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
 
 

@@ -446,3 +446,43 @@ def test_the_forward_only_eval_lists_cannot_deadlock():
                 lists = [[pipeline.Action("F", a.mb, a.chunk) for a in interleaved.interleaved(pp, m, s, v) if a.kind == "F"]
                          for s in range(pp)]
                 pipeline._check_channels_and_progress([pipeline.rank_plan(a, r, pp) for r, a in enumerate(lists)], pp)
+
+
+# ----------------------------------------------------------------------------------------------
+# The vocabulary, padded as Megatron pads it: V_pad a multiple of 128 tp, so that the output layer's
+# GEMM has aligned sizes. The padding is never a token: its logits are masked out of the loss (and
+# so get no gradient), and checkpoints, exports and samples hold the V real rows only.
+
+
+def _poisoned_padding(env, cfg, tc):
+    """05's training with the padded vocabulary rows set to 1e4 after build: were a padded logit
+    counted anywhere, the loss would move far from serial's."""
+    real, rows = gpt3d.build, []
+
+    def build(env, cfg, tc, groups):
+        run = real(env, cfg, tc, groups)
+        for c in run.chunks:
+            if "wte" in c.transformer:
+                wte = c.transformer.wte
+                rows.append(wte.weight.shape[0])
+                with torch.no_grad():
+                    wte.weight[torch.arange(wte.start, wte.start + wte.per_rank) >= cfg.vocab_size] = 1e4
+        return run
+
+    gpt3d.build = build  # this forked rank's only
+    return rows, gpt3d.train(env, cfg, tc, quiet=True)
+
+
+def test_the_vocabulary_is_padded_to_a_multiple_of_128_tp_and_the_padding_is_never_a_token(run_ranks, tmp_path):
+    cfg = replace(CFG, vocab_size=300)  # bytes, and 44 ids no data holds; padded to 512 at tp = 2
+    tc = replace(BASE, tp=2, steps=4, save=str(tmp_path / "ckpt"))
+    (rows, out), _ = run_ranks(_poisoned_padding, 2, cfg, tc)
+    assert rows == [512 // 2]  # this rank's half of V_pad = 512
+    ref = serial_train(cfg, tc)  # the serial model, unpadded
+    for key in ("losses", "norms"):
+        assert tensor_parallel.max_rel_diff(torch.tensor(out[key]), torch.tensor(ref[key])) <= TOL, key
+    exported = tmp_path / "model.pt"
+    gpt3d.export_checkpoint(str(tmp_path / "ckpt"), None, str(exported))
+    wte = torch.load(exported)["transformer.wte.weight"]
+    assert wte.shape == (300, CFG.n_embd) and bool(wte.abs().max() < 1e3)  # the real rows only
+    assert tensor_parallel.padded_vocab_size(50257, 1, gpt3d.VOCAB_DIVISIBLE_BY) == 50304  # GPT-2's, as Megatron's

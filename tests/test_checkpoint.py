@@ -156,9 +156,8 @@ def _slow_shard_on_rank_1(env, root, delay_s, save_timeout_s, collective_timeout
         real_save(obj, f)
 
     torch.save = slow_save  # this forked rank's torch only
-    gpt3d.Saver = lambda root, keep: checkpoint.Saver(root, keep, timeout_s=save_timeout_s)  # 05's, here
-    return gpt3d.train(env, CFG, tc_for(1, 2, 1, steps=2, save=root, timeout_s=collective_timeout_s),
-                       quiet=True)["losses"]
+    tc = tc_for(1, 2, 1, steps=2, save=root, timeout_s=collective_timeout_s, save_timeout_s=save_timeout_s)
+    return gpt3d.train(env, CFG, tc, quiet=True)["losses"]
 
 
 def test_a_save_slower_than_its_timeout_fails_naming_the_rank_that_had_not_written_its_shard(run_ranks, tmp_path):
