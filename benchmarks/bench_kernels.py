@@ -245,8 +245,10 @@ def graphs_section(args, device, timer, cuda):
           f"goal: speed-up >= {GOAL_GRAPHS}x")
     print(f"{'ops':8s} {'eager ms':>9s} {'graph ms':>9s} {'speed-up':>8s} {'check':>8s}")
     ok = True
-    for name, ops in (("pytorch", tensor_parallel.TORCH_OPS), ("fused", kernels.FusedOps("cuda" if cuda else "reference"))):
-        model = tensor_parallel.GPT(cfg, None, seed=0, dtype=dtype, device=device, ops=ops)
+    for name in ("pytorch", "fused"):  # built as 05 builds it: 01's GPT, optimize(), and fuse() for "fused"
+        model = tensor_parallel.optimize(tensor_parallel.GPT(cfg, None, seed=0, dtype=dtype, device=device))
+        if name == "fused":
+            kernels.fuse(model, kernels.FusedOps("cuda" if cuda else "reference"))
         ddp = data_parallel.BucketedDDP(model.parameters(), dist.group.WORLD, 2_000_000,
                                         grad_dtype=torch.float32 if dtype == torch.bfloat16 else None)
         ddp.sync = False  # as the trainer: reduction after the step, here never
@@ -310,7 +312,7 @@ def trainer_run(args, cuda, tmp, run):
         print(f"FAIL ({label}, {variant}):\n{failed or 'no metrics written'}")
         return None
     for line in proc.stdout.splitlines():  # what the trainer says it ran
-        if line.startswith(("kernels:", "kernel paths:", "parameters:", "FLOPs")):
+        if line.startswith(("model ", "device ", "compute ", "kernel paths:")):
             print(f"  {line}")
     return [json.loads(s)["time_s"] for s in metrics.read_text().splitlines()][skip:]
 

@@ -1,13 +1,13 @@
-"""Each communication switch of 01 and 02, on against off, side by side in one run, alternating.
+"""01's and 02's communication optimizations, each on against off, in one run, alternating.
 
   TP, 01 on tp gloo ranks, one forward + backward of the GPT (no optimizer):
-      on        the defaults: overlap_input_grad and merge_loss_reductions
-      tp-wait   overlap_input_grad=False: f's all-reduce (sp: reduce-scatter) after the whole linear
-                backward, with nothing left to hide behind
-      ce-3      merge_loss_reductions=False: three all-reduces in the cross-entropy, not two
+      on        tensor_parallel.optimize(model): both switches, as 05 trains
+      tp-wait   optimize(model, overlap_input_grad=False): f's all-reduce (sp: reduce-scatter) after
+                the whole linear backward, with nothing left to hide behind
+      ce-3      optimize(model, merge_loss_reductions=False): three all-reduces in the cross-entropy
   PP, 02's executor on pp gloo ranks, one step of each schedule (no optimizer):
-      background   background_sends=True (the default): a boundary waits for its receives only
-      waited       background_sends=False: every send is waited for at its own boundary
+      background   exchange=pipeline.BackgroundSends(), as 05: a boundary waits for its receives only
+      waited       the plain pipeline.Exchange() (execute's default): every send waited at its boundary
 
 Before anything is timed, each pair is checked to compute the same loss and gradients (a switch
 changes when a rank waits or how numbers travel, not what is computed). A ratio below 1 means the
@@ -28,8 +28,7 @@ from plumbing.trace import trace_comm
 # float32. The overlapped linear computes dX, dW and db with the same GEMMs as autograd's linear
 # but sums db in its own order (a few ulps); the merged all-reduce adds the same numbers; the
 # background sends move the same bytes. A real difference (a lost reduction) is O(1).
-LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
-TOLERANCES = {"loss": LOSS_RTOL, "grad": GRAD_RTOL}
+TOLERANCES = {"loss": 1e-6, "grad": 1e-5}
 TP_SWITCHES = {"on": {}, "tp-wait": {"overlap_input_grad": False}, "ce-3": {"merge_loss_reductions": False}}
 
 
@@ -46,9 +45,7 @@ def tp_worker(env, cfg, args):
     idx, targets = (torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen) for _ in "ab")
     models, losses, grads, counts = {}, {}, {}, {}
     for name, switches in TP_SWITCHES.items():
-        models[name] = tensor_parallel.GPT(cfg, group, sequence_parallel=args.sequence_parallel, init=False,
-                                           **switches)
-        models[name].load_full_state_dict(full)
+        models[name] = harness.gpt(cfg, full, group, args.sequence_parallel, **switches)
         with trace_comm() as log:
             losses[name] = tp_step(models[name], idx, targets).item()
         counts[name], grads[name] = len(log), models[name].full_grads()
@@ -66,8 +63,8 @@ def pp_worker(env, cfg, args):
     idx, targets = (torch.randint(cfg.vocab_size, (m * b, args.seq_len), generator=gen) for _ in "ab")
     micro, shape = pipeline.split_batch(idx, targets, m), (b, args.seq_len, cfg.n_embd)
     chunks = pipeline.build_chunks(cfg, pp, env.rank, init=False, dtype=torch.float32)
-    for c in chunks:
-        c.load_full_state_dict(full)
+    for c in chunks:  # 01's optimizations on, as 05 (and harness.gpt)
+        tensor_parallel.optimize(c).load_full_state_dict(full)
 
     def zero(_=None):
         for c in chunks:
@@ -76,16 +73,15 @@ def pp_worker(env, cfg, args):
     out = {}
     for name in args.schedules:
         actions = pipeline.SCHEDULES[name](pp, m, env.rank)
-        steps = {side: (lambda on=on: pipeline.execute(actions, chunks, dist.group.WORLD, micro, shape,
-                                                        background_sends=on))
-                 for side, on in (("background", True), ("waited", False))}
+        steps = {side: (lambda ex=ex: pipeline.execute(actions, chunks, dist.group.WORLD, micro, shape, exchange=ex()))
+                 for side, ex in (("background", pipeline.BackgroundSends), ("waited", pipeline.Exchange))}
         grads = {}
         for side, step in steps.items():
             zero()
             step()
             grads[side] = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
         diffs = {"grad": harness.worst_rel(grads["background"], grads["waited"])}
-        same = harness.agree(diffs["grad"] <= GRAD_RTOL)
+        same = harness.agree(diffs["grad"] <= TOLERANCES["grad"])
         rounds = harness.alternate(steps, args.repeats, args.steps, args.warmup, sweeps=True, setup=zero) \
             if same else None
         out[name] = {"same": same, "diffs": diffs, "rounds": rounds}
@@ -109,7 +105,8 @@ def report_pp(args, results):
         print(f"\nPP: pp={args.pp} {name}, m={args.microbatches} microbatches of {args.microbatch_size}, "
               f"T={args.seq_len}, float32")
         rows = {f"rank {k}": x[name]["diffs"] for k, x in enumerate(results)}
-        if not harness.guard("same function, background against waited:", rows, {"grad": GRAD_RTOL}, r["same"]):
+        if not harness.guard("same function, background against waited:", rows, {"grad": TOLERANCES["grad"]},
+                             r["same"]):
             return False
         print(harness.time_table(r["rounds"], args.pp, " (one step per sweep, order rotating)"))
         print("  " + harness.pair_line(r["rounds"], "background", "waited"))

@@ -62,7 +62,8 @@ def peer_step(name, chunks, pp, rank, m, idx, targets, vocab_size):
         stages.append(PipelineStage(module, k, S, torch.device("cpu"), group=dist.group.WORLD))
 
     def loss_fn(logits, target):  # our cross-entropy (tp=1): the same arithmetic as our last chunk
-        return tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, vocab_size)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, vocab_size,
+                                                            sums=tensor_parallel.merged_sums)
 
     cls = TORCH_SCHEDULES[name]
     schedule = cls(stages if cls is ScheduleInterleaved1F1B else stages[0], m, loss_fn=loss_fn, scale_grads=True)
@@ -127,11 +128,11 @@ def worker(env, cfg, args):
         pipeline.validate(schedules[name], pp, m)
         if v not in chunk_sets:
             chunk_sets[v] = pipeline.build_chunks(cfg, pp, rank, v, init=False, dtype=torch.float32)
-            for c in chunk_sets[v]:
-                c.load_full_state_dict(full)
+            for c in chunk_sets[v]:  # 01's optimizations on, as 05 (and harness.gpt)
+                tensor_parallel.optimize(c).load_full_state_dict(full)
         chunks, actions = chunk_sets[v], schedules[name][rank]
-        ours[name] = functools.partial(pipeline.execute, actions, chunks, dist.group.WORLD, microbatches,
-                                       (b, T, cfg.n_embd))
+        ours[name] = lambda actions=actions, chunks=chunks: pipeline.execute(  # 02's optimization on, as 05
+            actions, chunks, dist.group.WORLD, microbatches, (b, T, cfg.n_embd), exchange=pipeline.BackgroundSends())
         pairs[name] = chunks, {"ours": lambda run=ours[name]: run().loss,
                                "peer": peer_step(name, chunks, pp, rank, m, idx, targets, cfg.vocab_size)}
 

@@ -43,11 +43,11 @@ def start(cfg, seed):
     return full, torch.Generator().manual_seed(seed + 1)
 
 
-def gpt(cfg, full, group=None):
-    """01's GPT over the tp group `group` (None: the serial model) with the weights of `full`."""
-    model = tensor_parallel.GPT(cfg, group, init=False)
+def gpt(cfg, full, group=None, sequence_parallel=False, **switches):
+    """01's GPT over `group` (None: the serial model), the weights of `full`, optimize()d as 05's."""
+    model = tensor_parallel.GPT(cfg, group, sequence_parallel=sequence_parallel, init=False)
     model.load_full_state_dict(full)
-    return model
+    return tensor_parallel.optimize(model, **switches)
 
 
 def rel(a, b):
