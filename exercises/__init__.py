@@ -6,10 +6,10 @@
     python3 -m exercises check all --solution      # the numbered files' own functions: all pass
     python3 -m exercises check 01 --planted g_backward_all_reduces   # what a known mistake looks like
 
-One stub file per numbered file (ex01_tensor_parallel.py ... ex05_3d_gpt.py) holds the functions a
-student writes, each with the signature and the docstring contract of the piece it replaces and a
-body that raises NotImplementedError with a hint: the paper section to read and the command to
-run. The solutions are the numbered files themselves; nothing here copies them.
+One stub file per numbered file (ex01_tensor_parallel.py ... ex05_3d_gpt.py) holds the functions
+and autograd Functions a student writes, each with the signature and the docstring contract of the
+piece it replaces and a body that raises NotImplementedError with a hint: the paper section to read
+and the command to run. The solutions are the numbered files themselves; nothing here copies them.
 
 How a check works (autograder.py; each file's checks in checks_0N.py): the student's function is
 put in place of the numbered file's in this process, the serial model's answer having been computed
@@ -20,6 +20,7 @@ Pure pieces (the schedules, the rank grid) are checked here without ranks, throu
 and simulator.
 """
 import importlib
+import inspect
 
 # file: (numbered module, stub module, checks module)
 FILES = {
@@ -39,6 +40,23 @@ def exercises(file):
 def stub(file):
     """The stub module a student edits for that file."""
     return importlib.import_module(f"exercises.{FILES[file][1]}")
+
+
+def writes(exercise):
+    """What the student writes for an exercise, in words: each stub function, or each method of a
+    stub class ("CopyToTP.forward and .backward"), and the numbered file's piece it stands in for
+    where the names differ."""
+    module, out = stub(exercise.file), []
+    for name, target in zip(exercise.functions, exercise.replaces or exercise.functions):
+        obj = getattr(module, name)
+        if isinstance(obj, type):  # an autograd Function: the methods the stub defines
+            methods = [m for m, v in vars(obj).items() if isinstance(v, (staticmethod, classmethod))
+                       or inspect.isfunction(v)]
+            text = f"{name}.{' and .'.join(methods)}"
+        else:
+            text = name
+        out.append(text if target == name else f"{text} (in place of {exercise.file}'s {target})")
+    return ", ".join(out)
 
 
 def student_impl(exercise):

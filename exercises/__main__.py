@@ -11,7 +11,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from exercises import FILES, exercises, student_impl  # noqa: E402
+from exercises import FILES, exercises, student_impl, writes  # noqa: E402
 from exercises.autograder import grade  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def list_exercises(out=print):
         out(f"{FILES[file][0]}.py (exercises/{FILES[file][1]}.py)")
         for e in exercises(file):
             out(f"  {e.key} {e.title}")
-            out(f"       write: {', '.join(e.functions)}; read: {e.reading}")
+            out(f"       write: {writes(e)}; read: {e.reading}")
             for p in e.planted:
                 out(f"       planted {p.name}: {p.what}")
     return True

@@ -62,6 +62,9 @@ class Exercise:
     check: Callable  # check(impl) -> [reasons it fails]; impl: {name: function}
     reference: Callable  # () -> impl of the numbered file's own functions: the solution
     planted: list = field(default_factory=list)
+    # The numbered file's piece each of `functions` stands in for, where its name differs
+    # ("ColumnParallelLinear.forward" for column_parallel_forward); () when every name is the same.
+    replaces: tuple = ()
 
     @property
     def file(self):

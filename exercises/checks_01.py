@@ -4,7 +4,10 @@ prove that they catch what they should.
 Every check runs on tp = 2 fork-started CPU ranks in float64: first the piece alone, on inputs and
 upstream gradients that differ from rank to rank (so that a missing or doubled sum shows), then the
 whole GPT-2 against the serial one from the same weights and batch: the loss, the logits and every
-gradient. The serial answers are computed here, before the student's functions are installed.
+gradient. The student's pieces go in place of 01's own (its Functions into the module, which 01's
+wrappers copy_to_tp, gather_from_sp and vocab_parallel_cross_entropy apply; its forwards into the
+layer classes), so that 01's model runs them on its default path, the paper's. The serial answers
+are computed here, before anything is installed.
 """
 import math
 
@@ -21,14 +24,26 @@ F64 = torch.float64
 # V=101 is not a multiple of tp: the last rank holds a padded vocabulary column.
 CFG = tensor_parallel.GPTConfig(vocab_size=101, block_size=16, n_layer=2, n_head=4, n_embd=32)
 REFERENCE = {  # 01's own pieces, taken before anything is installed: the solutions
-    "copy_to_tp": tensor_parallel.copy_to_tp,
-    "reduce_from_tp": tensor_parallel.reduce_from_tp,
+    "CopyToTP": tensor_parallel.CopyToTP,
+    "ReduceFromTP": tensor_parallel.ReduceFromTP,
     "column_parallel_forward": tensor_parallel.ColumnParallelLinear.forward,
     "row_parallel_forward": tensor_parallel.RowParallelLinear.forward,
-    "vocab_parallel_cross_entropy": tensor_parallel.vocab_parallel_cross_entropy,
-    "gather_from_sp": tensor_parallel.gather_from_sp,
-    "reduce_scatter_to_sp": tensor_parallel.reduce_scatter_to_sp,
+    "_VocabParallelCrossEntropy": tensor_parallel._VocabParallelCrossEntropy,
+    "GatherFromSP": tensor_parallel.GatherFromSP,
+    "ReduceScatterToSP": tensor_parallel.ReduceScatterToSP,
 }
+
+
+def functions(impl, *names):
+    """(owner, attribute, value) putting the student's autograd Functions in place of 01's: the class
+    itself, which 01's wrappers apply (copy_to_tp calls CopyToTP.apply), and any of 01's names bound
+    to the class's apply directly (gather_from_sp = GatherFromSP.apply)."""
+    out = []
+    for name in names:
+        out.append((tensor_parallel, name, impl[name]))
+        out += [(tensor_parallel, attr, impl[name].apply) for attr, value in vars(tensor_parallel).items()
+                if getattr(value, "__self__", None) is REFERENCE[name] and getattr(value, "__name__", "") == "apply"]
+    return out
 
 
 def randn(*shape, seed):
@@ -61,10 +76,7 @@ MODEL_HINTS = {
 
 def _model(env, ref):
     group = tp_group(env)
-    # overlap_input_grad=False: the overlapped column-parallel linear does f's all-reduce itself, and
-    # would bypass a student's copy_to_tp / gather_from_sp.
-    model = tensor_parallel.GPT(CFG, group, sequence_parallel=ref["sp"], init=False, dtype=F64,
-                                overlap_input_grad=False)
+    model = tensor_parallel.GPT(CFG, group, sequence_parallel=ref["sp"], init=False, dtype=F64)  # the paper's path
     model.load_full_state_dict(ref["full"])
     logits, loss = model(ref["idx"], ref["targets"])
     loss.backward()
@@ -149,9 +161,9 @@ def operators(*names):
 
 
 def check_f_and_g(impl):
+    """The student's Functions in place of 01's: 01's copy_to_tp and reduce_from_tp apply them."""
     ref = serial_reference(sp=False)
-    with installed((tensor_parallel, "copy_to_tp", impl["copy_to_tp"]),
-                   (tensor_parallel, "reduce_from_tp", impl["reduce_from_tp"])):
+    with installed(*functions(impl, "CopyToTP", "ReduceFromTP")):
         return operators("copy_to_tp", "reduce_from_tp") + whole_model(ref)
 
 
@@ -256,7 +268,7 @@ def _cross_entropy_cases(full, target, V, tp, r, ignore_index):
          f"it averages over all {N} positions: the ones whose target is ignore_index take no part; divide by "
          f"the number of the others"),
         (mean(sums[r].log() - picked(z) + top), "it equals the loss with this rank's own sum of exponentials: "
-         "sum it over the ranks (with g, so that its gradient reaches every rank)"),
+         "sum it over the ranks (sums(group, ...))"),
         (mean(sum(sums).log() - (picked(z) - top).masked_fill(~mine, 0)),
          "it equals the loss with the target logit taken on this rank only: the rank holding the target's "
          "column has it, the others put 0, and a sum over the ranks gives it to all"),
@@ -279,7 +291,13 @@ def _cross_entropy(env, V, ignore_index):
     ref.backward(torch.tensor(0.7, dtype=F64))  # an upstream gradient that is not 1
     grad_want = torch.cat([ref_in.grad, torch.zeros(N, V_pad - V, dtype=F64)], 1).chunk(tp, 1)[r]
     local = full.chunk(tp, 1)[r].clone().requires_grad_()
-    loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index)
+    calls = []
+
+    def sums(group, *xs):  # 01's sum_each, counting what it is given
+        calls.append(len(xs))
+        return tensor_parallel.sum_each(group, *xs)
+
+    loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index, sums)
     what = f"V={V} (padded to {V_pad}), ignore_index={ignore_index}"
     found = differences([(f"{what}, the loss", loss.detach(), ref.detach(),
                           _cross_entropy_cases(full, target, V, tp, r, ignore_index))])
@@ -287,13 +305,21 @@ def _cross_entropy(env, V, ignore_index):
         loss.backward(torch.tensor(0.7, dtype=F64))
         found = differences([(f"{what}, the gradient of this rank's logits", local.grad, grad_want)],
                             {"other": "each rank's gradient is softmax - one-hot on its own columns, times the "
-                                      "upstream gradient / the number of counted rows"}, factors={"tp": tp})
+                                      "upstream gradient / the number of counted rows",
+                             "scaled": "is the backward's result multiplied by the upstream gradient (grad, 0.7 "
+                                       "here) and divided by the number of counted rows?"}, factors={"tp": tp})
+    if not found and calls != [2]:
+        seen = ", ".join(f"one with {n} tensor{'s' * (n != 1)}" for n in calls) or "none"
+        found = [f"{what}: the calls of sums(group, ...) were {seen}: the target logits and the sums of "
+                 f"exponentials are summed over the ranks in one call, sums(group, picked, total) (05's trainer "
+                 f"passes merged_sums there, one all-reduce for both)"]
     return found
 
 
 def check_cross_entropy(impl):
+    """The student's Function in place of 01's: 01's vocab_parallel_cross_entropy applies it."""
     ref = serial_reference(sp=False)
-    with installed((tensor_parallel, "vocab_parallel_cross_entropy", impl["vocab_parallel_cross_entropy"])):
+    with installed(*functions(impl, "_VocabParallelCrossEntropy")):
         alone = merged(ranks(_cross_entropy, TP, 13, -100))
         return first([f"alone, {r}" for r in alone], 3) + whole_model(ref)
 
@@ -303,9 +329,9 @@ def check_cross_entropy(impl):
 
 
 def check_sequence_parallel(impl):
+    """The student's Functions in place of 01's: 01's gather_from_sp and reduce_scatter_to_sp apply them."""
     ref = serial_reference(sp=True)
-    with installed((tensor_parallel, "gather_from_sp", impl["gather_from_sp"]),
-                   (tensor_parallel, "reduce_scatter_to_sp", impl["reduce_scatter_to_sp"])):
+    with installed(*functions(impl, "GatherFromSP", "ReduceScatterToSP")):
         return operators("gather_from_sp", "reduce_scatter_to_sp") + whole_model(ref)
 
 
@@ -317,15 +343,11 @@ class _GBackwardAllReduces(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return tensor_parallel.all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)  # the mistake: g's backward is the identity
-        return grad, None
+        return tensor_parallel.all_reduce(grad, ctx.group), None  # the mistake: g's backward is the identity
 
 
 class _FBackwardIdentity(torch.autograd.Function):
@@ -339,65 +361,68 @@ class _FBackwardIdentity(torch.autograd.Function):
 
 
 def _bias_before_reduce(self, x):
-    y = tensor_parallel.reduce_from_tp(F.linear(x, self.weight, self.bias), self.group)  # bias on every rank
-    return (y, self.bias) if self.skip_bias_add else y
+    return tensor_parallel.reduce_from_tp(F.linear(x, self.weight, self.bias), self.group)  # bias on every rank
 
 
-def _cross_entropy_local_sum(logits, target, group, n_vocab, ignore_index=-100, tag="loss"):
-    logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    Vl, r = logits.shape[1], tensor_parallel.tp_rank(group)
-    cols = torch.arange(r * Vl, (r + 1) * Vl)
-    z = logits.masked_fill(cols >= n_vocab, -math.inf)
-    top = z.max(1).values.detach()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    local, valid = target - r * Vl, target != ignore_index
-    mine = valid & (local >= 0) & (local < Vl)
-    picked = (z - top[:, None]).gather(1, local.masked_fill(~mine, 0)[:, None]).squeeze(1).masked_fill(~mine, 0)
-    picked = tensor_parallel.reduce_from_tp(picked, group)
-    total = (z - top[:, None]).exp().sum(1)  # the mistake: not summed over the ranks
-    return (total.log() - picked).masked_fill(~valid, 0).sum() / valid.sum()
+class _CrossEntropyLocalSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
+        Vl, r = logits.shape[1], tensor_parallel.tp_rank(group)
+        z = logits.masked_fill(torch.arange(r * Vl, (r + 1) * Vl) >= n_vocab, -math.inf)
+        top = tensor_parallel.all_reduce(z.max(1).values, group, dist.ReduceOp.MAX)
+        local, valid = target - r * Vl, target != ignore_index
+        mine = valid & (local >= 0) & (local < Vl)
+        local = local.masked_fill(~mine, 0)
+        picked = (z - top[:, None]).gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
+        exp = (z - top[:, None]).exp()
+        picked, = sums(group, picked)
+        total = exp.sum(1)  # the mistake: not summed over the ranks
+        n_valid = valid.sum()
+        ctx.save_for_backward(exp / total[:, None], local, mine, valid, n_valid)
+        return (total.log() - picked).masked_fill(~valid, 0).sum() / n_valid
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine, valid, n_valid = ctx.saved_tensors
+        onehot = torch.zeros_like(softmax).scatter_(1, local[:, None], mine.to(softmax.dtype)[:, None])
+        return (softmax - onehot) * (valid * grad / n_valid)[:, None], None, None, None, None, None
 
 
 class _GatherBackwardSplits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, 1)
+        return tensor_parallel.gather(x, group, tensor_parallel.SEQ)
 
     @staticmethod
     def backward(ctx, grad):  # the mistake: a split, not a reduce-scatter
-        return grad.chunk(dist.get_world_size(ctx.group), 1)[dist.get_rank(ctx.group)].contiguous(), None
-
-
-def _apply(fn):
-    return lambda x, group, tag="": x if tensor_parallel.tp_size(group) == 1 else fn.apply(x, group)
+        return tensor_parallel.split(grad, ctx.group, tensor_parallel.SEQ), None
 
 
 EXERCISES = [
-    Exercise("01.1", "f_and_g", "f and g, the conjugate operators", ("copy_to_tp", "reduce_from_tp"),
+    Exercise("01.1", "f_and_g", "f and g, the conjugate operators", ("CopyToTP", "ReduceFromTP"),
              "Shoeybi et al. 2019, Section 3 and Figure 3", check_f_and_g,
-             lambda: {k: REFERENCE[k] for k in ("copy_to_tp", "reduce_from_tp")},
+             lambda: {k: REFERENCE[k] for k in ("CopyToTP", "ReduceFromTP")},
              [Planted("g_backward_all_reduces", "g's backward all-reduces too (it must be the identity)",
-                      lambda: {"reduce_from_tp": _apply(_GBackwardAllReduces)}, "g's backward all-reduced"),
+                      lambda: {"ReduceFromTP": _GBackwardAllReduces}, "g's backward all-reduced"),
               Planted("f_backward_identity", "f's backward forgets the all-reduce",
-                      lambda: {"copy_to_tp": _apply(_FBackwardIdentity)}, "f's backward passed this rank's gradient")]),
+                      lambda: {"CopyToTP": _FBackwardIdentity}, "f's backward passed this rank's gradient")]),
     Exercise("01.2", "linears", "the column- and row-parallel linear layers",
              ("column_parallel_forward", "row_parallel_forward"),
              "Shoeybi et al. 2019, Section 3 (the MLP block)", check_linears,
              lambda: {k: REFERENCE[k] for k in ("column_parallel_forward", "row_parallel_forward")},
              [Planted("bias_before_reduce", "the row-parallel bias is added on every rank before g",
-                      lambda: {"row_parallel_forward": _bias_before_reduce}, "plus (tp - 1) x the bias")]),
-    Exercise("01.3", "cross_entropy", "the vocab-parallel cross-entropy", ("vocab_parallel_cross_entropy",),
+                      lambda: {"row_parallel_forward": _bias_before_reduce}, "plus (tp - 1) x the bias")],
+             replaces=("ColumnParallelLinear.forward", "RowParallelLinear.forward")),
+    Exercise("01.3", "cross_entropy", "the vocab-parallel cross-entropy", ("_VocabParallelCrossEntropy",),
              "Shoeybi et al. 2019, Section 3 (the output embedding)", check_cross_entropy,
-             lambda: {"vocab_parallel_cross_entropy": REFERENCE["vocab_parallel_cross_entropy"]},
+             lambda: {"_VocabParallelCrossEntropy": REFERENCE["_VocabParallelCrossEntropy"]},
              [Planted("cross_entropy_local_sum", "the sum of exponentials is not summed over the ranks",
-                      lambda: {"vocab_parallel_cross_entropy": _cross_entropy_local_sum},
+                      lambda: {"_VocabParallelCrossEntropy": _CrossEntropyLocalSum},
                       "this rank's own sum of exponentials")]),
     Exercise("01.4", "sequence_parallel", "sequence parallelism's all-gather / reduce-scatter pair",
-             ("gather_from_sp", "reduce_scatter_to_sp"), "Korthikanti et al. 2022, Section 4.2.2",
-             check_sequence_parallel, lambda: {k: REFERENCE[k] for k in ("gather_from_sp", "reduce_scatter_to_sp")},
+             ("GatherFromSP", "ReduceScatterToSP"), "Korthikanti et al. 2022, Section 4.2.2",
+             check_sequence_parallel, lambda: {k: REFERENCE[k] for k in ("GatherFromSP", "ReduceScatterToSP")},
              [Planted("gather_backward_splits", "g-bar's backward splits the gradient instead of reduce-scattering",
-                      lambda: {"gather_from_sp": _apply(_GatherBackwardSplits)}, "reduce-scatter, not a split")]),
+                      lambda: {"GatherFromSP": _GatherBackwardSplits}, "reduce-scatter, not a split")]),
 ]

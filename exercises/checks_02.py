@@ -3,9 +3,11 @@
 A schedule is checked without any process first, for every pp up to 6 and m up to 12: it must be a
 list of Actions that 02's validate() accepts, whose first backward comes where the schedule's
 definition puts it, which keeps the microbatches in flight and the bubble that simulate() should
-find, and which equals 02's own list. Then it runs: pp = 4 CPU ranks execute it with 02's executor,
-and the loss and every gradient are compared with the serial model's (float64, 1e-10). The tied
-embedding is checked the same way on 2 ranks, and on 1 rank that holds two chunks.
+find, and which equals 02's own list. Then it runs: pp = 4 CPU ranks run it through 02's own
+pipeline_step (the chunks built, the lists executed, the tied embedding synced), and the loss and
+every gradient are compared with the serial model's (float64, 1e-10). The tied embedding is checked
+after 02's executor, as 05's train_step calls it (gradients where grad_of says), on 2 ranks, and on
+1 rank that holds two chunks.
 """
 from fractions import Fraction
 
@@ -112,7 +114,7 @@ def check_one_f_one_b_lists(fn):
 
 
 def _warmup_note(lists, pp, m):
-    """Why a 1F1B list may deadlock: its warmup against 02's (at v = 1 the steady marks do not matter)."""
+    """Why a 1F1B list may deadlock: its warmup against 02's."""
     first_b = lambda acts: next((i for i, a in enumerate(acts) if a.kind == "B"), len(acts))  # noqa: E731
     got = [first_b(acts) for acts in lists]
     want = [first_b(pipeline.one_f_one_b(pp, m, s)) for s in range(pp)]
@@ -138,8 +140,9 @@ def serial_reference(n_layer, m, seed=7):
                 grads={n: p.grad for n, p in serial.named_parameters()})
 
 
-def _execute(env, lists, ref, sync):
-    """Run this rank's list; then sync the tied embedding with `sync`. (chunks, result, embed_group)."""
+def _execute(env, lists, ref):
+    """Build this rank's chunks and run its list with 02's executor, the tied embedding not yet
+    synced: (chunks, result, embed_group)."""
     pp, v = env.world_size, pipeline.n_chunks(lists[env.rank])
     embed_group = new_group([0, pp - 1]) if pp > 1 else None
     chunks = pipeline.build_chunks(ref["cfg"], pp, env.rank, v, init=False, dtype=F64)
@@ -151,8 +154,13 @@ def _execute(env, lists, ref, sync):
 
 
 def _run(env, lists, ref):
-    chunks, res, embed_group = _execute(env, lists, ref, None)
-    REFERENCE["sync_tied_embeddings"](chunks, embed_group)
+    """This rank's list through 02's own pipeline_step: its chunks built, the list executed, the tied
+    embedding's gradients summed (02's sync_tied_embeddings)."""
+    pp = env.world_size
+    embed_group = new_group([0, pp - 1]) if pp > 1 else None
+    micro = pipeline.split_batch(ref["idx"], ref["targets"], ref["m"])
+    chunks, res = pipeline.pipeline_step(ref["cfg"], lists[env.rank], dist.group.WORLD, embed_group, ref["full"],
+                                         micro)
     pairs = [("the loss", res.loss, ref["loss"])] if res.loss is not None else []
     pairs += [(f"the gradient of {n}", p.grad, ref["grads"][n]) for c in chunks for n, p in c.named_parameters()]
     return [f"rank {env.rank}: {r}" for r in differences(pairs, factors={"m": ref["m"]})]
@@ -161,7 +169,7 @@ def _run(env, lists, ref):
 def run_lists(lists, n_layer, m):
     """Execute every rank's list on len(lists) CPU ranks; the differences from the serial model."""
     ref = serial_reference(n_layer, m)
-    where = f"run on {len(lists)} CPU ranks with 02's executor (m={m}), "
+    where = f"run on {len(lists)} CPU ranks with 02's pipeline_step (m={m}), "
     return first([where + r for rs in ranks(_run, len(lists), lists, ref) for r in rs], 3)
 
 
@@ -180,7 +188,7 @@ def check_one_f_one_b(impl):
 
 
 def _tied(env, lists, ref, sync):
-    chunks, res, embed_group = _execute(env, lists, ref, sync)
+    chunks, res, embed_group = _execute(env, lists, ref)
     store = {p: p.grad.clone() for c in chunks for p in c.parameters()}  # where grad_of says they live
     before = {p: g.clone() for p, g in store.items()}
     sync(chunks, embed_group, grad_of=store.__getitem__)
@@ -217,20 +225,19 @@ def check_sync_tied_embeddings(impl):
 # Planted wrong answers
 
 
-def _warmup_too_long(pp, m, stage):  # pp - stage forwards of warmup: one more than it takes
-    warmup = min(pp - stage, m)
-    acts = [pipeline.Action("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        acts += [pipeline.Action("F", warmup + i, steady=True), pipeline.Action("B", i, steady=True)]
-    return acts + [pipeline.Action("B", i) for i in range(m - warmup, m)]
+def _one_f_one_b_warming_up(warmup_of):
+    """1F1B as 02 writes it, with another warmup: warmup_of(pp, stage), capped at m."""
+    def schedule(pp, m, stage):
+        warmup = max(0, min(warmup_of(pp, stage), m))
+        acts = [pipeline.Action("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            acts += [pipeline.Action("F", warmup + i), pipeline.Action("B", i)]
+        return acts + [pipeline.Action("B", i) for i in range(m - warmup, m)]
+    return schedule
 
 
-def _warmup_too_short(pp, m, stage):  # pp - stage - 2: it runs, but neighbours take turns (pp=4, m=8: bubble 5/4)
-    warmup = max(0, min(pp - stage - 2, m))
-    acts = [pipeline.Action("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        acts += [pipeline.Action("F", warmup + i, steady=True), pipeline.Action("B", i, steady=True)]
-    return acts + [pipeline.Action("B", i) for i in range(m - warmup, m)]
+_warmup_too_long = _one_f_one_b_warming_up(lambda pp, s: pp - s)  # one more forward than it takes
+_warmup_too_short = _one_f_one_b_warming_up(lambda pp, s: pp - s - 2)  # it runs, but neighbours take turns
 
 
 def _gpipe_backwards_reversed(pp, m, stage):

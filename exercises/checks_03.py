@@ -3,8 +3,9 @@
 Both are pure functions, checked first without any process for every pp up to 6 and v up to 4:
 the layer assignment against its definition, the schedule through 02's validate() and simulate()
 and against its definition (order, warmup). Then each runs: 2 CPU ranks with v = 2 chunks each
-execute 03's schedule on chunks built from the student's layer ranges, or the student's schedule on
-03's chunks, and every gradient is compared with the serial model's (float64, 1e-10).
+execute 03's schedule with 02's executor on chunks built from the student's layer ranges, or run
+the student's schedule through 02's own pipeline_step, and the loss and every gradient are compared
+with the serial model's (float64, 1e-10).
 """
 from fractions import Fraction
 
@@ -23,27 +24,31 @@ LEGAL = [(pp, v, m) for pp in range(1, 7) for v in range(1, 5) for m in range(pp
 
 
 def _run(env, lists, ref, layers_of):
-    """Execute this rank's list on chunks holding layers_of(n_layer, pp, v, rank)."""
+    """Run this rank's list: through 02's pipeline_step (layers_of None: 02's own chunks), or with
+    02's executor on chunks holding layers_of(n_layer, pp, v, rank)."""
     pp, v, cfg = env.world_size, pipeline.n_chunks(lists[env.rank]), ref["cfg"]
     embed_group = new_group([0, pp - 1]) if pp > 1 else None
-    chunks = []
-    for c, layers in enumerate(layers_of(cfg.n_layer, pp, v, env.rank)):
-        k = c * pp + env.rank  # the virtual stage: the first holds the embeddings, the last the head
-        chunk = tensor_parallel.GPT(cfg, None, layers=layers, pre_process=k == 0, post_process=k == pp * v - 1,
-                                    init=False, dtype=F64)
-        chunk.load_full_state_dict(ref["full"])
-        chunks.append(chunk)
     micro = pipeline.split_batch(ref["idx"], ref["targets"], ref["m"])
-    res = pipeline.execute(lists[env.rank], chunks, dist.group.WORLD, micro, (ROWS, T, cfg.n_embd))
-    pipeline.sync_tied_embeddings(chunks, embed_group)
+    if layers_of is None:
+        chunks, res = pipeline.pipeline_step(cfg, lists[env.rank], dist.group.WORLD, embed_group, ref["full"], micro)
+    else:
+        chunks = []
+        for c, layers in enumerate(layers_of(cfg.n_layer, pp, v, env.rank)):
+            k = c * pp + env.rank  # the virtual stage: the first holds the embeddings, the last the head
+            chunk = tensor_parallel.GPT(cfg, None, layers=layers, pre_process=k == 0, post_process=k == pp * v - 1,
+                                        init=False, dtype=F64)
+            chunk.load_full_state_dict(ref["full"])
+            chunks.append(chunk)
+        res = pipeline.execute(lists[env.rank], chunks, dist.group.WORLD, micro, (ROWS, T, cfg.n_embd))
+        pipeline.sync_tied_embeddings(chunks, embed_group)
     pairs = [("the loss", res.loss, ref["loss"])] if res.loss is not None else []
     pairs += [(f"the gradient of {n}", p.grad, ref["grads"][n]) for c in chunks for n, p in c.named_parameters()]
     return [f"rank {env.rank}: {r}" for r in differences(pairs)]
 
 
-def run(lists, v, m, layers_of):
+def run(lists, v, m, layers_of=None):
     pp = len(lists)
-    where = f"run on {pp} CPU ranks with 02's executor (v={v}, m={m}), "
+    where = f"run on {pp} CPU ranks with 02's {'pipeline_step' if layers_of is None else 'executor'} (v={v}, m={m}), "
     reasons = ranks(_run, pp, lists, serial_reference(pp * v, m), layers_of)
     return first([where + r for rs in reasons for r in rs], 3)
 
@@ -157,7 +162,7 @@ def check_interleaved(impl):
     if bad:
         return bad
     lists = [called(fn, 2, 4, s, 2, what=f"interleaved(2, 4, {s}, 2)") for s in range(2)]
-    return run(lists, 2, 4, REFERENCE["chunk_layers"])
+    return run(lists, 2, 4)
 
 
 # ----------------------------------------------------------------------------------------------

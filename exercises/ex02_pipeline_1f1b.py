@@ -4,7 +4,8 @@ A schedule is a pure function (pp, m, stage) -> that stage's ordered list of pip
 is the forward of microbatch 3, "B3" its backward. The autograder reads your lists with 02's own
 validate() (every microbatch once each way, backward after forward, messages that can be matched
 without deadlock) and simulate() (the bubble, the microbatches in flight), then runs them on CPU
-ranks with 02's executor and compares every gradient with the serial model's.
+ranks with 02's own pipeline_step (build the chunks, execute the lists, sync the tied embedding)
+and compares the loss and every gradient with the serial model's.
 
     python3 -m exercises check 02              # your functions
     python3 -m exercises check 02.2            # one exercise
@@ -16,7 +17,7 @@ Try the pure ones by hand first:
 import importlib
 
 pipeline = importlib.import_module("02_pipeline_1f1b")
-Action = pipeline.Action  # Action("F", 3) is "F3"; Action("B", 3, steady=True) marks a steady-state pair
+Action = pipeline.Action  # Action("F", 3) is "F3", Action("B", 3) "B3" (chunk and steady are 03's)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,8 +42,7 @@ def one_f_one_b(pp, m, stage):
               backward to come back here (how many is that for stage s? for the last stage?),
               capped at m;
       steady: one forward of the next new microbatch, then the backward of the oldest one in
-              flight, repeated while forwards remain: mark both Actions steady=True (a label here;
-              03's interleaved executor runs such a pair back to back, with no exchange between);
+              flight, repeated while forwards remain;
       drain:  the backwards that remain, oldest first.
     Returns [Action, ...] of length 2 m. At most pp - stage microbatches are ever in flight."""
     raise NotImplementedError("02.2 one_f_one_b: how many forwards must stage s run before a backward can "

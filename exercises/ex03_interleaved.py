@@ -2,7 +2,7 @@
 
 The model is cut into pp * v chunks; each rank holds v of them, and a microbatch crosses every rank
 v times. Your schedule is read by 02's validate() and simulate() (the bubble must be exactly
-(pp - 1)/(v m)) and run by 02's executor on CPU ranks against the serial model.
+(pp - 1)/(v m)) and run through 02's pipeline_step on CPU ranks against the serial model.
 
     python3 -m exercises check 03              # your functions
     python3 -m exercises check 03 --solution   # 03's own functions
@@ -47,8 +47,9 @@ def interleaved(pp, m, stage, v):
     only after the first microbatch has gone forward through every later stage and back, and after
     the first group of pp microbatches has gone through its earlier chunks: count the forwards that
     takes (at most m v).
-    Then steady pairs, one new forward and the oldest backward (both steady=True), and then the
-    remaining backwards."""
+    Then steady pairs, one new forward and the oldest backward, both marked steady=True (02's
+    rank_plan runs such a pair back to back, with no exchange between them: with v chunks a
+    boundary there can make two ranks wait on each other), and then the remaining backwards."""
     raise NotImplementedError("03.2 interleaved: the order (groups of pp microbatches per chunk) and the warmup "
                               "(how far is rank r from the last stage, twice, plus a round of pp per extra "
                               "chunk?). Read Narayanan et al. 2021, Section 2.2.2 (Figure 4); then run: "

@@ -9,7 +9,6 @@ compares the gradients and several AdamW steps with serial training on the whole
     python3 -m exercises check 04 --solution   # 04's own functions
 """
 import importlib
-import time  # noqa: F401 (for the events of 04.2)
 
 import torch.distributed as dist  # noqa: F401 (for your code)
 
@@ -34,9 +33,10 @@ def allreduce_gradients(params, group):
 #
 # BucketedDDP (04) keeps every gradient in one flat buffer, self.grad_buffer, laid out in reverse
 # parameter order and cut into buckets: self.buckets[i] = (lo, hi), element offsets. Its
-# post-accumulate-grad hook writes each gradient into the buffer (already divided by dp) and, when
-# the last gradient of bucket i has arrived, calls self._launch(i): this function. finish(), after
-# backward, launches any bucket still waiting, then waits for every self.works[i].
+# post-accumulate-grad hook, _on_grad, writes each gradient into the buffer (already divided by dp)
+# and, when the last gradient of bucket i has arrived, calls self._launch(i): this function.
+# finish(), after backward, launches any bucket still waiting (all of them with overlap=False),
+# then waits for every self.works[i].
 
 
 def launch_bucket(self, i):
@@ -48,7 +48,7 @@ def launch_bucket(self, i):
     elements (this rank's part; 01 has the collective: tensor_parallel.reduce_scatter_single, as
     torch 2.11-2.13 name it), and store self.works[i] = (the work handle, shard): finish() copies
     the shard into the buffer at self.shard_range(i) once the work is done.
-    You may also record self.events.append(("launch", i, time.perf_counter())) for 04's timeline."""
+    You may also record self.events.append(("launch", i, self.clock())) for 04's timeline."""
     raise NotImplementedError("04.2 BucketedDDP._launch: which slice of the flat buffer, which collective, and "
                               "what makes it not wait? Read Li et al. 2020 on gradient bucketing and overlap; "
                               "then run: python3 -m exercises check 04.2")

@@ -69,7 +69,8 @@ def unpack(self, buf):
 
 def counts_in_norm(p, chunk, tp_group):
     """Whether this rank adds parameter p's gradient to the global norm's sum of squares (which is
-    then summed over the tp and pp groups: dp replicas hold the same gradients, so they count once).
+    then summed over the tp and pp groups: dp replicas hold the same gradients, so they count once;
+    with ZeRO-1 each holds 1/dp of the elements, and the sum runs over dp too).
 
     A parameter split across the tp ranks (it has the attribute tp_dim) is a different slice on each
     rank. Replicated ones (LayerNorms, row-parallel biases, the position embedding) are the same on

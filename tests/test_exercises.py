@@ -8,6 +8,7 @@ test_tensor_parallel.py (a parallel piece only reorders additions, ~1e-15; a bug
 The ranks are forked in-process by plumbing.launch (as the autograder always does); one test runs
 the real command line, `python3 -m exercises check 01`, as a student would.
 """
+import inspect
 import re
 import subprocess
 import sys
@@ -42,17 +43,74 @@ def test_every_stub_function_exists_with_a_docstring_and_every_exercise_cites_a_
     for e in ALL:
         module = exercises.stub(e.file)
         for name in e.functions:
-            fn = getattr(module, name)
-            doc = fn.__doc__ or ""
-            if name in ("copy_to_tp", "reduce_from_tp", "gather_from_sp", "reduce_scatter_to_sp"):
-                doc = (fn.__doc__ or "") + (module.__dict__[_function_class(name)].__doc__ or "")
-            assert len(doc) > 20, (e.key, name)
+            assert len(getattr(module, name).__doc__ or "") > 20, (e.key, name)  # a class: its contract
         assert re.search(r"et al\. 20\d\d", e.reading), e.key
 
 
-def _function_class(name):
-    return {"copy_to_tp": "CopyToTP", "reduce_from_tp": "ReduceFromTP", "gather_from_sp": "GatherFromSP",
-            "reduce_scatter_to_sp": "ReduceScatterToSP"}[name]
+def _left_to_write(module):
+    """{exercise key: the stub's functions and methods that raise its NotImplementedError}, read from
+    the stub's source: "copy_to_tp" if it is given, "CopyToTP.forward" if a method raises."""
+    out = {}
+    for name, obj in vars(module).items():
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue  # imported, not the stub's own
+        members = [(f"{name}.{m}", v.__func__ if isinstance(v, staticmethod) else v)
+                   for m, v in vars(obj).items() if isinstance(v, staticmethod) or inspect.isfunction(v)] \
+            if isinstance(obj, type) else [(name, obj)] if inspect.isfunction(obj) else []
+        for qualified, fn in members:
+            for key in re.findall(r'NotImplementedError\("(\d\d\.\d) ', inspect.getsource(fn)):
+                out.setdefault(key, set()).add(qualified)
+    return out
+
+
+def test_exercises_list_names_exactly_what_each_stub_leaves_to_write(capsys):
+    # What raises in a stub is what the student writes; `list` names that, and nothing the stub gives.
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    listed = dict(re.findall(r"^  (\d\d\.\d) .*\n +write: (.*); read: ", out, re.M))
+    assert set(listed) == set(BY_KEY)
+    for file in exercises.FILES:
+        raising = _left_to_write(exercises.stub(file))
+        assert set(raising) == {e.key for e in ALL if e.file == file}, (file, raising)
+        for key, names in raising.items():
+            named = set(re.findall(r"([\w.]+?)(?: and (\.\w+))?(?:,| \(in place of [^)]*\)|$)", listed[key]))
+            written = set()
+            for first, second in named:
+                written.add(first)
+                if second:
+                    written.add(first.rsplit(".", 1)[0] + second)
+            assert written == names, (key, listed[key], names)
+
+
+def _signature(fn):
+    """The parameters' names and kinds, and which have defaults (a default's value may be its own)."""
+    return [(p.name, p.kind, p.default is p.empty) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_every_stub_has_the_signature_of_the_numbered_files_piece_it_replaces():
+    for e in ALL:
+        module = exercises.stub(e.file)
+        for name, solution in e.reference().items():
+            if solution is None:  # 04.3's all-gather: inside 04's FlatAdamW.step, no function of its own
+                continue
+            mine = getattr(module, name)
+            if isinstance(solution, type):  # an autograd Function: forward and backward alike
+                assert isinstance(mine, type) and issubclass(mine, torch.autograd.Function), (e.key, name)
+                for method in ("forward", "backward"):
+                    assert _signature(getattr(mine, method)) == _signature(getattr(solution, method)), \
+                        (e.key, name, method)
+            else:
+                assert _signature(mine) == _signature(solution), (e.key, name)
+
+
+def test_01s_pieces_are_graded_inside_01s_model_on_its_default_path():
+    # Each planted mistake of 01 also shows in the whole GPT-2, built as 01's demo builds it: the
+    # student's pieces are what 01's own layers and loss call.
+    for name in ("g_backward_all_reduces", "f_backward_identity", "bias_before_reduce", "cross_entropy_local_sum",
+                 "gather_backward_splits"):
+        e, planted = PLANTED[name]
+        result = autograder.grade(e, {**e.reference(), **planted.impl()})
+        assert any(line.startswith("in the whole model") for line in result.lines), (name, result.lines)
 
 
 @pytest.mark.parametrize("key", list(BY_KEY))
