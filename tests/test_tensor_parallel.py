@@ -417,9 +417,9 @@ def _student_cross_entropy(env):
 
 
 def test_a_replaced_f_takes_effect_with_the_overlap_off_and_a_replaced_cross_entropy_is_called(run_ranks):
-    # exercises/ grade a student's f by replacing copy_to_tp in the module: in the paper's path (the
-    # default) every column-parallel layer (2 per block, and the output layer) calls it; with the
-    # overlap on, none does.
+    # A grader that replaces copy_to_tp in the module (exercises/ replace CopyToTP, which it calls)
+    # takes effect: in the paper's path (the default) every column-parallel layer (2 per block, and the
+    # output layer) calls it; with the overlap on, none does.
     off = run_ranks(_replaced_f, 2, False)[0]
     assert off == [(3, 16, CFG.n_embd)] * (2 * CFG.n_layer + 1)
     assert run_ranks(_replaced_f, 2, True)[0] == []
