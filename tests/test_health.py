@@ -1,0 +1,65 @@
+"""plumbing/health.py: which rank a hang waits for, and which rank is a straggler, as pure functions
+of made-up records (the records of real runs are checked in tests/test_watch.py)."""
+from plumbing.health import diagnose, heat_map, stragglers, waits_for
+
+
+def rec(step=3, phase="forward", groups=None, waiting_for=(), state="running"):
+    return dict(step=step, phase=phase, groups=groups or {}, waiting_for=list(waiting_for), state=state)
+
+
+# The default 8-rank layout, tp 2 x dp 2 x pp 2: tp groups 0,1 / 2,3 / 4,5 / 6,7; dp groups 0,2 / 1,3 /
+# 4,6 / 5,7; pp groups 0,4 / 1,5 / 2,6 / 3,7.
+
+
+def test_a_chain_of_waits_ends_at_the_rank_outside_communication():
+    # Rank 5 stopped entering collectives at step 3: rank 4 waits for it in their tp all-reduce (its
+    # 7th, rank 5 entered 6); rank 0 waits for rank 4's activation (a p2p receive); rank 1 waits in
+    # its 11th all-reduce with rank 0, which has entered 10. Ranks 2, 3, 6, 7 wait elsewhere.
+    records = {
+        0: rec(groups={"0,1": [10, 10, None]}, waiting_for=[4]),
+        1: rec(groups={"0,1": [11, 10, "all_reduce"]}),
+        2: rec(waiting_for=[6]), 3: rec(waiting_for=[7]),
+        4: rec(groups={"4,5": [7, 6, "all_reduce"]}),
+        5: rec(groups={"4,5": [6, 6, None]}, phase="backward"),
+        6: rec(groups={"6,7": [7, 6, "all_reduce"]}), 7: rec(groups={"6,7": [7, 6, "all_reduce"]}),
+    }
+    d = diagnose(records, 8)
+    assert d.culprits == [5] and d.kind == "outside communication" and d.step == 3
+    assert (d.group, d.op) == ("4,5", "all_reduce")  # what the last rank before it waits in
+    assert d.waiting == [0, 1, 4] and "rank 5 is not in any collective (at step 3, backward)" in d.why
+
+
+def test_a_dead_rank_and_a_silent_one_are_named_as_such():
+    records = {0: rec(groups={"0,1": [4, 3, "all_reduce"]}), 1: rec(state="dead: killed by SIGKILL")}
+    d = diagnose(records, 2)
+    assert d.culprits == [1] and d.kind == "dead" and "died (killed by SIGKILL)" in d.why
+    d = diagnose({0: rec(groups={"0,1": [4, 3, "all_reduce"]})}, 2)  # rank 1 wrote nothing
+    assert d.culprits == [1] and d.kind == "silent" and "stopped answering" in d.why
+
+
+def test_a_cycle_is_ranks_calling_collectives_in_different_orders():
+    # Rank 0 entered its 5th collective on group 0,1 while rank 1 is in its 3rd on group 1,2, whose
+    # rank 2 waits in group 0,2 for rank 0.
+    records = {0: rec(groups={"0,1": [5, 4, "all_reduce"], "0,2": [2, 2, None]}),
+               1: rec(groups={"0,1": [4, 4, None], "1,2": [3, 2, "all_gather"]}),
+               2: rec(groups={"1,2": [2, 2, None], "0,2": [3, 2, "broadcast"]})}
+    d = diagnose(records, 3)
+    assert d.kind == "cycle" and d.culprits == [0, 1, 2] and "different orders" in d.why
+
+
+def test_nothing_stuck_is_no_diagnosis_and_a_finished_collective_waits_for_no_one():
+    assert diagnose({0: rec(), 1: rec()}, 2).kind == "none"
+    assert waits_for({0: rec(groups={"0,1": [3, 3, None]}), 1: rec(groups={"0,1": [3, 3, None]})}) == {0: set(), 1: set()}
+
+
+def test_a_straggler_is_1_3_times_its_stages_median_and_20_ms_more():
+    stage_of = {r: r // 4 for r in range(8)}  # 2 stages of 4 ranks
+    busy = {0: 100, 1: 101, 2: 99, 3: 150, 4: 300, 5: 301, 6: 299, 7: 330}
+    assert stragglers(busy, stage_of) == [3]  # 150 >= 1.3 x 100.5; 330 < 1.3 x 300.5
+    assert stragglers({0: 10, 1: 10, 2: 25}, {0: 0, 1: 0, 2: 0}) == []  # 2.5x, but only 15 ms more
+    assert stragglers({r: 50.0 for r in range(4)}, {r: 0 for r in range(4)}) == []
+
+
+def test_the_heat_map_puts_each_rank_at_its_place_in_the_grid():
+    text = heat_map({r: float(r) for r in range(8)}, tp=2, dp=2, pp=2).splitlines()
+    assert text[1] == "  pp 0 tp 0 |    0.0     2.0" and text[4] == "  pp 1 tp 1 |    5.0     7.0"
