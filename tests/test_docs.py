@@ -1,0 +1,414 @@
+"""The docs agree with the code: every demo excerpt, count and figure that README.md, docs/GUIDE.md
+and docs/COURSE.md quote is what the code prints today, or what a test checks.
+
+- Excerpts. Each ```text block of those files follows a comment naming the command that printed
+  it, `<!-- output of: python3 02_pipeline_1f1b.py -->`. Each command runs once for this whole file
+  (a demo of a few seconds on 2 cores; `demo_output` caches it) and every line of the excerpt must
+  be a line of its output, in the same order. A line "..." skips output; a line ending in " ..."
+  is the start of an output line. What differs from run to run is masked on both sides: times,
+  bucket launch times, the measured idle time, replica checksums (weight bits, which another CPU's
+  kernels may round differently) and differences from serial below 1e-10 (float64 rounding: a
+  mistake would be O(1)). Measured timelines are never quoted.
+- The main job, `python3 05_3d_gpt.py`, trains 200 steps in about a minute: too long for a test. Its
+  start-up summary and its per-step figures (p2p bytes per message, activation bytes, the first
+  loss) are checked against a run of one step. Its final figures (the last train loss, the eval
+  loss, the sums probe) and the loss chart come from the full run: they are checked to be the ones
+  BENCHMARKS.md records for that run, and to be quoted alike in README.md and GUIDE.md.
+- Counts in the prose ("13 in all", "3/16", "9 of 9 launched", ...) are listed in CLAIMS, each with
+  the words that quote it and how the code's output gives it: a doc that says another number, or
+  stops saying it, fails.
+"""
+import difflib
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import ROOT, load, run_script
+
+DOCS = ["README.md", "docs/GUIDE.md", "docs/COURSE.md"]
+MAIN_JOB = "python3 05_3d_gpt.py"
+# What each command of an excerpt runs here: the cheap demos as they are, the main job for one step.
+RUNS = {
+    "python3 01_tensor_parallel.py": ("01_tensor_parallel.py",),
+    "python3 01_tensor_parallel.py --sequence-parallel": ("01_tensor_parallel.py", "--sequence-parallel"),
+    "python3 02_pipeline_1f1b.py": ("02_pipeline_1f1b.py",),
+    "python3 03_interleaved.py": ("03_interleaved.py",),
+    "python3 04_data_parallel.py": ("04_data_parallel.py",),
+    MAIN_JOB: ("05_3d_gpt.py", "--steps", "1"),  # its eval runs at the last step: the summary is the same
+}
+_outputs = {}
+
+
+def demo_output(command):
+    """The finished run of `command` (a key of RUNS), run once per test session: a
+    subprocess.CompletedProcess whose stdout is what a reader sees."""
+    if command not in _outputs:
+        proc = run_script(*RUNS[command], timeout=80)
+        assert proc.returncode == 0, f"{command} failed:\n{proc.stderr[-3000:]}"
+        _outputs[command] = proc
+    return _outputs[command]
+
+
+def text(doc):
+    return (ROOT / doc).read_text(encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Excerpts
+
+
+@dataclass
+class Excerpt:
+    doc: str
+    line: int  # of the fence, 1-based
+    command: str
+    lines: list  # the block's lines, the fence's indentation removed
+
+
+def excerpts(doc):
+    """Every ```text block of `doc`, with the command its comment names ("" if none)."""
+    lines, found = text(doc).splitlines(), []
+    for i, line in enumerate(lines):
+        fence = re.fullmatch(r"( *)```text", line)
+        if not fence:
+            continue
+        indent, before = len(fence[1]), [x for x in lines[:i] if x.strip()]
+        named = re.fullmatch(r"\s*<!-- output of: (.+?) -->", before[-1]) if before else None
+        body = []
+        for x in lines[i + 1:]:
+            if x.strip() == "```":
+                break
+            body.append(x[min(indent, len(x) - len(x.lstrip(" "))):])
+        found.append(Excerpt(doc, i + 1, named[1] if named else "", body))
+    return found
+
+
+EXCERPTS = [e for doc in DOCS for e in excerpts(doc)]
+
+
+def _masked_number(m):
+    return "<float64 rounding>" if float(m[0]) < 1e-10 else m[0]
+
+
+MASKS = [  # (pattern, replacement), applied to every line of the doc and of the output
+    (re.compile(r"\b\d\.\d\de[-+]\d\d\b"), _masked_number),  # differences from serial
+    (re.compile(r"\b\d+\.\d+ ms\b"), "<t> ms"),  # 01's forward+backward times
+    (re.compile(r"measured idle / busy: [\d.]+"), "measured idle / busy: <x>"),  # 02, 03
+    (re.compile(r"'[0-9a-f]{12}'"), "'<checksum>'"),  # 04's replicas: equal to each other is checked
+    (re.compile(r"^(backward|bucket \d+)( +)\|.*$"), r"\1\2|<timeline>"),  # 04's bucket chart
+    (re.compile(r"^( +)\|0\.0 .*ms after backward began$"), r"\1|<axis>"),
+    (re.compile(r"^training  \d+ steps"), "training  <steps> steps"),  # 05: a run of one step
+]
+
+
+def mask(line):
+    for pattern, replacement in MASKS:
+        line = pattern.sub(replacement, line)
+    return line.rstrip()
+
+
+def find_in_order(quoted, printed):
+    """The first quoted line (masked) that is not a line of `printed` after the previous one's
+    match, with the printed line nearest to it; None if every one is there, in order."""
+    out, at = [mask(x) for x in printed], 0
+    for line in quoted:
+        want = mask(line)
+        if not want.strip() or want.strip() == "...":
+            continue
+        prefix = want.endswith(" ...")
+        hit = next((i for i in range(at, len(out)) if (out[i].startswith(want[:-3]) if prefix else out[i] == want)),
+                   None)
+        if hit is None:
+            near = difflib.get_close_matches(want, out[at:], n=1, cutoff=0.0)
+            return want, near[0] if near else "(nothing after the previous line)"
+        at = hit + 1
+    return None
+
+
+# The main job's lines that only its full 200-step run prints: the progress bar, the final line,
+# the chart and the sums probe.
+FULL_RUN = re.compile(r"^(train:|done:|sums,|\s*[\d.]* +\||\s+\+-+$|\s+0\s+step\s+\d+$|\s+\* train loss)")
+
+
+def test_every_excerpt_names_the_command_that_prints_it():
+    unnamed = [f"{e.doc}:{e.line}" for e in EXCERPTS if not e.command]
+    assert not unnamed, f"```text blocks without a '<!-- output of: COMMAND -->' line before them: {unnamed}"
+    unknown = {f"{e.doc}:{e.line}": e.command for e in EXCERPTS if e.command not in RUNS}
+    assert not unknown, f"commands this file does not know how to run (add a cheap one to RUNS): {unknown}"
+    assert {e.command for e in EXCERPTS} == set(RUNS), "a command of RUNS that no doc quotes: drop it"
+
+
+@pytest.mark.parametrize("excerpt", EXCERPTS, ids=[f"{e.doc}:{e.line}" for e in EXCERPTS])
+def test_each_excerpt_is_what_its_command_prints_today(excerpt):
+    quoted = [x for x in excerpt.lines if not (excerpt.command == MAIN_JOB and FULL_RUN.match(x))]
+    missing = find_in_order(quoted, demo_output(excerpt.command).stdout.splitlines())
+    assert missing is None, (f"{excerpt.doc}:{excerpt.line} quotes a line that `{excerpt.command}` does not "
+                             f"print (or not in this order):\n  quoted:  {missing[0]!r}\n  nearest: {missing[1]!r}")
+
+
+def test_the_masks_keep_what_matters_and_a_changed_figure_fails():
+    printed = ["  all-reduce       g      transformer.wte forward   (4, 32, 64)   64.0 KiB",
+               "layer 0: 2 forward and 2 backward collectives; 13 in all, 643.0 KiB",
+               "PASS: worst relative difference 1.32e-15 (tolerance 1e-10)"]
+    assert find_in_order(["...", "layer 0: 2 forward and 2 backward collectives; 13 in all, ...",
+                          "PASS: worst relative difference 2.00e-16 (tolerance 1e-10)"], printed) is None
+    assert find_in_order(["layer 0: 2 forward and 2 backward collectives; 12 in all, 643.0 KiB"], printed)
+    assert find_in_order(["PASS: worst relative difference 1.32e-05 (tolerance 1e-10)"], printed)
+    assert find_in_order(["layer 0: 2 forward and 2 backward collectives; 13 in all, 643.0 KiB",
+                          "  all-reduce       g      transformer.wte forward   (4, 32, 64)   64.0 KiB"], printed)
+
+
+# ----------------------------------------------------------------------------------------------
+# The main job's figures from its full run
+
+
+def main_job_excerpts():
+    return [e for e in EXCERPTS if e.command == MAIN_JOB]
+
+
+def benchmarks_main_job():
+    """BENCHMARKS.md's row for the main job: (first loss, last loss, eval loss, sums seen, of,
+    held-out right, of)."""
+    row = next(line for line in text("BENCHMARKS.md").splitlines() if line.startswith("| `time python 05_3d_gpt.py`"))
+    losses = re.search(r"([\d.]+) → ([\d.]+), eval ([\d.]+)", row)
+    sums = re.search(r"(\d+) of (\d+) seen, (\d+) of (\d+) held out", row)
+    return (*losses.groups(), *sums.groups())
+
+
+def test_the_main_jobs_final_figures_are_those_benchmarks_records_for_its_full_run():
+    first, last, evaluated, seen, of_seen, held, of_held = benchmarks_main_job()
+    short, steps = demo_output(MAIN_JOB).stdout, load("05_3d_gpt").TrainConfig().steps
+    assert f"loss {first} -> " in short  # the first step's loss, which a run of one step prints too
+    charts = set()
+    assert main_job_excerpts(), "no doc quotes the main job any more: drop this test"
+    for e in main_job_excerpts():
+        block = "\n".join(e.lines)
+        where = f"{e.doc}:{e.line}"
+        assert f"done: {steps} steps in " in block and f"; loss {first} -> {last}; eval loss {evaluated}" in block, where
+        bar = re.search(r"\| (\d+)/(\d+) \[[^\]]*loss=([\d.]+), [^\]]*eval=([\d.]+)\]", block)
+        assert bar and bar.groups() == (str(steps), str(steps), last, evaluated), where
+        training = re.search(r"^training  (\d+) steps", block, re.M)
+        assert training is None or training[1] == str(steps), where  # masked in the comparison
+        assert f"{seen}/{of_seen} right of those in the corpus, {held}/{of_held} of the held-out" in block, where
+        chart = [x.rstrip() for x in e.lines if FULL_RUN.match(x) and "|" in x and not x.startswith("train:")]
+        assert chart[0].split("|")[0].strip() == f"{float(first):.2f}", where  # the chart's top: the first loss
+        charts.add(tuple(chart))
+    assert len(charts) == 1, "README.md and GUIDE.md quote different charts of the same run"
+
+
+# ----------------------------------------------------------------------------------------------
+# Counts and figures quoted in the prose
+
+
+def collectives(command):
+    """01's list of collectives: (op, operator, layer, direction, shape, KiB) per line."""
+    pattern = re.compile(r"^  (all-reduce \(max\)|all-reduce|all-gather|reduce-scatter) +(\S+) +(\S+) "
+                         r"(forward|backward) +(\([\d, ]*\)) +([\d.]+) KiB$")
+    return [m.groups() for m in map(pattern.match, demo_output(command).stdout.splitlines()) if m]
+
+
+def ints(command, label, index=0):
+    """The index-th list of integers printed after `label` by `command`."""
+    found = re.findall(re.escape(label) + r"\s*\[([\d, ]+)\]", demo_output(command).stdout)
+    return [int(x) for x in found[index].split(",")]
+
+
+def line_with(command, pattern, index=0):
+    """The groups of the index-th match of `pattern` in what `command` prints."""
+    return re.findall(pattern, demo_output(command).stdout)[index]
+
+
+def loss_collectives_with_the_trainers_switches():
+    """(loss all-reduces, collectives in all) of 01's demo model, forward and backward at tp = 2,
+    with the optimizations 05's trainer turns on (tensor_parallel.optimize: --overlap-input-grad,
+    --merge-loss-reductions)."""
+    if "optimized" not in _outputs:
+        from plumbing.launch import launch
+        _outputs["optimized"] = launch(_optimized_collectives, 2, timeout_s=20, deadline_s=60)[0]
+    return _outputs["optimized"]
+
+
+def _optimized_collectives(env):
+    import torch
+    from plumbing.trace import trace_comm
+    tensor_parallel = load("01_tensor_parallel")
+    flags = tensor_parallel.parser().parse_args([])  # the demo's model, as it runs with no flags
+    cfg = tensor_parallel.GPTConfig(**{k: getattr(flags, k) for k in ("vocab_size", "block_size", "n_layer",
+                                                                       "n_head", "n_embd", "dropout")})
+    model = tensor_parallel.optimize(tensor_parallel.GPT(cfg, tensor_parallel.new_tp_group(env, 2),
+                                                         dtype=torch.float64))
+    idx = torch.randint(cfg.vocab_size, (flags.batch_size, flags.seq_len), generator=torch.Generator().manual_seed(0))
+    with trace_comm(model) as log:
+        model(idx, idx)[1].backward()
+    return sum(c.operator == "_VocabParallelCrossEntropy" for c in log), len(log)
+
+
+TP, SP, PIPE, INTER, DP = (f"python3 {n}" for n in ("01_tensor_parallel.py", "01_tensor_parallel.py --sequence-parallel",
+                                                     "02_pipeline_1f1b.py", "03_interleaved.py", "04_data_parallel.py"))
+
+
+def count(rows, **where):
+    keys = ("op", "operator", "layer", "direction", "shape", "kib")
+    return str(sum(all(row[keys.index(k)] == v for k, v in where.items()) for row in rows))
+
+
+def one(values):
+    """The value every row agrees on."""
+    assert len(values) == 1, f"not one value: {values}"
+    return values.pop()
+
+
+def b_T_C_halved():
+    """(b, T, C) of the main job's pipeline message, which it prints as b*T*C elements halved by tp."""
+    out = demo_output(MAIN_JOB).stdout
+    b, T, C = (int(re.search(pattern, out)[1]) for pattern in (r"microbatches of b=(\d+)", r" x T=(\d+) ", r" C=(\d+),"))
+    whole, sent = line_with(MAIN_JOB, r"b\*T\*C = ([\d,]+) elements, /tp = ([\d,]+)")
+    assert int(whole.replace(",", "")) == b * T * C == 2 * int(sent.replace(",", ""))
+    return str(b), str(T), str(C)
+
+
+def in_all(command):
+    return line_with(command, r"; (\d+) in all, ([\d.]+) KiB")
+
+
+def benchmarks(i):
+    return benchmarks_main_job()[i]
+
+
+@dataclass
+class Claim:
+    doc: str
+    words: str  # a regular expression over the doc's text, whitespace collapsed; its groups are the figures
+    value: object  # () -> what the code says those groups must be (a string, or a tuple of them)
+
+
+CLAIMS = [
+    # README.md
+    Claim("README.md", r"this rank's shape: (\d+) g's in forward \(the embedding and each row-parallel layer\), "
+                       r"the loss's (\d+) all-reduces of B·T = (\d+) numbers, (\d+) f's in backward",
+          lambda: (count(collectives(TP), operator="g", direction="forward"), count(collectives(TP), operator="loss"),
+                   one({r[4].strip("(,)") for r in collectives(TP) if r[1] == "loss"}),
+                   count(collectives(TP), operator="f", direction="backward"))),
+    Claim("README.md", r"each f and g becomes an all-gather \(g-bar\) or a reduce-scatter of this rank's "
+                       r"\(B, T/tp, C\) = (\([\d, ]+\)): `layer 0: (\d+) forward and (\d+) backward collectives; "
+                       r"(\d+) in all`",
+          lambda: (next(r[4] for r in collectives(SP) if r[1] == "g-bar"),
+                   *line_with(SP, r"layer 0: (\d+) forward and (\d+) backward collectives"), in_all(SP)[0])),
+    Claim("README.md", r"1F1B holds (half) of GPipe's activations on the first stage \((\d+) microbatches in "
+                       r"flight, not (\d+)\)",
+          lambda: ("half" if ints(PIPE, "outputs deallocated:", 0)[0] == 2 * ints(PIPE, "outputs deallocated:", 1)[0]
+                   else "not half", str(ints(PIPE, "all chunks):", 1)[0]), str(ints(PIPE, "all chunks):", 0)[0]))),
+    Claim("README.md", r"prints the bubbles (\S+) and (\S+), the messages, \(pp v − 1\)/\(pp − 1\) = ([\d.]+) "
+                       r"times as many, and the price in memory: \(v\+1\)·pp − 1 = (\d+) chunks of half a stage in "
+                       r"flight on the first stage, against 1F1B's (\d+) whole stages",
+          lambda: (*line_with(INTER, r"bubble: 1F1B (\S+) .*, interleaved (\S+) "),
+                   line_with(INTER, r"p2p messages: .*\(([\d.]+)x, expected"),
+                   *line_with(INTER, r"(\d+) chunks of 1/2 stage in flight = \(v\+1\) pp - 1, against 1F1B's (\d+) "))),
+    Claim("README.md", r"\(`(\d+ of \d+) launched before backward finished`\)",
+          lambda: line_with(DP, r"(\d+ of \d+) launched before backward finished")),
+    Claim("README.md", r"the optimizer state per rank \(`([\d.]+), 1/dp`\)",
+          lambda: line_with(DP, r"ZeRO-1 [\d,]+ bytes \(([\d.]+), 1/dp")),
+    Claim("README.md", r"The \*\*bubble\*\* (\S+) is \(pp - 1\)/m with pp = (\d) stages and m = (\d) microbatches",
+          lambda: (line_with(MAIN_JOB, r"pipeline bubble \(pp-1\)/\(v m\) = (\S+)"),
+                   *line_with(MAIN_JOB, r"pp (\d) x dp \d; 1F1B, m=(\d)"))),
+    Claim("README.md", r"b·T·C = (\d+)·(\d+)·(\d+) elements, halved by scatter/gather",
+          lambda: b_T_C_halved()),
+    Claim("README.md", r"the loss falling from (\S+) to about (\S+)\.",
+          lambda: (f"{float(benchmarks(0)):.2f}", f"{float(benchmarks(1)):.2f}")),
+    Claim("README.md", r"a byte-level loss of ([\d.]+)\)", lambda: f"{float(benchmarks(1)):.2f}"),
+    Claim("README.md", r"(\w+) sums \(\"1 plus 8\", .* and their mirrors\) never occur in the corpus",
+          lambda: {"9": "Nine"}.get(benchmarks(6), benchmarks(6))),
+    Claim("README.md", r"the same losses \(([\d.]+) to ([\d.]+)\)", lambda: (benchmarks(0), benchmarks(1))),
+    # docs/GUIDE.md
+    Claim("docs/GUIDE.md", r"`python3 01_tensor_parallel.py` \(tp = (\d), a (\d)-layer GPT-2 with V = (\d+), "
+                           r"B = (\d+), T = (\d+)\)",
+          lambda: (line_with(TP, r"tp=(\d) "), line_with(TP, r"n_layer=(\d)"), line_with(TP, r"vocab_size=(\d+)"),
+                   *line_with(TP, r" B=(\d+) T=(\d+) "))),
+    Claim("docs/GUIDE.md", r"2 each way per layer is the paper's Figure 3; (\d+) in all\. Each full-size one moves "
+                           r"B T C float64 = ([\d.]+) KiB",
+          lambda: (in_all(TP)[0], one({f"{float(r[5]):g}" for r in collectives(TP) if r[4] == "(4, 32, 64)"}))),
+    Claim("docs/GUIDE.md", r"\(`--merge-loss-reductions`\): (\d+) loss all-reduces there, so the same model would "
+                           r"list (\d+) in all",
+          lambda: tuple(map(str, loss_collectives_with_the_trainers_switches()))),
+    Claim("docs/GUIDE.md", r"\*\*Parameters on rank 0: (\d+%)\*\*", lambda: line_with(TP, r"\((\d+%)\)")),
+    Claim("docs/GUIDE.md", r"The small backward all-reduces \(([\d.]+) KiB each\)",
+          lambda: next(r[5] for r in collectives(SP) if r[0] == "all-reduce" and r[3] == "backward")),
+    Claim("docs/GUIDE.md", r"so ([\d.]+) KiB is about twice ([\d.]+) KiB", lambda: (f"{float(in_all(SP)[1]):g}", f"{float(in_all(TP)[1]):g}")),
+    Claim("docs/GUIDE.md", r"`python3 02_pipeline_1f1b.py` \(pp = (\d), m = (\d), a (\d)-layer GPT-2\)",
+          lambda: (*line_with(PIPE, r"pp=(\d) m=(\d) "), line_with(PIPE, r"n_layer=(\d)"))),
+    Claim("docs/GUIDE.md", r"the paper's formula: (\S+) for both schedules",
+          lambda: line_with(PIPE, r"bubble: simulated (\S+) ") if len(set(re.findall(
+              r"bubble: simulated (\S+) ", demo_output(PIPE).stdout))) == 1 else "not the same for both"),
+    Claim("docs/GUIDE.md", r"GPipe holds all (\d) on every stage, 1F1B pp - stage = (\[[\d, ]+\])",
+          lambda: (str(ints(PIPE, "all chunks):", 0)[0]) if len(set(ints(PIPE, "all chunks):", 0))) == 1 else "not all",
+                   str(ints(PIPE, "all chunks):", 1)))),
+    Claim("docs/GUIDE.md", r"GPipe's stage 0 holds (twice) 1F1B's \((\d+) bytes\)",
+          lambda: ("twice" if ints(PIPE, "outputs deallocated:", 0)[0] == 2 * ints(PIPE, "outputs deallocated:", 1)[0]
+                   else "not twice", str(ints(PIPE, "outputs deallocated:", 0)[0]))),
+    Claim("docs/GUIDE.md", r"(\d+) sends from the first and last stage, (\d+) from the middle ones, b T C float64 = "
+                           r"(\d+) KiB each",
+          lambda: (str(ints(PIPE, "p2p messages sent per stage:")[0]), str(ints(PIPE, "p2p messages sent per stage:")[1]),
+                   str(ints(PIPE, "bytes:")[0] // ints(PIPE, "p2p messages sent per stage:")[0] // 1024))),
+    Claim("docs/GUIDE.md", r"`python3 03_interleaved.py` \(pp = (\d), v = (\d), m = (\d), (\d) layers\)",
+          lambda: (*line_with(INTER, r"pp=(\d) v=(\d) m=(\d) "), line_with(INTER, r"n_layer=(\d)"))),
+    Claim("docs/GUIDE.md", r"\*\*The bubbles\*\*: (\S+) against (\S+), both equal to their formulas",
+          lambda: line_with(INTER, r"bubble: 1F1B (\S+) .*, interleaved (\S+) ")),
+    Claim("docs/GUIDE.md", r"falls by less than the bubble \(([\d.]+x)\)", lambda: line_with(INTER, r"\(([\d.]+x)\)")),
+    Claim("docs/GUIDE.md", r"instead of pp - 1, ([\d.]+) times as many messages",
+          lambda: line_with(INTER, r"p2p messages: .*\(([\d.]+)x, expected")),
+    Claim("docs/GUIDE.md", r"on rank 0, (\d+) chunks of half a stage in flight against 1F1B's (\d+) whole stages, "
+                           r"([\d.]+) times the activations",
+          lambda: (*line_with(INTER, r"(\d+) chunks of 1/2 stage in flight = \(v\+1\) pp - 1, against 1F1B's (\d+) "),
+                   line_with(INTER, r"measured on rank 0: ([\d.]+)\)"))),
+    Claim("docs/GUIDE.md", r"`python3 04_data_parallel.py` \(dp = (\d), (\d) AdamW steps, (\d) microbatches per "
+                           r"replica\)",
+          lambda: line_with(DP, r"dp=(\d) steps=(\d) .*\(m=(\d) microbatches per replica\)")),
+    Claim("docs/GUIDE.md", r"all (\d+) launch before backward ends",
+          lambda: line_with(DP, r"(\d+) of \1 launched before backward finished")),
+    Claim("docs/GUIDE.md", r"ZeRO-1 keeps ([\d.]+) of plain AdamW's, 1/dp",
+          lambda: line_with(DP, r"ZeRO-1 [\d,]+ bytes \(([\d.]+), 1/dp")),
+    Claim("docs/GUIDE.md", r"the bubble \(pp - 1\)/\(v m\) = (\S+) from the simulator",
+          lambda: line_with(MAIN_JOB, r"pipeline bubble \(pp-1\)/\(v m\) = (\S+) \(simulated")),
+    Claim("docs/GUIDE.md", r"b T C elements = ([\d,]+), halved to ([\d,]+) by scatter/gather",
+          lambda: line_with(MAIN_JOB, r"b\*T\*C = ([\d,]+) elements, /tp = ([\d,]+)")),
+    Claim("docs/GUIDE.md", r"from ([\d.]+) \(about ln 256\) down to about ([\d.]+)\.",
+          lambda: (f"{float(benchmarks(0)):.2f}", f"{float(benchmarks(1)):.2f}")),
+    # docs/COURSE.md
+    Claim("docs/COURSE.md", r"# the (\d+) exercises", lambda: str(sum(len(load("exercises").exercises(f))
+                                                                      for f in load("exercises").FILES))),
+    Claim("docs/COURSE.md", r"every difference, every collective \((\d+)\)", lambda: in_all(TP)[0]),
+    Claim("docs/COURSE.md", r"and why the demo lists (\d+) in all", lambda: in_all(TP)[0]),
+    Claim("docs/COURSE.md", r"the loss's (\d+) all-reduces become (\d+) with `--merge-loss-reductions`",
+          lambda: (count(collectives(TP), operator="loss"), str(loss_collectives_with_the_trainers_switches()[0]))),
+]
+
+
+def test_the_trainers_switches_make_two_loss_all_reduces_one_collective_fewer_than_the_demo():
+    loss, total = loss_collectives_with_the_trainers_switches()
+    assert (loss, total) == (int(count(collectives(TP), operator="loss")) - 1, int(in_all(TP)[0]) - 1)
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=[f"{c.doc}: {c.words[:50]}" for c in CLAIMS])
+def test_each_figure_the_prose_quotes_is_what_the_code_prints(claim):
+    prose = " ".join(text(claim.doc).split())
+    found = re.search(claim.words, prose)
+    assert found, f"{claim.doc} no longer says this (update CLAIMS with the doc): {claim.words}"
+    want = claim.value()
+    want = want if isinstance(want, tuple) else (want,)
+    assert found.groups() == tuple(str(x) for x in want), \
+        f"{claim.doc} says {found.groups()} where the code gives {want}: {found[0]!r}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Pictures
+
+
+def test_every_picture_the_docs_embed_is_a_committed_file_at_its_relative_path():
+    for doc in DOCS:
+        pictures = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text(doc))
+        for path in pictures:
+            assert not re.match(r"[a-z]+://|/", path), f"{doc}: {path} is not a relative path"
+            assert (ROOT / doc).parent.joinpath(path).is_file(), f"{doc}: {path} does not exist"
+    readme = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text("README.md"))
+    assert {"docs/figures/f-and-g.svg", "docs/figures/schedules.svg"} <= set(readme)
