@@ -10,9 +10,10 @@ records (a side channel, a hang watchdog, per-step timers) is plumbing/watch.py.
 
 A record is one rank's view of itself, a dict (JSON-able, as the side channel carries it):
     step, phase         where its training loop is ("forward 3", "optimizer", ...)
-    groups              {group name: [entered, left, op]}: how many collectives the rank entered and
-                        left on each process group, and the one it is inside now (op, or None).
-                        A group is named by its global ranks, "0,2,4,6"
+    groups              {group name: [entered, left, op]}: how many collectives the rank entered
+                        (launched) and left (completed) on each process group, and the one it waits
+                        in now (op, or None: the group's next to complete, number left + 1). A
+                        group is named by its global ranks, "0,2,4,6"
     waiting_for         [peer, ...]: the ranks a point-to-point exchange it is inside waits on
     state               "running" (it answers), "dead: <exit code or signal>", or "silent" (it was
                         alive but wrote no record within the deadline: stopped, or stuck in C code)
@@ -37,8 +38,8 @@ def members(group):
 
 
 def waits_for(records):
-    """{rank: set of ranks it waits for}: inside a collective on group G, the members of G that have
-    not entered as many collectives on G as it has (they have not reached this one); inside a
+    """{rank: set of ranks it waits for}: waiting in a collective on group G, the members of G that
+    have not yet entered the one it waits in (they have not reached it); inside a
     point-to-point exchange, its peers. A rank in no collective waits for no one."""
     edges = {}
     for r, rec in records.items():
@@ -46,11 +47,12 @@ def waits_for(records):
             continue
         out = set(rec.get("waiting_for") or [])
         for group, (entered, left, op) in (rec.get("groups") or {}).items():
-            if op is None or entered <= left:
+            if op is None:
                 continue
+            need = left + 1  # the collective it waits in: the next of the group's to complete
             for q in members(group):
                 theirs = (records.get(q) or {}).get("groups", {}).get(group)
-                if q != r and (theirs is None or theirs[0] < entered):
+                if q != r and (theirs is None or theirs[0] < need):
                     out.add(q)
         edges[r] = out
     return edges
@@ -103,7 +105,7 @@ def _reaches(edges, start, target):
 
 def _inside(rec):
     for group, (entered, left, op) in (rec.get("groups") or {}).items():
-        if op is not None and entered > left:
+        if op is not None:
             return group, op
     return "", ""
 

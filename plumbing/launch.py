@@ -25,6 +25,7 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ class RankFailure(RuntimeError):
     """Raised in the launching process when a rank raised, died or missed the deadline."""
 
 
-def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None):
+def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None):
     """Run worker(env, *args) on every rank and return the ranks' results, in rank order.
 
     Under torchrun (RANK and WORLD_SIZE set) this process is one rank: it joins the launcher's group
@@ -56,7 +57,8 @@ def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None):
     fork-started here with gloo and one thread each. timeout_s bounds every collective; deadline_s,
     if given, bounds the whole run. If a rank raises or dies, the others are stopped and RankFailure
     carries the rank's traceback. nprocs below 1, or a malformed launcher variable, is a ValueError
-    raised before any process or group exists.
+    raised before any process or group exists. watch (local ranks): a Watch, whose watchdog here
+    reads the ranks' records from the side channel, to name a dead rank's step and diagnose a hang.
     """
     try:
         count = operator.index(nprocs)  # an int, not a float or a string that looks like one
@@ -67,7 +69,7 @@ def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None):
     ranks = launcher_ranks()
     if ranks is not None:
         return [_run_launched_rank(worker, args, *ranks, timeout_s)]
-    return _launch_local(worker, count, args, timeout_s, deadline_s)
+    return _launch_local(worker, count, args, timeout_s, deadline_s, watch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +212,29 @@ def _warm_torch():
         _warmed = True
 
 
-def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
+@dataclass
+class Watch:
+    """What the local launcher's watchdog needs: hang_s (0: no hang report) and where_is(rank), the
+    rank's coordinates in words (05: "tp 1, dp 0, pp 1")."""
+    hang_s: float
+    where_is: object
+
+
+def side_channel(timeout_s=30.0):
+    """A new client of the launcher's key-value store, which no training process group uses (the
+    watch's heartbeats go there): the local launcher's TCPStore, or under torchrun the one at
+    MASTER_ADDR:MASTER_PORT. None when neither is known."""
+    host, port = _side or (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    if not host or not port:
+        return None
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+_side = None  # (host, port) of the local launcher's store, in a local rank
+
+
+def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
     _warm_torch()
     ctx = get_context("fork")  # fork: no re-import, closures work, start-up in milliseconds
     procs, pipes = [], []
@@ -228,7 +252,10 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
                           timeout=timedelta(seconds=timeout_s))
     for pipe in pipes:
         pipe.send(store.port)
-    results, failures = {}, {}
+    from plumbing import watch as watching  # not at the top: watch imports nothing of ours but health
+    dog = watching.Watchdog(store, nprocs, watch.hang_s, os.path.join(tempfile.gettempdir(),
+                            f"hang-{os.getpid()}-{int(time.time())}")) if watch else None
+    results, failures, deaths = {}, {}, set()
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
     try:
         while len(results) + len(failures) < nprocs:
@@ -236,25 +263,35 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
                 wait_s = 1.0
             else:
                 wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if dog and watch.hang_s:  # look at the records a few times a second
+                    wait_s = 0.3 if wait_s is None else min(wait_s, 0.3)
             waiting = [pipes[r] for r in range(nprocs) if r not in results and r not in failures]
             ready = connection.wait(waiting, timeout=wait_s)
             if not ready:
-                if not failures:
-                    failures["the run"] = f"passed its deadline of {deadline_s} s\n"
-                break
+                diagnosis = dog.check() if dog and watch.hang_s and not failures else None
+                if diagnosis:
+                    failures["the run"] = watching.describe(diagnosis, watch.where_is, watch.hang_s, dog.dump_dir)
+                    break
+                if failures or (deadline is not None and time.monotonic() >= deadline):
+                    if not failures:
+                        failures["the run"] = f"passed its deadline of {deadline_s} s\n"
+                    break
+                continue
             for pipe in ready:
                 rank = pipes.index(pipe)
                 try:
                     status, payload = pickle.loads(pipe.recv_bytes())
                 except EOFError:
                     procs[rank].join(5)
-                    status, payload = "error", f"rank {rank} died with exit code {procs[rank].exitcode}\n"
+                    status, payload = "error", _death(rank, procs[rank].exitcode, dog)
+                    deaths.add(rank)
                 (results if status == "ok" else failures)[rank] = payload
     finally:
         stopped = [r for r, p in enumerate(procs) if p.is_alive() and r not in {**results, **failures}]
         for p in procs:
             if p.is_alive():
                 p.terminate()
+                os.kill(p.pid, signal.SIGCONT)  # a stopped rank cannot act on SIGTERM until it runs
         for p in procs:
             p.join(5)
             if p.is_alive():
@@ -262,15 +299,42 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s):
                 p.join()
         del store
     if failures:
-        first = next(iter(failures))  # the earliest report: the others may be its consequences
-        who = lambda r: r if isinstance(r, str) else f"rank {r}"
-        lines = [f"{who(first)} failed:\n{failures[first]}"]
-        lines += [f"{who(r)} also failed: {failures[r].strip().splitlines()[-1]}"
-                  for r in failures if r != first]
-        if stopped:
-            lines.append(f"stopped ranks {stopped} after the failure")
-        raise RankFailure("\n".join(lines))
+        raise RankFailure(_failure_report(failures, deaths, stopped))
     return [results[r] for r in range(nprocs)]
+
+
+def _death(rank, code, dog):
+    """What a rank's death looks like from here: its exit code or signal, and its last step."""
+    how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+    record = dog.last(rank) if dog else None
+    step = f" at step {record['step']}" if record and record.get("step") is not None else ""
+    return f"rank {rank} died ({how}){step}\n"
+
+
+def _failure_report(failures, deaths, stopped):
+    """The cause first, then its victims. The cause is the earliest death, else the earliest error
+    that is not a lost peer, else the earliest report; the ranks whose collective failed because a
+    peer was gone follow on one line, as its consequences."""
+    lost = {r for r, text in failures.items() if r not in deaths and _peer_lost_text(text)}
+    order = list(failures)
+    first = next((r for r in order if r in deaths), None)
+    first = first if first is not None else next((r for r in order if r not in lost), order[0])
+    who = lambda r: r if isinstance(r, str) else f"rank {r}"  # noqa: E731
+    lines = [f"{who(first)} failed:\n{failures[first]}"]
+    lines += [f"{who(r)} also failed: {failures[r].strip().splitlines()[-1]}"
+              for r in order if r != first and r not in lost]
+    victims = sorted(r for r in lost if r != first)
+    if victims:
+        lines.append(f"ranks {victims} then failed as its consequences (a collective lost its peer): "
+                     f"{failures[victims[0]].strip().splitlines()[-1]}")
+    if stopped:
+        lines.append(f"stopped ranks {stopped} after the failure")
+    return "\n".join(lines)
+
+
+def _peer_lost_text(text):
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    return any(phrase in last for phrase in PEER_LOST) or "DistError" in last or "DistNetworkError" in last
 
 
 def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
@@ -278,8 +342,9 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     code = 0
     try:
         _die_with_parent(parent)  # rather than linger until a timeout when the launching process dies
-        store = dist.TCPStore("127.0.0.1", pipe.recv(), world, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
+        global _side
+        _side = ("127.0.0.1", pipe.recv())
+        store = dist.TCPStore(*_side, world, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)

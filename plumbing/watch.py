@@ -1,0 +1,291 @@
+"""Watching a run as MegaScale does (Jiang et al. 2024, Sections 4 and 5): what each rank is doing,
+kept where a hang cannot block it, so that when a rank is slow, stuck or dead the report names it
+first. The ideas (who waits for whom; what makes a straggler) are pure functions in health.py.
+
+    Recorder      this rank's record (plumbing/health.py's format): its step and phase, per process
+                  group the collectives it entered and left and the one it is in, the peers of the
+                  point-to-point exchange it waits in, and its busy time (the step minus its waits).
+                  It wraps torch.distributed's collectives while the run lasts; nothing in the
+                  numbered files calls it.
+    Heartbeat     a thread writing the record to the side channel (a key-value store apart from
+                  every training process group: the launcher's TCPStore, its own client) every BEAT_S,
+                  and this rank's Python stacks to a file when the watchdog asks
+    Watchdog      reads every record; when no rank has made progress for hang_s while some rank
+                  waits, diagnoses the hang (health.diagnose) and has every rank dump its stacks
+    Faults        --rehearse-fault KIND:RANK:ARG, to see all this at work: slow:R:MS sleeps MS every
+                  step, hang:R:STEP stops entering collectives, kill:R:STEP and stop:R:STEP send
+                  SIGKILL and SIGSTOP to the rank itself
+"""
+import faulthandler
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+
+import torch.distributed as dist
+
+from plumbing import health
+
+BEAT_S = 0.25  # how often a rank's record reaches the side channel
+SILENT_S = 2.0  # a rank whose heartbeat has not changed for this long is silent (stopped, or stuck in C)
+KEY = "watch/rank/{}"  # the side channel's keys: each rank's record, and the watchdog's request
+DUMP_KEY = "watch/dump"
+_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+                "reduce_scatter_single", "all_gather", "broadcast", "barrier", "monitored_barrier")
+
+
+# ----------------------------------------------------------------------------------------------
+# This rank's record
+
+
+class Recorder:
+    """This rank's record, kept up to date by wrappers around torch.distributed's collectives."""
+
+    def __init__(self, rank):
+        self.rank, self.lock = rank, threading.Lock()
+        self.step, self.phase, self.groups, self.waiting_for, self.progress = None, "start", {}, [], 0
+        self.blocked_s, self.step_start, self.busy_ms = 0.0, None, []  # busy_ms: one entry per step
+        self.names, self.originals = {}, {}
+
+    def install(self):
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):
+                self.originals[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self.originals[name]))
+        self.originals["batch_isend_irecv"] = dist.batch_isend_irecv
+        dist.batch_isend_irecv = self._wrap_p2p(dist.batch_isend_irecv)
+        return self
+
+    def uninstall(self):
+        for name, fn in self.originals.items():
+            setattr(dist, name, fn)
+        self.originals = {}
+
+    def record(self):
+        with self.lock:
+            return dict(step=self.step, phase=self.phase, groups={g: list(v) for g, v in self.groups.items()},
+                        waiting_for=list(self.waiting_for), state="running", progress=self.progress)
+
+    def set_phase(self, phase, step=None):
+        with self.lock:
+            self.phase, self.progress = phase, self.progress + 1
+            if step is not None:
+                self.step = step
+
+    def begin_step(self, step):
+        self.set_phase("training", step)
+        self.step_start, self.blocked_s = time.perf_counter(), 0.0
+
+    def end_step(self):
+        if self.step_start is not None:
+            self.busy_ms.append(1e3 * (time.perf_counter() - self.step_start - self.blocked_s))
+            self.step_start = None
+
+    def _group(self, group):
+        name = self.names.get(group)
+        if name is None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+            name = self.names[group] = ",".join(map(str, ranks))
+        return name
+
+    def _enter(self, group, op):
+        with self.lock:
+            entry = self.groups.setdefault(self._group(group), [0, 0, None])
+            entry[0] += 1
+            self.progress += 1
+            return entry
+
+    def _block(self, entry, op):  # waiting in a collective: the entry's next one to complete
+        with self.lock:
+            entry[2] = op
+        return time.perf_counter()
+
+    def _leave(self, entry, started):
+        with self.lock:
+            entry[1], entry[2], self.progress = entry[1] + 1, None, self.progress + 1
+        self.blocked_s += time.perf_counter() - started
+
+    def _wrap(self, name, fn):
+        def collective(*args, **kwargs):
+            entry = self._enter(kwargs.get("group"), name)
+            if kwargs.get("async_op"):
+                return _Work(fn(*args, **kwargs), lambda: self._block(entry, name), lambda t: self._leave(entry, t))
+            started = self._block(entry, name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._leave(entry, started)
+        return collective
+
+    def _wrap_p2p(self, fn):
+        def batch(ops):
+            works, peers = fn(ops), [op.peer for op in ops]
+            return [_Work(w, lambda p=p: self._wait_on(p), self._waited) for w, p in zip(works, peers)]
+        return batch
+
+    def _wait_on(self, peer):
+        with self.lock:
+            self.waiting_for = [peer]
+        return time.perf_counter()
+
+    def _waited(self, started):
+        with self.lock:
+            self.waiting_for, self.progress = [], self.progress + 1
+        self.blocked_s += time.perf_counter() - started
+
+
+class _Work:
+    """An async collective's or a point-to-point op's work, whose wait() is recorded."""
+
+    def __init__(self, work, before, after):
+        self.work, self.before, self.after = work, before, after
+
+    def wait(self, *args):
+        started = self.before()
+        try:
+            return self.work.wait(*args)
+        finally:
+            self.after(started)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# The side channel: each rank's heartbeat, and the watchdog that reads them
+
+
+class Heartbeat(threading.Thread):
+    """Writes the recorder's record to the store every BEAT_S (with a beat count, so that a rank that
+    stops answering shows), and dumps this rank's Python stacks into the file the watchdog names."""
+
+    def __init__(self, store, recorder):
+        super().__init__(daemon=True, name="heartbeat")
+        self.store, self.recorder, self.beat, self.stopped = store, recorder, 0, threading.Event()
+
+    def run(self):
+        dumped = None
+        while not self.stopped.wait(BEAT_S):
+            self.beat += 1
+            try:
+                self.store.set(KEY.format(self.recorder.rank), json.dumps({**self.recorder.record(), "beat": self.beat}))
+                if self.store.check([DUMP_KEY]):
+                    path = self.store.get(DUMP_KEY).decode()
+                    if path != dumped:
+                        dumped = path
+                        with open(os.path.join(path, f"rank{self.recorder.rank}.txt"), "w") as f:
+                            faulthandler.dump_traceback(f, all_threads=True)
+            except Exception:  # the store went away with the job: nothing left to watch
+                return
+
+
+class Watchdog:
+    """Reads every rank's record from the store (call check() every few tenths of a second). When
+    no rank has made progress for hang_s while some rank waits in communication, it diagnoses the
+    hang (health.diagnose), asks every rank for its stacks (written under dump_dir) and returns the
+    report; else None. A rank whose heartbeat stopped for SILENT_S is silent."""
+
+    def __init__(self, store, world, hang_s, dump_dir):
+        self.store, self.world, self.hang_s, self.dump_dir = store, world, hang_s, dump_dir
+        self.seen = {}  # rank -> (beat, progress, when the beat last changed, when progress did)
+
+    def records(self):
+        now, out = time.monotonic(), {}
+        for r in range(self.world):
+            key = KEY.format(r)
+            if not self.store.check([key]):
+                continue
+            rec = json.loads(self.store.get(key))
+            beat, progress, beat_at, progress_at = self.seen.get(r, (None, None, now, now))
+            if rec["beat"] != beat:
+                beat_at = now
+            if rec["progress"] != progress:
+                progress_at = now
+            self.seen[r] = (rec["beat"], rec["progress"], beat_at, progress_at)
+            if now - beat_at > SILENT_S:
+                rec["state"] = "silent"
+            out[r] = rec
+        return out
+
+    def last(self, rank):
+        """The rank's last record, or None."""
+        key = KEY.format(rank)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def check(self):
+        records = self.records()
+        if len(self.seen) < self.world or any(rec.get("phase", "").startswith("save") for rec in records.values()):
+            return None  # some rank has not started yet, or a save is under way (it has its own timeout)
+        now = time.monotonic()
+        if min(now - progress_at for _, _, _, progress_at in self.seen.values()) < self.hang_s:
+            return None
+        diagnosis = health.diagnose(records, self.world)
+        if diagnosis.kind == "none":
+            return None  # every rank computing for long: slow, not stuck
+        os.makedirs(self.dump_dir, exist_ok=True)
+        self.store.set(DUMP_KEY, self.dump_dir)
+        deadline = time.monotonic() + 3 * BEAT_S + 1.0
+        alive = [r for r, rec in records.items() if rec.get("state") == "running"]
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(self.dump_dir, f"rank{r}.txt")) for r in alive):
+            time.sleep(0.05)
+        return diagnosis
+
+
+def describe(diagnosis, grid_of, hang_s, dump_dir):
+    """The hang report's sentence: the culprit's coordinates first, then what the others wait in."""
+    who = ", ".join(f"rank {r} ({grid_of(r)})" for r in diagnosis.culprits)
+    return (f"hang: no rank made progress for {hang_s:g} s. {who}: {diagnosis.why}"
+            + (f", at step {diagnosis.step}" if diagnosis.step is not None and diagnosis.kind != "cycle" else "")
+            + f". Every rank's Python stack: {dump_dir}/rank<N>.txt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Rehearsing faults
+
+
+FAULT_KINDS = {"slow": "MS", "hang": "STEP", "kill": "STEP", "stop": "STEP"}
+
+
+def parse_faults(specs, world=None):
+    """[(kind, rank, arg)] from --rehearse-fault values KIND:RANK:ARG; a ValueError naming the flag,
+    the value and the rule otherwise. world: ranks must be below it."""
+    out = []
+    for spec in specs or []:
+        parts = str(spec).split(":")
+        ok = len(parts) == 3 and parts[0] in FAULT_KINDS and all(p.strip().isdigit() for p in parts[1:])
+        if not ok:
+            raise ValueError(f"--rehearse-fault {spec!r} must be KIND:RANK:ARG with KIND one of "
+                             f"{', '.join(f'{k} (ARG: {a})' for k, a in FAULT_KINDS.items())}, RANK and ARG "
+                             f"whole numbers, e.g. kill:5:3")
+        kind, rank, arg = parts[0], int(parts[1]), int(parts[2])
+        if world is not None and rank >= world:
+            raise ValueError(f"--rehearse-fault {spec!r}: rank {rank} is not below the world size {world}")
+        out.append((kind, rank, arg))
+    return out
+
+
+def rehearse(faults, rank, step, recorder=None):
+    """Act out this rank's faults at the start of `step`."""
+    for kind, r, arg in faults:
+        if r != rank:
+            continue
+        if kind == "slow":
+            time.sleep(arg / 1e3)
+        elif step == arg and kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif step == arg and kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif step == arg and kind == "hang":
+            if recorder:
+                recorder.set_phase(f"rehearsed hang at step {step}")
+            while True:  # alive, answering, and entering no collective: the line its stack shows
+                time.sleep(0.1)
+
+
+def median_busy(recorder, last):
+    """This rank's median busy ms over its last `last` steps (0 with none)."""
+    window = recorder.busy_ms[-last:]
+    return statistics.median(window) if window else 0.0
