@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,12 +49,12 @@ from torch.utils.checkpoint import checkpoint
 import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
-from plumbing import cli, report, sample
+from plumbing import cli, health, report, sample, watch
 from plumbing.checkpoint import Saver, load_checkpoint
 from plumbing.checks import acceleration, check_fields, preflight
 from plumbing.data import check_tokens, replica_batch
 from plumbing.gpt2 import export_checkpoint, import_gpt2
-from plumbing.launch import launcher_ranks, printer, run_main
+from plumbing.launch import Watch, gather_numbers, launcher_ranks, printer, run_main, side_channel
 from plumbing.trace import StepTrace, trace_comm
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -427,6 +428,9 @@ class Loop:
     seed: int = 1337  # weights, data order, dropout and sampling
     timeout_s: float = 120.0  # every collective's timeout, in seconds (at most 3600)
     max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
+    hang_s: float | None = None  # no rank progressing this long while one waits: name the rank it waits for, stop (0: off; unset: half of --timeout-s)
+    straggler_every: int = 0  # compare every rank's busy time with its stage's every N steps (0: only at the end)
+    rehearse_fault: list[str] = dataclasses.field(default_factory=list)  # KIND:RANK:ARG: slow:R:MS, hang:R:STEP, kill:R:STEP, stop:R:STEP
 
 
 @dataclass
@@ -478,12 +482,17 @@ def train(env, cfg, tc, quiet=False):
         say(f"no complete checkpoint in {tc.resume}: starting from step 0")
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
     saver = Saver(tc.save, tc.keep, tc.save_timeout_s) if tc.save else None
+    recorder, faults = watch.Recorder(env.rank).install(), watch.parse_faults(tc.rehearse_fault, env.world_size)
+    beats = watch.start(env, side_channel(), recorder, hang_seconds(tc), lambda r: where_is(r, tc), launcher_ranks())
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
     losses, norms, evals, skipped, in_a_row, t_start = [], [], [], [], 0, time.perf_counter()
     for step in progress:
         trace = StepTrace(env.device).start() if tc.trace and step == traced else None
+        recorder.begin_step(step)
+        watch.rehearse(faults, env.rank, step, recorder)
         t0, lr = time.perf_counter(), lr_at(step, tc)
         loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dist.get_rank(groups.dp)), lr, trace)
+        recorder.end_step()
         record = dict(step=step, loss=loss, lr=lr, grad_norm=norm, time_s=time.perf_counter() - t0)
         in_a_row = 0 if finite_step(loss, norm) else in_a_row + 1  # the same on every rank
         if in_a_row:  # the update was skipped everywhere; so many in a row stop every rank together
@@ -502,27 +511,59 @@ def train(env, cfg, tc, quiet=False):
         losses.append(loss)
         norms.append(norm)
         if tc.eval_every and ((step + 1) % tc.eval_every == 0 or step == tc.steps - 1):
+            recorder.set_phase("eval")
             record["eval_loss"] = evaluate(run, eval_tokens)
             evals.append((step, record["eval_loss"]))
+        if tc.straggler_every and (step + 1 - start) % tc.straggler_every == 0:
+            record["busy_ms"] = report_stragglers(env, tc, recorder, tc.straggler_every, progress.note)
         if step == start and run.ops:  # what the dispatcher chose
             progress.note(f"kernel paths: {kernels.build.report()}")
         saving = saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps)
         progress.log(record, durable=saving)  # on disk before the checkpoint: a crash between loses no line
         if saving:
             run.opt.wait_gather()  # ZeRO-1's gathers may still be in flight; the checkpoint reads every weight
+            recorder.set_phase("save")  # it waits under its own timeout, not the watchdog's
             saver.save(run, step + 1, progress.note)
     progress.close()
+    busy = report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True) if recorder.busy_ms else None
+    watch.stop(beats, recorder)
     run.opt.wait_gather()  # the last step's: the report and the caller read the weights
     if not losses:
         say(f"nothing to do: {start} of {tc.steps} steps were already done")
         return dict(losses=[], norms=[], evals=[], start=start)
-    out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=skipped,
+    out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=skipped, busy_ms=busy,
                bytes_per_message=res.bytes_sent / max(res.messages, 1),
                peak_activation_bytes=res.peak_activation_bytes)
     if not tc.data and cfg.vocab_size >= 128:  # the built-in corpus: what did the model learn?
         out["sums"] = report.sum_probe(run, forward_only)
     report.report(run, out, time.perf_counter() - t_start, say)
     return out
+
+
+def hang_seconds(tc):
+    """--hang-s, or when unset half of --timeout-s: the report comes well before the timeout."""
+    return tc.timeout_s / 2 if tc.hang_s is None else tc.hang_s
+
+
+def where_is(rank, tc):
+    """A rank's coordinates in words, from its place in the rank grid (tp fastest, then dp, pp)."""
+    return f"tp {rank % tc.tp}, dp {rank // tc.tp % tc.dp}, pp {rank // (tc.tp * tc.dp)}"
+
+
+def report_stragglers(env, tc, recorder, last, say, final=False):
+    """Every rank's median busy ms over its last `last` steps, gathered (a collective: every rank),
+    and on rank 0 the stragglers among them named (plumbing/health.py's rule); final: and the heat
+    map of the whole run. Returns the list."""
+    busy = [row[0] for row in gather_numbers([watch.median_busy(recorder, last)], device=env.device)]
+    if env.rank == 0:
+        stage_of = {r: r // (tc.tp * tc.dp) for r in range(env.world_size)}
+        for r in health.stragglers(dict(enumerate(busy)), stage_of):
+            others = [b for q, b in enumerate(busy) if stage_of[q] == stage_of[r] and q != r]
+            say(f"straggler: rank {r} ({where_is(r, tc)}) is busy {busy[r]:.1f} ms a step, against "
+                f"{statistics.median(others):.1f} ms for the other ranks of its stage (median of the last {last} steps)")
+        if final:
+            say(health.heat_map(dict(enumerate(busy)), tc.tp, tc.dp, tc.pp))
+    return busy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,7 +611,8 @@ def main():
         device = torch.device("cuda" if ranks and torch.cuda.is_available() else "cpu")  # as launch decides
         preflight(cfg, tc, world, device, ranks_here=1 if ranks else world,  # again on every rank
                   writer=not ranks or ranks[0] == 0)
-        return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s))
+        return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s,
+                                           watch=Watch(hang_seconds(tc), lambda r: where_is(r, tc))))
     return True
 
 

@@ -54,6 +54,8 @@ FIELDS = {
     "eval_every": _at_least(0), "eval_batches": _at_least(1), "data": _ANY, "metrics": _ANY,
     "timeout_s": (lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"),
     "max_skipped_steps": _at_least(1),
+    "hang_s": (lambda v: 0 <= v <= MAX_TIMEOUT_S, f"0 (off) or positive, at most {MAX_TIMEOUT_S} (seconds)"),
+    "straggler_every": _at_least(0), "rehearse_fault": _ANY,
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
     "save_timeout_s": (lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), "resume": _ANY, "init_from": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
@@ -70,6 +72,11 @@ def flag(name):
 
 def _type_problem(value, kind):
     """Why value is not of the annotated kind, or None."""
+    if typing.get_origin(kind) is list:
+        item = typing.get_args(kind)[0]
+        if not isinstance(value, list):
+            return "a list"
+        return next((f"a list of {_type_problem(v, item)}" for v in value if _type_problem(v, item)), None)
     options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, type(int | None)) else (kind,)
     if typing.get_origin(kind) is typing.Literal:
         return None if value in typing.get_args(kind) else f"one of {', '.join(map(repr, typing.get_args(kind)))}"
@@ -95,7 +102,7 @@ def check_fields(*configs):
             if wrong:
                 raise ValueError(f"{flag(f.name)} must be {wrong}, got {value!r}")
             ok, constraint = FIELDS[f.name]
-            if value is not None and not isinstance(value, (str, bool)) and not ok(value):
+            if value is not None and not isinstance(value, (str, bool, list)) and not ok(value):
                 raise ValueError(f"{flag(f.name)} must be {constraint}, got {value!r}")
 
 
@@ -125,6 +132,12 @@ def check_config(cfg, tc, world=None):
         raise ValueError(f"--sequence-parallel needs --seq-len {tc.seq_len} divisible by tp={tp}")
     if hasattr(tc, "min_lr") and tc.min_lr > tc.lr:
         raise ValueError(f"--min-lr {tc.min_lr:g} is above --lr {tc.lr:g}: the schedule decays from lr to min_lr")
+    if getattr(tc, "hang_s", None) and tc.hang_s >= tc.timeout_s:
+        raise ValueError(f"--hang-s {tc.hang_s:g} must be below --timeout-s {tc.timeout_s:g}: the hang report "
+                         f"comes before the collective timeout ends the run (or --hang-s 0 turns it off)")
+    if getattr(tc, "rehearse_fault", None):
+        from plumbing.watch import parse_faults
+        parse_faults(tc.rehearse_fault, tp * dp * pp)
     if getattr(tc, "save_every", 0) and not tc.save:
         raise ValueError(f"--save-every {tc.save_every} needs --save DIR")
     if getattr(tc, "graph_scope", "auto") == "step" and tp * pp * dp > 1:

@@ -87,7 +87,10 @@ def add_dataclass_args(parser, cls, title=None, **defaults):
             raise TypeError(f"{cls.__name__}.{f.name} has no comment: the comment is its --help text")
         default = defaults.get(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, bool | None):  # None: decided at run time (say, by the device)
+        if typing.get_origin(f.type) is list:  # repeatable: each use adds one value
+            target.add_argument(flag, action="append", default=[], metavar=f.name.upper(),
+                                help=comments[f.name] + " (repeatable)")
+        elif f.type in (bool, bool | None):  # None: decided at run time (say, by the device)
             target.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
                                 help=comments[f.name])
         else:

@@ -4,8 +4,8 @@ records (a side channel, a hang watchdog, per-step timers) is plumbing/watch.py.
 
     diagnose(records, world)     a hang: follow who waits for whom to the rank outside
                                  communication, dead or silent; or a cycle of waits (Section 5.2)
-    stragglers(busy, stage_of)   the ranks at least 1.3x their stage's median busy time and at least
-                                 20 ms more (Section 5.1)
+    stragglers(busy, stage_of)   the ranks at least 1.3x the median busy time of the other ranks of
+                                 their stage, and at least 20 ms more (Section 5.1)
     heat_map(busy, grid)         busy ms per rank, drawn on the pp x dp (x tp) grid
 
 A record is one rank's view of itself, a dict (JSON-able, as the side channel carries it):
@@ -124,18 +124,16 @@ def _blame(records, culprits, waiting, group, op):
 
 def stragglers(busy, stage_of, ratio=1.3, margin_ms=20.0):
     """The ranks whose busy time (ms: the step minus its waits in p2p and collectives) is at least
-    `ratio` times the median of their pipeline stage's ranks and at least `margin_ms` more.
-    MegaScale, Section 5.1: a few slow machines set the pace of the whole job (about 0.5% of them in
-    its runs), and a rank's busy time, compared with the ranks that do the same work (the same
-    stage), shows it where the step time cannot: the others' waits absorb the slowness.
+    `ratio` times the median of the other ranks of their pipeline stage, and at least `margin_ms`
+    more. MegaScale, Section 5.1: a few slow machines set the pace of the whole job (about 0.5% of
+    them in its runs), and a rank's busy time, compared with ranks that do the same work (the same
+    stage), shows it where the step time cannot: the others' waits absorb the slowness. (The others'
+    median, not the stage's: with two ranks a stage, the slow one would move its own yardstick.)
     busy: {rank: ms}; stage_of: {rank: stage}."""
-    by_stage = {}
-    for r, ms in busy.items():
-        by_stage.setdefault(stage_of[r], []).append(ms)
     out = []
     for r, ms in sorted(busy.items()):
-        median = statistics.median(by_stage[stage_of[r]])
-        if ms >= ratio * median and ms >= median + margin_ms:
+        others = [b for q, b in busy.items() if q != r and stage_of[q] == stage_of[r]]
+        if others and ms >= ratio * statistics.median(others) and ms >= statistics.median(others) + margin_ms:
             out.append(r)
     return out
 

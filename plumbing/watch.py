@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import statistics
+import sys
 import threading
 import time
 
@@ -77,6 +78,10 @@ class Recorder:
     def begin_step(self, step):
         self.set_phase("training", step)
         self.step_start, self.blocked_s = time.perf_counter(), 0.0
+        self.on_step()  # the heartbeat writes the record now: a rank dying in this step is seen in it
+
+    def on_step(self):
+        pass
 
     def end_step(self):
         if self.step_start is not None:
@@ -164,19 +169,28 @@ class Heartbeat(threading.Thread):
     def __init__(self, store, recorder):
         super().__init__(daemon=True, name="heartbeat")
         self.store, self.recorder, self.beat, self.stopped = store, recorder, 0, threading.Event()
+        self.lock = threading.Lock()  # one store client, two callers: this thread and the step's start
+        recorder.on_step = self.write
+
+    def write(self):
+        with self.lock:
+            self.beat += 1
+            try:
+                self.store.set(KEY.format(self.recorder.rank), json.dumps({**self.recorder.record(), "beat": self.beat}))
+            except Exception:  # the store went away with the job; training is not the watch's to stop
+                self.stopped.set()
 
     def run(self):
         dumped = None
         while not self.stopped.wait(BEAT_S):
-            self.beat += 1
+            self.write()
             try:
-                self.store.set(KEY.format(self.recorder.rank), json.dumps({**self.recorder.record(), "beat": self.beat}))
-                if self.store.check([DUMP_KEY]):
-                    path = self.store.get(DUMP_KEY).decode()
-                    if path != dumped:
-                        dumped = path
-                        with open(os.path.join(path, f"rank{self.recorder.rank}.txt"), "w") as f:
-                            faulthandler.dump_traceback(f, all_threads=True)
+                with self.lock:
+                    path = self.store.get(DUMP_KEY).decode() if self.store.check([DUMP_KEY]) else dumped
+                if path != dumped:
+                    dumped = path
+                    with open(os.path.join(path, f"rank{self.recorder.rank}.txt"), "w") as f:
+                        faulthandler.dump_traceback(f, all_threads=True)
             except Exception:  # the store went away with the job: nothing left to watch
                 return
 
@@ -240,6 +254,47 @@ def describe(diagnosis, grid_of, hang_s, dump_dir):
     return (f"hang: no rank made progress for {hang_s:g} s. {who}: {diagnosis.why}"
             + (f", at step {diagnosis.step}" if diagnosis.step is not None and diagnosis.kind != "cycle" else "")
             + f". Every rank's Python stack: {dump_dir}/rank<N>.txt")
+
+
+def start(env, store, recorder, hang_s, where_is, launched):
+    """This rank's heartbeat, when there is a side channel (store), and under torchrun (launched)
+    rank 0's watchdog thread, which reports a hang and ends the job itself (the local launcher runs
+    its own). Returns what stop() needs."""
+    if store is None:
+        return None
+    threads = [Heartbeat(store, recorder)]
+    if launched and env.rank == 0 and hang_s:
+        threads.append(_WatchdogThread(env.world_size, hang_s, where_is))
+    for t in threads:
+        t.start()
+    return threads
+
+
+def stop(threads, recorder):
+    recorder.uninstall()
+    for t in threads or []:
+        t.stopped.set()
+    for t in threads or []:
+        t.join(2 * BEAT_S)
+
+
+class _WatchdogThread(threading.Thread):
+    def __init__(self, world, hang_s, where_is):
+        from plumbing.launch import side_channel  # its own client: one per thread
+        super().__init__(daemon=True, name="watchdog")
+        self.dog = Watchdog(side_channel(), world, hang_s, os.path.join(os.getcwd(), f"hang-{os.getpid()}"))
+        self.where_is, self.stopped = where_is, threading.Event()
+
+    def run(self):
+        while not self.stopped.wait(0.5):
+            try:
+                diagnosis = self.dog.check()
+            except Exception:
+                return
+            if diagnosis:
+                print(f"error: {describe(diagnosis, self.where_is, self.dog.hang_s, self.dog.dump_dir)}",
+                      file=sys.stderr, flush=True)
+                os._exit(1)  # torchrun's agent then stops every other rank
 
 
 # ----------------------------------------------------------------------------------------------

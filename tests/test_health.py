@@ -52,12 +52,14 @@ def test_nothing_stuck_is_no_diagnosis_and_a_finished_collective_waits_for_no_on
     assert waits_for({0: rec(groups={"0,1": [3, 3, None]}), 1: rec(groups={"0,1": [3, 3, None]})}) == {0: set(), 1: set()}
 
 
-def test_a_straggler_is_1_3_times_its_stages_median_and_20_ms_more():
+def test_a_straggler_is_1_3_times_the_other_ranks_of_its_stage_and_20_ms_more():
     stage_of = {r: r // 4 for r in range(8)}  # 2 stages of 4 ranks
     busy = {0: 100, 1: 101, 2: 99, 3: 150, 4: 300, 5: 301, 6: 299, 7: 330}
-    assert stragglers(busy, stage_of) == [3]  # 150 >= 1.3 x 100.5; 330 < 1.3 x 300.5
+    assert stragglers(busy, stage_of) == [3]  # 150 >= 1.3 x 100; 330 < 1.3 x 300
     assert stragglers({0: 10, 1: 10, 2: 25}, {0: 0, 1: 0, 2: 0}) == []  # 2.5x, but only 15 ms more
     assert stragglers({r: 50.0 for r in range(4)}, {r: 0 for r in range(4)}) == []
+    assert stragglers({2: 30.0, 3: 80.0}, {2: 1, 3: 1}) == [3]  # two a stage: the other one is the yardstick
+    assert stragglers({0: 500.0}, {0: 0}) == []  # alone in its stage: nothing to compare with
 
 
 def test_the_heat_map_puts_each_rank_at_its_place_in_the_grid():

@@ -1,0 +1,55 @@
+"""When a rank is slow, stuck or dead, the run names it first (plumbing/watch.py, health.py, the
+launcher's report), rehearsed with --rehearse-fault on the default 8 CPU ranks as a user would."""
+import os
+import re
+import time
+
+import pytest
+
+from conftest import run_script
+
+SMALL = ["--n-layer", "2", "--batch-size", "8", "--microbatches", "2", "--seq-len", "16", "--block-size", "16",
+         "--eval-every", "0"]
+
+
+def train(*args, timeout=60):
+    t0 = time.monotonic()
+    proc = run_script("05_3d_gpt.py", *SMALL, *args, timeout=timeout)
+    assert not proc.leftover, f"processes left behind: {proc.leftover}"
+    return proc, time.monotonic() - t0
+
+
+def test_a_killed_rank_is_the_first_line_with_its_signal_and_step():
+    proc, _ = train("--steps", "6", "--rehearse-fault", "kill:5:3")
+    assert proc.returncode == 1
+    assert "error: rank 5 failed:\nrank 5 died (killed by SIGKILL) at step 3" in proc.stderr, proc.stderr[-2000:]
+    assert "as its consequences" in proc.stderr  # its peers' lost connections follow, on one line
+
+
+def test_a_hung_rank_is_named_with_its_group_collective_and_stack_long_before_the_timeout(tmp_path):
+    proc, seconds = train("--steps", "6", "--rehearse-fault", "hang:5:3", "--hang-s", "2", "--timeout-s", "100")
+    assert proc.returncode == 1 and seconds < 15, (seconds, proc.stderr[-2000:])
+    text = proc.stderr
+    assert re.search(r"rank 5 \(tp 1, dp 0, pp 1\): rank 5 is not in any collective \(at step 3", text), text[-2000:]
+    assert re.search(r"wait for it in \w+ on group \[4,5\]", text)  # its tp group, and the collective
+    stacks = re.search(r"Python stack: (\S+)/rank<N>\.txt", text)[1]
+    assert "in rehearse" in open(os.path.join(stacks, "rank5.txt")).read()  # the line it stopped at
+
+
+def test_a_stopped_rank_is_said_to_have_stopped_answering():
+    proc, seconds = train("--steps", "6", "--rehearse-fault", "stop:5:3", "--hang-s", "2", "--timeout-s", "100")
+    assert proc.returncode == 1 and seconds < 15
+    assert "rank 5 (tp 1, dp 0, pp 1): rank 5 stopped answering" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("layout,fault,named", [
+    (["--tp", "1", "--pp", "2", "--dp", "2"], ["--rehearse-fault", "slow:3:50"], [3]),
+    (["--tp", "1", "--pp", "2", "--dp", "2"], [], []),
+    (["--tp", "2", "--pp", "1", "--dp", "2"], ["--rehearse-fault", "slow:1:100"], [1]),
+], ids=["slow rank 3", "no fault", "slow rank 1, tp 2"])
+def test_a_slow_rank_and_only_it_is_named_a_straggler(layout, fault, named):
+    proc, _ = train("--steps", "16", *layout, *fault)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = sorted({int(r) for r in re.findall(r"straggler: rank (\d+)", proc.stdout + proc.stderr)})
+    assert said == named, proc.stdout[-2000:]
+    assert "busy ms per step (median)" in proc.stdout  # the heat map at the end
