@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
-from plumbing import cli, health, report, sample, watch
+from plumbing import cli, health, report, sample, selfcheck, watch
 from plumbing.checkpoint import Saver, load_checkpoint
 from plumbing.checks import acceleration, check_fields, preflight
 from plumbing.data import check_tokens, replica_batch
@@ -540,6 +540,12 @@ def train(env, cfg, tc, quiet=False):
     return out
 
 
+def check_layout(env, tc):
+    """--self-check on this rank (plumbing/selfcheck.py) over this layout's groups: its problems."""
+    return selfcheck.self_check(env, rank_grid(env.world_size, tc.tp, tc.dp, tc.pp), min(5.0, tc.timeout_s),
+                                watch.parse_faults(tc.rehearse_fault, env.world_size), lambda r: where_is(r, tc))
+
+
 def hang_seconds(tc):
     """--hang-s, or when unset half of --timeout-s: the report comes well before the timeout."""
     return tc.timeout_s / 2 if tc.hang_s is None else tc.hang_s
@@ -575,6 +581,9 @@ def parser():
     p = cli.make_parser(__doc__)
     actions = p.add_argument_group("actions instead of training (each prints and exits)")
     actions.add_argument("--print-layout", action="store_true", help="print the rank grid and exit")
+    actions.add_argument("--self-check", action="store_true", help="try every rank (a timed matmul), every tp "
+                         "and dp group (an all-reduce) and every pair of neighbouring stages (a ping-pong), "
+                         "each under a short timeout; print a table, name what is out of line, and exit")
     actions.add_argument("--export-hf", metavar="DIR", help="write --resume's newest checkpoint as a "
                          "Hugging Face GPT-2 directory and exit")
     actions.add_argument("--export-state-dict", metavar="FILE", help="write --resume's newest checkpoint "
@@ -596,6 +605,12 @@ def main():
     check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
     if args.print_layout:
         report.print_layout(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
+    elif args.self_check:
+        problems = sorted({p for rank in tensor_parallel.launch(check_layout, tc.tp * tc.pp * tc.dp, tc,
+                                                                timeout_s=tc.timeout_s) for p in rank})
+        if problems:
+            raise ValueError(f"the self-check found {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+        print("self-check: every rank, group and link answered in line")
     elif args.sample is not None:
         sample.from_weights(cfg, tc, sc)
     elif args.export_hf or args.export_state_dict:

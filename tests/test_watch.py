@@ -53,3 +53,15 @@ def test_a_slow_rank_and_only_it_is_named_a_straggler(layout, fault, named):
     said = sorted({int(r) for r in re.findall(r"straggler: rank (\d+)", proc.stdout + proc.stderr)})
     assert said == named, proc.stdout[-2000:]
     assert "busy ms per step (median)" in proc.stdout  # the heat map at the end
+
+
+def test_the_self_check_passes_a_healthy_layout_and_names_a_slowed_rank_and_one_skipping_its_all_reduce():
+    proc, _ = train("--self-check")
+    assert proc.returncode == 0 and "every rank, group and link answered in line" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stdout.count(": ok") == 4 + 4 + 4  # 4 tp groups, 4 dp groups, 4 pairs of stages
+    proc, seconds = train("--self-check", "--timeout-s", "3", "--rehearse-fault", "slow:3:200",
+                          "--rehearse-fault", "hang:6:0")
+    assert proc.returncode == 1 and seconds < 20
+    assert re.search(r"rank 3 \(tp 1, dp 1, pp 0\) is slow: its matmul took", proc.stderr), proc.stderr[-2000:]
+    assert "dp group [4,6] all-reduce: did not complete: rank(s) [6] never entered it" in proc.stderr
+    assert "tp group [6,7] all-reduce: did not complete: rank(s) [6] never entered it" in proc.stderr
