@@ -440,6 +440,7 @@ class Files:
     save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
     keep: int = 2  # checkpoints kept, the newest
     save_timeout_s: float = 1800.0  # a save's own timeout: every rank's shard written and fsynced, and the rotation
+    async_save: bool = False  # save in two stages: a snapshot in host memory (the only pause), then written in the background
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
@@ -481,7 +482,7 @@ def train(env, cfg, tc, quiet=False):
     elif tc.resume:
         say(f"no complete checkpoint in {tc.resume}: starting from step 0")
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
-    saver = Saver(tc.save, tc.keep, tc.save_timeout_s) if tc.save else None
+    saver = Saver(tc.save, tc.keep, tc.save_timeout_s, tc.async_save) if tc.save else None
     recorder, faults = watch.Recorder(env.rank).install(), watch.parse_faults(tc.rehearse_fault, env.world_size)
     beats = watch.start(env, side_channel(), recorder, hang_seconds(tc), lambda r: where_is(r, tc), launcher_ranks())
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
@@ -524,6 +525,9 @@ def train(env, cfg, tc, quiet=False):
             run.opt.wait_gather()  # ZeRO-1's gathers may still be in flight; the checkpoint reads every weight
             recorder.set_phase("save")  # it waits under its own timeout, not the watchdog's
             saver.save(run, step + 1, progress.note)
+    if saver:
+        recorder.set_phase("save")
+        saver.wait()  # the run's end waits for a save still being written
     progress.close()
     busy = report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True) if recorder.busy_ms else None
     watch.stop(beats, recorder)

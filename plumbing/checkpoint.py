@@ -1,9 +1,12 @@
 """Checkpoints: sharded, atomic, durable, bit-identical on resume, and loadable in any other layout.
 
-    Saver(root, keep, timeout_s)            save(run, step): every rank writes and fsyncs its own
+    Saver(root, keep, timeout_s, asynchronous)
+                                            save(run, step): every rank writes and fsyncs its own
                                             shard, then rank 0 the manifest, and one rename makes
                                             step_N visible; keeps the newest `keep` of its own saves.
-                                            Its own group and timeout (a collective to construct)
+                                            Its own group and timeout (a collective to construct).
+                                            asynchronous: a snapshot in host memory, then the same
+                                            protocol in a background writer; wait() for it
     latest_checkpoint(root)                 the newest complete step under root (or root itself)
     read_manifest(path, cfg, tc)            the manifest, checked field by field, and refused if it
                                             is of another model or batch
@@ -25,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import zipfile
 from datetime import timedelta
@@ -32,6 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from plumbing.launch import side_channel
 from plumbing.tokenizer import tokenizer_of
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -96,12 +101,16 @@ class Saver:
     barrier, whose rank 0 names the ranks that had not arrived. Constructing a Saver is a
     collective: every rank makes one, at the same point."""
 
-    def __init__(self, root, keep, timeout_s=SAVE_TIMEOUT_S):
+    def __init__(self, root, keep, timeout_s=SAVE_TIMEOUT_S, asynchronous=False):
         self.root, self.keep, self.written, self.timeout_s = root, keep, [], timeout_s
         # Its own timeout bounds what ranks other than 0 wait for rank 0 (the barrier's own bounds
         # rank 0's wait for them): a little longer, so that rank 0, which knows who is missing,
         # reports first.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + 30))
+        # asynchronous (--async-save): stage 2 in a background writer, its completion counted on the
+        # side channel (no training group: the training goes on meanwhile).
+        self.store = side_channel() if asynchronous else None
+        self.writer, self.in_flight, self.failed = None, None, None
 
     def _barrier(self, step, after):
         """Return once every rank has done `after`; raise, naming who had not, after timeout_s."""
@@ -124,7 +133,9 @@ class Saver:
 
     def save(self, run, step, say=print):
         """Write step `step` (the number of steps done) under root/step_<step>. Rank 0 says where,
-        how many bytes and how long it took. Every rank agrees first that every value is finite."""
+        how many bytes and how long it took. Every rank agrees first that every value is finite.
+        Asynchronous: returns after stage 1 (the snapshot); stage 2 writes in the background."""
+        self.wait()  # at most one save in flight
         t0 = time.perf_counter()
         final = os.path.join(self.root, f"step_{step:08d}")
         tmp = final + ".tmp"
@@ -138,7 +149,17 @@ class Saver:
             where = f"this rank holds non-finite values in {', '.join(bad[:3])}" if bad else "another rank does"
             raise FloatingPointError(f"not saving step {step}: {where}; the last checkpoint is left as it was")
         os.makedirs(tmp, exist_ok=True)
-        shard = _shard(run)
+        shard = _shard(run, snapshot=self.store is not None)
+        if self.store is not None:
+            manifest = _manifest(run, step) if run.env.rank == 0 else None
+            self.in_flight = step
+            self.writer = threading.Thread(target=self._stage_2, daemon=True, name="checkpoint writer",
+                                           args=(run.env.rank, run.env.world_size, step, tmp, final, shard, manifest, say, t0))
+            self.writer.start()
+            if run.env.rank == 0:
+                say(f"saving step {step} to {final} in the background; training paused "
+                    f"{time.perf_counter() - t0:.3f} s for the snapshot")
+            return
         _write(os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"), lambda f: torch.save(shard, f))
         self._barrier(step, f"writing its shard to {tmp}")  # every shard is on disk before the step becomes visible
         if run.env.rank == 0:
@@ -155,9 +176,67 @@ class Saver:
             self.written = self.written[-self.keep:]
         self._barrier(step, f"the save (rank 0 last: the manifest, the rename to {final}, the rotation)")
 
+    # The asynchronous save, two stages as MegaScale's (Jiang et al. 2024, Section 4.4). Stage 1, in
+    # save(): the finiteness agreement, then a snapshot of this rank's part in host memory (a copy
+    # of every tensor), the only pause of training. Stage 2, here, in a thread per rank while
+    # training goes on: the shard written and fsynced into step_N.tmp, then "done" on the side
+    # channel; rank 0 waits until every rank said so, then writes the manifest and renames.
+    # Why a crash cannot leave a partial or a wrong checkpoint: the rename is the only act that
+    # makes a step visible, and rank 0 does it only after every shard is on disk (fsynced) and the
+    # manifest too; a step_N.tmp is never resumed from, and is cleared by the next save of that
+    # step. The snapshot was taken after the step's optimizer update and copies every tensor, so
+    # the training that goes on cannot change what is written. Rotation removes only this run's
+    # own committed saves, after the new one is visible, as the blocking save does.
 
-def _shard(run):
-    """This rank's part: its weights (one replica's), its optimizer pieces, its random streams."""
+    def _stage_2(self, rank, world, step, tmp, final, shard, manifest, say, t0):
+        key = f"save/{self.root}/{step}/{{}}"
+        try:
+            _write(os.path.join(tmp, f"rank_{rank:05d}.pt"), lambda f: torch.save(shard, f))
+            self.store.set(key.format(rank), "done")
+            if rank != 0:
+                return
+            deadline, missing = time.monotonic() + self.timeout_s, list(range(world))
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not self.store.check([key.format(r)])]
+                time.sleep(0.02 if missing else 0)
+            if missing:
+                newest = self.written[-1] if self.written else "none"
+                say(f"abandoned step {step}: rank(s) {missing} had not written their shards to {tmp} within "
+                    f"{self.timeout_s:g} s (--save-timeout-s); the newest checkpoint stays {newest}")
+                return
+            _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+            _fsync_dir(tmp)
+            os.replace(tmp, final)  # atomic: the step is visible from here, complete
+            _fsync_dir(self.root)
+            size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
+            say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB, durable {time.perf_counter() - t0:.2f} s "
+                f"after the snapshot began")
+            self.written.append(final)
+            for old in self.written[:-self.keep]:
+                shutil.rmtree(old)
+            self.written = self.written[-self.keep:]
+        except Exception as e:  # said when the next save or the run's end waits for it
+            self.failed = e
+
+    def wait(self):
+        """The save in flight, finished: the next save and the run's end wait here (for its timeout
+        at most; a writer that never finishes then ends the run, naming this rank and the step)."""
+        if self.writer is not None:
+            self.writer.join(self.timeout_s)
+            if self.writer.is_alive():
+                raise RuntimeError(f"rank {dist.get_rank()}: the background write of step {self.in_flight} under "
+                                   f"{self.root} did not finish within {self.timeout_s:g} s (--save-timeout-s); "
+                                   f"the previous checkpoint stays the newest")
+            self.writer = None
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            raise failed
+
+
+def _shard(run, snapshot=False):
+    """This rank's part: its weights (one replica's), its optimizer pieces, its random streams.
+    snapshot: every tensor a copy in host memory, so that training may go on changing the live ones."""
+    cpu = (lambda t: t.detach().to("cpu", copy=True)) if snapshot else (lambda t: t.detach().cpu())
     owner = {id(p): (c, n) for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
     # Replicas hold the same weights and, without ZeRO-1, the same optimizer state: one copy does.
     first_replica = dist.get_rank(run.groups.dp) == 0
@@ -165,16 +244,16 @@ def _shard(run):
     for piece in run.opt.pieces if run.tc.zero1 or first_replica else []:
         c, name = owner[id(piece.param)]
         start = piece.weights.storage_offset() - run.ddp.offsets[piece.param]
-        state = {k: v.cpu() for k, v in run.opt.optimizer.state.get(piece.master, {}).items()}
+        state = {k: cpu(v) for k, v in run.opt.optimizer.state.get(piece.master, {}).items()}
         if piece.master is not piece.weights:
-            state["master"] = piece.master.detach().cpu()
+            state["master"] = cpu(piece.master)
         pieces.append((c, name, start, start + piece.weights.numel(), state))
     device = run.env.device
     return dict(
         coords={k: dist.get_rank(getattr(run.groups, k)) for k in ("tp", "dp", "pp")},
-        chunks=[{n: p.detach().cpu() for n, p in c.named_parameters()} for c in run.chunks] if first_replica else [],
+        chunks=[{n: cpu(p) for n, p in c.named_parameters()} for c in run.chunks] if first_replica else [],
         pieces=pieces,
-        rng=dict(device=device.type, cpu=torch.get_rng_state(), tracked=run.chunks[0].rng.state.cpu(),
+        rng=dict(device=device.type, cpu=torch.get_rng_state(), tracked=cpu(run.chunks[0].rng.state),
                  cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None))
 
 
@@ -332,7 +411,72 @@ def read_checkpoint(path, cfg=None, tc=None):
 
 
 def load_checkpoint(run, path, say=print):
-    """Load path into this run, whatever layout wrote it; returns the number of steps done."""
+    """Load path into this run, whatever layout wrote it; returns the number of steps done. In the
+    layout that wrote it, each rank reads only its own shard (and, for the weights a replica does
+    not write, its replica 0's): 2 files at most, not every rank's."""
+    here = dict(tp=run.tc.tp, pp=run.tc.pp, dp=run.tc.dp, v=run.tc.virtual_stages, zero1=run.tc.zero1)
+    manifest = read_manifest(path, run.cfg, run.tc)
+    own = _load_own_shards(run, path) if manifest["layout"] == here and manifest["world"] == run.env.world_size else None
+    if own is None:
+        own = _load_resharded(run, path, manifest, here)
+    device = run.env.device
+    if own and own["rng"].get("device", "cpu") == device.type:  # the same streams, continued
+        torch.set_rng_state(own["rng"]["cpu"])
+        tracked = own["rng"]["tracked"]
+        run.chunks[0].rng.state = (tracked[0] if isinstance(tracked, list) else tracked).to(run.chunks[0].rng.state.device)
+        if own["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(own["rng"]["cuda"], device)
+    else:  # another layout or device: the streams cannot be mapped, so both restart from (seed, step)
+        lay = manifest["layout"]
+        pp_rank, seed = dist.get_rank(run.groups.pp), run.tc.seed + 7919 * manifest["step"]
+        torch.manual_seed(seed + 100 * pp_rank)
+        run.chunks[0].rng.state = tensor_parallel.TPRandom(seed + 100 * pp_rank, dist.get_rank(run.groups.tp), device).state
+        why = f"from {lay} to {here}" if own is None else f"from {own['rng'].get('device')} to {device.type}"
+        say(f"resharded {path} {why}; dropout streams, default and tracked, reseeded from the step")
+    return manifest["step"]
+
+
+def _set_piece(piece, state):
+    """One optimizer piece's saved state (its AdamW moments, its fp32 master) into this run."""
+    state = dict(state)
+    if "master" in state:
+        piece.master.data.copy_(state.pop("master"))
+    elif piece.master is not piece.weights:  # bf16 now, not before: the master starts from the weights
+        piece.master.data.copy_(piece.weights.float())
+    dev, dtype = piece.master.device, piece.master.dtype  # the moments follow this run's dtype
+    return {k: v.to(dev, dtype).clone() if v.dim() else v.clone() for k, v in state.items()}
+
+
+def _load_own_shards(run, path):
+    """Same layout: the weights from this rank's replica 0 (which wrote them for every replica), the
+    optimizer pieces from the shard that holds them (its own with ZeRO-1, else replica 0's), the
+    random streams from its own. Returns its own shard, or None if the pieces do not match (another
+    --bucket-numel cuts the buffer otherwise): then every shard is read and split anew."""
+    tp, pp, rank = dist.get_rank(run.groups.tp), dist.get_rank(run.groups.pp), run.env.rank
+    first = pp * run.tc.dp * run.tc.tp + tp  # replica 0 of this (tp, pp) place: 05's rank grid
+    own = _load_shard(os.path.join(path, f"rank_{rank:05d}.pt"))
+    base = own if first == rank else _load_shard(os.path.join(path, f"rank_{first:05d}.pt"))
+    if base.get("coords") != dict(tp=tp, dp=0, pp=pp) or len(base["chunks"]) != len(run.chunks):
+        return None
+    owner = {id(p): n for chunk in run.chunks for n, p in chunk.named_parameters()}
+    saved = {(name, start, end): state for _, name, start, end, state in (own if run.tc.zero1 else base)["pieces"]}
+    keys = [(owner[id(piece.param)], piece.weights.storage_offset() - run.ddp.offsets[piece.param]) for piece in run.opt.pieces]
+    keys = [(n, start, start + piece.weights.numel()) for (n, start), piece in zip(keys, run.opt.pieces)]
+    if any(k not in saved for k in keys) and saved:
+        return None
+    with torch.no_grad():
+        for c, chunk in enumerate(run.chunks):
+            for n, p in chunk.named_parameters():
+                p.copy_(base["chunks"][c][n])
+    for key, piece in zip(keys, run.opt.pieces):
+        if saved.get(key):
+            run.opt.optimizer.state[piece.master] = _set_piece(piece, saved[key])
+    return own
+
+
+def _load_resharded(run, path, manifest, here):
+    """Another layout: every shard read, each tensor joined to its full shape, then split for this
+    run. Returns this rank's own shard when the layout is the same after all, else None."""
     manifest, full, full_state = read_checkpoint(path, run.cfg, run.tc)
     for c in run.chunks:
         c.load_full_state_dict(full)
@@ -345,28 +489,6 @@ def load_checkpoint(run, path, say=print):
         start, n = piece.weights.storage_offset() - run.ddp.offsets[piece.param], piece.weights.numel()
         mine = {k: v if v.dim() == 0 else tensor_parallel.split_full(v, piece.param, tp_n, tp_r).reshape(-1)[start:start + n]
                 for k, v in state.items()}
-        if "master" in mine:
-            piece.master.data.copy_(mine.pop("master"))
-        elif piece.master is not piece.weights:  # bf16 now, not before: the master starts from the weights
-            piece.master.data.copy_(piece.weights.float())
-        dev, dtype = piece.master.device, piece.master.dtype  # the moments follow this run's dtype
-        run.opt.optimizer.state[piece.master] = {k: v.to(dev, dtype).clone() if v.dim() else v.clone()
-                                                 for k, v in mine.items()}
-    lay, here = manifest["layout"], dict(tp=run.tc.tp, pp=run.tc.pp, dp=run.tc.dp, v=run.tc.virtual_stages,
-                                          zero1=run.tc.zero1)
-    device = run.env.device
-    shard = _load_shard(os.path.join(path, f"rank_{run.env.rank:05d}.pt")) \
-        if lay == here and manifest["world"] == run.env.world_size else None
-    if shard and shard["rng"].get("device", "cpu") == device.type:  # the same streams, continued
-        torch.set_rng_state(shard["rng"]["cpu"])
-        tracked = shard["rng"]["tracked"]
-        run.chunks[0].rng.state = (tracked[0] if isinstance(tracked, list) else tracked).to(run.chunks[0].rng.state.device)
-        if shard["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(shard["rng"]["cuda"], device)
-    else:  # another layout or device: the streams cannot be mapped, so both restart from (seed, step)
-        pp_rank, seed = dist.get_rank(run.groups.pp), run.tc.seed + 7919 * manifest["step"]
-        torch.manual_seed(seed + 100 * pp_rank)
-        run.chunks[0].rng.state = tensor_parallel.TPRandom(seed + 100 * pp_rank, tp_r, device).state
-        why = f"from {lay} to {here}" if shard is None else f"from {shard['rng'].get('device')} to {device.type}"
-        say(f"resharded {path} {why}; dropout streams, default and tracked, reseeded from the step")
-    return manifest["step"]
+        run.opt.optimizer.state[piece.master] = _set_piece(piece, mine)
+    same = manifest["layout"] == here and manifest["world"] == run.env.world_size
+    return _load_shard(os.path.join(path, f"rank_{run.env.rank:05d}.pt")) if same else None

@@ -57,7 +57,7 @@ FIELDS = {
     "hang_s": (lambda v: 0 <= v <= MAX_TIMEOUT_S, f"0 (off) or positive, at most {MAX_TIMEOUT_S} (seconds)"),
     "straggler_every": _at_least(0), "rehearse_fault": _ANY,
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
-    "save_timeout_s": (lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), "resume": _ANY, "init_from": _ANY,
+    "save_timeout_s": (lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), "async_save": _ANY, "resume": _ANY, "init_from": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
     "graph_scope": _ANY,
     # sampling (plumbing/sample.py)

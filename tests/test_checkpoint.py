@@ -255,3 +255,83 @@ def test_a_gpt2_directory_without_weights_or_with_wrong_shapes_is_refused(tmp_pa
     torch.save(full, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"does not fit its config.json: transformer.wte.weight: \(256, 32\) instead of \(256, 16\)"):
         gpt2.import_gpt2(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# --async-save: a snapshot in host memory, then the same commit protocol in a background writer.
+
+
+def _saved_tensors(step_dir):
+    out = {}
+    for name in sorted(os.listdir(step_dir)):
+        if name.endswith(".pt"):
+            shard = torch.load(os.path.join(step_dir, name), weights_only=True)
+            out[name] = ([dict(c) for c in shard["chunks"]], [(c, n, a, b, dict(s)) for c, n, a, b, s in shard["pieces"]])
+    return out
+
+
+def _async_against_blocking(env, root):
+    layout = tc_for(1, 2, 2, zero1=True)
+    whole = gpt3d.train(env, CFG, replace(layout, save=os.path.join(root, "blocking"), save_every=3), quiet=True)
+    gpt3d.train(env, CFG, replace(layout, save=os.path.join(root, "async"), save_every=3, async_save=True), quiet=True)
+    reads, real = [], checkpoint._load_shard
+    checkpoint._load_shard = lambda file: reads.append(file) or real(file)  # this rank's, counted
+    half = gpt3d.train(env, CFG, replace(layout, resume=os.path.join(root, "async", "step_00000003")), quiet=True)
+    return whole["losses"][3:], half["losses"], len(reads)
+
+
+def test_an_async_save_writes_what_a_blocking_one_does_and_resumes_bit_identically_reading_its_own_shards(
+        run_ranks, tmp_path):
+    for whole, resumed, reads in run_ranks(_async_against_blocking, 4, str(tmp_path)):
+        assert resumed == whole  # exactly equal floats
+        assert reads <= 2  # its own shard, and its replica 0's for the weights: not all 4
+    for step in ("step_00000003", "step_00000006"):
+        a, b = (_saved_tensors(tmp_path / kind / step) for kind in ("blocking", "async"))
+        assert a.keys() == b.keys() and len(a) == 4
+        for name in a:
+            for x, y in zip(a[name][0], b[name][0]):
+                assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+            for (c, n, lo, hi, s), (c2, n2, lo2, hi2, s2) in zip(a[name][1], b[name][1]):
+                assert (c, n, lo, hi) == (c2, n2, lo2, hi2) and all(torch.equal(s[k], s2[k]) for k in s)
+
+
+def _blocked_writer(env, root, kill_at=None):
+    """Rank 1's background write of step 2 waits until rank 0, at step 3, has seen step 2 still
+    invisible and released it (kill_at: or rank 1 dies at that step, its write never done)."""
+    release, real_save, real_step, seen = os.path.join(root, "release"), torch.save, gpt3d.train_step, {}
+    blocked = "step_00000004" if kill_at else "step_00000002"
+
+    def slow_save(obj, f):
+        if env.rank == 1 and blocked in str(getattr(f, "name", "")):
+            while not os.path.exists(release):  # killed: nobody releases it
+                time.sleep(0.01)
+        real_save(obj, f)
+
+    def step(run, idx, targets, lr, *rest):
+        if lr == gpt3d.lr_at(3, run.tc) and env.rank == 0 and kill_at is None:
+            seen["visible at step 3"] = checkpoint.latest_checkpoint(root + "/ckpt")
+            open(release, "w").close()
+        if env.rank == 1 and kill_at is not None and lr == gpt3d.lr_at(kill_at, run.tc):
+            os.kill(os.getpid(), signal.SIGKILL)  # its write of step 4 still waiting
+        return real_step(run, idx, targets, lr, *rest)
+
+    torch.save, gpt3d.train_step = slow_save, step  # this forked rank's only
+    out = gpt3d.train(env, CFG, tc_for(1, 2, 1, save=root + "/ckpt", save_every=2, async_save=True), quiet=True)
+    return out["losses"], seen
+
+
+def test_with_one_writer_blocked_training_goes_on_and_the_step_stays_invisible_until_it_is_released(run_ranks, tmp_path):
+    (losses, seen), _ = run_ranks(_blocked_writer, 2, str(tmp_path))
+    assert seen["visible at step 3"] is None  # step 2 not yet: rank 1's shard was still being written
+    assert len(losses) == STEPS  # training went on meanwhile, and to the end
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000004", "step_00000006"]  # keep=2 of 2, 4, 6
+
+
+def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_intact_and_resumable_bit_for_bit(
+        run_ranks, tmp_path):
+    with pytest.raises(RankFailure, match=r"rank 1 died \(killed by SIGKILL\)"):
+        run_ranks(_blocked_writer, 2, str(tmp_path), 5)
+    assert checkpoint.latest_checkpoint(str(tmp_path / "ckpt")).endswith("step_00000002")
+    resumed = run_ranks(_resume, 2, tc_for(1, 2, 1, resume=str(tmp_path / "ckpt")))[0]
+    whole = run_ranks(_resume, 2, tc_for(1, 2, 1))[0]
+    assert resumed["start"] == 2 and resumed["losses"] == whole["losses"][2:]  # bit for bit
