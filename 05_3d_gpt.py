@@ -36,7 +36,9 @@ import dataclasses
 import functools
 import importlib
 import math
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,11 +52,11 @@ import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
 from plumbing import cli, health, report, sample, selfcheck, watch
-from plumbing.checkpoint import Saver, load_checkpoint
+from plumbing.checkpoint import Saver, latest_checkpoint, load_checkpoint, read_manifest
 from plumbing.checks import acceleration, check_fields, preflight
 from plumbing.data import check_tokens, replica_batch
 from plumbing.gpt2 import export_checkpoint, import_gpt2
-from plumbing.launch import Watch, gather_numbers, launcher_ranks, printer, run_main, side_channel
+from plumbing.launch import RankFailure, Watch, gather_numbers, launcher_ranks, printer, run_main, side_channel
 from plumbing.trace import StepTrace, trace_comm
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -441,6 +443,9 @@ class Files:
     keep: int = 2  # checkpoints kept, the newest
     save_timeout_s: float = 1800.0  # a save's own timeout: every rank's shard written and fsynced, and the rotation
     async_save: bool = False  # save in two stages: a snapshot in host memory (the only pause), then written in the background
+    snapshot_every: int = 0  # steps between snapshots to --snapshot-dir, for --restarts (0: none)
+    snapshot_dir: str = ""  # where snapshots go: node-local and fast, e.g. /dev/shm/snapshots
+    restarts: int = 0  # when a rank dies or hangs, restart this many times from the newest snapshot or checkpoint
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
@@ -483,6 +488,7 @@ def train(env, cfg, tc, quiet=False):
         say(f"no complete checkpoint in {tc.resume}: starting from step 0")
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
     saver = Saver(tc.save, tc.keep, tc.save_timeout_s, tc.async_save) if tc.save else None
+    snapshots = Saver(tc.snapshot_dir, 2, tc.save_timeout_s, tc.async_save) if tc.snapshot_every else None
     recorder, faults = watch.Recorder(env.rank).install(), watch.parse_faults(tc.rehearse_fault, env.world_size)
     beats = watch.start(env, side_channel(), recorder, hang_seconds(tc), lambda r: where_is(r, tc), launcher_ranks())
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
@@ -525,9 +531,14 @@ def train(env, cfg, tc, quiet=False):
             run.opt.wait_gather()  # ZeRO-1's gathers may still be in flight; the checkpoint reads every weight
             recorder.set_phase("save")  # it waits under its own timeout, not the watchdog's
             saver.save(run, step + 1, progress.note)
-    if saver:
-        recorder.set_phase("save")
-        saver.wait()  # the run's end waits for a save still being written
+        if snapshots and (step + 1) % tc.snapshot_every == 0 and step + 1 < tc.steps:
+            run.opt.wait_gather()
+            recorder.set_phase("save snapshot")
+            snapshots.save(run, step + 1, lambda text: None)  # quietly: one a step, perhaps
+    for s in (saver, snapshots):
+        if s:
+            recorder.set_phase("save")
+            s.wait()  # the run's end waits for a save still being written
     progress.close()
     busy = report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True) if recorder.busy_ms else None
     watch.stop(beats, recorder)
@@ -542,6 +553,15 @@ def train(env, cfg, tc, quiet=False):
         out["sums"] = report.sum_probe(run, forward_only)
     report.report(run, out, time.perf_counter() - t_start, say)
     return out
+
+
+def self_check(tc, prefix=""):
+    """--self-check: launch check_layout on every rank; a ValueError listing what it found."""
+    problems = sorted({p for rank in tensor_parallel.launch(check_layout, tc.tp * tc.pp * tc.dp, tc,
+                                                            timeout_s=tc.timeout_s) for p in rank})
+    if problems:
+        raise ValueError(f"{prefix}the self-check found {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+    print("self-check: every rank, group and link answered in line", flush=True)
 
 
 def check_layout(env, tc):
@@ -610,11 +630,7 @@ def main():
     if args.print_layout:
         report.print_layout(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
     elif args.self_check:
-        problems = sorted({p for rank in tensor_parallel.launch(check_layout, tc.tp * tc.pp * tc.dp, tc,
-                                                                timeout_s=tc.timeout_s) for p in rank})
-        if problems:
-            raise ValueError(f"the self-check found {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
-        print("self-check: every rank, group and link answered in line")
+        self_check(tc)
     elif args.sample is not None:
         sample.from_weights(cfg, tc, sc)
     elif args.export_hf or args.export_state_dict:
@@ -626,13 +642,43 @@ def main():
                 cfg = dataclasses.replace(imported, dropout=cfg.dropout)
                 print(f"model from {tc.init_from}: {cfg}")
         ranks = launcher_ranks()  # (rank, world, local rank) under torchrun, else None
+        if ranks and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # torchrun --max-restarts
+            tc = dataclasses.replace(tc, resume=newest_checkpoint(tc) or tc.resume, rehearse_fault=[])
         world = ranks[1] if ranks else tc.tp * tc.pp * tc.dp
         device = torch.device("cuda" if ranks and torch.cuda.is_available() else "cpu")  # as launch decides
         preflight(cfg, tc, world, device, ranks_here=1 if ranks else world,  # again on every rank
                   writer=not ranks or ranks[0] == 0)
-        return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s,
-                                           watch=Watch(hang_seconds(tc), lambda r: where_is(r, tc))))
+        return train_with_restarts(cfg, tc)
     return True
+
+
+def newest_checkpoint(tc):
+    """The newest complete checkpoint of --snapshot-dir and --save, or None."""
+    found = [p for p in (latest_checkpoint(d) for d in (tc.snapshot_dir, tc.save) if d) if p]
+    return max(found, key=lambda p: read_manifest(p)["step"], default=None)
+
+
+def train_with_restarts(cfg, tc):
+    """Launch the training; when a rank dies or hangs, and --restarts allows, stop the rest (the
+    launcher does), check every rank and group again (--self-check), and resume from the newest of
+    the snapshots and the checkpoints, saying how many steps were lost. Faults rehearsed with
+    --rehearse-fault happen in the first attempt only."""
+    for attempt in range(tc.restarts + 1):
+        try:
+            return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s,
+                                               watch=Watch(hang_seconds(tc), lambda r: where_is(r, tc))))
+        except RankFailure as failure:
+            if attempt == tc.restarts or launcher_ranks():
+                raise
+            newest = newest_checkpoint(tc)
+            done = read_manifest(newest)["step"] if newest else 0
+            reached = getattr(failure, "step", None)
+            lost = "the steps since then are lost" if reached is None else "no finished step is lost" \
+                if reached <= done else f"{reached - done} finished step(s) lost: steps {done} to {reached - 1} run again"
+            print(f"{str(failure).splitlines()[0]} {str(failure).splitlines()[1]}\nrestart {attempt + 1} of "
+                  f"{tc.restarts}: resuming from {newest or 'the start'} at step {done}; {lost}", file=sys.stderr)
+            self_check(tc, "not restarting: ")
+            tc = dataclasses.replace(tc, resume=newest or "", rehearse_fault=[])
 
 
 if __name__ == "__main__":

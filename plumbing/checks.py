@@ -57,7 +57,8 @@ FIELDS = {
     "hang_s": (lambda v: 0 <= v <= MAX_TIMEOUT_S, f"0 (off) or positive, at most {MAX_TIMEOUT_S} (seconds)"),
     "straggler_every": _at_least(0), "rehearse_fault": _ANY,
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
-    "save_timeout_s": (lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), "async_save": _ANY, "resume": _ANY, "init_from": _ANY,
+    "save_timeout_s": (lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), "async_save": _ANY,
+    "snapshot_every": _at_least(0), "snapshot_dir": _ANY, "restarts": _at_least(0), "resume": _ANY, "init_from": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
     "graph_scope": _ANY,
     # sampling (plumbing/sample.py)
@@ -138,6 +139,9 @@ def check_config(cfg, tc, world=None):
     if getattr(tc, "rehearse_fault", None):
         from plumbing.watch import parse_faults
         parse_faults(tc.rehearse_fault, tp * dp * pp)
+    if getattr(tc, "snapshot_every", 0) and not tc.snapshot_dir:
+        raise ValueError(f"--snapshot-every {tc.snapshot_every} needs --snapshot-dir DIR (node-local, e.g. "
+                         f"/dev/shm/snapshots)")
     if getattr(tc, "save_every", 0) and not tc.save:
         raise ValueError(f"--save-every {tc.save_every} needs --save DIR")
     if getattr(tc, "graph_scope", "auto") == "step" and tp * pp * dp > 1:
@@ -248,8 +252,9 @@ def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
     if path:
         check_shards(path, manifest)
     start = manifest["step"]
-    if tc.save:
-        check_save_dir(tc.save, start, resuming_from=path)
+    for root in (tc.save, getattr(tc, "snapshot_dir", "")):
+        if root:  # a restart picks the newest step there: none of another run's may be later
+            check_save_dir(root, start, resuming_from=path)
     return train_tokens, eval_tokens, path, start
 
 

@@ -298,8 +298,14 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
                 p.kill()
                 p.join()
         del store
+    steps = [rec.get("step") for rec in (dog.last(r) for r in range(nprocs)) if rec] if dog and failures else []
+    # The store's server thread ends with its last reference: before any later fork (a restart), which
+    # must not copy a process with it running. The traceback of a raise here keeps this frame's names.
+    dog = None
     if failures:
-        raise RankFailure(_failure_report(failures, deaths, stopped))
+        failure = RankFailure(_failure_report(failures, deaths, stopped))
+        failure.step = max((s for s in steps if s is not None), default=None)  # the furthest any rank got
+        raise failure
     return [results[r] for r in range(nprocs)]
 
 

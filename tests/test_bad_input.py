@@ -109,6 +109,8 @@ CASES = {
     "05 hang above the timeout": ("05", ["--hang-s", "200"], "--hang-s 200 must be below --timeout-s 120"),
     "05 hang negative": ("05", ["--hang-s", "-1"], "--hang-s must be 0 (off) or positive, at most 3600 (seconds), got -1.0"),
     "05 straggler every negative": ("05", ["--straggler-every", "-2"], "--straggler-every must be at least 0, got -2"),
+    "05 snapshots without a directory": ("05", ["--snapshot-every", "2"], "--snapshot-every 2 needs --snapshot-dir DIR"),
+    "05 restarts negative": ("05", ["--restarts", "-1"], "--restarts must be at least 0, got -1"),
     "05 fault unknown kind": ("05", ["--rehearse-fault", "melt:1:2"], "--rehearse-fault 'melt:1:2' must be KIND:RANK:ARG"),
     "05 fault rank outside the world": ("05", ["--rehearse-fault", "kill:8:3"],
                                         "--rehearse-fault 'kill:8:3': rank 8 is not below the world size 8"),

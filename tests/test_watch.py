@@ -65,3 +65,17 @@ def test_the_self_check_passes_a_healthy_layout_and_names_a_slowed_rank_and_one_
     assert re.search(r"rank 3 \(tp 1, dp 1, pp 0\) is slow: its matmul took", proc.stderr), proc.stderr[-2000:]
     assert "dp group [4,6] all-reduce: did not complete: rank(s) [6] never entered it" in proc.stderr
     assert "tp group [6,7] all-reduce: did not complete: rank(s) [6] never entered it" in proc.stderr
+
+
+def test_a_restart_after_a_killed_rank_resumes_from_the_snapshot_and_every_loss_is_bit_identical(tmp_path):
+    import json
+    common = ["--tp", "1", "--pp", "2", "--dp", "2", "--steps", "12"]
+    proc, _ = train(*common, "--snapshot-every", "1", "--snapshot-dir", tmp_path / "snap", "--restarts", "1",
+                    "--rehearse-fault", "kill:3:7", "--metrics", tmp_path / "restarted.jsonl")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 3 died (killed by SIGKILL) at step 7" in proc.stderr
+    assert re.search(r"restart 1 of 1: resuming from \S+step_00000007 at step 7; no finished step is lost", proc.stderr)
+    assert "every rank, group and link answered in line" in proc.stdout  # the self-check, before the restart
+    proc, _ = train(*common, "--metrics", tmp_path / "whole.jsonl")
+    losses = [[json.loads(line)["loss"] for line in open(tmp_path / name)] for name in ("restarted.jsonl", "whole.jsonl")]
+    assert len(losses[0]) == 12 and losses[0] == losses[1]  # bit for bit
