@@ -433,6 +433,7 @@ class Loop:
     hang_s: float | None = None  # no rank progressing this long while one waits: name the rank it waits for, stop (0: off; unset: half of --timeout-s)
     straggler_every: int = 0  # compare every rank's busy time with its stage's every N steps (0: only at the end)
     rehearse_fault: list[str] = dataclasses.field(default_factory=list)  # KIND:RANK:ARG: slow:R:MS, hang:R:STEP, kill:R:STEP, stop:R:STEP
+    watch: bool = True  # each rank's record on the side channel: the hang report, the straggler report (off: neither)
 
 
 @dataclass
@@ -489,8 +490,9 @@ def train(env, cfg, tc, quiet=False):
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
     saver = Saver(tc.save, tc.keep, tc.save_timeout_s, tc.async_save) if tc.save else None
     snapshots = Saver(tc.snapshot_dir, 2, tc.save_timeout_s, tc.async_save) if tc.snapshot_every else None
-    recorder, faults = watch.Recorder(env.rank).install(), watch.parse_faults(tc.rehearse_fault, env.world_size)
-    beats = watch.start(env, side_channel(), recorder, hang_seconds(tc), lambda r: where_is(r, tc), launcher_ranks())
+    recorder, faults = watch.Recorder(env.rank), watch.parse_faults(tc.rehearse_fault, env.world_size)
+    beats = watch.start(env, side_channel(), recorder.install(), hang_seconds(tc), lambda r: where_is(r, tc),
+                        launcher_ranks()) if tc.watch else None
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
     losses, norms, evals, skipped, in_a_row, t_start = [], [], [], [], 0, time.perf_counter()
     for step in progress:
@@ -521,7 +523,7 @@ def train(env, cfg, tc, quiet=False):
             recorder.set_phase("eval")
             record["eval_loss"] = evaluate(run, eval_tokens)
             evals.append((step, record["eval_loss"]))
-        if tc.straggler_every and (step + 1 - start) % tc.straggler_every == 0:
+        if tc.watch and tc.straggler_every and (step + 1 - start) % tc.straggler_every == 0:
             record["busy_ms"] = report_stragglers(env, tc, recorder, tc.straggler_every, progress.note)
         if step == start and run.ops:  # what the dispatcher chose
             progress.note(f"kernel paths: {kernels.build.report()}")
@@ -540,7 +542,8 @@ def train(env, cfg, tc, quiet=False):
             recorder.set_phase("save")
             s.wait()  # the run's end waits for a save still being written
     progress.close()
-    busy = report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True) if recorder.busy_ms else None
+    busy = report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True) if tc.watch and recorder.busy_ms \
+        else None
     watch.stop(beats, recorder)
     run.opt.wait_gather()  # the last step's: the report and the caller read the weights
     if not losses:
@@ -572,7 +575,7 @@ def check_layout(env, tc):
 
 def hang_seconds(tc):
     """--hang-s, or when unset half of --timeout-s: the report comes well before the timeout."""
-    return tc.timeout_s / 2 if tc.hang_s is None else tc.hang_s
+    return 0 if not tc.watch else tc.timeout_s / 2 if tc.hang_s is None else tc.hang_s
 
 
 def where_is(rank, tc):

@@ -55,7 +55,7 @@ FIELDS = {
     "timeout_s": (lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"),
     "max_skipped_steps": _at_least(1),
     "hang_s": (lambda v: 0 <= v <= MAX_TIMEOUT_S, f"0 (off) or positive, at most {MAX_TIMEOUT_S} (seconds)"),
-    "straggler_every": _at_least(0), "rehearse_fault": _ANY,
+    "straggler_every": _at_least(0), "rehearse_fault": _ANY, "watch": _ANY,
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
     "save_timeout_s": (lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), "async_save": _ANY,
     "snapshot_every": _at_least(0), "snapshot_dir": _ANY, "restarts": _at_least(0), "resume": _ANY, "init_from": _ANY,
