@@ -1,5 +1,6 @@
 """plumbing/health.py: which rank a hang waits for, and which rank is a straggler, as pure functions
 of made-up records (the records of real runs are checked in tests/test_watch.py)."""
+from conftest import ROOT
 from plumbing.health import diagnose, heat_map, stragglers, waits_for
 
 
@@ -65,3 +66,21 @@ def test_a_straggler_is_1_3_times_the_other_ranks_of_its_stage_and_20_ms_more():
 def test_the_heat_map_puts_each_rank_at_its_place_in_the_grid():
     text = heat_map({r: float(r) for r in range(8)}, tp=2, dp=2, pp=2).splitlines()
     assert text[1] == "  pp 0 tp 0 |    0.0     2.0" and text[4] == "  pp 1 tp 1 |    5.0     7.0"
+
+
+def test_the_course_exercise_of_week_4_has_the_answer_it_implies():
+    # docs/COURSE.md, week 4, second half: the records described there, and the answers a student
+    # should reach with plumbing.health (kept here so that the exercise never drifts from the code).
+    records = {0: rec(step=12, waiting_for=[4], groups={"0,1": [39, 39, None]}),
+               1: rec(step=12, groups={"0,1": [40, 39, "all_reduce"], "1,3": [24, 24, None]}),
+               2: rec(step=12, waiting_for=[6]), 3: rec(step=12, groups={"1,3": [25, 24, "all_reduce"]}),
+               4: rec(step=12, groups={"4,5": [20, 19, "all_reduce"]}),
+               5: rec(step=12, groups={"4,5": [19, 19, None], "5,7": [10, 9, "all_reduce"]}),
+               6: rec(step=12, groups={"6,7": [31, 30, "all_reduce"]}),
+               7: rec(step=12, phase="training", groups={"6,7": [30, 30, None], "5,7": [9, 9, None]})}
+    assert waits_for(records) == {0: {4}, 1: {0}, 2: {6}, 3: {1}, 4: {5}, 5: {7}, 6: {7}, 7: set()}
+    d = diagnose(records, 8)
+    assert (d.culprits, d.kind, d.group, d.waiting) == ([7], "outside communication", "5,7", [0, 1, 2, 3, 4, 5, 6])
+    busy = {0: 101, 1: 99, 2: 100, 3: 96, 4: 210, 5: 205, 6: 298, 7: 201}
+    assert stragglers(busy, {r: r // 4 for r in range(8)}) == [6]
+    assert "week 4, second half" in (ROOT / "docs" / "COURSE.md").read_text().lower()
