@@ -26,6 +26,7 @@ The demo checks GPipe and 1F1B against the serial model in float64 (loss and eve
 formula and each stage's peak stored activation bytes, with and without Megatron's deallocation.
 Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
 """
+import contextlib
 import importlib
 import time
 from collections import Counter
@@ -51,7 +52,7 @@ tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" forward or "B" backward
+    kind: str  # "F" forward or "B" backward (06 splits B into "I" and "W": see KINDS)
     mb: int  # microbatch
     chunk: int = 0  # which of this rank's model chunks (03's virtual stages); always 0 here
     # 03: a steady-state forward runs with the backward after it as one pair, with no exchange in
@@ -86,26 +87,58 @@ class ScheduleError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Messages. Chunk c of rank r is virtual stage c*pp + r of S = pp*v. The forward of stage k sends
-# its output to stage k+1 as message ("act", k+1, mb); the backward of stage k sends the gradient
-# of its input to stage k-1 as ("grad", k-1, mb). Stages on the same rank hand over locally.
+# Messages. Chunk c of rank r is virtual stage c*pp + r of S = pp*v (the "looped" placement; 06 adds
+# another). The forward of stage k sends its output to stage k+1 as message ("act", k+1, mb); the
+# backward of stage k sends the gradient of its input to stage k-1 as ("grad", k-1, mb). Stages on
+# the same rank hand over locally.
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What an action of one kind exchanges, as rank_plan, validate and simulate read it."""
+    flow: str | None  # "act": waits for its input from stage k-1, sends its output to k+1; "grad":
+    # waits for its output's gradient from k+1, sends its input's to k-1; None: no messages
+    after: str = ""  # the kind that must have run before it, on the same stage and microbatch
+
+
+# The kinds of action, named here once. F and B are this file's; 06 (zero bubble) splits B in two,
+# I (the input's gradient, sent on as B's is) and W (the weights' gradients: no messages), and runs
+# W later. A later file's kind of action is one more entry.
+KINDS = {"F": Kind("act"), "B": Kind("grad", "F"), "I": Kind("grad", "F"), "W": Kind(None, "I")}
+
+
+def looped(pp, chunk, rank):
+    """The placement of 02 and 03: chunk c of rank r is virtual stage c*pp + r. A placement is
+    part of a schedule; execute, rank_plan, validate and simulate take it (06's V is another)."""
+    return chunk * pp + rank
+
+
+def stage_map(pp, v, placement=looped):
+    """{virtual stage: (rank, chunk)} for the pp*v stages."""
+    return {placement(pp, c, r): (r, c) for r in range(pp) for c in range(v)}
 
 
 def n_chunks(actions):
     return 1 + max(a.chunk for a in actions)
 
 
-def needs(a, k):
-    """The message action a on virtual stage k waits for, or None."""
-    if a.kind == "F":
-        return ("act", k, a.mb) if k > 0 else None
-    return ("grad", k, a.mb)  # None on the last stage is handled by the caller
+def needs(a, k, S=None):
+    """(the message action a on virtual stage k of S waits for, the stage that sends it), or None."""
+    flow = KINDS[a.kind].flow
+    if flow == "act" and k > 0:
+        return ("act", k, a.mb), k - 1
+    if flow == "grad" and (S is None or k < S - 1):  # S None: the caller handles the last stage
+        return ("grad", k, a.mb), k + 1
+    return None
 
 
 def produces(a, k, S):
-    if a.kind == "F":
+    flow = KINDS[a.kind].flow
+    if flow == "act":
         return ("act", k + 1, a.mb) if k < S - 1 else None
-    return ("grad", k - 1, a.mb) if k > 0 else None
+    if flow == "grad":
+        return ("grad", k - 1, a.mb) if k > 0 else None
+    return None
 
 
 def run_groups(actions):
@@ -119,42 +152,85 @@ def run_groups(actions):
     return groups
 
 
-def rank_plan(actions, rank, pp):
+def lockstep(schedule, pp, placement=looped):
+    """Every rank's list run in rounds: in each round each rank runs its next group of actions if the
+    messages they wait for were sent in an earlier round. Returns ({message: (round, n)}, n counting
+    the messages in the order they were sent; [the round each group ran in, per rank])."""
+    v = n_chunks([a for acts in schedule for a in acts])
+    S, where, groups = pp * v, stage_map(pp, v, placement), [run_groups(acts) for acts in schedule]
+    sent, ran, t = {}, [[] for _ in range(pp)], 0
+    while any(len(ran[r]) < len(groups[r]) for r in range(pp)):
+        now, moved = {}, False
+        for r in range(pp):
+            group = groups[r][len(ran[r])] if len(ran[r]) < len(groups[r]) else []
+            inputs = [needs(a, placement(pp, a.chunk, r), S) for a in group]
+            if group and all(got is None or where[got[1]][0] == r or got[0] in sent for got in inputs):
+                ran[r].append(t)
+                moved = True
+                for a in group:
+                    out = produces(a, placement(pp, a.chunk, r), S)
+                    now.update({out: (t, len(sent) + len(now))} if out else {})
+        if not moved:
+            raise ScheduleError("deadlock: in lockstep, no rank can run its next action")
+        sent.update(now)
+        t += 1
+    return sent, ran
+
+
+def rank_plan(actions, rank, pp, placement=looped, schedule=None):
     """This rank's steps: ("comm", ops) boundaries and ("run", action). Each boundary is one
     batch: the sends of the previous group's outputs and the receives of the next group's inputs,
     posted together so that two ranks exchanging with each other both make progress (Megatron's
     send_forward_recv_backward and friends). In 03's interleaved steady state a forward and a
     backward form one group: a boundary between them can make two ranks wait on each other, and
-    validate() finds that cycle. At v = 1 each action has its own, or F would wait for B's input."""
-    S = pp * n_chunks(actions)
-    steps, outgoing = [], []
-    for group in run_groups(actions):
-        incoming = []
+    validate() finds that cycle. At v = 1 each action has its own, or F would wait for B's input.
+    Messages between two ranks are matched in the order they are posted, and each receive is
+    posted in the boundary before the action that needs it: for 02's and 03's lists that is the
+    order their senders send in. Not for 06's, where activations and gradients travel the same way
+    between two ranks: given schedule (every rank's list), a receive is posted at the boundary this
+    rank has reached when, with every list run in lockstep, its sender sends it (torch's pipelining
+    lowers its schedules so too). Receives are then posted in the order sent, and every boundary's
+    sends and receives meet their peers' at the same round: no rank can wait on another in a cycle."""
+    v = n_chunks(schedule[rank] if schedule else actions)
+    S, where = pp * v, stage_map(pp, v, placement)
+    groups = run_groups(actions)
+    wanted = []  # (group, source rank, message): every receive, in the order needed
+    for g, group in enumerate(groups):
         for a in group:
-            k = a.chunk * pp + rank
-            msg = needs(a, k) if not (a.kind == "B" and k == S - 1) else None
-            src = (k - 1 if a.kind == "F" else k + 1) % pp
-            if msg and src != rank:  # from this rank itself it is a local hand-over, no message
-                incoming.append(("recv", src, msg))
-        if outgoing or incoming:
-            steps.append(("comm", outgoing + incoming))
+            got = needs(a, placement(pp, a.chunk, rank), S)
+            if got and where[got[1]][0] != rank:  # from this rank itself it is a local hand-over
+                wanted.append((g, where[got[1]][0], got[0]))
+    post, sent = {msg: g for g, _, msg in wanted}, {}  # the boundary each receive is posted at
+    if schedule:
+        sent, ran = lockstep(schedule, pp, placement)
+        post = {msg: next(g for g, t in enumerate(ran[rank]) if t > sent[msg][0]) for msg in post}
+    incoming = {}  # group -> [("recv", src, message)], in the order posted
+    for _, src, msg in sorted(wanted, key=lambda w: (post[w[2]], sent.get(w[2], 0))):
+        incoming.setdefault(post[msg], []).append(("recv", src, msg))
+    steps, outgoing = [], []
+    for g, group in enumerate(groups):
+        if outgoing or incoming.get(g):
+            steps.append(("comm", outgoing + incoming.get(g, [])))
         outgoing = []
         for a in group:
             steps.append(("run", a))
-            k = a.chunk * pp + rank
-            out = produces(a, k, S)
-            if out and out[1] % pp != rank:
-                outgoing.append(("send", out[1] % pp, out))
+            out = produces(a, placement(pp, a.chunk, rank), S)
+            if out and where[out[1]][0] != rank:
+                outgoing.append(("send", where[out[1]][0], out))
     if outgoing:
         steps.append(("comm", outgoing))
     return steps
 
 
-def validate(schedule, pp, m):
-    """Raise ScheduleError unless the per-rank lists are complete, ordered and deadlock-free."""
+def validate(schedule, pp, m, placement=looped, lockstep=False):
+    """Raise ScheduleError unless the per-rank lists are complete, ordered and deadlock-free.
+    lockstep: check the plans whose receives are posted in lockstep with their senders (rank_plan
+    given every list), which execute(schedule=...) runs; 06's schedules need them."""
     v = n_chunks([a for acts in schedule for a in acts])
+    where = stage_map(pp, v, placement)
     for r, acts in enumerate(schedule):
-        want = Counter(Action(k, i, c) for k in "FB" for i in range(m) for c in range(v))
+        kinds = "FIW" if any(a.kind in "IW" for a in acts) else "FB"  # B, or its two halves (06)
+        want = Counter(Action(k, i, c) for k in kinds for i in range(m) for c in range(v))
         have = Counter(acts)
         for a in want - have:
             raise ScheduleError(f"rank {r} never runs {a}")
@@ -162,15 +238,16 @@ def validate(schedule, pp, m):
             raise ScheduleError(f"rank {r} runs {a} more often than once, or it does not exist")
         at = {a: i for i, a in enumerate(acts)}
         for a in acts:
-            if a.kind == "B" and at[a] < at[Action("F", a.mb, a.chunk)]:
-                raise ScheduleError(f"rank {r} runs {a} before its forward")
-            k = a.chunk * pp + r
-            src = k - 1 if a.kind == "F" else k + 1  # the stage whose message this action needs
-            if 0 <= src < pp * v and src % pp == r:  # on this rank: it must come earlier in the list
-                dep = Action(a.kind, a.mb, src // pp)
+            before = KINDS[a.kind].after and Action(KINDS[a.kind].after, a.mb, a.chunk)
+            if before and at[a] < at[before]:
+                raise ScheduleError(f"rank {r} runs {a} before {'its forward' if before.kind == 'F' else before}")
+            got = needs(a, placement(pp, a.chunk, r), pp * v)
+            if got and where[got[1]][0] == r:  # fed by this rank itself: it must come earlier in the list
+                dep = Action(a.kind, a.mb, where[got[1]][1])
                 if at[dep] > at[a]:
                     raise ScheduleError(f"deadlock: rank {r} runs {a} before {dep}, which feeds it")
-    _check_channels_and_progress([rank_plan(acts, r, pp) for r, acts in enumerate(schedule)], pp)
+    _check_channels_and_progress([rank_plan(acts, r, pp, placement, schedule if lockstep else None)
+                                  for r, acts in enumerate(schedule)], pp)
 
 
 def _check_channels_and_progress(plans, pp):
@@ -219,24 +296,32 @@ def _check_channels_and_progress(plans, pp):
 @dataclass
 class Simulation:
     step_time: object
-    idle: list  # per rank
+    idle: list  # per rank: the step time less its busy time
     bubble: object  # total idle / total busy time: (pp - 1) / m for uniform times
     peak_in_flight: list  # per rank: most microbatches (x chunks) forwarded but not yet backwarded
     timeline: list  # per rank: [(start, end, action)]
+    span_idle: list = field(default_factory=list)  # per rank: idle between its own first start and last end
+    peak_memory: list = field(default_factory=list)  # per rank: peak_in_flight, with what W still holds (06)
 
 
-def peak_in_flight(actions):
+def peak_in_flight(actions, w_share=0):
+    """The most microbatches (x chunks) forwarded and not yet backwarded. w_share (06): a backward
+    split in two frees all but w_share of a microbatch's activations at I, the rest at W."""
     live = peak = 0
     for a in actions:
-        live += 1 if a.kind == "F" else -1
+        live += {"F": 1, "B": -1, "I": w_share - 1, "W": -w_share}.get(a.kind, 0)
         peak = max(peak, live)
     return peak
 
 
-def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0):
-    """Deterministic replay: each action starts when its rank is free and its input has arrived."""
-    S = pp * n_chunks([a for acts in schedule for a in acts])
-    t_f, t_b = (list(t) if isinstance(t, (list, tuple)) else [t] * pp for t in (t_f, t_b))
+def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0, times=None, placement=looped, w_share=0):
+    """Deterministic replay: each action starts when its rank is free and its input has arrived.
+    times: {kind: time} for kinds other than F and B (06's I and W), each a number or a list per
+    rank as t_f and t_b are; w_share: see peak_in_flight."""
+    v = n_chunks([a for acts in schedule for a in acts])
+    S, where = pp * v, stage_map(pp, v, placement)
+    per_rank = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * pp  # noqa: E731
+    times = {kind: per_rank(t) for kind, t in {"F": t_f, "B": t_b, **(times or {})}.items()}
     done, clock, nxt = {}, [0] * pp, [0] * pp
     timeline = [[] for _ in range(pp)]
     while any(nxt[r] < len(schedule[r]) for r in range(pp)):
@@ -244,16 +329,15 @@ def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0):
         for r in range(pp):
             while nxt[r] < len(schedule[r]):
                 a = schedule[r][nxt[r]]
-                k = a.chunk * pp + r
-                deps = [("F", k - 1)] if a.kind == "F" and k > 0 else []
-                if a.kind == "B":
-                    deps = [("F", k)] + ([("B", k + 1)] if k < S - 1 else [])
-                if any((kind, st, a.mb) not in done for kind, st in deps):
+                k, kind = placement(pp, a.chunk, r), KINDS[a.kind]
+                got = needs(a, k, S)  # the message from another stage, and what runs before on this one
+                deps = ([(kind.flow, got[1])] if got else []) + ([(kind.after, k)] if kind.after else [])
+                if any((dep, st, a.mb) not in done for dep, st in deps):
                     break
-                start = max([clock[r]] + [done[(kind, st, a.mb)] + (t_comm if st % pp != r else 0)
-                                          for kind, st in deps])
-                end = start + (t_f[r] if a.kind == "F" else t_b[r])
-                done[(a.kind, k, a.mb)] = clock[r] = end
+                start = max([clock[r]] + [done[(dep, st, a.mb)] + (t_comm if where[st][0] != r else 0)
+                                          for dep, st in deps])
+                end = start + times[a.kind][r]
+                done[(a.kind, k, a.mb)] = done[(kind.flow, k, a.mb)] = clock[r] = end
                 timeline[r].append((start, end, a))
                 nxt[r] += 1
                 moved = True
@@ -263,14 +347,16 @@ def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0):
     busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
     idle = [step - b for b in busy]
     bubble = Fraction(sum(idle), sum(busy)) if all(isinstance(x, int) for x in idle + busy) else sum(idle) / sum(busy)
-    return Simulation(step, idle, bubble, [peak_in_flight(acts) for acts in schedule], timeline)
+    span_idle = [tl[-1][1] - tl[0][0] - b if tl else 0 for tl, b in zip(timeline, busy)]
+    return Simulation(step, idle, bubble, [peak_in_flight(acts) for acts in schedule], timeline, span_idle,
+                      [peak_in_flight(acts, w_share) for acts in schedule])
 
 
 def render(timeline, width=100, end=None):
     """ASCII timeline, one row per rank as in the paper's Figures 3 and 4: forwards are written
-    F<mb> padded with spaces, backwards B<mb> padded with '=', idle time '.'; odd model chunks
-    (03) in lower case, f<mb> and b<mb>. `end` fixes the time at the right edge, so that two
-    timelines can share one scale."""
+    F<mb> padded with spaces, backwards B<mb> padded with '=' (06's I<mb> too, and W<mb> with '-'),
+    idle time '.'; odd model chunks (03) in lower case, f<mb> and b<mb>. `end` fixes the time at the
+    right edge, so that two timelines can share one scale."""
     end = end or max(e for tl in timeline for _, e, _ in tl) or 1
     scale = width / float(end)
     rows = []
@@ -279,7 +365,7 @@ def render(timeline, width=100, end=None):
         for s, e, a in tl:
             lo, hi = round(s * scale), max(round(e * scale), round(s * scale) + 1)
             name = (a.kind if a.chunk % 2 == 0 else a.kind.lower()) + str(a.mb)
-            text = name.ljust(hi - lo, " " if a.kind == "F" else "=")[: hi - lo]
+            text = name.ljust(hi - lo, {"F": " ", "W": "-"}.get(a.kind, "="))[: hi - lo]
             row[lo:hi] = text
         rows.append(f"rank {r} |{''.join(row)[:width]}|")
     return "\n".join(rows)
@@ -300,13 +386,13 @@ def split_layers(n_layer, n_stages):
     return [range(k * per, (k + 1) * per) for k in range(n_stages)]
 
 
-def build_chunks(cfg, pp, rank, v=1, group=None, **gpt_kwargs):
-    """This rank's model chunks: chunk c is virtual stage c*pp + rank of pp*v (v=1 in this file).
-    They share one tracked random stream (03's chunks hold different layers: different masks)."""
+def build_chunks(cfg, pp, rank, v=1, group=None, placement=looped, **gpt_kwargs):
+    """This rank's model chunks: chunk c is virtual stage placement(pp, c, rank) of pp*v (v=1 in this
+    file). They share one tracked random stream (03's chunks hold different layers: different masks)."""
     ranges, S, chunks = split_layers(cfg.n_layer, pp * v), pp * v, []
     for c in range(v):
-        chunks.append(tensor_parallel.GPT(cfg, group, layers=ranges[c * pp + rank], pre_process=c * pp + rank == 0,
-                                          post_process=c * pp + rank == S - 1,
+        k = placement(pp, c, rank)
+        chunks.append(tensor_parallel.GPT(cfg, group, layers=ranges[k], pre_process=k == 0, post_process=k == S - 1,
                                           rng=chunks[0].rng if chunks else None, **gpt_kwargs))
     return chunks
 
@@ -330,7 +416,8 @@ def check_world(pp, world_size):
 # The executor: runs exactly one rank's list, with the messages rank_plan derives from it. 05 plugs
 # into it through two arguments, each named here once: wire= is how a boundary tensor travels (05's
 # scatter/gather), clock= reads the time of its events (05's --trace); exchange= is an optimization
-# (BackgroundSends, at the end of this file).
+# (BackgroundSends, at the end of this file). 06 (zero bubble) through three: placement= and
+# schedule= (see rank_plan), and split=, the backward split that runs its I and W actions.
 
 
 @dataclass
@@ -370,16 +457,21 @@ class Exchange:
 
 
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True, valid=None,
-            ignore_index=-100, wire=None, exchange=None, clock=time.perf_counter, t0=None):
-    """Run this rank's actions. chunks[c] is virtual stage c*pp + rank; microbatches is the list of
-    (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in the
-    chunks' parameters; the loss of microbatch i is weighted by its share valid[i] / sum(valid) of
-    the tokens that count (not ignore_index), so the sum is the serial model's mean loss. Pass
+            ignore_index=-100, wire=None, exchange=None, clock=time.perf_counter, t0=None,
+            placement=looped, schedule=None, split=None):
+    """Run this rank's actions. chunks[c] is virtual stage placement(pp, c, rank); microbatches is
+    the list of (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in
+    the chunks' parameters; the loss of microbatch i is weighted by its share valid[i] / sum(valid)
+    of the tokens that count (not ignore_index), so the sum is the serial model's mean loss. Pass
     valid, counted on the host, to keep device read-backs out of the loop (None: counted here).
-    deallocate: free each sent output's storage once its send completed (Megatron's trick)."""
+    deallocate: free each sent output's storage once its send completed (Megatron's trick).
+    schedule: every rank's list (receives in their sender's order, rank_plan). split: 06's
+    BackwardSplit, for lists with I and W: split.input(key) is the context in which I's backward
+    computes input gradients only, split.held(key) what it kept for W (counted as activations until
+    then), split.weight(key) runs W."""
     wire, exchange = wire or Wire(act_shape), exchange or Exchange()
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    S = pp * len(chunks)
+    S, where = pp * len(chunks), stage_map(pp, len(chunks), placement)
     dtype, device = next(chunks[0].parameters()).dtype, next(chunks[0].parameters()).device
     valid = valid or [int((t != ignore_index).sum()) for _, t in microbatches]
     n_valid = max(sum(valid), 1)  # a microbatch with no valid target weighs 0: it adds nothing
@@ -389,12 +481,12 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
 
     def sent(msg):  # its send completed: the tensor may change now
         if msg[0] == "act":
-            key = ((msg[1] - 1) // pp, msg[2])  # the output's chunk; its backward may have run already
+            key = (where[msg[1] - 1][1], msg[2])  # the output's chunk; its backward may have run already
             meter.unsent.discard(key)
             if deallocate and key in outputs:  # backward does not read a stage's output (its last op
                 outputs[key].untyped_storage().resize_(0)  # is an add): free it, keep its graph
 
-    for kind, step in rank_plan(actions, rank, pp):
+    for kind, step in rank_plan(actions, rank, pp, placement, schedule):
         if kind == "comm":  # one batch: this boundary's sends and receives, posted together
             ops, start = [], clock() - t0
             for side, peer, msg in step:
@@ -414,7 +506,7 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
             meter.measure()
             continue
         a, start = step, clock() - t0
-        k, key = a.chunk * pp + rank, (a.chunk, a.mb)
+        k, key = placement(pp, a.chunk, rank), (a.chunk, a.mb)
         idx, targets = microbatches[a.mb]
         if a.kind == "F":  # receive -> forward -> send
             x = idx if k == 0 else inbox.pop(("act", k, a.mb)).requires_grad_()
@@ -423,18 +515,24 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
             if k == S - 1:
                 y = y[1] * (valid[a.mb] / n_valid)
                 loss = y.detach() if loss is None else loss + y.detach()
-            elif (k + 1) % pp == rank:  # the next stage is this rank's own next chunk
+            elif where[k + 1][0] == rank:  # the next stage is one of this rank's own chunks
                 inbox[("act", k + 1, a.mb)] = y.detach()
             else:
                 outbox[("act", k + 1, a.mb)] = wire.pack(y.detach())
                 meter.unsent.add(key)
             inputs[key], outputs[key] = x, y
-        else:  # receive the output's gradient -> backward -> send the input's gradient
+        elif a.kind == "W":  # 06: the weight gradients its I left for later; no messages
+            split.weight(key)
+            meter.saved.pop(key)
+        else:  # B, or 06's I: receive the output's gradient -> backward -> send the input's gradient
             x, y = inputs.pop(key), outputs.pop(key)
             meter.saved.pop(key)
-            torch.autograd.backward(y, None if k == S - 1 else inbox.pop(("grad", k, a.mb)))
+            with split.input(key) if a.kind == "I" else contextlib.nullcontext():
+                torch.autograd.backward(y, None if k == S - 1 else inbox.pop(("grad", k, a.mb)))
+            if a.kind == "I":
+                meter.saved[key] = split.held(key)  # what W still needs, until it runs
             if k > 0:
-                box = inbox if (k - 1) % pp == rank else outbox
+                box = inbox if where[k - 1][0] == rank else outbox
                 box[("grad", k - 1, a.mb)] = x.grad if box is inbox else wire.pack(x.grad)
         events.append((start, clock() - t0, a))
         meter.measure()

@@ -221,8 +221,10 @@ class Run:
     cfg: object  # 01's GPTConfig
     tc: object  # TrainConfig
     groups: Groups
-    chunks: list  # this rank's model chunks, chunk c being virtual stage c pp + pp_rank
-    schedule: list  # this rank's actions: 1F1B, or interleaved 1F1B when v > 1
+    chunks: list  # this rank's model chunks, chunk c being virtual stage c pp + pp_rank (pipe.placement)
+    schedule: list  # this rank's actions: 1F1B, or interleaved 1F1B when v > 1 (pipe.lists[pp_rank])
+    pipe: object  # the PipelineSchedule it runs: every rank's list, the placement of the chunks
+    split: object  # 06's backward split of the chunks, for lists with I and W; else None
     act_shape: tuple  # a stage's output: (b, T, C), T/tp with sequence parallelism
     wire: object  # ScatterGather, or None: boundary tensors travel whole
     ddp: object  # 04's BucketedDDP (PipelineDDP) over the chunks' parameters
@@ -232,22 +234,56 @@ class Run:
     forward_backward: object  # forward_backward below, or kernels.graphs' CUDA-graph replay of it
 
 
+@dataclass
+class PipelineSchedule:
+    """What the pipeline runs. 05's is 03's interleaved 1F1B (interleaved_schedule); 06 passes its
+    zero-bubble schedules to train() as schedule_of(tc), the one seam for them, named here."""
+    name: str  # for the summary: "1F1B", "interleaved 1F1B, v=2", ...
+    lists: list  # every pipeline rank's actions
+    placement: object = pipeline.looped  # where each chunk's stage is (02)
+    lockstep: bool = False  # receives posted in lockstep with their senders (02's rank_plan)
+    split: object = None  # (chunks) -> the backward split that runs I and W actions (06)
+    bubble: str = "(pp-1)/(v m)"  # the formula of the summary's simulated bubble (t_b = 2 t_f)
+
+    @property
+    def last(self):
+        """The pipeline rank holding the last stage (and the tied output layer)."""
+        pp = len(self.lists)
+        v = pipeline.n_chunks([a for acts in self.lists for a in acts])
+        return pipeline.stage_map(pp, v, self.placement)[pp * v - 1][0]
+
+    def grid(self, world, tp, dp):
+        """rank_grid for this schedule: with the last stage beside the first (06's V), the tied
+        embedding's copies are on one rank, summed there (02's sync_tied_embeddings): no group."""
+        grid = rank_grid(world, tp, dp, len(self.lists))
+        grid["embed"] = grid["embed"] if self.last else []
+        return grid
+
+
+def interleaved_schedule(tc):
+    """1F1B (02), or interleaved 1F1B (03) when v > 1."""
+    v = tc.virtual_stages
+    return PipelineSchedule("interleaved 1F1B, v=" + str(v) if v > 1 else "1F1B",
+                            [interleaved.interleaved(tc.pp, tc.microbatches, r, v) for r in range(tc.pp)])
+
+
 def resolve_dtype(tc, device):
     if tc.dtype == "auto":  # bf16 on a GPU (fp32 gradients and masters); fp32 on a CPU
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, tc.dtype)
 
 
-def build(env, cfg, tc, groups):
-    """This rank's chunks (TP inside, loaded from the full weights), its DDP and optimizer."""
-    pp_rank = dist.get_rank(groups.pp)
+def build(env, cfg, tc, groups, pipe=None):
+    """This rank's chunks (TP inside, loaded from the full weights), its DDP and optimizer. pipe: the
+    PipelineSchedule (None: interleaved_schedule(tc))."""
+    pipe, pp_rank = pipe or interleaved_schedule(tc), dist.get_rank(groups.pp)
     dtype = resolve_dtype(tc, env.device)
     torch.manual_seed(tc.seed + 100 * pp_rank)  # dropout: alike across tp and dp, not across stages
     # Megatron's CPU initialisation: the full model from the seed (or imported GPT-2 weights),
     # then this rank's part of it.
     full = import_gpt2(tc.init_from)[1] if tc.init_from else tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dtype)
-    chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, tc.virtual_stages, groups.tp,
-                                   sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
+    chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, pipeline.n_chunks(pipe.lists[pp_rank]), groups.tp,
+                                   pipe.placement, sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
                                    init=False, dtype=dtype, device=env.device,
                                    # Megatron's padding: V_pad a multiple of 128 tp, so the output
                                    # layer's GEMM has aligned sizes (50257 -> 50304 at tp = 1)
@@ -261,6 +297,7 @@ def build(env, cfg, tc, groups):
         if ops:
             kernels.fuse(c, ops, tc.overlap_input_grad)
         recompute_layers(c, tc.recompute)
+    split = pipe.split(chunks) if pipe.split else None  # last: it takes over the linears' forwards
     params = [p for c in chunks for p in c.parameters()]
     # Gradients are reduced in fp32 when the weights are bf16; the optimizer keeps fp32 masters. A
     # gradient is final at the last of its chunk's m backwards, when its bucket's reduction can start,
@@ -277,13 +314,13 @@ def build(env, cfg, tc, groups):
             opt.wait_before_forward(c, [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")])
             for block in c.transformer.h.values():
                 opt.wait_before_forward(block, list(block.parameters()))
-    schedule = interleaved.interleaved(tc.pp, tc.microbatches, pp_rank, tc.virtual_stages)
     b = tc.batch_size // (tc.dp * tc.microbatches)
     act_shape = (b, tc.seq_len // (tc.tp if tc.sequence_parallel else 1), cfg.n_embd)
     sg = tc.scatter_gather and tc.tp > 1 and not tc.sequence_parallel  # with sp it is split already
     wire = ScatterGather(act_shape, groups.tp) if sg else None
     step = cuda_graphs.Graphed(graph_mode, forward_backward, pipeline.StepResult) if graph_mode else forward_backward
-    return Run(env, cfg, tc, groups, chunks, schedule, act_shape, wire, ddp, opt, dtype, ops, step)
+    return Run(env, cfg, tc, groups, chunks, pipe.lists[pp_rank], pipe, split, act_shape, wire, ddp, opt, dtype, ops,
+               step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,21 +387,23 @@ def forward_backward(run, micro, valid, trace=None, chunks=None, plain=False):
     exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
     timing = dict(t0=trace.t0, clock=trace.clock) if trace else {}
     return pipeline.execute(run.schedule, chunks or run.chunks, run.groups.pp, micro, run.act_shape, wire=run.wire,
-                            valid=valid, exchange=exchange, deallocate=not plain, **timing)
+                            valid=valid, exchange=exchange, deallocate=not plain, placement=run.pipe.placement,
+                            schedule=run.pipe.lists if run.pipe.lockstep else None, split=run.split, **timing)
 
 
 def forward_only(run, idx, targets, chunks=None):
     """This replica's batch through the pipeline, forward only (eval mode, no gradients); chunks:
     stand-ins for run.chunks that wrap them (the end report's probe reads the logits so)."""
-    forwards = [pipeline.Action("F", a.mb, a.chunk) for a in run.schedule if a.kind == "F"]
+    forwards = [[pipeline.Action("F", a.mb, a.chunk) for a in acts if a.kind == "F"] for acts in run.pipe.lists]
     valid = [int((t != -100).sum()) for t in targets.chunk(run.tc.microbatches)]  # on the host
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
     for c in run.chunks:
         c.eval()
     try:
         with torch.no_grad():
-            return pipeline.execute(forwards, chunks or run.chunks, run.groups.pp, micro, run.act_shape,
-                                    wire=run.wire, valid=valid)
+            return pipeline.execute(forwards[dist.get_rank(run.groups.pp)], chunks or run.chunks, run.groups.pp, micro,
+                                    run.act_shape, wire=run.wire, valid=valid, placement=run.pipe.placement,
+                                    schedule=forwards if run.pipe.lockstep else None)
     finally:
         for c in run.chunks:
             c.train()
@@ -470,15 +509,17 @@ MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd
 # Training
 
 
-def train(env, cfg, tc, quiet=False):
-    """Train on this rank; returns the per-step losses and gradient norms and the final figures."""
+def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
+    """Train on this rank; returns the per-step losses and gradient norms and the final figures.
+    schedule_of(tc): the PipelineSchedule to run (06 passes its own)."""
     say = printer(env, quiet)  # everything that can be refused is, before the first collective:
     train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
                                                        writer=env.rank == 0)
     if acceleration(tc, env.device)[0]:
         kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
-    groups = new_groups(env, rank_grid(env.world_size, tc.tp, tc.dp, tc.pp), tc.timeout_s)
-    run = build(env, cfg, tc, groups)
+    pipe = schedule_of(tc)
+    groups = new_groups(env, pipe.grid(env.world_size, tc.tp, tc.dp), tc.timeout_s)
+    run = build(env, cfg, tc, groups, pipe)
     spec = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
     flops = planner.flops_per_iteration(spec, tc.batch_size, tc.recompute)
     report.summary(run, spec, flops, len(train_tokens), len(eval_tokens), say)
@@ -623,15 +664,16 @@ def parser():
     return p
 
 
-def main():
+def main(parser=parser, config=TrainConfig, schedule_of=interleaved_schedule):
+    """The trainer's command line; 06 runs it with its own flags (config, parser) and schedules."""
     args = parser().parse_args()
     if args.plan:  # the planner checks its own flags
         print(planner.plan_from_args(args))
         return True
-    tc, cfg, sc = (cli.from_args(c, args) for c in (TrainConfig, tensor_parallel.GPTConfig, sample.SampleConfig))
+    tc, cfg, sc = (cli.from_args(c, args) for c in (config, tensor_parallel.GPTConfig, sample.SampleConfig))
     check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
     if args.print_layout:
-        report.print_layout(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
+        report.print_layout(tc, schedule_of(tc).grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp))
     elif args.self_check:
         self_check(tc)
     elif args.sample is not None:
@@ -651,7 +693,7 @@ def main():
         device = torch.device("cuda" if ranks and torch.cuda.is_available() else "cpu")  # as launch decides
         preflight(cfg, tc, world, device, ranks_here=1 if ranks else world,  # again on every rank
                   writer=not ranks or ranks[0] == 0)
-        return train_with_restarts(cfg, tc)
+        return train_with_restarts(cfg, tc, schedule_of)
     return True
 
 
@@ -661,14 +703,15 @@ def newest_checkpoint(tc):
     return max(found, key=lambda p: read_manifest(p)["step"], default=None)
 
 
-def train_with_restarts(cfg, tc):
+def train_with_restarts(cfg, tc, schedule_of=interleaved_schedule):
     """Launch the training; when a rank dies or hangs, and --restarts allows, stop the rest (the
     launcher does), check every rank and group again (--self-check), and resume from the newest of
     the snapshots and the checkpoints, saying how many steps were lost. Faults rehearsed with
     --rehearse-fault happen in the first attempt only."""
     for attempt in range(tc.restarts + 1):
         try:
-            return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, timeout_s=tc.timeout_s,
+            return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, False, schedule_of,
+                                               timeout_s=tc.timeout_s,
                                                watch=Watch(hang_seconds(tc), lambda r: where_is(r, tc))))
         except RankFailure as failure:
             if attempt == tc.restarts or launcher_ranks():

@@ -3,7 +3,8 @@
     check_fields(*configs)        each field of a config dataclass (01-05's demo and trainer configs,
                                   GPTConfig, SampleConfig): its type and its range (FIELDS below)
     check_config(cfg, tc, world)  the relations between fields: the layout (tp x dp x pp = world,
-                                  layers per stage, microbatches per interleaving group), the batch,
+                                  layers per stage, microbatches per interleaving group, 06's
+                                  zero-bubble schedules), the batch,
                                   the model's shapes, the learning rates, the flags that need others
     check_device(tc, device)      what needs a GPU (CUDA graphs, forced CUDA kernels)
     check_paths(tc)               --save, --metrics, --trace: writable, of the right kind
@@ -67,6 +68,9 @@ FIELDS = {
 }
 
 
+ZERO_BUBBLE = ("zb-h1", "zb-v")  # 06's --schedule values
+
+
 def flag(name):
     return "--" + name.replace("_", "-")
 
@@ -118,6 +122,17 @@ def check_config(cfg, tc, world=None):
     if cfg.n_layer % stages:  # also when there are more stages than layers
         raise ValueError(f"--n-layer: n_layer={cfg.n_layer} is not divisible by {stages} pipeline stages "
                          f"(pp x v = {pp} x {v}); uneven splits are not supported")
+    schedule = getattr(tc, "schedule", "")
+    if schedule in ZERO_BUBBLE and v > 1:
+        raise ValueError(f"--virtual-stages {v}: --schedule {schedule} places its own chunks (ZB-H1 one per rank, "
+                         f"ZB-V two in a V); leave --virtual-stages at 1")
+    if schedule == "zb-v" and cfg.n_layer % (2 * pp):
+        raise ValueError(f"--schedule zb-v runs two chunks per rank in a V: --n-layer {cfg.n_layer} is not divisible "
+                         f"by its 2 x pp = {2 * pp} stages; uneven splits are not supported")
+    for name in ("fused_kernels", "cuda_graphs"):
+        if schedule in ZERO_BUBBLE and getattr(tc, name, None):
+            raise ValueError(f"{flag(name)}: --schedule {schedule} splits each linear layer's backward in two (I "
+                             f"and W), which the fused layer and the captured graphs do not; drop the flag")
     if tc.batch_size % (dp * m):
         raise ValueError(f"--batch-size: the global batch of {tc.batch_size} sequences is not divisible by "
                          f"dp x m = {dp} x {m}")
@@ -262,7 +277,7 @@ def acceleration(tc, device):
     """(fused kernels on?, CUDA graphs: None, "stage" or "step"), unset flags resolved: both on on
     a GPU, graphs where the layout allows them; the whole step is one graph at tp = pp = dp = 1 and
     v = 1 (its graph holds one chunk: with v > 1 each chunk is captured on its own)."""
-    gpu = device.type == "cuda"
+    gpu = device.type == "cuda" and getattr(tc, "schedule", "") not in ZERO_BUBBLE  # 06 runs 01's layers
     fused = gpu if tc.fused_kernels is None else tc.fused_kernels
     graphs = (gpu and tc.tp == 1 and tc.recompute == "none") if tc.cuda_graphs is None else tc.cuda_graphs
     if not graphs:

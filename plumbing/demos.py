@@ -7,7 +7,8 @@ stay in each file.
     checksum(module)               04: a hash of the weights' bytes, to show replicas bit-identical
     report_pipeline(env, ...)      02, 03: one schedule's step, printed: its timelines, bubble,
                                    memory, traffic and difference from serial (02 ran and compared it)
-    fed_simulator(pipeline, ..)    bench_pipeline: 02's simulator fed a run's own measured times
+    fed_simulator(pipeline, ..)    bench_pipeline, bench_zero_bubble: 02's simulator fed a run's own
+                                   measured times
 
 Nothing here imports a numbered file, so that any of them can use it without an import cycle:
 what a function needs of 02 it takes as an argument.
@@ -131,11 +132,12 @@ def report_pipeline(env, name, schedule, sim, worst, result, kept, render, say, 
     return worst <= 1e-10 and sim.bubble == formula, sim, ranks
 
 
-def fed_simulator(pipeline, env, events, schedule, shape, rounds=21):
+def fed_simulator(pipeline, env, events, schedule, shape, rounds=21, placement=None):
     """What 02's simulate() predicts for `schedule` fed a run's own times: each rank's t_f and t_b,
     the mean durations of its forwards and backwards in its `events` (02's StepResult.events of
-    some steps), and t_comm, half the median round trip of one boundary tensor of `shape` between
-    ranks 0 and 1 through batch_isend_irecv, as 02 sends it. Collective: every rank calls it.
+    some steps; 06's split backward: of its I and W, and t_b their sum), and t_comm, half the median
+    round trip of one boundary tensor of `shape` between ranks 0 and 1 through batch_isend_irecv, as
+    02 sends it. placement: the schedule's (None: 02's looped). Collective: every rank calls it.
     Returns (predicted step time, [t_f per rank], [t_b per rank], t_comm), in seconds."""
     x, trips = torch.zeros(shape, device=env.device), []
     ping_pong = {0: (dist.isend, dist.irecv), 1: (dist.irecv, dist.isend)}.get(env.rank, ()) if env.world_size > 1 else ()
@@ -148,7 +150,11 @@ def fed_simulator(pipeline, env, events, schedule, shape, rounds=21):
         if x.is_cuda:
             torch.cuda.synchronize()
         trips.append(time.perf_counter() - t0)
-    durations = [[e - s for s, e, a in events if a.kind == k] for k in "FB"]
-    mine = [sum(d) / len(d) for d in durations] + [sorted(trips)[rounds // 2] / 2]
-    t_f, t_b, t_comm = zip(*gather_numbers(mine, device=env.device))  # each rank's row; t_comm: rank 0's
-    return pipeline.simulate(schedule, len(schedule), list(t_f), list(t_b), t_comm[0]).step_time, t_f, t_b, t_comm[0]
+    mean = {k: (lambda d: sum(d) / len(d) if d else 0.0)([e - s for s, e, a in events if a.kind == k]) for k in "FBIW"}
+    t_b = mean["B"] if any(a.kind == "B" for _, _, a in events) else mean["I"] + mean["W"]
+    mine = [mean["F"], t_b, sorted(trips)[rounds // 2] / 2, mean["I"], mean["W"]]
+    t_f, t_b, t_comm, t_i, t_w = zip(*gather_numbers(mine, device=env.device))  # each rank's row; t_comm: rank 0's
+    kwargs = dict(placement=placement) if placement else {}
+    step = pipeline.simulate(schedule, len(schedule), list(t_f), list(t_b), t_comm[0],
+                             times={"I": list(t_i), "W": list(t_w)}, **kwargs).step_time
+    return step, t_f, t_b, t_comm[0]

@@ -1,7 +1,8 @@
 """The activation memory 02's executor reports: what autograd saves for each microbatch in flight,
 counted as it is saved (a saved-tensors hook), not estimated. An instrument, not the schedule: the
 executor calls forward(key) around each forward, measure() at each boundary and after each action,
-and keeps `unsent` (outputs whose send is still in flight) up to date.
+and keeps `unsent` (outputs whose send is still in flight) up to date. With 06's split backward,
+saved[key] holds, from a microbatch's I to its W, the tensors W still needs instead.
 """
 from contextlib import contextmanager
 
@@ -33,8 +34,9 @@ class ActivationMeter:
 
     def measure(self):
         live = {}
+        for saved in self.saved.values():  # microbatches in flight (and, from 06's I to its W, what W needs)
+            live.update(saved)
         for key, y in self.outputs.items():
-            live.update(self.saved[key])
             if y.dim() and key not in self.unsent:
                 live[y.untyped_storage().data_ptr()] = y.untyped_storage().nbytes()
         self.peak = max(self.peak, sum(live.values()))

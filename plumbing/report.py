@@ -26,7 +26,6 @@ from plumbing.data import sum_probe as probe_batches
 from plumbing.launch import gather_numbers
 
 pipeline = importlib.import_module("02_pipeline_1f1b")
-interleaved = importlib.import_module("03_interleaved")
 
 
 def print_layout(tc, grid):
@@ -80,8 +79,7 @@ def summary(run, spec, flops, n_train, n_eval, say):
     local = sum(p.numel() for c in run.chunks for p in c.parameters())
     per_rank = [int(x[0]) for x in gather_numbers([local], device=env.device)]
     mem = memory_estimate(run, spec)
-    sim = pipeline.simulate([interleaved.interleaved(tc.pp, tc.microbatches, s, tc.virtual_stages)
-                         for s in range(tc.pp)], tc.pp)
+    sim = pipeline.simulate(run.pipe.lists, tc.pp, 1, 2, times={"I": 1, "W": 1}, placement=run.pipe.placement)
     on = lambda flag: "on" if flag else "off"  # noqa: E731
     graphs = {None: "off", "stage": "per stage and microbatch", "step": "whole step"}[getattr(run.forward_backward, "mode", None)]
     data = tc.data or "the built-in corpus"
@@ -91,7 +89,7 @@ def summary(run, spec, flops, n_train, n_eval, say):
     say(f"data      {data}: {n_train:,} tokens to train on, {n_eval:,} held out; "
         f"{tokenizer_of(tc.data)} tokens")
     say(f"layout    world {env.world_size} = tp {tc.tp} x pp {tc.pp} x dp {tc.dp}; "
-        f"{'interleaved 1F1B, v=' + str(tc.virtual_stages) if tc.virtual_stages > 1 else '1F1B'}, "
+        f"{run.pipe.name}, "
         f"m={tc.microbatches} microbatches of b={run.act_shape[0]}; "
         f"{'ZeRO-1' if tc.zero1 else 'data parallel'}; scatter/gather {on(run.wire)}, "
         f"sequence parallel {on(tc.sequence_parallel)}, recompute {tc.recompute}")
@@ -107,7 +105,7 @@ def summary(run, spec, flops, n_train, n_eval, say):
     say(f"memory    rank 0, estimated: weights {mem['weights'] / 2**20:.2f} MiB, gradients "
         f"{mem['gradients'] / 2**20:.2f} MiB, optimizer {mem['optimizer'] / 2**20:.2f} MiB, activations "
         f"{mem['activations'] / 2**20:.2f} MiB (Korthikanti Table 2); parameters per rank {per_rank}")
-    say(f"compute   FLOPs per iteration (eq. 3): {flops:.3e}; pipeline bubble (pp-1)/(v m) = "
+    say(f"compute   FLOPs per iteration (eq. 3): {flops:.3e}; pipeline bubble {run.pipe.bubble} = "
         f"{sim.bubble} (simulated, t_b = 2 t_f)")
 
 

@@ -459,8 +459,8 @@ def _poisoned_padding(env, cfg, tc):
     counted anywhere, the loss would move far from serial's."""
     real, rows = gpt3d.build, []
 
-    def build(env, cfg, tc, groups):
-        run = real(env, cfg, tc, groups)
+    def build(env, cfg, tc, groups, *schedule):
+        run = real(env, cfg, tc, groups, *schedule)
         for c in run.chunks:
             if "wte" in c.transformer:
                 wte = c.transformer.wte

@@ -1,0 +1,345 @@
+"""06 - Zero-bubble pipelines: the backward split in two (Qi et al. 2023, "Zero Bubble Pipeline
+Parallelism", Sections 2 and 6).
+
+What this file adds on top of 02-05: a backward B is two computations that depend on different
+things. I, the gradient of the input (dX = dY W for a linear layer), is what the previous stage
+waits for; W, the gradient of the weights (dW = dY^T X), nobody waits for until the optimizer.
+Running W later, in the time a rank would otherwise sit idle, shrinks the pipeline's bubble:
+  - BackwardSplit: every linear layer's backward computes dX at I and keeps X and dY for W, which
+    computes dW and accumulates it as B would have (float64-equal); each weight's gradient hook
+    (04's buckets) fires once per microbatch, at W. LayerNorm, bias and embedding gradients are
+    cheap and stay in I; so does the tied output layer, whose weight is the embedding;
+  - zb_h1 (Section 2.1): 1F1B with each B replaced by I, rank r deferring its Ws by r microbatches
+    into the cooldown; idle per rank (pp-1)(t_F + t_I - t_W), a third of 1F1B's at equal times,
+    with no more memory than 1F1B on rank 0: (pp-r) M_B + r M_W on rank r;
+  - zb_v (Section 6): two chunks per rank in a V (chunk 0 is stage r, chunk 1 stage 2pp-1-r), so
+    the first and last stage share rank 0; at equal times no rank idles inside its own span, with
+    pp M_B of memory (2pp chunks of half a stage) on every rank.
+The lists are torch's own (ScheduleInterleavedZeroBubble at one stage per rank, ScheduleZBVZeroBubble),
+action for action (tests/test_zero_bubble.py). 02 runs them: its executor knows I and W and the
+placement, and its rank_plan posts ZB-V's receives in lockstep with their senders. 05's training
+loop runs them too (--train, --schedule).
+
+Run it:
+    python 06_zero_bubble.py                            # pp=4 CPU ranks, m=8: 1F1B, ZB-H1, ZB-V
+    python 06_zero_bubble.py --pp 2 --microbatches 6
+    python 06_zero_bubble.py --train --tp 2 --pp 2 --dp 2 --schedule zb-v --steps 50
+    torchrun --nproc-per-node 4 06_zero_bubble.py       # one rank per GPU
+
+The demo draws 1F1B, ZB-H1 and ZB-V simulated on one time scale (t_F = t_I = t_W), prints each
+rank's idle time, the bubble and the peak memory beside the paper's formulas, runs all three on the
+same model against the serial model in float64 (loss and every gradient <= 1e-10) with their
+measured timelines and activation bytes, and exits 1 on a mismatch or a formula that fails.
+"""
+import contextlib
+import functools
+import importlib
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+from fractions import Fraction
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plumbing import cli, demos
+from plumbing.launch import printer, run_main
+from plumbing.trace import write_timelines
+
+tensor_parallel = importlib.import_module("01_tensor_parallel")
+pipeline = importlib.import_module("02_pipeline_1f1b")
+gpt3d = importlib.import_module("05_3d_gpt")
+Action = pipeline.Action
+
+
+# ----------------------------------------------------------------------------------------------
+# The backward split (Section 2): B = I + W, for each linear layer Y = X W^T + b
+
+
+class DeferredWeightGrad(torch.autograd.Function):
+    """F.linear(x, weight, bias) whose backward is I's half: dX = dY W and the bias's sum of dY now,
+    X and dY kept for W. The weight comes in detached (and its layer, not the parameter itself), so
+    autograd has no edge to it: nothing is accumulated into it at I and its gradient hook does not
+    fire (returning None for it would fire the hook, with no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, linear, split):  # x (..., n_in), weight (n_out, n_in)
+        ctx.save_for_backward(x, weight)
+        ctx.linear, ctx.split, ctx.bias = linear, split, bias is not None
+        return F.linear(x, weight, bias)  # (..., n_out)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy (..., n_out)
+        x, weight = ctx.saved_tensors
+        ctx.split.keep(ctx.linear.weight, x, dy)
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.bias else None
+        return dy @ weight, None, db, None, None  # dX (..., n_in)
+
+
+class BackwardSplit:
+    """Installs DeferredWeightGrad in every column- and row-parallel layer of a rank's chunks (the
+    tied output layer aside), and runs I and W for 02's executor: input(key) is the context of I's
+    backward for key = (chunk, microbatch), held(key) the storage it kept, weight(key) is W."""
+
+    def __init__(self, chunks):
+        self.kept, self.key = {}, None
+        for c in chunks:
+            for m in c.modules():
+                if isinstance(m, tensor_parallel.ColumnParallelLinear) and m is not getattr(c, "lm_head", None):
+                    m.forward = functools.partial(self._column, m)
+                elif isinstance(m, tensor_parallel.RowParallelLinear):
+                    m.forward = functools.partial(self._row, m)
+
+    def _linear(self, linear, x, bias):
+        return DeferredWeightGrad.apply(x, linear.weight.detach(), bias, linear, self)
+
+    def _column(self, linear, x):  # 01's ColumnParallelLinear.forward, with the split linear
+        return linear.output(self._linear(linear, tensor_parallel.enter_tp(x, linear.group, linear.sp), linear.bias))
+
+    def _row(self, linear, x):  # 01's RowParallelLinear.forward, likewise
+        y = tensor_parallel.exit_tp(self._linear(linear, x, None), linear.group, linear.sp)
+        return y + tensor_parallel.sp_param(linear.bias, linear.group, linear.sp)
+
+    @contextlib.contextmanager
+    def input(self, key):
+        self.key, self.kept[key] = key, []
+        try:
+            yield
+        finally:
+            self.key = None
+
+    def keep(self, param, x, dy):
+        if self.key is None:
+            raise RuntimeError("a backward through a split linear layer ran outside an I action: with a "
+                               "BackwardSplit installed, run I and W (02's execute with split=)")
+        self.kept[self.key].append((param, x, dy))
+
+    def held(self, key):
+        """{storage: bytes} of what W of key still needs: each layer's X and dY (the meter counts it)."""
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for _, x, dy in self.kept[key] for t in (x, dy)}
+
+    def weight(self, key):
+        """W: dW = dY^T X for each layer, accumulated into .grad through autograd, so that each
+        weight's post-accumulate hook fires now, once (04's buckets count it)."""
+        grads = {}
+        for param, x, dy in self.kept.pop(key):
+            dw = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (n_out, n_in)
+            grads[param] = grads[param] + dw if param in grads else dw
+        torch.autograd.backward(list(grads), list(grads.values()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedules as data (Sections 2.1 and 6), torch's lists; a placement is part of each.
+
+
+def v_shape(pp, chunk, rank):
+    """The V placement: chunk 0 of rank r is stage r, chunk 1 is stage 2pp-1-r."""
+    return rank if chunk == 0 else 2 * pp - 1 - rank
+
+
+def zb_h1(pp, m, stage):
+    """ZB-H1: 1F1B with each B replaced by I; rank `stage` runs W of microbatch i - stage right after
+    I of microbatch i, and the Ws left over at the end. Deferring them by `stage` fills the cooldown
+    bubble while holding only `stage` microbatches' M_W more than 1F1B: the same peak on rank 0."""
+    acts = []
+    for a in pipeline.one_f_one_b(pp, m, stage):
+        if a.kind == "F":
+            acts.append(a)
+            continue
+        acts.append(Action("I", a.mb))
+        if a.mb >= stage:
+            acts.append(Action("W", a.mb - stage))
+    return acts + [Action("W", i) for i in range(max(m - stage, 0), m)]
+
+
+def zb_v(pp, m, stage):
+    """ZB-V on rank `stage` (r): forwards of chunk 0 until microbatch 0, down the V and back up, reaches
+    chunk 1 here; then F, I and W of both chunks in turn; then the remaining Is and Ws. Built for
+    n = max(m, 2pp - 1) microbatches, the fewest that fill the V, and cut to the m that exist."""
+    r, n, done, acts = stage, max(m, 2 * pp - 1), Counter(), []
+
+    def run(*steps):  # ("F", 0): the next forward of chunk 0, and so on
+        for kind, chunk in steps:
+            acts.append(Action(kind, done[kind, chunk], chunk))
+            done[kind, chunk] += 1
+
+    run(*[("F", 0)] * (2 * (pp - r) - 1))  # warmup: chunk 0 alone, while microbatch 0 goes down...
+    for _ in range(r):
+        run(("F", 1), ("F", 0))  # ...and back up to here: chunk 1 of the ranks below r fills first
+    for _ in range(pp - r):
+        run(("F", 1), ("I", 1), ("W", 1))  # chunk 1's backward starts at once: it follows the bottom
+    while done["F", 0] < n or done["F", 1] < done["F", 0]:  # steady state
+        run(*[("F", 0)] * (done["F", 0] < n), ("I", 0), ("W", 0), ("F", 1), ("I", 1), ("W", 1))
+    for _ in range(r):  # cooldown: the input gradients the ranks below wait for, first
+        run(("I", 0), ("I", 1))
+    for _ in range(pp - r):
+        run(("I", 0), ("W", 0))
+    run(*[("W", 1)] * (done["I", 1] - done["W", 1]), *[("W", 0)] * (done["I", 0] - done["W", 0]))
+    return [a for a in acts if a.mb < m]
+
+
+def pipeline_schedule(name, pp, m):
+    """05's PipelineSchedule of "1f1b", "zb-h1" or "zb-v": every rank's list and how they run.
+    ZB-V sends activations (chunk 0) and gradients (chunk 1) the same way between two ranks, so
+    its receives are posted in lockstep with their senders (02's rank_plan); ZB-H1's are not mixed."""
+    if name == "1f1b":
+        return gpt3d.PipelineSchedule("1F1B", [pipeline.one_f_one_b(pp, m, r) for r in range(pp)])
+    if name == "zb-h1":
+        return gpt3d.PipelineSchedule("ZB-H1", [zb_h1(pp, m, r) for r in range(pp)], split=BackwardSplit,
+                                      bubble="(pp-1)/(3m)")
+    return gpt3d.PipelineSchedule("ZB-V", [zb_v(pp, m, r) for r in range(pp)], placement=v_shape, lockstep=True,
+                                  split=BackwardSplit, bubble="of ZB-V")
+
+
+def simulate(pipe, t=1):
+    """02's simulator on pipe's lists with t_F = t_I = t_W = t per stage (half of it per chunk of
+    ZB-V) and M_W = M_B / 2 (what W keeps, as a share of a microbatch's activations)."""
+    pp, v = len(pipe.lists), pipeline.n_chunks(pipe.lists[0])
+    t = Fraction(t, v)
+    return pipeline.simulate(pipe.lists, pp, t, 2 * t, times={"I": t, "W": t}, placement=pipe.placement,
+                             w_share=Fraction(1, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: the three schedules simulated against their formulas, then run against the serial model.
+
+
+def run_schedule(env, cfg, pipe, ref, embed_group):
+    """One step of pipe on this rank against the serial reference: (worst difference, StepResult)."""
+    microbatches, full, ref_loss, ref_grads = ref
+    pp, rank = env.world_size, env.rank
+    chunks = pipeline.build_chunks(cfg, pp, rank, pipeline.n_chunks(pipe.lists[rank]), placement=pipe.placement,
+                                   init=False, dtype=torch.float64, device=env.device)
+    for c in chunks:
+        c.load_full_state_dict(full)
+    split = pipe.split(chunks) if pipe.split else None
+    dist.barrier()  # the ranks start together, so their measured timelines line up
+    result = pipeline.execute(pipe.lists[rank], chunks, dist.group.WORLD, microbatches,
+                              (*microbatches[0][0].shape, cfg.n_embd), placement=pipe.placement,
+                              schedule=pipe.lists if pipe.lockstep else None, split=split)
+    pipeline.sync_tied_embeddings(chunks, embed_group if pipe.last else None)  # ZB-V: both copies on rank 0
+    return pipeline.differences(chunks, result, ref_loss, ref_grads), result
+
+
+def demo(env, cfg, args):
+    pp, m, say = args.pp, args.microbatches, printer(env)
+    pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
+    ref = pipeline.serial_reference(cfg, args, m, env.device)
+    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
+    pipes = {name: pipeline_schedule(name, pp, m) for name in ("1f1b", "zb-h1", "zb-v")}
+    sims = {name: simulate(pipe) for name, pipe in pipes.items()}
+    end = max(sim.step_time for sim in sims.values())
+    say("\n=== simulated: t_F = t_I = t_W = 1 per stage (ZB-V: 1/2 per chunk, chunk 1 in lower case) ===")
+    for name, sim in sims.items():
+        say(f"{pipes[name].name}:\n{pipeline.render(sim.timeline, 150, end)}")
+    one, h1, zv = sims["1f1b"], sims["zb-h1"], sims["zb-v"]
+    formulas = [  # (what, simulated, the paper's formula, where it holds)
+        ("1F1B idle per rank", one.idle, [(pp - 1) * 3] * pp, "(pp-1)(t_F+t_I+t_W)"),
+        ("ZB-H1 idle per rank", h1.idle, [pp - 1] * pp, "(pp-1)(t_F+t_I-t_W), m >= pp"),
+        ("ZB-V idle inside each rank's span", zv.span_idle, [0] * pp, "0, m >= 2pp-1"),
+        ("bubble, 1F1B", one.bubble, Fraction(pp - 1, m), "(pp-1)/m"),
+        ("bubble, ZB-H1", h1.bubble, Fraction(pp - 1, 3 * m), "(pp-1)/(3m): a third, m >= pp"),
+        ("peak memory, 1F1B", one.peak_memory, [pp - r for r in range(pp)], "(pp-r) M_B"),
+        ("peak memory, ZB-H1", h1.peak_memory, [pp - r + Fraction(r, 2) for r in range(pp)],
+         "(pp-r) M_B + r M_W <= pp M_B, m >= pp"),
+        ("peak memory, ZB-V (chunks)", zv.peak_memory, [2 * pp] * pp, "2pp half-stage chunks = pp M_B, m >= 2pp-1"),
+    ]
+    ok, show = True, lambda x: str([str(y) for y in x]).replace("'", "") if isinstance(x, list) else str(x)  # noqa: E731
+    say("\nthe paper's figures (M_W = M_B/2 here; memory in microbatches of a stage's activations, M_B):")
+    for what, got, want, formula in formulas:
+        out_of_range = "m >= pp" in formula and m < pp or "2pp-1" in formula and m < 2 * pp - 1
+        ok &= got == want or out_of_range
+        verdict = "(equal)" if got == want else "(m out of the formula's range)" if out_of_range else "(DIFFERENT)"
+        say(f"  {what:36s} {show(got):28s} formula {formula} = {show(want)}  {verdict}")
+    say(f"  simulated step time: 1F1B {one.step_time}, ZB-H1 {h1.step_time}, ZB-V {zv.step_time}")
+    say("\n=== executed against the serial model, float64 ===")
+    measured = {}
+    for name, pipe in pipes.items():
+        pipeline.validate(pipe.lists, pp, m, pipe.placement, pipe.lockstep)
+        worst, result = run_schedule(env, cfg, pipe, ref, embed_group)
+        ranks = demos.gather_figures(env, pipe.lists, worst, result, result)
+        worst = max(r.worst for r in ranks)
+        ok &= worst <= 1e-10
+        measured[name] = ranks
+        say(f"{pipe.name}: max relative difference (loss and every gradient) {worst:.2e} "
+            f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10); measured timeline:\n"
+            f"{pipeline.render([r.events for r in ranks], 150)}")
+    peaks = {name: [r.peak_bytes for r in ranks] for name, ranks in measured.items()}
+    say("\npeak stored activation bytes per rank (outputs deallocated; ZB: X and dY kept for W counted):")
+    for name in pipes:
+        say(f"  {pipes[name].name:6s} {peaks[name]}  ({', '.join(f'{a / b:.2f}' for a, b in zip(peaks[name], peaks['1f1b']))} of 1F1B's)")
+    extra = [a - b for a, b in zip(peaks["zb-h1"], peaks["1f1b"])]
+    m_w = extra[1] if pp > 1 else 0  # what W keeps of one microbatch: X and dY of each linear layer
+    say(f"  ZB-H1 holds r M_W more than 1F1B on rank r: {extra} = r x {m_w:,}  "
+        f"{'(equal)' if extra == [r * m_w for r in range(pp)] else '(DIFFERENT)'}\n  M_W is close to M_B here: W "
+        f"keeps each linear layer's X and dY, and what B needs beyond them, the attention's\n  s^2 terms "
+        f"(Korthikanti's 5as^2b of 34sbh + 5as^2b a layer), is small at T={args.seq_len}; so ZB-H1's later ranks "
+        f"hold nearly pp M_B,\n  rank 0 no more than 1F1B's")
+    if env.device.type == "cpu":
+        say(f"  measured timelines are not the simulated ones: here {pp} ranks share this machine's cores")
+    if args.trace and env.rank == 0:
+        write_timelines(args.trace, {pipes[n].name: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)
+        say(f"\nChrome trace of the measured steps (1F1B, ZB-H1, ZB-V): {args.trace} (open it in chrome://tracing "
+            f"or ui.perfetto.dev)")
+    say(f"\n{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+@dataclass
+class DemoConfig(pipeline.PipelineDemoConfig):
+    pp: int = 4  # pipeline ranks: CPU ranks started here, or torchrun's world
+
+
+@dataclass
+class ZeroBubble:
+    schedule: Literal["zb-h1", "zb-v"] = "zb-v"  # 06's pipeline schedule: ZB-H1 (1F1B's memory) or ZB-V (two chunks per rank in a V)
+
+
+@dataclass
+class TrainConfig(ZeroBubble, gpt3d.TrainConfig):
+    """05's flags and --schedule."""
+
+
+def parser():
+    p = cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=8,
+                        n_head=4, n_embd=64)
+    p.add_argument("--train", action="store_true", help="train with 05's loop instead: every flag of 05, and "
+                   "--schedule zb-h1|zb-v (see --train --help)")
+    return p
+
+
+def train_parser():
+    p = gpt3d.parser()
+    cli.add_dataclass_args(p, ZeroBubble, "zero bubble (06)")
+    return p
+
+
+def schedule_of(tc):
+    """The trainer's seam (05's train and main): --schedule's PipelineSchedule."""
+    return pipeline_schedule(tc.schedule, tc.pp, tc.microbatches)
+
+
+def train(env, cfg, tc, quiet=False):
+    """05's training loop on one rank, with --schedule's pipeline schedule."""
+    return gpt3d.train(env, cfg, tc, quiet, schedule_of)
+
+
+def main():
+    if "--train" in sys.argv[1:]:
+        sys.argv.remove("--train")
+        return gpt3d.main(train_parser, TrainConfig, schedule_of)
+    cfg, args = cli.demo_args(parser(), batch_size=lambda a: 2 * a.microbatches if a.batch_size is None else a.batch_size)
+    if cfg.n_layer % (2 * args.pp):  # refused before any rank starts, as every other flag is
+        raise ValueError(f"--n-layer {cfg.n_layer}: ZB-V cuts the model into 2 x pp = {2 * args.pp} stages, and "
+                         f"n_layer is not divisible by them")
+    return all(tensor_parallel.launch(demo, args.pp, cfg, args))
+
+
+if __name__ == "__main__":
+    run_main(main)
