@@ -37,8 +37,6 @@ import functools
 import importlib
 import math
 import os
-import statistics
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,12 +49,12 @@ from torch.utils.checkpoint import checkpoint
 import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
-from plumbing import cli, health, report, sample, selfcheck, watch
-from plumbing.checkpoint import Saver, latest_checkpoint, load_checkpoint, read_manifest
+from plumbing import cli, report, sample, selfcheck, watch
+from plumbing.checkpoint import Saver, load_checkpoint, newest_checkpoint
 from plumbing.checks import acceleration, check_fields, preflight
 from plumbing.data import check_tokens, replica_batch
 from plumbing.gpt2 import export_checkpoint, import_gpt2
-from plumbing.launch import RankFailure, Watch, gather_numbers, launcher_ranks, printer, run_main, side_channel
+from plumbing.launch import launcher_ranks, printer, run_main, side_channel
 from plumbing.trace import StepTrace, trace_comm
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -531,9 +529,10 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
     saver = Saver(tc.save, tc.keep, tc.save_timeout_s, tc.async_save) if tc.save else None
     snapshots = Saver(tc.snapshot_dir, 2, tc.save_timeout_s, tc.async_save) if tc.snapshot_every else None
-    recorder, faults = watch.Recorder(env.rank), watch.parse_faults(tc.rehearse_fault, env.world_size)
-    beats = watch.start(env, side_channel(), recorder.install(), hang_seconds(tc), lambda r: where_is(r, tc),
-                        launcher_ranks()) if tc.watch else None
+    recorder = watch.Recorder(env.rank, lambda r: watch.coords(r, tc))
+    faults = watch.parse_faults(tc.rehearse_fault, env.world_size)
+    beats = watch.start(env, side_channel(), recorder.install(), watch.hang_seconds(tc), launcher_ranks()) \
+        if tc.watch else None
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
     losses, norms, evals, skipped, in_a_row, t_start = [], [], [], [], 0, time.perf_counter()
     for step in progress:
@@ -565,7 +564,7 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
             record["eval_loss"] = evaluate(run, eval_tokens)
             evals.append((step, record["eval_loss"]))
         if tc.watch and tc.straggler_every and (step + 1 - start) % tc.straggler_every == 0:
-            record["busy_ms"] = report_stragglers(env, tc, recorder, tc.straggler_every, progress.note)
+            record["busy_ms"] = watch.report_stragglers(env, tc, recorder, tc.straggler_every, progress.note)
         if step == start and run.ops:  # what the dispatcher chose
             progress.note(f"kernel paths: {kernels.build.report()}")
         saving = saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps)
@@ -583,8 +582,8 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
             recorder.set_phase("save")
             s.wait()  # the run's end waits for a save still being written
     progress.close()
-    busy = report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True) if tc.watch and recorder.busy_ms \
-        else None
+    busy = watch.report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True) \
+        if tc.watch and recorder.busy_ms else None
     watch.stop(beats, recorder)
     run.opt.wait_gather()  # the last step's: the report and the caller read the weights
     if not losses:
@@ -597,47 +596,6 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
         out["sums"] = report.sum_probe(run, forward_only)
     report.report(run, out, time.perf_counter() - t_start, say)
     return out
-
-
-def self_check(tc, prefix=""):
-    """--self-check: launch check_layout on every rank; a ValueError listing what it found."""
-    problems = sorted({p for rank in tensor_parallel.launch(check_layout, tc.tp * tc.pp * tc.dp, tc,
-                                                            timeout_s=tc.timeout_s) for p in rank})
-    if problems:
-        raise ValueError(f"{prefix}the self-check found {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
-    print("self-check: every rank, group and link answered in line", flush=True)
-
-
-def check_layout(env, tc):
-    """--self-check on this rank (plumbing/selfcheck.py) over this layout's groups: its problems."""
-    return selfcheck.self_check(env, rank_grid(env.world_size, tc.tp, tc.dp, tc.pp), min(5.0, tc.timeout_s),
-                                watch.parse_faults(tc.rehearse_fault, env.world_size), lambda r: where_is(r, tc))
-
-
-def hang_seconds(tc):
-    """--hang-s, or when unset half of --timeout-s: the report comes well before the timeout."""
-    return 0 if not tc.watch else tc.timeout_s / 2 if tc.hang_s is None else tc.hang_s
-
-
-def where_is(rank, tc):
-    """A rank's coordinates in words, from its place in the rank grid (tp fastest, then dp, pp)."""
-    return f"tp {rank % tc.tp}, dp {rank // tc.tp % tc.dp}, pp {rank // (tc.tp * tc.dp)}"
-
-
-def report_stragglers(env, tc, recorder, last, say, final=False):
-    """Every rank's median busy ms over its last `last` steps, gathered (a collective: every rank),
-    and on rank 0 the stragglers among them named (plumbing/health.py's rule); final: and the heat
-    map of the whole run. Returns the list."""
-    busy = [row[0] for row in gather_numbers([watch.median_busy(recorder, last)], device=env.device)]
-    if env.rank == 0:
-        stage_of = {r: r // (tc.tp * tc.dp) for r in range(env.world_size)}
-        for r in health.stragglers(dict(enumerate(busy)), stage_of):
-            others = [b for q, b in enumerate(busy) if stage_of[q] == stage_of[r] and q != r]
-            say(f"straggler: rank {r} ({where_is(r, tc)}) is busy {busy[r]:.1f} ms a step, against "
-                f"{statistics.median(others):.1f} ms for the other ranks of its stage (median of the last {last} steps)")
-        if final:
-            say(health.heat_map(dict(enumerate(busy)), tc.tp, tc.dp, tc.pp))
-    return busy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -675,7 +633,7 @@ def main(parser=parser, config=TrainConfig, schedule_of=interleaved_schedule):
     if args.print_layout:
         report.print_layout(tc, schedule_of(tc).grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp))
     elif args.self_check:
-        self_check(tc)
+        selfcheck.run(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
     elif args.sample is not None:
         sample.from_weights(cfg, tc, sc)
     elif args.export_hf or args.export_state_dict:
@@ -688,43 +646,20 @@ def main(parser=parser, config=TrainConfig, schedule_of=interleaved_schedule):
                 print(f"model from {tc.init_from}: {cfg}")
         ranks = launcher_ranks()  # (rank, world, local rank) under torchrun, else None
         if ranks and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # torchrun --max-restarts
-            tc = dataclasses.replace(tc, resume=newest_checkpoint(tc) or tc.resume, rehearse_fault=[])
+            tc = dataclasses.replace(tc, resume=newest_checkpoint(tc.snapshot_dir, tc.save) or tc.resume,
+                                     rehearse_fault=[])
         world = ranks[1] if ranks else tc.tp * tc.pp * tc.dp
         device = torch.device("cuda" if ranks and torch.cuda.is_available() else "cpu")  # as launch decides
         preflight(cfg, tc, world, device, ranks_here=1 if ranks else world,  # again on every rank
                   writer=not ranks or ranks[0] == 0)
-        return train_with_restarts(cfg, tc, schedule_of)
+        # Under a fault, --restarts N starts again from the newest snapshot (plumbing/watch.py).
+        return watch.with_restarts(lambda tc: tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, False,
+                                                                     schedule_of, timeout_s=tc.timeout_s,
+                                                                     watch=watch.launcher_watch(tc)),
+                                   tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
     return True
 
 
-def newest_checkpoint(tc):
-    """The newest complete checkpoint of --snapshot-dir and --save, or None."""
-    found = [p for p in (latest_checkpoint(d) for d in (tc.snapshot_dir, tc.save) if d) if p]
-    return max(found, key=lambda p: read_manifest(p)["step"], default=None)
-
-
-def train_with_restarts(cfg, tc, schedule_of=interleaved_schedule):
-    """Launch the training; when a rank dies or hangs, and --restarts allows, stop the rest (the
-    launcher does), check every rank and group again (--self-check), and resume from the newest of
-    the snapshots and the checkpoints, saying how many steps were lost. Faults rehearsed with
-    --rehearse-fault happen in the first attempt only."""
-    for attempt in range(tc.restarts + 1):
-        try:
-            return bool(tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, False, schedule_of,
-                                               timeout_s=tc.timeout_s,
-                                               watch=Watch(hang_seconds(tc), lambda r: where_is(r, tc))))
-        except RankFailure as failure:
-            if attempt == tc.restarts or launcher_ranks():
-                raise
-            newest = newest_checkpoint(tc)
-            done = read_manifest(newest)["step"] if newest else 0
-            reached = getattr(failure, "step", None)
-            lost = "the steps since then are lost" if reached is None else "no finished step is lost" \
-                if reached <= done else f"{reached - done} finished step(s) lost: steps {done} to {reached - 1} run again"
-            print(f"{str(failure).splitlines()[0]} {str(failure).splitlines()[1]}\nrestart {attempt + 1} of "
-                  f"{tc.restarts}: resuming from {newest or 'the start'} at step {done}; {lost}", file=sys.stderr)
-            self_check(tc, "not restarting: ")
-            tc = dataclasses.replace(tc, resume=newest or "", rehearse_fault=[])
 
 
 if __name__ == "__main__":

@@ -287,6 +287,12 @@ def latest_checkpoint(root, say=None):
     return os.path.join(root, complete[-1]) if complete else None
 
 
+def newest_checkpoint(*roots):
+    """The newest complete checkpoint under any of roots (05's --snapshot-dir and --save), or None."""
+    found = [p for p in (latest_checkpoint(d) for d in roots if d) if p]
+    return max(found, key=lambda p: read_manifest(p)["step"], default=None)
+
+
 def check_save_dir(root, start, resuming_from=None):
     """A run that starts after `start` steps must not write into a directory holding later steps:
     it would shadow them, and rotating its own saves would never reach them. Say what to do."""

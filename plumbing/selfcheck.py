@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plumbing.launch import side_channel
+from plumbing.launch import launch, side_channel
 
 SIZE, REPEATS, ROUNDS = 256, 5, 4  # the matmul: (256 x 256) @ (256 x 256), 5 times a round; the fastest round
 
@@ -133,3 +133,21 @@ def _ping_pong(env, a, b, timeout_s):
     except Exception:
         return f"no answer from rank {peer} within {timeout_s:g} s"
     return "ok"
+
+
+def run(tc, grid, prefix=""):
+    """05's --self-check (and the check before a restart): self_check on every rank of tc's layout,
+    whose groups are grid (05's rank_grid), launched here; a ValueError listing what it found, else a
+    line saying all is well."""
+    problems = sorted({p for rank in launch(_check_layout, tc.tp * tc.pp * tc.dp, tc, grid, timeout_s=tc.timeout_s)
+                       for p in rank})
+    if problems:
+        raise ValueError(f"{prefix}the self-check found {len(problems)} problem(s):\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+    print("self-check: every rank, group and link answered in line", flush=True)
+
+
+def _check_layout(env, tc, grid):
+    from plumbing import watch
+    return self_check(env, grid, min(5.0, tc.timeout_s), watch.parse_faults(tc.rehearse_fault, env.world_size),
+                      lambda r: watch.coords(r, tc))

@@ -16,6 +16,7 @@ first. The ideas (who waits for whom; what makes a straggler) are pure functions
                   step, hang:R:STEP stops entering collectives, kill:R:STEP and stop:R:STEP send
                   SIGKILL and SIGSTOP to the rank itself
 """
+import dataclasses
 import faulthandler
 import json
 import os
@@ -44,8 +45,8 @@ _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
 class Recorder:
     """This rank's record, kept up to date by wrappers around torch.distributed's collectives."""
 
-    def __init__(self, rank):
-        self.rank, self.lock = rank, threading.Lock()
+    def __init__(self, rank, where_is=str):
+        self.rank, self.where_is, self.lock = rank, where_is, threading.Lock()
         self.step, self.phase, self.groups, self.waiting_for, self.progress = None, "start", {}, [], 0
         self.blocked_s, self.step_start, self.busy_ms = 0.0, None, []  # busy_ms: one entry per step
         self.names, self.originals = {}, {}
@@ -256,7 +257,7 @@ def describe(diagnosis, grid_of, hang_s, dump_dir):
             + f". Every rank's Python stack: {dump_dir}/rank<N>.txt")
 
 
-def start(env, store, recorder, hang_s, where_is, launched):
+def start(env, store, recorder, hang_s, launched):
     """This rank's heartbeat, when there is a side channel (store), and under torchrun (launched)
     rank 0's watchdog thread, which reports a hang and ends the job itself (the local launcher runs
     its own). Returns what stop() needs."""
@@ -264,7 +265,7 @@ def start(env, store, recorder, hang_s, where_is, launched):
         return None
     threads = [Heartbeat(store, recorder)]
     if launched and env.rank == 0 and hang_s:
-        threads.append(_WatchdogThread(env.world_size, hang_s, where_is))
+        threads.append(_WatchdogThread(env.world_size, hang_s, recorder.where_is))
     for t in threads:
         t.start()
     return threads
@@ -295,6 +296,69 @@ class _WatchdogThread(threading.Thread):
                 print(f"error: {describe(diagnosis, self.where_is, self.dog.hang_s, self.dog.dump_dir)}",
                       file=sys.stderr, flush=True)
                 os._exit(1)  # torchrun's agent then stops every other rank
+
+
+# ----------------------------------------------------------------------------------------------
+# 05's use of all this: its flags, the straggler report, restarts
+
+
+def hang_seconds(tc):
+    """--hang-s, or when unset half of --timeout-s: the report comes well before the timeout."""
+    return 0 if not tc.watch else tc.timeout_s / 2 if tc.hang_s is None else tc.hang_s
+
+
+def coords(rank, tc):
+    """A rank's coordinates in words, from its place in 05's rank grid (tp fastest, then dp, pp)."""
+    return f"tp {rank % tc.tp}, dp {rank // tc.tp % tc.dp}, pp {rank // (tc.tp * tc.dp)}"
+
+
+def launcher_watch(tc):
+    """What the local launcher watches a 05 run with."""
+    from plumbing.launch import Watch
+    return Watch(hang_seconds(tc), lambda r: coords(r, tc))
+
+
+def report_stragglers(env, tc, recorder, last, say, final=False):
+    """Every rank's median busy ms over its last `last` steps, gathered (a collective: every rank),
+    and on rank 0 the stragglers among them named (health.stragglers); final: and the heat map of
+    the whole run. Returns the list."""
+    from plumbing.launch import gather_numbers
+    busy = [row[0] for row in gather_numbers([median_busy(recorder, last)], device=env.device)]
+    if env.rank == 0:
+        stage_of = {r: r // (tc.tp * tc.dp) for r in range(env.world_size)}
+        for r in health.stragglers(dict(enumerate(busy)), stage_of):
+            others = [b for q, b in enumerate(busy) if stage_of[q] == stage_of[r] and q != r]
+            say(f"straggler: rank {r} ({coords(r, tc)}) is busy {busy[r]:.1f} ms a step, against "
+                f"{statistics.median(others):.1f} ms for the other ranks of its stage (median of the last {last} steps)")
+        if final:
+            say(health.heat_map(dict(enumerate(busy)), tc.tp, tc.dp, tc.pp))
+    return busy
+
+
+def with_restarts(launch_run, tc, grid):
+    """launch_run(tc), and when a rank dies or hangs (a RankFailure) and --restarts allows: the
+    launcher has stopped the rest; check every rank and group again (--self-check), then resume from
+    the newest of --snapshot-dir and --save, saying how many finished steps were lost. MegaScale,
+    Section 4.1, in the small. Faults rehearsed with --rehearse-fault happen in the first attempt only.
+    grid: the layout's groups, for the self-check."""
+    from plumbing import selfcheck
+    from plumbing.checkpoint import newest_checkpoint, read_manifest
+    from plumbing.launch import RankFailure, launcher_ranks
+    for attempt in range(tc.restarts + 1):
+        try:
+            return bool(launch_run(tc))
+        except RankFailure as failure:
+            if attempt == tc.restarts or launcher_ranks():
+                raise
+            newest = newest_checkpoint(tc.snapshot_dir, tc.save)
+            done, reached = read_manifest(newest)["step"] if newest else 0, getattr(failure, "step", None)
+            lost = "the steps since then are lost" if reached is None else "no finished step is lost" \
+                if reached <= done else f"{reached - done} finished step(s) lost: steps {done} to {reached - 1} run again"
+            headline = " ".join(str(failure).splitlines()[:2])
+            print(f"{headline}\nrestart {attempt + 1} of {tc.restarts}: resuming from {newest or 'the start'} at "
+                  f"step {done}; {lost}", file=sys.stderr, flush=True)
+            selfcheck.run(tc, grid, "not restarting: ")
+            tc = dataclasses.replace(tc, resume=newest or "", rehearse_fault=[])
 
 
 # ----------------------------------------------------------------------------------------------
