@@ -16,9 +16,9 @@ parser is built, so the help can never fall behind the config:
 """
 import argparse
 import dataclasses
-import functools
 import inspect
 import io
+import os
 import tokenize
 import types
 import typing
@@ -50,10 +50,26 @@ def make_parser(doc, **kwargs):
                                    **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
 def field_comments(cls):
     """{field name: the comment after it in cls's source}, read with the tokenizer, so a '#' inside
-    a string default is not mistaken for a comment."""
+    a string default is not mistaken for a comment. Cached by where the class is written (file,
+    its modification time, qualified name, fields) rather than by the class object: a script run
+    again in a forked process (runpy, as the tests do) makes new classes from the same source, and
+    finding a class's source parses its whole file (most of a --help or a refused flag's time)."""
+    try:
+        file = inspect.getsourcefile(cls)
+        key = (file, os.path.getmtime(file), cls.__qualname__, tuple(f.name for f in dataclasses.fields(cls)))
+    except (TypeError, OSError):
+        key = cls
+    if key not in _COMMENTS:
+        _COMMENTS[key] = _read_comments(cls)
+    return _COMMENTS[key]
+
+
+_COMMENTS = {}  # field_comments' cache
+
+
+def _read_comments(cls):
     comments = {}
     for base in reversed(cls.__mro__[1:]):  # inherited fields keep their base class's comments
         if dataclasses.is_dataclass(base):
