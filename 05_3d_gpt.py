@@ -554,7 +554,7 @@ def main():
     tc, cfg, sc = (cli.from_args(c, args) for c in (TrainConfig, tensor_parallel.GPTConfig, sample.SampleConfig))
     check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
     if args.print_layout:
-        report.print_layout(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
+        report.print_layout(tc, rank_grid)
     elif args.sample is not None:
         sample.from_weights(cfg, tc, sc)
     elif args.export_hf or args.export_state_dict:
