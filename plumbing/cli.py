@@ -23,7 +23,7 @@ import tokenize
 import types
 import typing
 
-from plumbing import checks
+from plumbing import checks, paths
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -115,10 +115,23 @@ def add_dataclass_args(parser, cls, title=None, **defaults):
                                 help=comments[f.name])
 
 
+def given(parser, argv=None):
+    """The names (dests) of the options on the command line, whatever their value: parsed again
+    into a namespace that already holds every name, which argparse then leaves alone unless the
+    option is given (abbreviations and --flag=value included)."""
+    unset = object()
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parsed = parser.parse_args(argv, namespace=namespace)
+    return {name for name, value in vars(parsed).items() if value is not unset}
+
+
 def demo_parser(doc, demo_cls, model_cls, **model_defaults):
-    """The parser of a numbered file's demo: its own flags, then the model's (defaults overridden)."""
+    """The parser of a numbered file's demo: its own flags, then the model's (defaults overridden),
+    and --overwrite for the files a demo writes (its --trace)."""
     parser = make_parser(doc)
     add_dataclass_args(parser, demo_cls, "demo")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let --trace replace a file this run did not write")
     add_dataclass_args(parser, model_cls, "model", **model_defaults)
     parser.configs = demo_cls, model_cls
     return parser
@@ -134,6 +147,7 @@ def demo_args(parser, argv=None, **resolve):
     demo_cls, model_cls = parser.configs
     cfg, demo = from_args(model_cls, args), from_args(demo_cls, args)
     checks.check_config(cfg, demo)
+    paths.check_outputs([("--trace", getattr(demo, "trace", ""))], overwrite=args.overwrite)
     checks.check_paths(demo)
     return cfg, args
 

@@ -2,7 +2,8 @@
 and never saved, a microbatch with nothing to score adds nothing, each chunk draws its own dropout
 masks, a run never deletes or shadows checkpoints it did not write, saves are durable and a full
 disk says so, resharded resumes reseed every stream, and the hot path reads nothing back; Ctrl-C
-stops every rank with one line naming the step (issue 28).
+stops every rank with one line naming the step, and a run's metrics are its own only when it
+continues a checkpoint (issue 28).
 
 Tolerances: a skipped step leaves the weights and AdamW's state exactly as they were, so the run
 with an injected fault must equal (==) the clean run that stopped before it; parity with the serial
@@ -214,10 +215,17 @@ def test_shards_manifest_and_directory_are_fsynced_and_metrics_precede_the_check
 
 
 def test_metrics_are_appended_only_when_a_checkpoint_was_resumed(run_ranks, tmp_path):
-    metrics = str(tmp_path / "m.jsonl")
-    for resume in ("", str(tmp_path / "nothing_here")):  # a --resume that finds nothing starts afresh
-        run_ranks(_clean, 2, replace(PP2, steps=2, metrics=metrics, resume=resume))
-        assert [json.loads(x)["step"] for x in open(metrics)] == [0, 1]
+    metrics, ckpt = str(tmp_path / "m.jsonl"), str(tmp_path / "ckpt")
+    run_ranks(_clean, 2, replace(PP2, steps=1, metrics=metrics, save=ckpt))
+    run_ranks(_clean, 2, replace(PP2, steps=2, metrics=metrics, resume=ckpt))  # the run continued: its own file
+    assert [json.loads(x)["step"] for x in open(metrics)] == [0, 1]
+    # A --resume that finds nothing starts afresh: it would replace the earlier run's metrics, which
+    # it did not write, so only with --overwrite.
+    again = replace(PP2, steps=2, metrics=metrics, resume=str(tmp_path / "nothing_here"))
+    with pytest.raises(RankFailure, match="--metrics .* already exists, and this run did not write it: give --overwrite"):
+        run_ranks(_clean, 2, again)
+    run_ranks(_clean, 2, replace(again, overwrite=True))
+    assert [json.loads(x)["step"] for x in open(metrics)] == [0, 1]
 
 
 def _resume_from(env, tc, root):
@@ -392,7 +400,7 @@ def test_an_exported_gpt2_config_is_complete_and_consistent(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Ctrl-C (issue 28)
+# 5. Ctrl-C, and what a run may write over (issue 28)
 
 
 def _start(script, *args):
