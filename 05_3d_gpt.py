@@ -51,7 +51,7 @@ import planner
 from kernels import graphs as cuda_graphs
 from plumbing import cli, report, sample, selfcheck, watch
 from plumbing.checkpoint import Saver, load_checkpoint, newest_checkpoint
-from plumbing.checks import acceleration, check_fields, preflight
+from plumbing.checks import acceleration, check_action, check_fields, check_model_flags, preflight
 from plumbing.data import check_tokens, replica_batch
 from plumbing.gpt2 import export_checkpoint, import_gpt2
 from plumbing.launch import launcher_ranks, printer, run_main, side_channel
@@ -488,6 +488,7 @@ class Files:
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
     trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
+    overwrite: bool = False  # let --metrics, --trace and the exports replace files this run did not write
 
 
 @dataclass
@@ -624,24 +625,28 @@ def parser():
 
 def main(parser=parser, config=TrainConfig, schedule_of=interleaved_schedule):
     """The trainer's command line; 06 runs it with its own flags (config, parser) and schedules."""
-    args = parser().parse_args()
+    p = parser()
+    args = p.parse_args()
     if args.plan:  # the planner checks its own flags
         print(planner.plan_from_args(args))
         return True
     tc, cfg, sc = (cli.from_args(c, args) for c in (config, tensor_parallel.GPTConfig, sample.SampleConfig))
     check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
-    if args.print_layout:
-        report.print_layout(tc, schedule_of(tc).grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp))
-    elif args.self_check:
+    given = cli.given(p)  # the flags on the command line: no action may ignore one
+    action = check_action(args, given)
+    if action == "print_layout":
+        report.print_layout(tc, lambda world, tp, dp, pp: schedule_of(tc).grid(world, tp, dp))
+    elif action == "self_check":
         selfcheck.run(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
-    elif args.sample is not None:
-        sample.from_weights(cfg, tc, sc)
-    elif args.export_hf or args.export_state_dict:
-        export_checkpoint(tc.resume, args.export_hf, args.export_state_dict)
+    elif action == "sample":
+        sample.from_weights(cfg, tc, sc, given)
+    elif action == "export":
+        export_checkpoint(tc.resume, args.export_hf, args.export_state_dict, tc.overwrite)
     else:
         if tc.init_from:  # the imported weights decide the model's shape
-            imported = import_gpt2(tc.init_from)[0]
+            imported = import_gpt2(tc.init_from, cfg)[0]
             if imported:
+                check_model_flags(given, cfg, imported, tc.init_from)
                 cfg = dataclasses.replace(imported, dropout=cfg.dropout)
                 print(f"model from {tc.init_from}: {cfg}")
         ranks = launcher_ranks()  # (rank, world, local rank) under torchrun, else None

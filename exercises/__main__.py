@@ -1,18 +1,65 @@
 """python3 -m exercises: grade the stubs, the numbered files' own functions, or a planted mistake.
 
+    python3 -m exercises check 02 --file my_02.py     # your functions from another file
+    python3 -m exercises check 01 --time-limit 30     # each exercise's limit, in seconds (default 120)
+
 Exit code: 0 when every exercise graded passes (with --planted: when the planted mistake fails with
-the diagnosis it should get), 1 otherwise, 2 on a usage error.
+the diagnosis it should get), 1 otherwise (a stub file that does not import is said in one line,
+naming the file and the line), 2 on a usage error.
 """
 import argparse
+import importlib.util
 import os
 import sys
 import textwrap
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from exercises import FILES, exercises, student_impl, writes  # noqa: E402
-from exercises.autograder import grade  # noqa: E402
+from exercises.autograder import DEADLINE_S, TimeLimit, grade, time_limit  # noqa: E402
+
+
+class CannotGrade(Exception):
+    """The student's file does not import (a syntax error, an exception, an endless loop at import)."""
+
+
+def load_impl(exercise, file=None, limit_s=None):
+    """The student's functions for an exercise: from its stub in exercises/, or from file. Importing
+    runs the student's module, so its errors (and an endless loop at import) are said here, naming
+    the file and the line, rather than as a traceback or as some later failure."""
+    where = file or os.path.join("exercises", FILES[exercise.file][1] + ".py")
+    try:
+        with time_limit(limit_s):
+            if file is None:
+                return student_impl(exercise)
+            module = _modules.get(file)
+            if module is None:
+                spec = importlib.util.spec_from_file_location(f"student_{exercise.file}", file)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                _modules[file] = module
+    except SyntaxError as e:
+        raise CannotGrade(f"{e.filename or where}:{e.lineno}: {e.msg}: the file does not import, so none of its "
+                          f"exercises can be graded") from None
+    except TimeLimit:
+        raise CannotGrade(f"{where}: importing it ran past the {limit_s:g} s time limit (an endless loop at the top "
+                          f"level of the file?)") from None
+    except Exception as e:  # noqa: BLE001 - the student's module may raise anything at import
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.basename(f.filename) ==
+                  os.path.basename(where)]
+        at = f" (at line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
+        raise CannotGrade(f"{where} does not import: {type(e).__name__}: {e}{at}") from None
+    missing = [name for name in exercise.functions if not hasattr(module, name)]
+    if missing:
+        stub = os.path.join("exercises", FILES[exercise.file][1] + ".py")
+        raise CannotGrade(f"{file} has no {', '.join(missing)}: write {exercise.key}'s functions there, with the "
+                          f"names and signatures of the stubs in {stub}")
+    return {name: getattr(module, name) for name in exercise.functions}
+
+
+_modules = {}  # a --file imported once
 
 
 def select(names):
@@ -33,7 +80,8 @@ def show(exercise, result, seconds, out):
     status = {"pass": "PASS", "fail": "FAIL", "not implemented": "not implemented", "error": "ERROR"}[result.status]
     out(f"  {exercise.key} {exercise.title:<58} {status:>15}  ({seconds:.1f} s)")
     for line in result.lines:
-        out(textwrap.fill(line, 100, initial_indent="       ", subsequent_indent="         "))
+        out(textwrap.fill(line, 100, initial_indent="       ", subsequent_indent="         ",
+                          break_long_words=False, break_on_hyphens=False))  # a path stays whole
 
 
 def check(args, out=print):
@@ -43,12 +91,19 @@ def check(args, out=print):
     counts, by_file = {}, {}
     for e in chosen:
         by_file.setdefault(e.file, []).append(e)
+    if args.file and (args.solution or len(by_file) > 1):
+        raise ValueError("--file holds one numbered file's exercises: give them alone (e.g. check 02 --file x.py), "
+                         "without --solution")
+    if args.file and not os.path.isfile(args.file):
+        raise ValueError(f"--file {args.file}: no such file")
     for file, group in by_file.items():
-        source = f"{FILES[file][0]}.py's own functions" if args.solution else f"exercises/{FILES[file][1]}.py"
+        source = f"{FILES[file][0]}.py's own functions" if args.solution else \
+            args.file or f"exercises/{FILES[file][1]}.py"
         out(f"{FILES[file][0]}.py: grading {source}")
         for e in group:
             start = time.perf_counter()
-            result = grade(e, e.reference() if args.solution else student_impl(e))
+            impl = e.reference() if args.solution else load_impl(e, args.file, args.time_limit)
+            result = grade(e, impl, args.time_limit)
             show(e, result, time.perf_counter() - start, out)
             counts[result.status] = counts.get(result.status, 0) + 1
     total = sum(counts.values())
@@ -93,13 +148,22 @@ def main(argv=None):
     how = c.add_mutually_exclusive_group()
     how.add_argument("--solution", action="store_true", help="grade the numbered files' own functions")
     how.add_argument("--planted", metavar="NAME", help="grade a planted mistake (list shows their names)")
+    c.add_argument("--file", metavar="PATH", help="grade the functions in PATH instead of exercises/ex0N_*.py "
+                   "(one numbered file's exercises)")
+    c.add_argument("--time-limit", metavar="S", type=float, default=DEADLINE_S,
+                   help=f"seconds each exercise may take before it is stopped as an error (default: {DEADLINE_S})")
     sub.add_parser("list", help="every exercise, what it asks and its planted mistakes")
     args = parser.parse_args(argv)
+    if args.command == "check" and not 0 < args.time_limit <= 86400:
+        parser.error(f"--time-limit must be positive and at most 86400 (seconds), got {args.time_limit:g}")
     try:
         ok = list_exercises() if args.command == "list" else check(args)
     except ValueError as e:
         print(f"python3 -m exercises: error: {e}", file=sys.stderr)
         return 2
+    except CannotGrade as e:
+        print(f"python3 -m exercises: error: {e}", file=sys.stderr)
+        return 1
     return 0 if ok else 1
 
 

@@ -4,7 +4,9 @@
                     the real machinery, the check that grades them, the reading and the planted bugs
     grade(ex, impl) run ex's check on impl (the student's functions, the reference's or a planted
                     bug's) and return a Grade: pass, fail (with the reasons), not implemented (with
-                    the stub's hint) or error (the exception, and on which rank)
+                    the stub's hint) or error (the exception, and on which rank; or the time limit
+                    it ran past, and where)
+    time_limit(s)   a block that raises TimeLimit after s seconds: an endless loop ends, said so
     compare(...)    how a tensor differs from the serial model's: None if it does not, else what
                     kind of difference and a sentence (zero, sign flipped, tp x too large, ...)
     installed(...)  the student's functions put in place of the numbered file's, in the launching
@@ -17,7 +19,12 @@ answer it is compared with.
 """
 import contextlib
 import importlib
+import os
 import re
+import signal
+import threading
+import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -77,16 +84,63 @@ class Grade:
     lines: list  # the reasons (fail), the hint (not implemented) or the exception (error)
 
 
-def grade(exercise, impl):
+class TimeLimit(BaseException):
+    """An exercise ran past its time limit. A BaseException, so that a student's `except Exception`
+    inside the loop cannot swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise TimeLimit in this block after `seconds` (SIGALRM; the main thread only, else no limit).
+    A timer already running (a test's own deadline) is put back afterwards, less the time spent."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeLimit(seconds)
+
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer = signal.setitimer(signal.ITIMER_REAL, seconds)[0]
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 0.001))
+
+
+def grade(exercise, impl, time_limit_s=None):
     """Run the exercise's check on impl; turn what happens into a Grade. The serial references run
     here on one thread, as each rank does: the models are tiny, and on a busy 2-core machine a
-    second thread that spins waiting for a core makes them 10 to 100 times slower."""
+    second thread that spins waiting for a core makes them 10 to 100 times slower. time_limit_s:
+    a check still running then is an error, naming the time limit and, when the loop was in this
+    process, the line it was on (on ranks, the launch stops them: a loop or a collective)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _grade(exercise, impl)
+        with time_limit(time_limit_s):
+            return _grade(exercise, impl)
+    except TimeLimit as e:
+        return Grade("error", [f"it ran past its time limit of {time_limit_s:g} s: " + _stuck(e)])
     finally:
         torch.set_num_threads(threads)
+
+
+def _stuck(error):
+    """Where a check was when its time ran out: the innermost line outside torch and the grading
+    machinery (the student's loop), or, on ranks, what can keep them there."""
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__) + os.sep + "autograder.py",
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plumbing"))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(ours)
+              and "multiprocessing" not in f.filename and "contextlib" not in f.filename]
+    if frames and not frames[-1].filename.endswith("launch.py"):
+        f = frames[-1]
+        return f"an endless loop? It was at {f.filename}:{f.lineno} in {f.name}: {f.line}"
+    return ("its ranks were stopped: an endless loop in your function, or a rank waiting for a collective "
+            "that the others never call")
 
 
 def _grade(exercise, impl):
@@ -118,6 +172,10 @@ def _rank_failure(text):
     if hint:
         return Grade("not implemented", [hint.group(1).strip()])
     first = text.splitlines()[0] if text else "a rank failed"
+    if "passed its deadline" in text:  # the launch's own deadline: nothing timed out, something ran on
+        return Grade("error", [f"the check ran past its {DEADLINE_S} s deadline on its ranks, which were stopped: an "
+                               f"endless loop in your function, or a rank waiting for a collective that the others "
+                               f"never call"])
     tail = [line for line in text.splitlines() if line.strip()]
     last = next((line for line in reversed(tail) if not line.startswith(("rank ", "stopped ", "  "))), "")
     lines = [f"{first} {last.strip()}".strip()]

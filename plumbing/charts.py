@@ -23,16 +23,17 @@ def ascii_chart(series, width=64, height=12, x_label="step"):
         return "(no finite values to plot)"
     x0, x1 = min(x for x, _ in every), max(x for x, _ in every)
     y0, y1 = min(y for _, y in every), max(y for _, y in every)
-    col = lambda x: round((x - x0) / ((x1 - x0) or 1) * (width - 1))  # noqa: E731
-    row = lambda y: height - 1 - round((y - y0) / ((y1 - y0) or 1) * (height - 1))  # noqa: E731
+    # Halved before subtracting: the span of -1e308 to 1e308 is finite only that way.
+    col = lambda x: round((x / 2 - x0 / 2) / ((x1 / 2 - x0 / 2) or 1) * (width - 1))  # noqa: E731
+    row = lambda y: height - 1 - round((y / 2 - y0 / 2) / ((y1 / 2 - y0 / 2) or 1) * (height - 1))  # noqa: E731
     grid = [[" "] * width for _ in range(height)]
     for label, (marker, _) in series.items():
         columns = {}
         for x, y in points[label]:
             columns.setdefault(col(x), []).append(y)
         for c, ys in columns.items():
-            grid[row(sum(ys) / len(ys))][c] = marker
-    labels = {0: f"{y1:.3g}", height // 2: f"{(y0 + y1) / 2:.3g}", height - 1: f"{y0:.3g}"}
+            grid[row(sum(y / len(ys) for y in ys))][c] = marker  # the mean, with no sum that overflows
+    labels = {0: f"{y1:.3g}", height // 2: f"{y0 / 2 + y1 / 2:.3g}", height - 1: f"{y0:.3g}"}
     pad = max(len(t) for t in labels.values())
     lines = [f"{labels.get(r, ''):>{pad}} |{''.join(grid[r])}" for r in range(height)]
     lines.append(" " * pad + " +" + "-" * width)

@@ -8,9 +8,13 @@
                                             asynchronous: a snapshot in host memory, then the same
                                             protocol in a background writer; wait() for it
     latest_checkpoint(root)                 the newest complete step under root (or root itself)
-    read_manifest(path, cfg, tc)            the manifest, checked field by field, and refused if it
-                                            is of another model or batch
-    check_save_dir(root, start)             refuse a --save directory that holds later steps
+    read_manifest(path, cfg, tc)            the manifest, checked field by field (types, ranges,
+                                            known names), and refused if it is of another model or
+                                            batch
+    check_shards(path, manifest)            every shard a whole archive; with tensors=True, every
+                                            tensor finite and of a float dtype, as loads check too
+    check_save_dir(root, start)             refuse a --save directory that holds later steps, or a
+                                            step_N.tmp that is not an interrupted save of ours
     read_checkpoint(path)                   (manifest, full weights, full optimizer state), whatever
                                             layout wrote it: every tensor joined from its shards
     load_checkpoint(run, path)              into a running trainer: same layout, the shards as they
@@ -36,12 +40,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from plumbing import checks, paths
 from plumbing.launch import side_channel
-from plumbing.tokenizer import tokenizer_of
+from plumbing.tokenizer import TOKENIZERS, tokenizer_of
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 CKPT = re.compile(r"step_(\d+)$")
+INTERRUPTED = re.compile(r"step_(\d+)\.tmp$")
+SAVED_FILES = re.compile(r"rank_\d{5}\.pt|manifest\.json")  # all a save writes into step_N
 KEPT_FIELDS = ("batch_size", "seq_len")  # a resumed run must cut the data exactly as before
 NOTED_FIELDS = ("seed", "data")  # may change on resume (new data, a new order), but it is said
 _open = open  # tests put a full disk here
@@ -139,7 +146,11 @@ class Saver:
         t0 = time.perf_counter()
         final = os.path.join(self.root, f"step_{step:08d}")
         tmp = final + ".tmp"
-        if run.env.rank == 0 and os.path.exists(tmp):  # not a checkpoint: it never got its manifest
+        if os.path.lexists(final):  # every rank looks: they all stop here, none waits for the others
+            raise ValueError(f"not saving step {step}: {final} already exists, written by another run saving into "
+                             f"{self.root}; this run's checkpoints are left as they were")
+        if run.env.rank == 0 and os.path.lexists(tmp):  # not a checkpoint: it never got its manifest
+            _check_interrupted(tmp, f"not saving step {step}")
             say(f"removing {tmp}: an interrupted save of this step, never completed")
             shutil.rmtree(tmp)
         bad = _finite(run)
@@ -269,10 +280,26 @@ def _manifest(run, step):
 # Finding and checking
 
 
-def latest_checkpoint(root, say=None):
+def latest_checkpoint(root, say=None, flag=None):
     """The newest complete checkpoint under root (a step_N directory, or root itself), or None.
-    Interrupted saves (.tmp) are skipped, and said so when say is given."""
+    Interrupted saves (.tmp) are skipped, and said so when say is given. flag (the user's --resume):
+    a root that is a regular file, an interrupted save itself, or a step_N without its manifest is
+    refused, naming flag; without flag (library calls) it is simply not a checkpoint."""
     say = say or (lambda text: None)
+    if flag:
+        name = os.path.basename(os.path.normpath(root))
+        what = paths.describe(root)
+        if os.path.exists(root) and what != "a directory":
+            raise ValueError(f"{flag} {root}: it is {what or 'a file'}, not a checkpoint directory (step_N) or a "
+                             f"directory of them")
+        if INTERRUPTED.match(name) and os.path.isdir(root):
+            raise ValueError(f"{flag} {root}: it is an interrupted save, never completed (a save writes step_N.tmp "
+                             f"and renames it step_N once every shard and the manifest are on disk); resume from "
+                             f"{os.path.dirname(os.path.normpath(root)) or '.'}, whose newest complete step is taken")
+        if CKPT.match(name) and os.path.isdir(root) and not os.path.exists(os.path.join(root, "manifest.json")):
+            raise ValueError(f"{flag} {root}: this checkpoint has no manifest.json (a save writes it last, so the "
+                             f"save never completed or the file was removed); resume from "
+                             f"{os.path.dirname(os.path.normpath(root)) or '.'} to take its newest complete step")
     if os.path.exists(os.path.join(root, "manifest.json")):
         return root
     if not os.path.isdir(root):
@@ -304,31 +331,79 @@ def check_save_dir(root, start, resuming_from=None):
         raise ValueError(f"--save {root} already holds {', '.join(later[-3:])}, written by another run, and this "
                          f"run is {where}: it would write over or beside them. Resume from them with "
                          f"--resume {root}, or save to another directory.")
+    for d in sorted(os.listdir(root)):  # the interrupted saves of steps this run will save: removed then
+        if INTERRUPTED.match(d) and int(INTERRUPTED.match(d)[1]) > start:
+            _check_interrupted(os.path.join(root, d), f"--save {root}")
 
 
-_MANIFEST_KEYS = {"step": int, "model": dict, "world": int, "layout": dict, "train": dict}
+def _check_interrupted(tmp, who):
+    """A step_N.tmp that a save may remove (and write again) must be what a save leaves: a real
+    directory of shards and a manifest. Anything else is not ours to delete, and would break the save."""
+    if os.path.islink(tmp) or not os.path.isdir(tmp):
+        what = "a link" if os.path.islink(tmp) else paths.describe(tmp) or "a file"
+        raise ValueError(f"{who}: {tmp} is {what}, not an interrupted save of this trainer (a directory), and a save "
+                         f"of that step would have to remove it; remove it yourself, or save to another directory")
+    foreign = sorted(e for e in os.listdir(tmp) if not SAVED_FILES.fullmatch(e))
+    if foreign:
+        raise ValueError(f"{who}: {tmp} holds {', '.join(foreign[:3])}, which no save writes, and a save of that "
+                         f"step would remove it; move them away, or save to another directory")
+
+
+DTYPES = ("torch.float32", "torch.float64", "torch.bfloat16")  # what 05 trains in (--dtype)
+
+
+def _whole(v, lo):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _manifest_problems(m):
+    """Each field of a manifest that is missing or wrong, as 'field (what it must be; got ...)'."""
+    got = lambda k, d=m: repr(d[k]) if k in d else "nothing"  # noqa: E731
+    wrong = [f"{k} (a whole number, at least {lo}; got {got(k)})" for k, lo in (("step", 0), ("world", 1))
+             if not _whole(m.get(k), lo)]
+    wrong += [f"{k} (an object; got {got(k)})" for k in ("model", "layout", "train") if not isinstance(m.get(k), dict)]
+    if wrong:
+        return wrong
+    lay = m["layout"]
+    if not all(_whole(lay.get(k), 1) for k in ("tp", "pp", "dp", "v")) or not isinstance(lay.get("zero1", False), bool):
+        wrong.append(f"layout {lay} (tp, pp, dp and v whole numbers of at least 1, zero1 true or false)")
+    elif lay["tp"] * lay["pp"] * lay["dp"] != m["world"]:
+        wrong.append(f"layout {lay} (tp x pp x dp must equal world={m['world']})")
+    fields = {f.name for f in dataclasses.fields(tensor_parallel.GPTConfig)}
+    if set(m["model"]) != fields:
+        wrong.append(f"model {sorted(m['model'])} (want {sorted(fields)})")
+    else:
+        wrong += [f"model.{k} (must be {problem}; got {v!r})" for k, v in m["model"].items()
+                  if (problem := checks.value_problem(tensor_parallel.GPTConfig, k, v))]
+    wrong += [f"train.{k} (a whole number, at least 1; got {got(k, m['train'])})" for k in KEPT_FIELDS
+              if not _whole(m["train"].get(k), 1)]
+    wrong += [f"train.{k} (not a field a checkpoint keeps)" for k in m["train"] if k not in KEPT_FIELDS]
+    noted = m.get("noted", {})
+    if not isinstance(noted, dict) or not _whole(noted.get("seed", 0), 0) or not isinstance(noted.get("data", ""), str):
+        wrong.append(f"noted {noted!r} (an object: seed a whole number, data a path)")
+    if "dtype" in m and m["dtype"] not in DTYPES:
+        wrong.append(f"dtype (one of {', '.join(DTYPES)}; got {m['dtype']!r})")
+    if "tokenizer" in m and m["tokenizer"] not in TOKENIZERS:
+        wrong.append(f"tokenizer (one of {', '.join(TOKENIZERS)}; got {m['tokenizer']!r})")
+    return wrong
 
 
 def read_manifest(path, cfg=None, tc=None, say=None):
-    """The manifest of the checkpoint at path, checked key by key. With cfg and tc, refuses a
-    checkpoint of another model or batch, naming what differs, and says when the seed or the data
-    differ (a run may change them on purpose)."""
+    """The manifest of the checkpoint at path, checked field by field: its types, ranges and names
+    (a step that is negative or true, a size given as text, an unknown dtype or tokenizer are each
+    refused, naming the file and the field). With cfg and tc, refuses a checkpoint of another model
+    or batch, naming what differs, and says when the seed or the data differ (a run may change them
+    on purpose)."""
     file = os.path.join(path, "manifest.json")
     try:
+        paths.regular_file(file, "the checkpoint's manifest")
         with open(file) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is not a checkpoint: no readable manifest.json ({e})") from None
-    wrong = [k for k, kind in _MANIFEST_KEYS.items() if not isinstance(manifest.get(k) if isinstance(manifest, dict)
-                                                                        else None, kind)]
-    if not wrong:
-        lay = manifest["layout"]
-        if not all(isinstance(lay.get(k), int) and lay[k] >= 1 for k in ("tp", "pp", "dp", "v")) \
-                or lay["tp"] * lay["pp"] * lay["dp"] != manifest["world"]:
-            wrong.append(f"layout {lay} (tp x pp x dp must equal world={manifest['world']})")
-        fields = {f.name for f in dataclasses.fields(tensor_parallel.GPTConfig)}
-        if set(manifest["model"]) != fields:
-            wrong.append(f"model {sorted(manifest['model'])} (want {sorted(fields)})")
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{file} is malformed: it holds a JSON {type(manifest).__name__}, not an object of fields")
+    wrong = _manifest_problems(manifest)
     if wrong:
         raise ValueError(f"{file} is malformed: missing or wrong " + ", ".join(map(str, wrong)))
     if cfg is not None:
@@ -344,28 +419,68 @@ def read_manifest(path, cfg=None, tc=None, say=None):
     return manifest
 
 
-def check_shards(path, manifest):
+def check_shards(path, manifest, tensors=False):
     """Every shard the manifest promises is there and is a whole archive (its end record, written
-    last, is intact): checked before any process starts, without reading the tensors."""
+    last, is intact): checked before any process starts. tensors: also read every tensor (memory-
+    mapped) and refuse a shard whose contents lie, as every load does (_check_shard)."""
     for r in range(manifest["world"]):
         file = os.path.join(path, f"rank_{r:05d}.pt")
-        if not zipfile.is_zipfile(file):
-            raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: not a complete archive")
+        what = paths.describe(file)
+        if what or not zipfile.is_zipfile(file):
+            raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: "
+                             f"{'it is ' + what if what else 'not a complete archive'}")
+        if tensors:
+            _load_shard(file, mmap=True)
 
 
 # ----------------------------------------------------------------------------------------------
 # Reading
 
 
-def _load_shard(file):
+def _load_shard(file, mmap=False):
     try:
-        shard = torch.load(file, map_location="cpu", weights_only=True)
+        paths.regular_file(file, "checkpoint shard")
+        shard = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated zip, a missing file, garbage: all the same to us
         raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: {e}") from None
     if not (isinstance(shard, dict) and isinstance(shard.get("coords"), dict) and isinstance(shard.get("chunks"), list)
             and isinstance(shard.get("pieces"), list) and isinstance(shard.get("rng"), dict)):
         raise ValueError(f"checkpoint shard {file} is malformed: not a shard this trainer writes")
+    _check_shard(file, shard)
     return shard
+
+
+def _check_shard(file, shard):
+    """Refuse a shard whose numbers cannot be trained on: every weight and every piece of AdamW's
+    state a floating-point tensor of finite values, the second moments (exp_avg_sq) not negative,
+    the step count at least 0. Found here, at load, not as every step skipped or a save refused
+    after the run."""
+    def refuse(what, why):
+        raise ValueError(f"checkpoint shard {file}: {what} {why}; a checkpoint holds only finite floating-point "
+                         f"numbers, so this one cannot be resumed, sampled or exported (resume an earlier step)")
+
+    def numbers(what, t):
+        if not torch.is_tensor(t) or not (t.is_floating_point() or what.startswith("AdamW's step")):
+            refuse(what, f"is {type(t).__name__ if not torch.is_tensor(t) else t.dtype}, not a floating-point tensor")
+        bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+        if bad:
+            refuse(what, f"holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf) of {t.numel()}")
+
+    for c, chunk in enumerate(shard["chunks"]):
+        if not isinstance(chunk, dict):
+            raise ValueError(f"checkpoint shard {file} is malformed: chunk {c} is not a dict of weights")
+        for name, t in chunk.items():
+            numbers(f"the weight {name}", t)
+    for piece in shard["pieces"]:
+        if not (isinstance(piece, (list, tuple)) and len(piece) == 5 and isinstance(piece[1], str)
+                and isinstance(piece[4], dict)):
+            raise ValueError(f"checkpoint shard {file} is malformed: an optimizer piece is not (chunk, name, start, "
+                             f"end, state)")
+        name, state = piece[1], piece[4]
+        for key, t in state.items():
+            numbers(f"AdamW's {key} of {name}", t)
+            if key in ("exp_avg_sq", "step") and bool((t < 0).any()):
+                refuse(f"AdamW's {key} of {name}", "is negative (a sum of squares, or a count, cannot be)")
 
 
 def read_checkpoint(path, cfg=None, tc=None):

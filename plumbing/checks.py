@@ -8,13 +8,19 @@
                                   the model's shapes, the learning rates, the flags that need others
     check_device(tc, device)      what needs a GPU (CUDA graphs, forced CUDA kernels)
     check_paths(tc)               --save, --metrics, --trace: writable, of the right kind
+    check_outputs(tc, resumed)    every file the run writes against every file it reads, each
+                                  other and the checkpoints (plumbing/paths.py), before any is written
+    check_action(args, given)     the one action a command asks for, and no flag it would ignore
+    check_model_flags(...)        model flags given beside weights that carry their own model
     check_memory(cfg, tc, device) the run's own estimate of its weights, gradients and optimizer
                                   state against the memory of this machine or GPU
     preflight(cfg, tc, world, device)   all of the above for 05, then the data, the checkpoint to
                                   resume from and the save directory; returns what they resolve to
     acceleration(tc, device)      fused kernels on? CUDA graphs per stage, of the whole step, or off?
 
-Each error is a ValueError that names the flag (or the file), the value and the constraint.
+Each error is a ValueError that names the flag (or the file), the value and the constraint. A value
+passes only if the run can use it: a learning rate that would make every weight infinite, a timeout
+no collective can meet, a batch whose activations cannot fit, are refused here and not found later.
 05 runs preflight in the launching process, so that bad input fails before any fork, and again on
 every rank before the first collective (under torchrun there is no launching process of ours);
 01-04 check their demo's flags before launching.
@@ -24,7 +30,10 @@ import math
 import os
 import typing
 
+from plumbing import paths
+
 MAX_TIMEOUT_S = 3600  # a collective stuck this long is a hang; beyond it the guard is no guard
+MAX_NEW_TOKENS = 1_000_000  # --max-new-tokens: more is a run that never ends, not a sample
 
 
 def _at_least(n):
@@ -35,9 +44,11 @@ _POSITIVE = (lambda v: v > 0, "positive")
 _FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
 _SEED = (lambda v: 0 <= v < 2**31, "in [0, 2**31)")
 _ANY = (lambda v: True, "")  # text: paths are checked by check_paths and where they are read
+_A_SECOND = (lambda v: v >= 1, "at least 1 (seconds; no collective completes sooner, so every run would time out)")
 
 # Every field of every config, by name (a name means the same thing in every file): the constraint
-# on its value, beyond its type. tests/test_bad_input.py checks that no field is missing here.
+# on its value, beyond its type, or a list of them checked in order (the first one broken is said).
+# tests/test_bad_input.py checks that no field is missing here.
 FIELDS = {
     # the model (01's GPTConfig)
     "vocab_size": _at_least(1), "block_size": _at_least(1), "n_layer": _at_least(1),
@@ -47,23 +58,29 @@ FIELDS = {
     "batch_size": _at_least(1), "microbatches": _at_least(1), "seq_len": _at_least(1),
     "sequence_parallel": _ANY, "schedule": _ANY, "seed": _SEED, "trace": _ANY,
     # training (04's demo and 05)
-    "steps": _at_least(1), "lr": _POSITIVE, "min_lr": _at_least(0), "warmup_steps": _at_least(0),
+    "steps": _at_least(1), "min_lr": _at_least(0), "warmup_steps": _at_least(0),
+    # AdamW moves each weight by about lr per step: beyond 1 a weight of GPT-2's scale (0.02) is lost
+    # at once, and lr 1e308 makes every weight infinite. (weight decay: check_config, with lr)
+    "lr": [_POSITIVE, (lambda v: v <= 1, "at most 1 (AdamW moves each weight by about lr per step)")],
     "weight_decay": _at_least(0), "grad_clip": _POSITIVE, "bucket_numel": _at_least(1),
     "zero1": _ANY, "scatter_gather": _ANY, "recompute": _ANY, "dtype": _ANY,
     "overlap_grad_reduce": _ANY, "overlap_param_gather": _ANY, "overlap_input_grad": _ANY,
     "merge_loss_reductions": _ANY, "background_sends": _ANY,
     "eval_every": _at_least(0), "eval_batches": _at_least(1), "data": _ANY, "metrics": _ANY,
-    "timeout_s": (lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"),
+    # Below a second not even the groups' own set-up completes: every run would fail at its first collective.
+    "timeout_s": [(lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"), _A_SECOND],
     "max_skipped_steps": _at_least(1),
     "hang_s": (lambda v: 0 <= v <= MAX_TIMEOUT_S, f"0 (off) or positive, at most {MAX_TIMEOUT_S} (seconds)"),
     "straggler_every": _at_least(0), "rehearse_fault": _ANY, "watch": _ANY,
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
-    "save_timeout_s": (lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), "async_save": _ANY,
-    "snapshot_every": _at_least(0), "snapshot_dir": _ANY, "restarts": _at_least(0), "resume": _ANY, "init_from": _ANY,
+    "save_timeout_s": [(lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), _A_SECOND],
+    "async_save": _ANY, "snapshot_every": _at_least(0), "snapshot_dir": _ANY, "restarts": _at_least(0),
+    "resume": _ANY, "init_from": _ANY, "overwrite": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
     "graph_scope": _ANY,
     # sampling (plumbing/sample.py)
-    "sample": _ANY, "max_new_tokens": _at_least(1),
+    # Tokens are printed as they come; a million is hours of a CPU's sampling, 10**9 would never end.
+    "sample": _ANY, "max_new_tokens": [_at_least(1), (lambda v: v <= MAX_NEW_TOKENS, f"at most {MAX_NEW_TOKENS:,}")],
     "temperature": (lambda v: v > 0, "positive (for greedy decoding use --top-k 1)"), "top_k": _at_least(0),
 }
 
@@ -106,9 +123,25 @@ def check_fields(*configs):
             wrong = _type_problem(value, hints[f.name])
             if wrong:
                 raise ValueError(f"{flag(f.name)} must be {wrong}, got {value!r}")
-            ok, constraint = FIELDS[f.name]
-            if value is not None and not isinstance(value, (str, bool, list)) and not ok(value):
-                raise ValueError(f"{flag(f.name)} must be {constraint}, got {value!r}")
+            problem = None if value is None or isinstance(value, (str, bool, list)) else range_problem(f.name, value)
+            if problem:
+                raise ValueError(f"{flag(f.name)} must be {problem}, got {value!r}")
+
+
+def range_problem(name, value):
+    """The constraint of FIELDS[name] that value breaks, in words, or None."""
+    rules = FIELDS[name] if isinstance(FIELDS[name], list) else [FIELDS[name]]
+    return next((constraint for ok, constraint in rules if not ok(value)), None)
+
+
+def value_problem(cls, name, value):
+    """Why value cannot be cls's field `name` (its type, then its range), in words, or None: for the
+    fields of a file that claims to hold a config (a manifest, a .pt's _config)."""
+    kind = typing.get_type_hints(cls)[name]
+    wrong = _type_problem(value, kind)
+    if wrong:
+        return wrong
+    return None if value is None or isinstance(value, (str, bool, list)) else range_problem(name, value)
 
 
 def check_config(cfg, tc, world=None):
@@ -157,6 +190,11 @@ def check_config(cfg, tc, world=None):
     if getattr(tc, "snapshot_every", 0) and not tc.snapshot_dir:
         raise ValueError(f"--snapshot-every {tc.snapshot_every} needs --snapshot-dir DIR (node-local, e.g. "
                          f"/dev/shm/snapshots)")
+    if getattr(tc, "weight_decay", 0) * getattr(tc, "lr", 0) >= 1:  # decoupled decay: w -= lr * wd * w
+        raise ValueError(f"--weight-decay {tc.weight_decay:g} with --lr {tc.lr:g}: AdamW multiplies every weight "
+                         f"by 1 - lr x weight_decay = {1 - tc.lr * tc.weight_decay:.3g} each step, which must stay "
+                         f"above 0; lower --weight-decay (GPT-2's is 0.1)")
+    check_one_start(tc)
     if getattr(tc, "save_every", 0) and not tc.save:
         raise ValueError(f"--save-every {tc.save_every} needs --save DIR")
     if getattr(tc, "graph_scope", "auto") == "step" and tp * pp * dp > 1:
@@ -167,6 +205,14 @@ def check_config(cfg, tc, world=None):
     if getattr(tc, "cuda_graphs", None) and (tp > 1 or tc.recompute != "none"):
         raise ValueError(f"--cuda-graphs captures whole stages, which here needs tp=1 (a stage with tp > 1 "
                          f"holds all-reduces) and --recompute none; got tp={tp}, recompute={tc.recompute}")
+
+
+def check_one_start(tc):
+    """--init-from and --resume are two starting points: a run takes one."""
+    if getattr(tc, "init_from", "") and getattr(tc, "resume", ""):
+        raise ValueError(f"--init-from {tc.init_from} and --resume {tc.resume} both give the starting weights: "
+                         f"--resume continues a checkpoint (weights, optimizer state, step), --init-from starts "
+                         f"afresh from GPT-2 weights; give one of them")
 
 
 def check_device(tc, device):
@@ -181,13 +227,20 @@ def check_device(tc, device):
 
 
 def check_paths(tc, writer=True):
-    """--save must be a directory this process can write in (made if missing); --metrics and
-    --trace files whose directory exists and that are not directories. Probed by writing, since a
-    permission bit does not tell (root, read-only mounts, full quotas); the files only by the
-    process that will write them (writer), so that ranks sharing a path never race on it."""
+    """--save must be a directory this process can write in (made if missing), not inside a
+    checkpoint; --metrics and --trace files whose directory exists and that are not directories,
+    FIFOs or devices. Probed by writing, since a permission bit does not tell (root, read-only
+    mounts, full quotas); the files only by the process that will write them (writer), so that
+    ranks sharing a path never race on it. What the files may replace: check_outputs."""
     if getattr(tc, "save", ""):
-        if os.path.exists(tc.save) and not os.path.isdir(tc.save):
-            raise ValueError(f"--save {tc.save}: it is a file, not a directory for checkpoints")
+        what = paths.describe(tc.save)
+        if os.path.exists(tc.save) and what != "a directory":
+            raise ValueError(f"--save {tc.save}: it is {what or 'a file'}, not a directory for checkpoints")
+        inside = paths.enclosing_checkpoint(os.path.join(tc.save, "step"))
+        if inside:
+            where = "is" if os.path.realpath(tc.save) == inside else "lies inside"
+            raise ValueError(f"--save {tc.save}: it {where} the checkpoint {inside}; checkpoints are saved beside "
+                             f"each other, not inside one: give the directory that holds them")
         probe = os.path.join(tc.save, f".write_test_{os.getpid()}_{os.uname().nodename}")
         try:
             os.makedirs(tc.save, exist_ok=True)
@@ -200,8 +253,9 @@ def check_paths(tc, writer=True):
         path = getattr(tc, name, "")
         if not path:
             continue
-        if os.path.isdir(path):
-            raise ValueError(f"{flag(name)} {path}: it is a directory; give a file name")
+        what = paths.describe(path)
+        if what:  # a FIFO would block the open below until something reads it
+            raise ValueError(f"{flag(name)} {path}: it is {what}; give a file name")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise ValueError(f"{flag(name)} {path}: the directory {folder} does not exist")
@@ -217,6 +271,40 @@ def check_paths(tc, writer=True):
             raise ValueError(f"{flag(name)} {path}: cannot write it ({e.strerror or e})") from None
 
 
+def read_paths(tc, resumed=None):
+    """[(flag, path)] of every file a run of tc reads: the data and its sidecar, --init-from's
+    files, the checkpoint it resumes (resumed: its directory)."""
+    reads = []
+    if getattr(tc, "data", ""):
+        reads.append(("--data", tc.data))
+        if tc.data.endswith(".bin"):
+            reads.append(("--data's sidecar", tc.data[: -len(".bin")] + ".json"))
+    init = getattr(tc, "init_from", "")
+    if init:
+        names = ("config.json", "model.safetensors", "pytorch_model.bin") if os.path.isdir(init) else ("",)
+        reads += [("--init-from", os.path.join(init, n) if n else init) for n in names]
+    if resumed:
+        reads += [("--resume", os.path.join(resumed, n)) for n in sorted(os.listdir(resumed))]
+    return reads
+
+
+def check_outputs(tc, resumed=None):
+    """Every file the run writes (--metrics, --trace, and --save's step directories) checked
+    against every file it reads, against each other and against checkpoints, links followed
+    (plumbing/paths.py): none may replace an input or lie inside a checkpoint, whatever the flags,
+    and none may replace a file this run did not write unless --overwrite. A resumed run's own
+    metrics and trace (a file 05 wrote, by its contents) are its own: metrics are appended to."""
+    writes = [("--metrics", getattr(tc, "metrics", "")), ("--trace", getattr(tc, "trace", ""))]
+    protected = [("--resume", resumed, None)] if resumed else []
+    if getattr(tc, "save", ""):
+        protected.append(("--save", tc.save, r"step_\d+(\.tmp)?"))
+    own = set()
+    if resumed:  # a continued run: its earlier metrics and trace are its own
+        own |= {"--metrics"} if tc.metrics and paths.looks_like_metrics(tc.metrics) else set()
+        own |= {"--trace"} if tc.trace and paths.looks_like_trace(tc.trace) else set()
+    paths.check_outputs(writes, read_paths(tc, resumed), protected, getattr(tc, "overwrite", False), own)
+
+
 def machine_bytes(device):
     """The memory a run can use: the GPU's, or this machine's RAM (None if unknown)."""
     if device.type == "cuda":
@@ -229,9 +317,10 @@ def machine_bytes(device):
 
 
 def check_memory(cfg, tc, device, ranks_here):
-    """Refuse a run whose weights, gradients and AdamW state alone (activations not counted) would
-    not fit: on a GPU, the fullest rank's share (planner.params_per_gpu: the first stage) against the
-    device; on CPU, ranks_here ranks of that share against this machine's RAM."""
+    """Refuse a run whose weights, gradients, AdamW state and activations would not fit: on a GPU,
+    the fullest rank's share (planner.params_per_gpu: the first stage) against the device; on CPU,
+    ranks_here ranks of that share against this machine's RAM. The message names the flags that
+    make it large: the model's (and which part of it), or the batch's."""
     import planner
     spec = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size)
     params, zero1 = planner.params_exact(spec), getattr(tc, "zero1", False)
@@ -239,37 +328,127 @@ def check_memory(cfg, tc, device, ranks_here):
     elt = {"float64": 8, "bfloat16": 2}.get(tc.dtype, 2 if tc.dtype == "auto" and device.type == "cuda" else 4)
     grad = max(elt, 4)  # low-precision weights keep fp32 gradients, masters and moments
     state = 2 * grad + (4 if elt < 4 else 0)  # AdamW's two moments (and fp32 masters): 1/dp of them with ZeRO-1
-    per_rank = fullest * (elt + grad + state / (tc.dp if zero1 else 1))
-    total = per_rank if device.type == "cuda" else per_rank * ranks_here
+    weights = fullest * (elt + grad + state / (tc.dp if zero1 else 1))
+    # Activations: Korthikanti's Table 2 for the layers in flight on the first stage (2-byte
+    # activations, rescaled), one microbatch's fp32 logits, and the global batch's ids (int64,
+    # inputs and targets), which every rank cuts from.
+    T, b = tc.seq_len, max(1, tc.batch_size // (tc.dp * tc.microbatches))
+    run = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, T)
+    lay = planner.Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=b, v=tc.virtual_stages, recompute=tc.recompute,
+                         sequence_parallel=tc.sequence_parallel)
+    logits, ids = b * T * cfg.vocab_size / tc.tp * 4, 2 * tc.batch_size * (T + 1) * 8
+    acts = planner.activation_bytes_per_layer(run, lay) * planner.layers_in_flight(run, lay) * elt / 2 + logits + ids
+    total = (weights + acts) * (1 if device.type == "cuda" else ranks_here)
     have = machine_bytes(device)
-    if have and total > have:
-        where = f"the GPU's {have / 2**30:.1f} GiB" if device.type == "cuda" else \
-            f"this machine's {have / 2**30:.1f} GiB of memory ({ranks_here} ranks)"
-        raise ValueError(f"--n-layer {cfg.n_layer} --n-embd {cfg.n_embd} --vocab-size {cfg.vocab_size}: "
-                         f"{params:,} parameters need about {total / 2**30:.1f} GiB of weights, gradients "
-                         f"and optimizer state, more than {where}; use more tp x pp or a smaller model")
+    if not have or total <= have:
+        return
+    where = f"the GPU's {have / 2**30:.1f} GiB" if device.type == "cuda" else \
+        f"this machine's {have / 2**30:.1f} GiB of memory ({ranks_here} ranks)"
+    # Name what makes it large: the biggest of the weights' parts (with their gradients and optimizer
+    # state) and the activations' parts, each with the flags that size it.
+    L, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
+    share = weights / max(params, 1)  # bytes per parameter, on the fullest rank
+    batch = f"--batch-size {tc.batch_size} --seq-len {T}"
+    parts = [(12 * L * h * h * share, f"--n-layer {L} --n-embd {h}", "the layers' weights"),
+             (V * h * share, f"--vocab-size {V} --n-embd {h}", "the token embedding's weights"),
+             (cfg.block_size * h * share, f"--block-size {cfg.block_size} --n-embd {h}",
+              "the position embedding's weights"),
+             (acts - logits - ids, batch, f"the activations of microbatches of b = batch / (dp x m) = {b:,} sequences"),
+             (logits, f"--vocab-size {V} {batch}",
+              f"the logits of a microbatch, b x T x V / tp = {b:,} x {T} x {V} / {tc.tp}"),
+             (ids, batch, "the global batch's token ids")]
+    _, flags, what = max(parts)
+    advice = "use more --microbatches or a smaller batch" if flags.startswith("--batch") else \
+        "use more tp x pp or a smaller model"
+    raise ValueError(f"{flags}: {what} are most of the {total / 2**30:,.1f} GiB this run needs (its {params:,} "
+                     f"parameters' weights, gradients and optimizer state, and its activations), more than {where}; "
+                     f"{advice}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 05's actions: what each uses, so that a flag given to one that ignores it is refused
+
+
+SAMPLING = ("max_new_tokens", "temperature", "top_k")
+MODEL_SHAPE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")  # what weights decide
+ACTIONS = ("print_layout", "self_check", "sample", "export_hf", "export_state_dict")
+USES = {  # besides the action's own flag
+    "print_layout": {"tp", "pp", "dp", "schedule"},
+    "self_check": {"tp", "pp", "dp", "timeout_s", "rehearse_fault"},
+    "sample": {"resume", "init_from", "seed", *MODEL_SHAPE, *SAMPLING},
+    "export": {"resume", "overwrite", "export_hf", "export_state_dict"},
+}
+WHY = {"print_layout": "it prints the rank grid of --tp, --pp and --dp and starts nothing",
+       "self_check": "it tries every rank, group and link of --tp, --pp and --dp and trains nothing",
+       "sample": "it samples on one process from the weights, which decide the model",
+       "export": "it writes --resume's newest checkpoint and trains nothing"}
+
+
+def check_action(args, given):
+    """The action a command of 05 asks for ("print_layout", "sample", "export" or None: train),
+    refusing two at once (--export-hf and --export-state-dict together are one: both are written),
+    an empty path, --init-from with --resume, and any flag the action would silently ignore.
+    given: the names of the flags on the command line (cli.given)."""
+    for name in ("export_hf", "export_state_dict"):
+        if getattr(args, name) is not None and not getattr(args, name).strip():
+            what = "directory" if name == "export_hf" else "file"
+            raise ValueError(f"{flag(name)}: the path is empty; give the {what} to write")
+    chosen = [a for a in ACTIONS if getattr(args, a, None) not in (None, False)]
+    kinds = list(dict.fromkeys("export" if a.startswith("export") else a for a in chosen))
+    if len(kinds) > 1:
+        raise ValueError(f"{' and '.join(flag(a) for a in chosen)} are {len(kinds)} actions; give one of them")
+    action = kinds[0] if kinds else None
+    check_one_start(args)
+    if action is None:
+        ignored = [n for n in SAMPLING if n in given]
+        if ignored:
+            raise ValueError(f"{', '.join(map(flag, ignored))}: {'it applies' if len(ignored) == 1 else 'they apply'} "
+                             f"to --sample only, and this command trains; drop {'it' if len(ignored) == 1 else 'them'}")
+        return None
+    ignored = sorted(given - USES[action] - set(ACTIONS) - {"plan"})
+    if ignored:
+        names = ", ".join(map(flag, ignored))
+        raise ValueError(f"{flag(chosen[0])} does not use {names}: {WHY[action]}; drop "
+                         f"{'it' if len(ignored) == 1 else 'them'}")
+    return action
+
+
+def check_model_flags(given, cfg, weights_cfg, source):
+    """Model flags given beside weights that carry their own model (a checkpoint's manifest, a
+    GPT-2 config.json, a .pt's _config) must agree with it: the weights decide the model, and a
+    flag that said otherwise would be ignored."""
+    differ = [f"{flag(k)} {getattr(cfg, k)} (it has {getattr(weights_cfg, k)})" for k in MODEL_SHAPE
+              if k in given and getattr(cfg, k) != getattr(weights_cfg, k)]
+    if differ:
+        raise ValueError(f"{', '.join(differ)}: the model is {source}'s, which these flags contradict; drop them "
+                         f"(the weights decide the model's size)")
 
 
 def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
     """Everything 05 can refuse before a process group exists, in the order a user would fix it.
-    writer: this process writes --metrics and --trace (rank 0, or the launching process).
+    writer: this process writes --metrics and --trace (rank 0, or the launching process); it also
+    reads every tensor of the checkpoint to resume, and locks the --save directory.
     Returns (train tokens, eval tokens, the checkpoint to resume or None, the steps it holds)."""
     # Imported here: 01-04 import this module for check_config, and these import 01.
     from plumbing.checkpoint import check_save_dir, check_shards, latest_checkpoint, read_manifest
     from plumbing.data import load_tokens, split_tokens
     check_config(cfg, tc, world)
     check_device(tc, device)
+    path = latest_checkpoint(tc.resume, say, flag="--resume") if tc.resume else None
+    check_outputs(tc, path)
     check_paths(tc, writer)
     check_memory(cfg, tc, device, world if ranks_here is None else ranks_here)
-    train_tokens, eval_tokens = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
-    path = latest_checkpoint(tc.resume, say) if tc.resume else None
+    train_tokens, eval_tokens = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len, tc.data)
     manifest = read_manifest(path, cfg, tc, say) if path else dict(step=0)
     if path:
-        check_shards(path, manifest)
+        check_shards(path, manifest, tensors=writer)
     start = manifest["step"]
     for root in (tc.save, getattr(tc, "snapshot_dir", "")):
         if root:  # a restart picks the newest step there: none of another run's may be later
             check_save_dir(root, start, resuming_from=path)
+            if writer:  # then again under the lock: nothing can have appeared since
+                paths.lock_save_dir(root)
+                check_save_dir(root, start, resuming_from=path)
     return train_tokens, eval_tokens, path, start
 
 

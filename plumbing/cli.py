@@ -16,14 +16,14 @@ parser is built, so the help can never fall behind the config:
 """
 import argparse
 import dataclasses
-import functools
 import inspect
 import io
+import os
 import tokenize
 import types
 import typing
 
-from plumbing import checks
+from plumbing import checks, paths
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -50,10 +50,26 @@ def make_parser(doc, **kwargs):
                                    **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
 def field_comments(cls):
     """{field name: the comment after it in cls's source}, read with the tokenizer, so a '#' inside
-    a string default is not mistaken for a comment."""
+    a string default is not mistaken for a comment. Cached by where the class is written (file,
+    its modification time, qualified name, fields) rather than by the class object: a script run
+    again in a forked process (runpy, as the tests do) makes new classes from the same source, and
+    finding a class's source parses its whole file (most of a --help or a refused flag's time)."""
+    try:
+        file = inspect.getsourcefile(cls)
+        key = (file, os.path.getmtime(file), cls.__qualname__, tuple(f.name for f in dataclasses.fields(cls)))
+    except (TypeError, OSError):
+        key = cls
+    if key not in _COMMENTS:
+        _COMMENTS[key] = _read_comments(cls)
+    return _COMMENTS[key]
+
+
+_COMMENTS = {}  # field_comments' cache
+
+
+def _read_comments(cls):
     comments = {}
     for base in reversed(cls.__mro__[1:]):  # inherited fields keep their base class's comments
         if dataclasses.is_dataclass(base):
@@ -102,10 +118,23 @@ def add_dataclass_args(parser, cls, title=None, **defaults):
                                 help=comments[f.name])
 
 
+def given(parser, argv=None):
+    """The names (dests) of the options on the command line, whatever their value: parsed again
+    into a namespace that already holds every name, which argparse then leaves alone unless the
+    option is given (abbreviations and --flag=value included)."""
+    unset = object()
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parsed = parser.parse_args(argv, namespace=namespace)
+    return {name for name, value in vars(parsed).items() if value is not unset}
+
+
 def demo_parser(doc, demo_cls, model_cls, **model_defaults):
-    """The parser of a numbered file's demo: its own flags, then the model's (defaults overridden)."""
+    """The parser of a numbered file's demo: its own flags, then the model's (defaults overridden),
+    and --overwrite for the files a demo writes (its --trace)."""
     parser = make_parser(doc)
     add_dataclass_args(parser, demo_cls, "demo")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let --trace replace a file this run did not write")
     add_dataclass_args(parser, model_cls, "model", **model_defaults)
     parser.configs = demo_cls, model_cls
     return parser
@@ -121,6 +150,7 @@ def demo_args(parser, argv=None, **resolve):
     demo_cls, model_cls = parser.configs
     cfg, demo = from_args(model_cls, args), from_args(demo_cls, args)
     checks.check_config(cfg, demo)
+    paths.check_outputs([("--trace", getattr(demo, "trace", ""))], overwrite=args.overwrite)
     checks.check_paths(demo)
     return cfg, args
 

@@ -14,6 +14,9 @@ import os
 
 import torch
 
+from plumbing.paths import describe
+from plumbing.tokenizer import read_sidecar, sidecar_of
+
 # Sums the built-in corpus never states, in either order: the end-of-run probe asks for them too, to
 # tell what the model memorised from what it worked out.
 HELD_OUT_SUMS = {(1, 8), (2, 7), (3, 5), (4, 9), (6, 6)}
@@ -64,12 +67,19 @@ def check_tokens(idx, cfg, sp_tp=1):
 
 def load_tokens(path, vocab_size, seq_len):
     """All tokens of the data, as a 1-D tensor: a nanoGPT .bin (uint16, memory-mapped) or any other
-    file as bytes. Refuses what cannot train: missing, empty, too short, ids >= vocab_size."""
+    file as bytes. Refuses, naming the file, what cannot train: missing, not a regular file (a FIFO
+    or a device: never a whole file), empty, too short, ids >= vocab_size, a .bin whose sidecar
+    lies (plumbing/tokenizer.read_sidecar) or names a vocabulary larger than --vocab-size."""
     if not path:
         tokens = torch.frombuffer(bytearray(builtin_corpus().encode()), dtype=torch.uint8)
     else:
         if os.path.isdir(path):
             raise ValueError(f"--data {path}: it is a directory, not a data file")
+        what = describe(path)
+        if what:
+            raise ValueError(f"--data {path}: it is {what}, not a regular file: the trainer memory-maps a .bin "
+                             f"and reads any other file whole, which a pipe or a device cannot give; write it to "
+                             f"a file first")
         try:
             size = os.path.getsize(path)
             if size == 0:
@@ -78,6 +88,11 @@ def load_tokens(path, vocab_size, seq_len):
                 raise ValueError(f"--data {path}: {size} bytes is not a whole number of 2-byte (uint16) "
                                  f"token ids; is it a .bin that scripts/prepare_data.py wrote?")
             if path.endswith(".bin"):
+                meta = read_sidecar(path)
+                if meta and meta.get("vocab_size", 0) > vocab_size:
+                    raise ValueError(f"--data {path}: its sidecar {sidecar_of(path)} names the {meta['tokenizer']} "
+                                     f"tokenizer, of {meta['vocab_size']} tokens, more than --vocab-size {vocab_size}; "
+                                     f"train with --vocab-size {-(-meta['vocab_size'] // 64) * 64}")
                 # Memory-mapped, not read: windows are copied out (as int64) only when sampled.
                 tokens = torch.from_file(path, shared=False, size=size // 2, dtype=torch.uint16)
             else:
@@ -86,21 +101,27 @@ def load_tokens(path, vocab_size, seq_len):
         except OSError as e:
             raise ValueError(f"cannot read the data file {path!r}: {e.strerror or e}") from None
     if len(tokens) < seq_len + 1:
-        raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one sequence of "
-                         f"seq_len + 1 = {seq_len + 1}")
+        raise ValueError(f"--data {path or '(the built-in corpus)'}: the data holds {len(tokens)} tokens, fewer than "
+                         f"one sequence of seq_len + 1 = {seq_len + 1}")
     # In pieces: uint16 tensors have few operations, and a whole-file copy could be gigabytes.
-    top = max(int(piece.to(torch.int32).max()) for piece in tokens.split(1 << 24))
-    if top >= vocab_size:
-        raise ValueError(f"the data holds token id {top} >= vocab_size={vocab_size}")
+    for i, piece in enumerate(tokens.split(1 << 24)):
+        wide = piece.to(torch.int32)
+        top = int(wide.max())
+        if top >= vocab_size:
+            at = i * (1 << 24) + int(wide.argmax())
+            raise ValueError(f"--data {path or '(the built-in corpus)'}: the data holds token id {top} >= "
+                             f"vocab_size={vocab_size} (token {at:,} of the file); give --vocab-size {top + 1} or "
+                             f"more, or check that the file is the right one")
     return tokens
 
 
-def split_tokens(tokens, seq_len):
+def split_tokens(tokens, seq_len, path=""):
     """90% to train on, the last 10% held out for the eval loss (each at least one sequence)."""
     n_eval = max(len(tokens) // 10, seq_len + 1)
     if len(tokens) - n_eval < seq_len + 1:
-        raise ValueError(f"--data: {len(tokens)} tokens cannot hold a sequence of seq_len + 1 = {seq_len + 1} to "
-                         f"train on and another held out for the eval loss; need at least {2 * (seq_len + 1)}")
+        raise ValueError(f"--data {path or '(the built-in corpus)'}: {len(tokens)} tokens cannot hold a sequence of "
+                         f"seq_len + 1 = {seq_len + 1} to train on and another held out for the eval loss; need at "
+                         f"least {2 * (seq_len + 1)}")
     return tokens[:-n_eval], tokens[-n_eval:]
 
 

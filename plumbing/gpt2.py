@@ -1,10 +1,16 @@
 """GPT-2 weights in and out: Hugging Face's GPT2LMHeadModel layout, and plain state dicts.
 
-    import_gpt2(path) -> (GPTConfig, full state dict, tokenizer or None)
+    import_gpt2(path, cfg=None) -> (GPTConfig, full state dict, tokenizer or None)
         a local directory with config.json and model.safetensors (needs the optional safetensors
-        package) or pytorch_model.bin; or a .pt written by 05's --export-state-dict
+        package) or pytorch_model.bin; or a .pt written by 05's --export-state-dict (cfg: the
+        model flags, which a .pt without its own config must fit)
     export_gpt2(cfg, full, out)     a directory GPT2LMHeadModel loads
-    export_checkpoint(root, ...)    the newest checkpoint under root, as either
+    export_checkpoint(root, ...)    the newest checkpoint under root, as either or both
+
+Every tensor read is checked: a float dtype, finite, and exactly the parameters the config
+describes (no more, no fewer, each of its shape); each refusal names the file and the tensor. An
+export writes only finite values, never over a file it reads, and replaces an existing file only
+with --overwrite; each file appears whole (written beside it, then renamed).
 
 Our parameter names are GPT2LMHeadModel's. Its four projection matrices are Conv1D weights, (in,
 out), the transpose of nn.Linear's, so they are transposed on the way in and out; its causal-mask
@@ -17,7 +23,9 @@ import os
 
 import torch
 
+from plumbing import checks, paths
 from plumbing.checkpoint import latest_checkpoint, read_checkpoint
+from plumbing.tokenizer import TOKENIZERS
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
@@ -37,6 +45,9 @@ def config_from_hf(hf, file):
     for k in SHAPE_FIELDS:
         if not (isinstance(hf.get(k), int) and not isinstance(hf.get(k), bool) and hf[k] >= 1):
             raise ValueError(f"{file}: {k} must be a positive integer, got {hf.get(k, 'nothing')!r}")
+    if hf["n_embd"] % hf["n_head"]:  # invisible in the weights' shapes, but every head would be cut wrong
+        raise ValueError(f"{file}: n_embd={hf['n_embd']} is not divisible by n_head={hf['n_head']}, so its "
+                         f"attention heads do not fit the weights")
     for k, values in OURS.items():
         n_inner = k == "n_inner" and hf.get(k) == 4 * hf["n_embd"]  # GPT-2's own MLP width, written out
         if k in hf and hf[k] not in values and not n_inner:
@@ -46,46 +57,69 @@ def config_from_hf(hf, file):
                                      n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=0.0)
 
 
-def import_gpt2(path):
+def import_gpt2(path, cfg=None):
     """(GPTConfig, full state dict, tokenizer) from a local GPT-2 directory (config.json with
     model.safetensors or pytorch_model.bin) or from a plain serial state dict file (.pt) of our own
-    names. The tokenizer ("bytes", "gpt2", "ids") is known only for a .pt that records it."""
+    names. The tokenizer ("bytes", "gpt2", "ids") is known only for a .pt that records it. A .pt
+    without a config is checked against cfg (the model flags), and its GPTConfig is None."""
     if os.path.isfile(path):
-        return _import_state_dict(path)
+        return _import_state_dict(path, cfg)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--init-from {path}: it is {paths.describe(path)}, not a .pt file or a GPT-2 directory")
     if not os.path.isdir(path):
         raise ValueError(f"--init-from {path}: no such file or directory")
+    config = os.path.join(path, "config.json")
     try:
-        with open(os.path.join(path, "config.json")) as f:
+        paths.regular_file(config, "--init-from's config")
+        with open(config) as f:
             hf = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} has no readable config.json: {e}") from None
-    cfg = config_from_hf(hf, os.path.join(path, "config.json"))
+    cfg = config_from_hf(hf, config)
     st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
     if os.path.exists(st):
         try:
             from safetensors.torch import load_file
         except ImportError:
             raise ValueError(f"{st} needs the safetensors package (pip install safetensors)") from None
-        raw = _load(st, load_file)
+        weights, raw = st, _load(st, load_file)
     elif os.path.exists(pt):
-        raw = _load(pt, lambda f: torch.load(f, map_location="cpu", weights_only=True))
+        weights, raw = pt, _load(pt, lambda f: torch.load(f, map_location="cpu", weights_only=True))
     else:
         raise ValueError(f"{path} holds no weights: neither model.safetensors nor pytorch_model.bin")
     full, head = {}, None
     for key, value in raw.items():
         name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
+        if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+            continue
+        _check_weight(weights, key, value)
         if name == "lm_head.weight":
             head = value  # tied to wte: checked equal below
-        elif not name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers
+        else:
             full[name] = value.t().contiguous() if name.endswith(CONV1D) else value
     wte = full.get("transformer.wte.weight")
     if head is not None and wte is not None and not torch.equal(head, wte):  # False for other shapes too
         raise ValueError(f"{path}: lm_head.weight differs from transformer.wte.weight; this GPT-2 ties its "
                          f"output layer to the token embedding and cannot represent an untied one")
-    bad = _misfits(cfg, full)[0]
+    bad, extra = _misfits(cfg, full)
     if bad:
         raise ValueError(f"{path} does not fit its config.json: " + "; ".join(bad[:5]))
+    if extra:
+        raise ValueError(f"{weights} holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which the GPT-2 "
+                         f"of its config.json (n_layer={cfg.n_layer}) does not have: the weights and the config do "
+                         f"not belong together")
     return cfg, full, None
+
+
+def _check_weight(file, name, value):
+    """A weight must be a floating-point tensor of finite values: integers or booleans are not
+    weights (they would be cast silently), and one NaN or inf ends a run in skipped steps."""
+    if not value.is_floating_point():
+        raise ValueError(f"{file}: {name} is {value.dtype}, not floating-point weights")
+    bad = int((~torch.isfinite(value)).sum())
+    if bad:
+        raise ValueError(f"{file}: {name} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf) of "
+                         f"{value.numel()}; weights must be finite numbers")
 
 
 def _misfits(cfg, full):
@@ -107,9 +141,11 @@ def _load(file, read):
     return raw
 
 
-def _import_state_dict(path):
-    """A .pt that --export-state-dict wrote: our names, with its config and tokenizer."""
+def _import_state_dict(path, flags_cfg=None):
+    """A .pt that --export-state-dict wrote: our names, with its config and tokenizer. Without a
+    config its weights must fit flags_cfg, the model flags (when given)."""
     try:
+        paths.regular_file(path, "--init-from")
         full = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"--init-from {path}: not a state dict that --export-state-dict writes "
@@ -118,52 +154,118 @@ def _import_state_dict(path):
         raise ValueError(f"--init-from {path}: holds a {type(full).__name__}, not a state dict")
     cfg = None
     if "_config" in full:
-        try:
-            cfg = tensor_parallel.GPTConfig(**full.pop("_config"))
-        except TypeError as e:
-            raise ValueError(f"--init-from {path}: its _config is not a GPTConfig ({e})") from None
+        fields = {f.name for f in dataclasses.fields(tensor_parallel.GPTConfig)}
+        config = full.pop("_config")
+        if not isinstance(config, dict) or set(config) != fields:
+            got = sorted(config) if isinstance(config, dict) else type(config).__name__
+            raise ValueError(f"--init-from {path}: its _config is not a GPTConfig (want the fields {sorted(fields)}, "
+                             f"got {got})")
+        wrong = [f"{k} must be {p}, got {v!r}" for k, v in config.items()
+                 if (p := checks.value_problem(tensor_parallel.GPTConfig, k, v))]
+        if not wrong and config["n_embd"] % config["n_head"]:
+            wrong = [f"n_embd={config['n_embd']} is not divisible by n_head={config['n_head']}"]
+        if wrong:
+            raise ValueError(f"--init-from {path}: its _config is malformed: " + "; ".join(wrong))
+        cfg = tensor_parallel.GPTConfig(**config)
     tokenizer = full.pop("_tokenizer", None)
-    bad, extra = _misfits(cfg, full) if cfg is not None else ([], [])
+    if tokenizer is not None and tokenizer not in TOKENIZERS:
+        raise ValueError(f"--init-from {path}: its _tokenizer {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
+    for name, value in full.items():
+        if not (isinstance(name, str) and torch.is_tensor(value)):
+            raise ValueError(f"--init-from {path}: {name!r} is {type(value).__name__}, not a tensor: not a state dict "
+                             f"(names to tensors)")
+        _check_weight(path, name, value)
+    fit = cfg if cfg is not None else flags_cfg
+    bad, extra = _misfits(fit, full) if fit is not None else ([], [])
     if bad or extra:
-        raise ValueError(f"--init-from {path} does not fit its own config: "
+        whose = "its own config" if cfg is not None else "the model flags (it holds no config of its own)"
+        raise ValueError(f"--init-from {path} does not fit {whose}: "
                          + "; ".join(bad[:3] or [f"unexpected {extra[:3]}"]))
     return cfg, full, tokenizer
 
 
-def export_gpt2(cfg, full, out):
-    """Write a full state dict in GPT2LMHeadModel's layout, with its config.json."""
+def export_gpt2(cfg, full, out, overwrite=False):
+    """Write a full state dict in GPT2LMHeadModel's layout, with its config.json. Refuses a
+    non-finite value, and files already in `out` unless overwrite; then the weight file of the
+    other format is removed too, so that a reader cannot take a stale one."""
+    _check_finite(full, f"the export to {out}")
+    names = ("config.json", "model.safetensors", "pytorch_model.bin")
+    paths.check_outputs([("--export-hf", os.path.join(out, n)) for n in names], overwrite=overwrite)
     os.makedirs(out, exist_ok=True)  # our names are GPT2LMHeadModel's; only Conv1D is transposed
     hf = {k: (v.t() if k.endswith(CONV1D) else v).contiguous() for k, v in full.items()}
     hf["lm_head.weight"] = full["transformer.wte.weight"].clone()
     eos = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
-    with open(os.path.join(out, "config.json"), "w") as f:  # complete: nothing left to a default
-        json.dump(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size,
-                       n_positions=cfg.block_size, n_ctx=cfg.block_size, n_embd=cfg.n_embd,
-                       n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=None, activation_function="gelu_new",
-                       layer_norm_epsilon=1e-5, tie_word_embeddings=True, scale_attn_weights=True,
-                       scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
-                       add_cross_attention=False, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                       attn_pdrop=cfg.dropout, initializer_range=0.02, bos_token_id=eos, eos_token_id=eos,
-                       use_cache=True), f, indent=1)
+    config = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size,
+                  n_positions=cfg.block_size, n_ctx=cfg.block_size, n_embd=cfg.n_embd,
+                  n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=None, activation_function="gelu_new",
+                  layer_norm_epsilon=1e-5, tie_word_embeddings=True, scale_attn_weights=True,
+                  scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+                  add_cross_attention=False, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                  attn_pdrop=cfg.dropout, initializer_range=0.02, bos_token_id=eos, eos_token_id=eos,
+                  use_cache=True)  # complete: nothing left to a default
+    _replace(os.path.join(out, "config.json"), lambda f: f.write(json.dumps(config, indent=1).encode()))
     try:
-        from safetensors.torch import save_file
-        save_file(hf, os.path.join(out, "model.safetensors"))
+        from safetensors.torch import save as safetensors_bytes
+        written, stale = "model.safetensors", "pytorch_model.bin"
+        _replace(os.path.join(out, written), lambda f: f.write(safetensors_bytes(hf)))
     except ImportError:
-        torch.save(hf, os.path.join(out, "pytorch_model.bin"))
+        written, stale = "pytorch_model.bin", "model.safetensors"
+        _replace(os.path.join(out, written), lambda f: torch.save(hf, f))
+    if os.path.lexists(os.path.join(out, stale)):  # allowed above only with overwrite
+        os.remove(os.path.join(out, stale))
 
 
-def export_checkpoint(root, hf_dir=None, state_dict_path=None):
+def export_state_dict(cfg, full, tokenizer, out, overwrite=False):
+    """The serial state dict with its config and tokenizer, as --init-from reads it back."""
+    _check_finite(full, f"the export to {out}")
+    paths.check_outputs([("--export-state-dict", out)], overwrite=overwrite)
+    _replace(out, lambda f: torch.save({**full, "_config": dataclasses.asdict(cfg), "_tokenizer": tokenizer}, f))
+
+
+def _check_finite(full, what):
+    bad = [name for name, t in full.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(f"not writing {what}: {', '.join(bad[:3])} hold non-finite values; an export holds only "
+                         f"finite numbers")
+
+
+def _replace(path, write):
+    """Write path whole or not at all: into a file beside it, then renamed over it (so a link at
+    path is replaced, not followed)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def export_checkpoint(root, hf_dir=None, state_dict_path=None, overwrite=False):
     """05's --export-hf / --export-state-dict: the newest checkpoint under root, in any layout,
-    written as a GPT-2 directory or as a plain serial state dict (with its config and tokenizer).
-    Offline: the shards are read, nothing is launched."""
-    path = latest_checkpoint(root) if root else None
+    written as a GPT-2 directory, as a plain serial state dict (with its config and tokenizer), or
+    both. Offline: the shards are read, nothing is launched. Every output is checked against the
+    checkpoint's own files first: an export never writes into the checkpoint it reads."""
+    path = latest_checkpoint(root, flag="--resume") if root else None
     if not path:
         raise ValueError(f"exporting needs --resume DIR with a complete checkpoint; got {root!r}")
+    if hf_dir and os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
+        raise ValueError(f"--export-hf {hf_dir}: it is {paths.describe(hf_dir) or 'a file'}, not a directory")
+    outputs = [("--export-hf", os.path.join(hf_dir, n)) for n in ("config.json", "model.safetensors",
+                                                                     "pytorch_model.bin")] if hf_dir else []
+    outputs += [("--export-state-dict", state_dict_path)] if state_dict_path else []
+    reads = [("--resume", os.path.join(path, n)) for n in sorted(os.listdir(path))]
+    paths.check_outputs(outputs, reads, [("--resume", path, None)], overwrite)
     manifest, full, _ = read_checkpoint(path)
     cfg = tensor_parallel.GPTConfig(**manifest["model"])
     if hf_dir:
-        export_gpt2(cfg, full, hf_dir)
-    else:
-        torch.save({**full, "_config": dataclasses.asdict(cfg), "_tokenizer": manifest.get("tokenizer")},
-                   state_dict_path)
-    print(f"exported step {manifest['step']} of {path} to {hf_dir or state_dict_path}")
+        export_gpt2(cfg, full, hf_dir, overwrite)
+        print(f"exported step {manifest['step']} of {path} to {hf_dir}")
+    if state_dict_path:
+        export_state_dict(cfg, full, manifest.get("tokenizer"), state_dict_path, overwrite)
+        print(f"exported step {manifest['step']} of {path} to {state_dict_path}")

@@ -6,7 +6,8 @@
     launcher_ranks()           (rank, world size, local rank) from torchrun's environment, checked,
                                or None when no launcher started this process
     run_main(main)             a script's exit code: 0 if main() returned True, 1 (and the message)
-                               on a RankFailure or a ValueError, so bad input never ends in a trace
+                               on a RankFailure or a ValueError, so bad input never ends in a trace;
+                               130 and one line on Ctrl-C (Interrupted: "interrupted at step N")
     new_tp_group(env, tp)      this rank's block of tp consecutive ranks, as a process group
     printer(env)               print on rank 0 only
     gather_numbers(values)     every rank's list of numbers, by tensor collectives (no pickling)
@@ -24,6 +25,7 @@ import operator
 import os
 import pickle
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -46,6 +48,17 @@ class RankEnv:
 
 class RankFailure(RuntimeError):
     """Raised in the launching process when a rank raised, died or missed the deadline."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT), said in one line: where the run was ("interrupted at step 12 of 200").
+    Raised by whatever knows where it is (05's progress bar, sampling); the launcher passes the
+    first rank's on, and run_main prints it instead of a traceback."""
+
+
+# Faults that name their own cause in a sentence: a rank that raises one reports the sentence and
+# where, not a traceback (bad input; a run whose steps are all non-finite; a save that refuses).
+SENTENCES = (ValueError, FloatingPointError)
 
 
 def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None):
@@ -92,7 +105,30 @@ def launcher_ranks():
     rank = _env_int("RANK", 0)
     if rank >= world:
         raise ValueError(f"RANK={rank} must be below WORLD_SIZE={world}")
-    return rank, world, _env_int("LOCAL_RANK", 0, default=0)
+    local = _env_int("LOCAL_RANK", 0, default=0)
+    _check_master()
+    return rank, world, local
+
+
+def _check_master():
+    """MASTER_PORT and MASTER_ADDR, where set: where rank 0 hosts the rendezvous (torch reads them
+    at init_process_group). A port that is not one, or an address that does not resolve, would
+    fail there with a traceback or a wait; say which variable, now."""
+    port = os.environ.get("MASTER_PORT")
+    if port is not None:
+        value = _env_int("MASTER_PORT", 1)
+        if value > 65535:
+            raise ValueError(f"the environment variable MASTER_PORT={value} must be a TCP port, 1 to 65535")
+    addr = os.environ.get("MASTER_ADDR")
+    if addr is not None:
+        try:
+            socket.getaddrinfo(addr.strip(), None)
+            if not addr.strip():
+                raise socket.gaierror("empty")
+        except (socket.gaierror, UnicodeError) as e:
+            raise ValueError(f"the environment variable MASTER_ADDR={addr!r} does not resolve to an address "
+                             f"({e.strerror if isinstance(e, OSError) and e.strerror else e}): it must name rank 0's "
+                             f"host (torchrun sets it; --rdzv-endpoint / --master-addr)") from None
 
 
 def _env_int(name, minimum, default=None):
@@ -153,10 +189,45 @@ def _join_launcher_group(rank, world, local_rank, timeout_s):
         bind = dict(device_id=device)
     else:
         device, backend, bind = torch.device("cpu"), "gloo", {}
-    # env:// reads MASTER_ADDR and MASTER_PORT from the launcher.
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                            **bind)
+    # env:// reads MASTER_ADDR and MASTER_PORT from the launcher. Rank 0 hosts the rendezvous there
+    # (or torchrun's agent does), and every other rank waits for it: looked for here first, so that
+    # a missing rank 0 is said in a sentence (after 5 s, and at the timeout), not retried in silence.
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    hosted_elsewhere = rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if hosted_elsewhere and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        _wait_for_rendezvous(os.environ["MASTER_ADDR"].strip(), int(os.environ["MASTER_PORT"]), rank, world, timeout_s)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **bind)
+    except (RuntimeError, ValueError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        lines = str(e).strip().splitlines()
+        raise RankFailure(f"rank {rank} of {world} could not join the process group at {where} (MASTER_ADDR:"
+                          f"MASTER_PORT) within {timeout_s:g} s: {lines[0] if lines else type(e).__name__}. Rank 0 "
+                          f"(or torchrun's agent) hosts it there: is it running, with the same MASTER_ADDR, "
+                          f"MASTER_PORT and WORLD_SIZE?") from None
     return RankEnv(rank, world, local_rank, device)
+
+
+def _wait_for_rendezvous(addr, port, rank, world, timeout_s, say_after_s=5.0):
+    """Return once something listens at addr:port, the rendezvous rank 0 (or torchrun's agent)
+    hosts; say after say_after_s that this rank waits, and give up at timeout_s, naming the address."""
+    start = time.monotonic()
+    said = False
+    while True:
+        left = timeout_s - (time.monotonic() - start)
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.05, min(1.0, left))):
+                return
+        except OSError as e:
+            why = e.strerror or str(e)
+        if left <= 0:
+            raise RankFailure(f"rank {rank} of {world} found no rendezvous at {addr}:{port} (MASTER_ADDR:MASTER_PORT) "
+                              f"within {timeout_s:g} s (--timeout-s): {why}. Rank 0, or torchrun's agent, hosts it "
+                              f"there: was rank 0 started, with the same MASTER_ADDR and MASTER_PORT?")
+        if not said and time.monotonic() - start >= say_after_s:
+            print(f"rank {rank} of {world}: waiting for rank 0's rendezvous at {addr}:{port} (MASTER_ADDR:"
+                  f"MASTER_PORT); giving up after {timeout_s:g} s (--timeout-s)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(min(0.1, max(left, 0)))
 
 
 # What a collective raises when a peer is gone or silent: gloo raises RuntimeError, saying so in
@@ -255,39 +326,16 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
     from plumbing import watch as watching  # not at the top: watch imports nothing of ours but health
     dog = watching.Watchdog(store, nprocs, watch.hang_s, os.path.join(tempfile.gettempdir(),
                             f"hang-{os.getpid()}-{int(time.time())}")) if watch else None
-    results, failures, deaths = {}, {}, set()
+    results, failures, interrupted, deaths = {}, {}, {}, set()
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
     try:
-        while len(results) + len(failures) < nprocs:
-            if failures:  # give the other ranks a moment to report their own error, then stop them
-                wait_s = 1.0
-            else:
-                wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if dog and watch.hang_s:  # look at the records a few times a second
-                    wait_s = 0.3 if wait_s is None else min(wait_s, 0.3)
-            waiting = [pipes[r] for r in range(nprocs) if r not in results and r not in failures]
-            ready = connection.wait(waiting, timeout=wait_s)
-            if not ready:
-                diagnosis = dog.check() if dog and watch.hang_s and not failures else None
-                if diagnosis:
-                    failures["the run"] = watching.describe(diagnosis, watch.where_is, watch.hang_s, dog.dump_dir)
-                    break
-                if failures or (deadline is not None and time.monotonic() >= deadline):
-                    if not failures:
-                        failures["the run"] = f"passed its deadline of {deadline_s} s\n"
-                    break
-                continue
-            for pipe in ready:
-                rank = pipes.index(pipe)
-                try:
-                    status, payload = pickle.loads(pipe.recv_bytes())
-                except EOFError:
-                    procs[rank].join(5)
-                    status, payload = "error", _death(rank, procs[rank].exitcode, dog)
-                    deaths.add(rank)
-                (results if status == "ok" else failures)[rank] = payload
+        try:
+            _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s, deaths=deaths, dog=dog,
+                     watch=watch)
+        except KeyboardInterrupt:  # Ctrl-C here (the terminal sends it to the ranks too), or a kill -INT
+            _on_interrupt(pipes, procs, results, failures, interrupted)
     finally:
-        stopped = [r for r, p in enumerate(procs) if p.is_alive() and r not in {**results, **failures}]
+        stopped = [r for r, p in enumerate(procs) if p.is_alive() and r not in {**results, **failures, **interrupted}]
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -302,6 +350,8 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
     # The store's server thread ends with its last reference: before any later fork (a restart), which
     # must not copy a process with it running. The traceback of a raise here keeps this frame's names.
     dog = None
+    if interrupted:  # the first rank that said where it was: they stop at the same step
+        raise Interrupted(next((m for m in interrupted.values() if m), "interrupted"))
     if failures:
         failure = RankFailure(_failure_report(failures, deaths, stopped))
         failure.step = max((s for s in steps if s is not None), default=None)  # the furthest any rank got
@@ -341,10 +391,68 @@ def _failure_report(failures, deaths, stopped):
 def _peer_lost_text(text):
     last = text.strip().splitlines()[-1] if text.strip() else ""
     return any(phrase in last for phrase in PEER_LOST) or "DistError" in last or "DistNetworkError" in last
+def _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s, grace_s=1.0, deaths=None,
+             dog=None, watch=None):
+    """Read each rank's report ("ok", "error" or "interrupted") as it comes; after the first
+    failure wait grace_s for the others' own, then stop. With a watchdog (dog) and watch.hang_s,
+    look at the ranks' records a few times a second, and stop with the hang report when it has one.
+    deaths: the ranks that died are added to it."""
+    nprocs, hang_s = len(procs), dog and watch.hang_s
+    while len(results) + len(failures) + len(interrupted) < nprocs:
+        if failures or interrupted:  # give the other ranks a moment to report their own, then stop them
+            wait_s = grace_s
+        else:
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if hang_s:
+                wait_s = 0.3 if wait_s is None else min(wait_s, 0.3)
+        waiting = [pipes[r] for r in range(nprocs) if r not in results and r not in failures and r not in interrupted]
+        ready = connection.wait(waiting, timeout=wait_s)
+        if not ready:
+            diagnosis = dog.check() if hang_s and not failures and not interrupted else None
+            if diagnosis:
+                from plumbing import watch as watching
+                failures["the run"] = watching.describe(diagnosis, watch.where_is, watch.hang_s, dog.dump_dir)
+                break
+            if failures or interrupted or (deadline is not None and time.monotonic() >= deadline):
+                if not failures and not interrupted:
+                    failures["the run"] = f"passed its deadline of {deadline_s} s\n"
+                break
+            continue
+        for pipe in ready:
+            rank = pipes.index(pipe)
+            try:
+                status, payload = pickle.loads(pipe.recv_bytes())
+            except EOFError:
+                procs[rank].join(5)
+                status, payload = "error", _death(rank, procs[rank].exitcode, dog)
+                if deaths is not None:
+                    deaths.add(rank)
+            {"ok": results, "interrupted": interrupted}.get(status, failures)[rank] = payload
+
+
+def _on_interrupt(pipes, procs, results, failures, interrupted):
+    """Ctrl-C in the launching process: pass it on to every rank still running (each ignores a
+    second one), give them two seconds to say where they were, and stop. Further Ctrl-Cs are
+    ignored meanwhile, so that the stopping itself is not interrupted."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for r, p in enumerate(procs):
+            if p.is_alive() and r not in results:
+                try:
+                    os.kill(p.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+        _collect(pipes, procs, results, failures, interrupted, time.monotonic() + 2.0, 2.0, grace_s=2.0)
+        interrupted.setdefault("the run", "")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     torch.set_num_threads(1)  # one thread per rank: ranks share the cores, as GPUs would not
+    # One Ctrl-C interrupts a rank once: the terminal sends it to the whole group and the launching
+    # process passes it on, and a second one must not interrupt the first one's reporting.
+    signal.signal(signal.SIGINT, _interrupt_once)
     code = 0
     try:
         _die_with_parent(parent)  # rather than linger until a timeout when the launching process dies
@@ -355,12 +463,15 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
                                 timeout=timedelta(seconds=timeout_s))
         result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)
         pipe.send_bytes(pickle.dumps(("ok", result)))
-    except ValueError as e:  # bad input found on a rank: its sentence and where, not a traceback
+    except SENTENCES as e:  # bad input found on a rank: its sentence and where, not a traceback
         code = 1
         frame = traceback.extract_tb(e.__traceback__)[-1]
-        pipe.send_bytes(pickle.dumps(("error", f"ValueError: {e} (raised at {os.path.basename(frame.filename)}:"
-                                               f"{frame.lineno})\n")))
-    except BaseException:  # report everything else, including SystemExit and KeyboardInterrupt
+        pipe.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e} (raised at "
+                                               f"{os.path.basename(frame.filename)}:{frame.lineno})\n")))
+    except KeyboardInterrupt as e:  # Ctrl-C: where this rank was, if it knew (Interrupted)
+        code = 1
+        pipe.send_bytes(pickle.dumps(("interrupted", str(e) if isinstance(e, Interrupted) else "")))
+    except BaseException:  # report everything else, including SystemExit
         code = 1
         pipe.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     sys.stdout.flush()
@@ -368,13 +479,22 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     os._exit(code)  # skip interpreter teardown in a forked child
 
 
+def _interrupt_once(signum, frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def run_main(main):
-    """Call main() and turn its result into the exit code: 0 if it returned True, else 1."""
+    """Call main() and turn its result into the exit code: 0 if it returned True, else 1; 130 (the
+    shell's code for Ctrl-C) with one line saying where it stopped, not a traceback, on Ctrl-C."""
     try:
         ok = main()
-    except (RankFailure, ValueError) as e:
+    except (RankFailure, *SENTENCES) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as e:
+        print(f"\n{e if isinstance(e, Interrupted) and str(e) else 'interrupted'}", file=sys.stderr)
+        sys.exit(130)
     sys.exit(0 if ok else 1)
 
 

@@ -12,6 +12,8 @@ import importlib
 import json
 import math
 import os
+import signal
+import threading
 
 import torch
 import torch.distributed as dist
@@ -23,26 +25,54 @@ from plumbing.charts import ascii_chart
 from plumbing.data import held_out
 from plumbing.tokenizer import tokenizer_of
 from plumbing.data import sum_probe as probe_batches
-from plumbing.launch import gather_numbers
+from plumbing.launch import Interrupted, gather_numbers
 
 pipeline = importlib.import_module("02_pipeline_1f1b")
 
 
-def print_layout(tc, grid):
-    """The rank grid (05's rank_grid) for tp x pp x dp, without starting anything (--print-layout)."""
+LISTED_WORLD = 4096  # --print-layout lists every rank and group up to this world; beyond, a summary
+
+
+def print_layout(tc, rank_grid):
+    """The rank grid (05's rank_grid(world, tp, dp, pp)) for tp x pp x dp, without starting
+    anything (--print-layout). Up to LISTED_WORLD ranks every rank and group is listed; a larger
+    world (10**9 ranks would never finish) is summarised from the grid's rule, tp fastest, then dp,
+    then pp, without building it: the first and last ranks, and each kind's first and last groups."""
     world = tc.tp * tc.pp * tc.dp
-    coord = {}
-    for kind in ("tp", "dp", "pp"):
-        for g in grid[kind]:
-            for i, r in enumerate(g):
-                coord.setdefault(r, {})[kind] = i
     print(f"world={world}: tp={tc.tp} x dp={tc.dp} x pp={tc.pp}, Megatron's order (tp fastest, "
           f"then dp, then pp)")
     print("rank  tp dp pp")
-    for r in range(world):
-        print(f"{r:4d} {coord[r]['tp']:3d} {coord[r]['dp']:2d} {coord[r]['pp']:2d}")
-    for kind in ("tp", "dp", "pp", "embed"):
-        print(f"{kind} groups: {grid[kind]}")
+    if world <= LISTED_WORLD:
+        grid, coord = rank_grid(world, tc.tp, tc.dp, tc.pp), {}
+        for kind in ("tp", "dp", "pp"):
+            for g in grid[kind]:
+                for i, r in enumerate(g):
+                    coord.setdefault(r, {})[kind] = i
+        for r in range(world):
+            print(f"{r:4d} {coord[r]['tp']:3d} {coord[r]['dp']:2d} {coord[r]['pp']:2d}")
+        for kind in ("tp", "dp", "pp", "embed"):
+            print(f"{kind} groups: {grid[kind]}")
+        return
+    rank = lambda t, d, p: (p * tc.dp + d) * tc.tp + t  # noqa: E731  (rank_grid's rule)
+    for r in [*range(4), None, *range(world - 4, world)]:
+        print("   ..." if r is None else f"{r:4d} {r % tc.tp:3d} {r // tc.tp % tc.dp:2d} {r // (tc.tp * tc.dp):2d}")
+    groups = {  # kind: (how many, size, the i-th group's j-th rank)
+        "tp": (tc.pp * tc.dp, tc.tp, lambda i, j: rank(j, i % tc.dp, i // tc.dp)),
+        "dp": (tc.pp * tc.tp, tc.dp, lambda i, j: rank(i % tc.tp, j, i // tc.tp)),
+        "pp": (tc.dp * tc.tp, tc.pp, lambda i, j: rank(i % tc.tp, i // tc.tp, j)),
+    }
+    if tc.pp > 1:
+        groups["embed"] = (tc.dp * tc.tp, 2, lambda i, j: groups["pp"][2](i, 0 if j == 0 else tc.pp - 1))
+    else:
+        print("embed groups: [] (pp = 1: the output layer is the embedding itself)")
+
+    def show(i, size, member):
+        ids = [member(i, j) for j in range(min(size, 4))]
+        return f"[{', '.join(map(str, ids))}{', ..., ' + str(member(i, size - 1)) if size > 4 else ''}]"
+
+    for kind, (count, size, member) in groups.items():
+        shown = [show(0, size, member)] + ([show(count - 1, size, member)] if count > 1 else [])
+        print(f"{kind} groups: {count:,} of {size:,} ranks: {' ... '.join(shown)}")
 
 
 def memory_estimate(run, spec):
@@ -184,9 +214,11 @@ class _Scored(torch.nn.Module):
 class Progress:
     """The training loop's output on rank 0: a progress bar (loss, tokens/s, MFU on a GPU, the eval
     loss), notes printed above it, and one --metrics JSON line per step (appended to the file when
-    a checkpoint was resumed, append=True; a new run starts it afresh)."""
+    a checkpoint was resumed, append=True; a new run starts it afresh). While the loop runs, Ctrl-C
+    on any rank raises launch.Interrupted, "interrupted at step N of M", once."""
 
     def __init__(self, env, tc, flops, start, dtype, quiet=False, append=False):
+        self.step, self.steps, self.save = start, tc.steps, tc.save
         self.show = env.rank == 0 and not quiet
         self.tokens = tc.batch_size * tc.seq_len
         name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else ""
@@ -198,7 +230,20 @@ class Progress:
                         desc="train", dynamic_ncols=True)
 
     def __iter__(self):
-        return iter(self.bar)
+        main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+        previous = signal.signal(signal.SIGINT, self._interrupt) if main else None
+        try:
+            for step in self.bar:
+                self.step = step
+                yield step
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+
+    def _interrupt(self, signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # once: the launcher passes Ctrl-C on too
+        kept = f"; resume from the newest checkpoint with --resume {self.save}" if self.save else ""
+        raise Interrupted(f"interrupted at step {self.step} of {self.steps}{kept}")
 
     def note(self, text):
         if self.show:

@@ -18,9 +18,10 @@ Exit codes:
        (a look at the curve was asked for, and given)
     1  without matplotlib but with -o: the chart is printed, but the file that was asked for does
        not exist, and a script waiting for it must know; or a refusal, one line and no traceback:
-       a metrics file that is missing, unreadable or empty, a line that is not JSON or a record
-       without a numeric step and loss (its line number named), an -o in a missing directory or
-       equal to the metrics file
+       a metrics file that is missing, unreadable, empty or not a regular file (a FIFO would wait
+       for a writer forever), a line that is not JSON or a record without a numeric step and loss
+       (its line number named), an -o in a missing directory, equal to the metrics file, not a
+       regular file, or an existing file without --overwrite
     2  a usage error
 """
 import argparse
@@ -31,6 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plumbing.charts import ascii_chart  # noqa: E402  (the repository root, put on the path above)
+from plumbing.paths import check_outputs, regular_file  # noqa: E402
 
 
 class Refused(Exception):
@@ -48,8 +50,11 @@ def is_number(x):
 def read_metrics(path):
     """{step: record}, sorted by step, keeping the last record of each step."""
     try:
+        regular_file(path, "the metrics file")
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
+    except ValueError as e:
+        raise Refused(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise Refused(f"cannot read the metrics file {path!r}: {getattr(e, 'strerror', None) or e}") from None
     records = {}
@@ -106,16 +111,23 @@ def plot_file(records, out, title, log=False):
     ax.legend()
     try:
         fig.savefig(out, dpi=120, bbox_inches="tight")
-    except (OSError, ValueError) as e:  # ValueError: a suffix matplotlib has no format for
-        raise Refused(f"cannot write {out!r}: {getattr(e, 'strerror', None) or e}") from None
+    except OSError as e:
+        raise Refused(f"cannot write {out!r}: {e.strerror or e}") from None
+    except (ValueError, OverflowError) as e:  # a suffix it has no format for; a span it cannot scale
+        raise Refused(f"matplotlib cannot draw these curves into {out!r} ({e}); without -o the chart is drawn "
+                      f"in the terminal") from None
     finally:
         plt.close(fig)
     return True
 
 
-def check_output(out, metrics):
+def check_output(out, metrics, overwrite=False):
     if os.path.exists(out) and os.path.samefile(out, metrics):
         raise Refused(f"the output {out!r} would overwrite the metrics file; give another -o")
+    try:  # an existing file is replaced only with --overwrite; never a FIFO or a checkpoint's file
+        check_outputs([("-o", out)], overwrite=overwrite)
+    except ValueError as e:
+        raise Refused(str(e)) from None
     if not os.path.splitext(out)[1]:  # matplotlib would append .png, and "wrote OUT" would be wrong
         raise Refused(f"the output {out!r} has no suffix; give -o a name such as loss.png")
     folder = os.path.dirname(os.path.abspath(out))
@@ -134,11 +146,12 @@ def main(argv=None):
                         help="the figure to write; its suffix picks the format "
                              "(default: the metrics file with its suffix replaced by .png)")
     parser.add_argument("--log", action="store_true", help="a logarithmic loss axis (default: linear)")
+    parser.add_argument("--overwrite", action="store_true", help="let -o replace an existing file")
     args = parser.parse_args(argv)
     out = args.output or os.path.splitext(args.metrics)[0] + ".png"
     try:
         records = read_metrics(args.metrics)
-        check_output(out, args.metrics)
+        check_output(out, args.metrics, args.overwrite)
         if plot_file(records, out, f"loss: {args.metrics}", args.log):
             print(f"wrote {out} ({len(records)} steps)")
             return 0

@@ -20,8 +20,11 @@ ends in .bin, so it may be larger than memory. The sidecar book.json (the same n
 
 Exit codes: 0 written; 1 refused, with one line naming the path or flag and no traceback (an input
 that is missing, a directory, unreadable or empty; an output that does not end in .bin, would
-overwrite the input (itself or through its sidecar), is a directory or lies in a missing
-directory; --tokenizer gpt2 without tiktoken; BPE of a file that is not UTF-8); 2 a usage error.
+overwrite the input (itself or through its sidecar, links followed), is a directory, a FIFO or a
+device, lies in a missing directory or inside a checkpoint, or, it or its sidecar, already exists
+and --overwrite was not given; --tokenizer gpt2 without tiktoken; BPE of a file that is not UTF-8);
+2 a usage error. Both files are written beside their names and renamed into place, so each appears
+whole (a link at either name is replaced, not followed).
 """
 import argparse
 import array
@@ -31,10 +34,8 @@ import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from plumbing.tokenizer import gpt2_bpe  # noqa: E402  (the repository root, put on the path above)
-
-VOCAB = {"bytes": 256, "gpt2": 50257}
-FORMAT = "uint16-le token ids, no header"
+from plumbing.paths import check_outputs  # noqa: E402  (the repository root, put on the path above)
+from plumbing.tokenizer import FORMAT, SIDECAR_TOKENIZERS as VOCAB, gpt2_bpe  # noqa: E402
 
 
 class Refused(Exception):
@@ -102,6 +103,12 @@ def read_bin(path):
 # Checks, then the two files
 
 
+def _write_json(meta, path):
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+
+
 def sidecar_path(out):
     return os.path.splitext(out)[0] + ".json"  # 05 looks for exactly this: the .bin's stem + .json
 
@@ -113,7 +120,7 @@ def same_file(a, b):
     return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
-def check_paths(source, out):
+def check_paths(source, out, overwrite=False):
     """Refuse, by name, every path that cannot give a .bin the trainer reads, before writing."""
     if os.path.isdir(source):
         raise Refused(f"the input {source!r} is a directory; give a text file")
@@ -135,11 +142,16 @@ def check_paths(source, out):
     if not os.path.isdir(folder):
         raise Refused(f"the output's directory {os.path.dirname(out)!r} does not exist "
                       f"(for the output {out!r}); create it first")
+    try:  # neither file may replace one this command did not write, unless --overwrite
+        check_outputs([("-o", out), ("-o's sidecar", sidecar_path(out))], [("the input", source)],
+                      overwrite=overwrite)
+    except ValueError as e:
+        raise Refused(str(e)) from None
 
 
-def prepare(source, out, tokenizer="auto", say=print):
+def prepare(source, out, tokenizer="auto", say=print, overwrite=False):
     """Check the paths, tokenize, write OUT (.bin) and its sidecar; returns the sidecar's dict."""
-    check_paths(source, out)
+    check_paths(source, out, overwrite)
     try:
         with open(source, "rb") as f:
             data = f.read()
@@ -155,13 +167,20 @@ def prepare(source, out, tokenizer="auto", say=print):
     if top >= V:  # a tokenizer that disagrees with its vocabulary: the trainer would refuse later
         raise Refused(f"the {tokenizer} tokenizer gave id {top}, outside its vocabulary of {V}")
     meta = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": V, "tokens": len(ids), "source": source}
+    written = []
     try:
-        write_bin(ids, out)
-        with open(sidecar_path(out), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.write("\n")
+        for path, write in ((out, lambda tmp: write_bin(ids, tmp)),
+                            (sidecar_path(out), lambda tmp: _write_json(meta, tmp))):
+            tmp = f"{path}.tmp-{os.getpid()}"  # beside it, then renamed over it: whole or not at all
+            written.append(tmp)
+            write(tmp)
+            os.replace(tmp, path)
     except OSError as e:
         raise Refused(f"cannot write {e.filename or out!r}: {e.strerror or e}") from None
+    finally:
+        for tmp in written:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     if asked == "auto" and tokenizer == "bytes":  # said after writing, so "were written" is true
         say("tiktoken is not installed, so byte-level tokens were written (vocabulary 256); "
             "pip install tiktoken gives GPT-2 BPE")
@@ -184,10 +203,12 @@ def main(argv=None):
     parser.add_argument("--tokenizer", choices=["auto", "bytes", "gpt2"], default="auto",
                         help="bytes: one token per byte (V = 256); gpt2: GPT-2 BPE via tiktoken "
                              "(V = 50257); auto: gpt2 if tiktoken is installed, else bytes (default: auto)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let the output and its sidecar replace existing files")
     args = parser.parse_args(argv)
     out = args.output or os.path.splitext(args.input)[0] + ".bin"
     try:
-        prepare(args.input, out, args.tokenizer)
+        prepare(args.input, out, args.tokenizer, overwrite=args.overwrite)
     except Refused as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
         return 1

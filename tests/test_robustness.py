@@ -1,15 +1,25 @@
 """Bad numbers and bad runs never cost a run (issue 15): a non-finite step is skipped on every rank
 and never saved, a microbatch with nothing to score adds nothing, each chunk draws its own dropout
 masks, a run never deletes or shadows checkpoints it did not write, saves are durable and a full
-disk says so, resharded resumes reseed every stream, and the hot path reads nothing back.
+disk says so, resharded resumes reseed every stream, and the hot path reads nothing back; Ctrl-C
+stops every rank with one line naming the step, and a run's metrics are its own only when it
+continues a checkpoint (issue 28).
 
 Tolerances: a skipped step leaves the weights and AdamW's state exactly as they were, so the run
 with an injected fault must equal (==) the clean run that stopped before it; parity with the serial
 model is 1e-10 in float64, as in test_3d.py.
 """
+import io
 import json
 import math
 import os
+import re
+import runpy
+import signal
+import sys
+import tempfile
+import time
+import traceback
 from dataclasses import replace
 
 import pytest
@@ -17,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from conftest import PIPELINE_CFG, TOL, TRAINER_BASE, TRAINER_CFG, load, run_script
+from conftest import PIPELINE_CFG, ROOT, TOL, TRAINER_BASE, TRAINER_CFG, load, run_script
 from plumbing import checkpoint
 from plumbing.launch import RankFailure
 
@@ -205,10 +215,17 @@ def test_shards_manifest_and_directory_are_fsynced_and_metrics_precede_the_check
 
 
 def test_metrics_are_appended_only_when_a_checkpoint_was_resumed(run_ranks, tmp_path):
-    metrics = str(tmp_path / "m.jsonl")
-    for resume in ("", str(tmp_path / "nothing_here")):  # a --resume that finds nothing starts afresh
-        run_ranks(_clean, 2, replace(PP2, steps=2, metrics=metrics, resume=resume))
-        assert [json.loads(x)["step"] for x in open(metrics)] == [0, 1]
+    metrics, ckpt = str(tmp_path / "m.jsonl"), str(tmp_path / "ckpt")
+    run_ranks(_clean, 2, replace(PP2, steps=1, metrics=metrics, save=ckpt))
+    run_ranks(_clean, 2, replace(PP2, steps=2, metrics=metrics, resume=ckpt))  # the run continued: its own file
+    assert [json.loads(x)["step"] for x in open(metrics)] == [0, 1]
+    # A --resume that finds nothing starts afresh: it would replace the earlier run's metrics, which
+    # it did not write, so only with --overwrite.
+    again = replace(PP2, steps=2, metrics=metrics, resume=str(tmp_path / "nothing_here"))
+    with pytest.raises(RankFailure, match="--metrics .* already exists, and this run did not write it: give --overwrite"):
+        run_ranks(_clean, 2, again)
+    run_ranks(_clean, 2, replace(again, overwrite=True))
+    assert [json.loads(x)["step"] for x in open(metrics)] == [0, 1]
 
 
 def _resume_from(env, tc, root):
@@ -383,3 +400,80 @@ def test_an_exported_gpt2_config_is_complete_and_consistent(tmp_path):
     assert hf["resid_pdrop"] == hf["embd_pdrop"] == hf["attn_pdrop"] == 0.1
     assert all(hf[k] in v or (k == "n_inner" and hf[k] is None) for k, v in gpt2.OURS.items())
     assert gpt2.config_from_hf(hf, "config.json") == replace(cfg, dropout=0.0)  # and reads back
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Ctrl-C, and what a run may write over (issue 28)
+
+
+def _start(script, *args):
+    """`python3 script args` in a forked process of its own group, with Python's own Ctrl-C
+    handling (conftest.run_script resets SIGINT to the default, which kills without a word), for a
+    test that signals it while it runs. Returns (pid, stdout file, stderr file)."""
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+            sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+            os.chdir(ROOT)
+            sys.argv = [str(ROOT / script), *args]
+            try:
+                runpy.run_path(str(ROOT / script), run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid, out, err
+
+
+@pytest.mark.parametrize("to", ["group", "launcher"], ids=["Ctrl-C in the terminal", "kill -INT to the launcher"])
+def test_ctrl_c_stops_every_rank_with_one_line_saying_the_step(tmp_path, to):
+    metrics = tmp_path / "m.jsonl"
+    pid, out, err = _start("05_3d_gpt.py", *SMALL, "--steps", "100000", "--eval-every", "0", "--metrics", str(metrics),
+                           "--save", str(tmp_path / "ckpt"))
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (os.killpg if to == "group" else os.kill)(pid, signal.SIGINT)  # a terminal signals the whole group
+    signalled, status = time.monotonic(), None
+    while status is None and time.monotonic() < signalled + 10:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        status = os.waitstatus_to_exitcode(code) if done else None
+        time.sleep(0.05)
+    seconds = time.monotonic() - signalled
+    time.sleep(0.5)  # the ranks' exits, once the launcher's is seen
+    alive = [p for p in os.listdir("/proc") if p.isdigit() and _group_of(int(p)) == pid]
+    if status is None or alive:
+        os.killpg(pid, signal.SIGKILL)
+        os.waitpid(pid, 0) if status is None else None
+    err.seek(0)
+    text = err.read().decode(errors="replace")
+    lines = [x for x in text.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("train:")]
+    assert status == 130 and seconds < 5 and alive == [], (status, seconds, alive, text[-3000:])
+    assert re.fullmatch(r"interrupted at step \d+ of 100000; resume from the newest checkpoint with --resume \S+",
+                        lines[-1]), text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
+def _group_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[2]) if fields[0] != "Z" else None
+    except OSError:
+        return None
