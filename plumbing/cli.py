@@ -122,10 +122,11 @@ def given(parser, argv=None):
     """The names (dests) of the options on the command line, whatever their value: parsed again
     into a namespace that already holds every name, which argparse then leaves alone unless the
     option is given (abbreviations and --flag=value included)."""
-    unset = object()
-    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
-    parsed = parser.parse_args(argv, namespace=namespace)
-    return {name for name, value in vars(parsed).items() if value is not unset}
+    # A repeatable flag's action appends to a copy of what the namespace holds: a list, then.
+    unset = {a.dest: [] if isinstance(a, argparse._AppendAction) else object() for a in parser._actions
+             if a.dest != argparse.SUPPRESS}
+    parsed = parser.parse_args(argv, namespace=argparse.Namespace(**unset))
+    return {name for name, value in vars(parsed).items() if value is not unset.get(name)}
 
 
 def demo_parser(doc, demo_cls, model_cls, **model_defaults):
