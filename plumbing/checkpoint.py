@@ -429,8 +429,12 @@ def check_shards(path, manifest, tensors=False):
         if what or not zipfile.is_zipfile(file):
             raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: "
                              f"{'it is ' + what if what else 'not a complete archive'}")
-        if tensors:
+        if tensors and file not in _checked:  # a launcher's check is its forked ranks' too
             _load_shard(file, mmap=True)
+            _checked.add(file)
+
+
+_checked = set()  # the shards this process (or the one that forked it) has read through once
 
 
 # ----------------------------------------------------------------------------------------------

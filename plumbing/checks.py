@@ -227,28 +227,31 @@ def check_device(tc, device):
 
 
 def check_paths(tc, writer=True):
-    """--save must be a directory this process can write in (made if missing), not inside a
-    checkpoint; --metrics and --trace files whose directory exists and that are not directories,
+    """--save (and --snapshot-dir) must be a directory this process can write in (made if missing),
+    not inside a checkpoint; --metrics and --trace files whose directory exists and that are not directories,
     FIFOs or devices. Probed by writing, since a permission bit does not tell (root, read-only
     mounts, full quotas); the files only by the process that will write them (writer), so that
     ranks sharing a path never race on it. What the files may replace: check_outputs."""
-    if getattr(tc, "save", ""):
-        what = paths.describe(tc.save)
-        if os.path.exists(tc.save) and what != "a directory":
-            raise ValueError(f"--save {tc.save}: it is {what or 'a file'}, not a directory for checkpoints")
-        inside = paths.enclosing_checkpoint(os.path.join(tc.save, "step"))
+    for name in ("save", "snapshot_dir"):  # checkpoints, and 05's snapshots (the same protocol)
+        root = getattr(tc, name, "")
+        if not root:
+            continue
+        what = paths.describe(root)
+        if os.path.exists(root) and what != "a directory":
+            raise ValueError(f"{flag(name)} {root}: it is {what or 'a file'}, not a directory for checkpoints")
+        inside = paths.enclosing_checkpoint(os.path.join(root, "step"))
         if inside:
-            where = "is" if os.path.realpath(tc.save) == inside else "lies inside"
-            raise ValueError(f"--save {tc.save}: it {where} the checkpoint {inside}; checkpoints are saved beside "
+            where = "is" if os.path.realpath(root) == inside else "lies inside"
+            raise ValueError(f"{flag(name)} {root}: it {where} the checkpoint {inside}; checkpoints are saved beside "
                              f"each other, not inside one: give the directory that holds them")
-        probe = os.path.join(tc.save, f".write_test_{os.getpid()}_{os.uname().nodename}")
+        probe = os.path.join(root, f".write_test_{os.getpid()}_{os.uname().nodename}")
         try:
-            os.makedirs(tc.save, exist_ok=True)
+            os.makedirs(root, exist_ok=True)
             with open(probe, "w"):
                 pass
             os.remove(probe)
         except OSError as e:
-            raise ValueError(f"--save {tc.save}: cannot write checkpoints there ({e.strerror or e})") from None
+            raise ValueError(f"{flag(name)} {root}: cannot write checkpoints there ({e.strerror or e})") from None
     for name in ("metrics", "trace"):
         path = getattr(tc, name, "")
         if not path:
@@ -447,7 +450,7 @@ def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
         if root:  # a restart picks the newest step there: none of another run's may be later
             check_save_dir(root, start, resuming_from=path)
             if writer:  # then again under the lock: nothing can have appeared since
-                paths.lock_save_dir(root)
+                paths.lock_save_dir(root, flag("snapshot_dir") if root == getattr(tc, "snapshot_dir", "") else "--save")
                 check_save_dir(root, start, resuming_from=path)
     return train_tokens, eval_tokens, path, start
 

@@ -147,7 +147,7 @@ def looks_like_trace(path):
 _held = {}  # realpath of a --save directory -> its locked fd; forked ranks inherit it with the lock
 
 
-def lock_save_dir(root):
+def lock_save_dir(root, name="--save"):
     """Hold an flock on the directory root itself for the rest of this process and its forked
     children, or refuse naming the process that holds it: two runs saving into one directory would
     write over each other's steps. Nothing is written there; the lock goes with the processes that
@@ -160,16 +160,16 @@ def lock_save_dir(root):
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
-        raise ValueError(f"--save {root}: cannot open it ({e.strerror or e})") from None
+        raise ValueError(f"{name} {root}: cannot open it ({e.strerror or e})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             holder = _lock_holder(key)
-            raise ValueError(f"--save {root}: another run{f' (pid {holder})' if holder else ''} is saving there; two "
+            raise ValueError(f"{name} {root}: another run{f' (pid {holder})' if holder else ''} is saving there; two "
                              f"runs in one directory would write over each other's checkpoints. Wait for it to end, "
-                             f"or give --save another directory") from None
+                             f"or give {name} another directory") from None
         return  # no locks on this filesystem (ENOLCK, EOPNOTSUPP, NFS's EBADF): nothing to check with
     _held[key] = fd
 

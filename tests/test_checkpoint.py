@@ -275,7 +275,9 @@ def _async_against_blocking(env, root):
     whole = gpt3d.train(env, CFG, replace(layout, save=os.path.join(root, "blocking"), save_every=3), quiet=True)
     gpt3d.train(env, CFG, replace(layout, save=os.path.join(root, "async"), save_every=3, async_save=True), quiet=True)
     reads, real = [], checkpoint._load_shard
-    checkpoint._load_shard = lambda file: reads.append(file) or real(file)  # this rank's, counted
+    # Counted in this rank: the shards the resume loads (the start-up check of every tensor, memory-
+    # mapped, is the launching process's, once; here, without one, rank 0's).
+    checkpoint._load_shard = lambda file, mmap=False: (mmap or reads.append(file)) and None or real(file, mmap)
     half = gpt3d.train(env, CFG, replace(layout, resume=os.path.join(root, "async", "step_00000003")), quiet=True)
     return whole["losses"][3:], half["losses"], len(reads)
 

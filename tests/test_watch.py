@@ -56,11 +56,13 @@ def test_a_slow_rank_and_only_it_is_named_a_straggler(layout, fault, named):
 
 
 def test_the_self_check_passes_a_healthy_layout_and_names_a_slowed_rank_and_one_skipping_its_all_reduce():
-    proc, _ = train("--self-check")
+    proc = run_script("05_3d_gpt.py", "--self-check")
     assert proc.returncode == 0 and "every rank, group and link answered in line" in proc.stdout, proc.stderr[-2000:]
     assert proc.stdout.count(": ok") == 4 + 4 + 4  # 4 tp groups, 4 dp groups, 4 pairs of stages
-    proc, seconds = train("--self-check", "--timeout-s", "3", "--rehearse-fault", "slow:3:200",
-                          "--rehearse-fault", "hang:6:0")
+    t0 = time.monotonic()
+    proc = run_script("05_3d_gpt.py", "--self-check", "--timeout-s", "3", "--rehearse-fault", "slow:3:200",
+                      "--rehearse-fault", "hang:6:0")
+    seconds = time.monotonic() - t0
     assert proc.returncode == 1 and seconds < 20
     assert re.search(r"rank 3 \(tp 1, dp 1, pp 0\) is slow: its matmul took", proc.stderr), proc.stderr[-2000:]
     assert "dp group [4,6] all-reduce: did not complete: rank(s) [6] never entered it" in proc.stderr
