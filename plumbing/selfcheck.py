@@ -37,6 +37,10 @@ def self_check(env, grid, timeout_s=5.0, faults=(), where_is=str):
     slow = sum(arg for kind, r, arg in faults if kind == "slow" and r == env.rank)
     skips = any(kind == "hang" and r == env.rank for kind, r, _ in faults)
     a = torch.randn(SIZE, SIZE, generator=torch.Generator().manual_seed(0)).to(env.device)
+    # Every group first, all ranks together (making one is a collective of the whole world, and under
+    # its own short timeout it must not wait on a rank still busy with another check).
+    groups = {(kind, tuple(ranks)): dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+              for kind in ("tp", "dp") for ranks in grid[kind] if len(ranks) > 1}
     turns = env.device.type == "cpu"  # CPU ranks share the cores: timed one at a time, or the timing
     if turns and env.rank:  # says which rank the scheduler preferred, not which one is slow
         store.wait([f"selfcheck/turn/{env.rank}"], timedelta(seconds=timeout_s + 30))
@@ -52,14 +56,13 @@ def self_check(env, grid, timeout_s=5.0, faults=(), where_is=str):
     store.set(f"selfcheck/matmul/{env.rank}", str(min(rounds)))
     if turns:
         store.set(f"selfcheck/turn/{env.rank + 1}", "go")
-    for kind in ("tp", "dp"):
-        for ranks in grid[kind]:
-            if len(ranks) == 1:
-                continue
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))  # every rank makes every group
-            if env.rank in ranks:
-                name = ",".join(map(str, ranks))
-                rows.append((f"{kind} group [{name}] all-reduce", _all_reduce(env, group, ranks, name, store, skips)))
+    # The groups' checks start together, once every rank is timed: none waits out its timeout on a
+    # rank that is still taking its turn.
+    store.wait([f"selfcheck/matmul/{r}" for r in range(env.world_size)], timedelta(seconds=timeout_s + 60))
+    for (kind, ranks), group in groups.items():
+        if env.rank in ranks:
+            name = ",".join(map(str, ranks))
+            rows.append((f"{kind} group [{name}] all-reduce", _all_reduce(env, group, ranks, name, store, skips)))
     for ranks in grid["pp"]:
         for a_rank, b_rank in zip(ranks, ranks[1:]):
             if env.rank in (a_rank, b_rank):

@@ -27,7 +27,7 @@ def test_a_killed_rank_is_the_first_line_with_its_signal_and_step():
 
 
 def test_a_hung_rank_is_named_with_its_group_collective_and_stack_long_before_the_timeout(tmp_path):
-    proc, seconds = train("--steps", "6", "--rehearse-fault", "hang:5:3", "--hang-s", "2", "--timeout-s", "100")
+    proc, seconds = train("--steps", "6", "--rehearse-fault", "hang:5:3", "--hang-s", "3", "--timeout-s", "100")
     assert proc.returncode == 1 and seconds < 15, (seconds, proc.stderr[-2000:])
     text = proc.stderr
     assert re.search(r"rank 5 \(tp 1, dp 0, pp 1\): rank 5 is not in any collective \(at step 3", text), text[-2000:]
@@ -37,7 +37,7 @@ def test_a_hung_rank_is_named_with_its_group_collective_and_stack_long_before_th
 
 
 def test_a_stopped_rank_is_said_to_have_stopped_answering():
-    proc, seconds = train("--steps", "6", "--rehearse-fault", "stop:5:3", "--hang-s", "2", "--timeout-s", "100")
+    proc, seconds = train("--steps", "6", "--rehearse-fault", "stop:5:3", "--hang-s", "3", "--timeout-s", "100")
     assert proc.returncode == 1 and seconds < 15
     assert "rank 5 (tp 1, dp 0, pp 1): rank 5 stopped answering" in proc.stderr, proc.stderr[-2000:]
 
