@@ -380,8 +380,8 @@ def train_step(run, idx, targets, lr, trace=None):
 def forward_backward(run, micro, valid, trace=None, chunks=None, plain=False):
     """This replica's microbatches through the pipeline: 02's executor runs this rank's list, with
     scatter/gather on the wire and (background_sends) 02's BackgroundSends. trace: the executor's
-    events go on its timeline. chunks, plain (kernels/graphs.py): run
-    these chunks instead, with nothing left in flight and no output freed (a graph owns them)."""
+    events go on its timeline. chunks, plain (kernels/graphs.py): run these chunks instead, with
+    nothing left in flight and no output freed (a graph owns them)."""
     exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
     timing = dict(t0=trace.t0, clock=trace.clock) if trace else {}
     return pipeline.execute(run.schedule, chunks or run.chunks, run.groups.pp, micro, run.act_shape, wire=run.wire,
