@@ -43,6 +43,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import importlib
+import itertools
 import math
 import queue
 import sys
@@ -333,18 +334,14 @@ def balance(cfg, pp, tp, m, b, T, V, barriers=2):
         own = sum(p.numel() for n, p in chunk.named_parameters() if n != "transformer.wte.weight")
         params.append((own + rows * h * ("wte" in chunk.transformer), own + spread * h))
     logits = [[b * T * rows * (r == pp - 1) for r in range(pp)],  # softmax saved from F to B on the last stage
-              [b * T * spread * max(_between(acts, "S", "T")) for acts in vocab.lists]]  # every rank, S to T
+              [b * T * spread * logits_held(acts) for acts in vocab.lists]]  # every rank, from S to T
     return dict(params=params, compute=[(3 * f, 3 * l + (s_t + t_t + 3 * inp / pp)) for f in plain_f], sims=sims,
                 logits=logits, barriers=barriers)
 
 
-def _between(acts, first, then):
-    """How many microbatches are past `first` and not yet past `then`, after each action of acts."""
-    live, out = 0, []
-    for a in acts:
-        live += (a.kind == first) - (a.kind == then)
-        out.append(live)
-    return out
+def logits_held(acts):
+    """The most microbatches whose logits a rank holds at once: past S and not yet past T."""
+    return max(itertools.accumulate((a.kind == "S") - (a.kind == "T") for a in acts))
 
 
 def report(cfg, args, V, say):
@@ -423,8 +420,11 @@ def demo(env, cfg, args):
 
 
 @dataclass
-class DemoConfig(pipeline.PipelineDemoConfig):
+class DemoConfig:
     microbatches: int = 5  # m, microbatches the batch is cut into
+    batch_size: int | None = None  # global batch B, in sequences (unset: 2 m)
+    seq_len: int = 32  # T, tokens per sequence
+    seed: int = 1234  # for the weights and the batch
     pp: int = 4  # pipeline stages
     tp: int = 2  # tensor-parallel ranks per stage: pp x tp CPU ranks started here, or torchrun's world
     large_vocab: int = 32768  # the second vocabulary of the simulated figures

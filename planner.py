@@ -492,8 +492,8 @@ def vocab_stages(m, L, barriers=0, c=Cluster()):
         times = {"S": s_f + (s_x if barriers == 1 else 0), "T": s_b - (s_x if barriers == 1 else 0) + ar / pp}
         sim = pipeline_sim(pipe.lists, pp, [t_f] * pp, [t_b] * pp, p2p_seconds(m, L, c), times, pipe.grad_from)
         params = [layers + V * h / pp + (m.seq_len * h if r == 0 else 0) + 2 * h * x for r, x in enumerate(last)]
-        logits = [L.b * m.seq_len * V / pp * max(importlib.import_module("07_vocab_parallel")._between(acts, "S", "T"))
-                  for acts in pipe.lists]
+        logits = [L.b * m.seq_len * V / pp * importlib.import_module("07_vocab_parallel").logits_held(acts)
+                  for acts in pipe.lists]  # from S to T
     else:
         lists = [list(a) for a in _schedule(pp, L.m, 1)]
         sim = pipeline_sim(lists, pp, [t_f + out_f * x for x in last], [t_b + (out_b + ar) * x for x in last],
