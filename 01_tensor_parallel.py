@@ -357,10 +357,14 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _mark_split(nn.Parameter(torch.empty(self.per_rank, n_embd, **factory)), 0, n_vocab)
 
     def forward(self, idx):  # (B, T) -> (B, T, C)
+        return reduce_from_tp(self.lookup(idx), self.group)
+
+    def lookup(self, idx):
+        """This rank's rows for its own ids, zeros for the others: (B, T) -> (B, T, C), before g.
+        (07 reduces these partial sums to the first stage instead.)"""
         local = idx - self.start
         other = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(other[..., None], 0)
-        return reduce_from_tp(out, self.group)
+        return F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(other[..., None], 0)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -531,8 +535,12 @@ class GPT(nn.Module):
     def embed(self, idx):
         if self.check_inputs and not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
             check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)  # reads values back
-        tr = self.transformer
-        x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+        return self.embed_positions(self.transformer.wte(idx))
+
+    def embed_positions(self, x):
+        """Token embeddings (B, T, C) plus the position table, then the sequence split and the dropout:
+        the first stage's input. (07 looks the tokens up on every rank and feeds their sum here.)"""
+        x = x + self.transformer.wpe(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
         if self.sp:
             x = scatter_to_sp(x, self.group)  # (B, T/tp, C)
         p = self.cfg.dropout if self.training else 0.0

@@ -99,12 +99,19 @@ class Kind:
     flow: str | None  # "act": waits for its input from stage k-1, sends its output to k+1; "grad":
     # waits for its output's gradient from k+1, sends its input's to k-1; None: no messages
     after: str = ""  # the kind that must have run before it, on the same stage and microbatch
+    # (kind, "last" | "every"): an action of that kind and the same microbatch that must have run on
+    # the last stage's rank, or on every rank. A kind with waits runs once a microbatch on every rank
+    # (chunk 0), and is a collective: every rank issues them in the same order.
+    waits: tuple = ()
 
 
 # The kinds of action, named here once. F and B are this file's; 06 (zero bubble) splits B in two,
 # I (the input's gradient, sent on as B's is) and W (the weights' gradients: no messages), and runs
-# W later. A later file's kind of action is one more entry.
-KINDS = {"F": Kind("act"), "B": Kind("grad", "F"), "I": Kind("grad", "F"), "W": Kind(None, "I")}
+# W later. 07 (vocabulary parallelism) adds the output layer's passes, run by every rank on its slice
+# of the vocabulary: S after the last stage's F (which hands its output to every rank), T after
+# every rank's S (whose all-reduce brings the softmax's statistics). A later file's kind is one more entry.
+KINDS = {"F": Kind("act"), "B": Kind("grad", "F"), "I": Kind("grad", "F"), "W": Kind(None, "I"),
+         "S": Kind(None, waits=(("F", "last"),)), "T": Kind(None, "S", waits=(("S", "every"),))}
 
 
 def looped(pp, chunk, rank):
@@ -120,6 +127,17 @@ def stage_map(pp, v, placement=looped):
 
 def n_chunks(actions):
     return 1 + max(a.chunk for a in actions)
+
+
+def waits_for(a, rank, pp, v, placement=looped, grad_from=None):
+    """[(rank, action)] that action a on `rank` waits for beyond 02's messages: its kind's waits and,
+    given grad_from (07: the kind whose all-reduce brings the last stage its output's gradient), the
+    last stage's backward waits for that pass on every rank."""
+    last = stage_map(pp, v, placement)[pp * v - 1]
+    waits = KINDS[a.kind].waits + (((grad_from, "every"),) if grad_from and a.kind in "BI" and (rank, a.chunk) == last
+                                   else ())
+    return [(last[0], Action(kind, a.mb, last[1])) if where == "last" else (q, Action(kind, a.mb))
+            for kind, where in waits for q in ([None] if where == "last" else range(pp))]
 
 
 def needs(a, k, S=None):
@@ -204,14 +222,21 @@ def rank_plan(actions, rank, pp, placement=looped, schedule=None):
     if schedule:
         sent, ran = lockstep(schedule, pp, placement)
         post = {msg: next(g for g, t in enumerate(ran[rank]) if t > sent[msg][0]) for msg in post}
+    # 07's vocabulary passes exchange nothing of 02's: the boundary before the next action is posted
+    # before them and waited for after them (see during), so that it stays one batch (sends cut from
+    # the receives could deadlock) and the passes never wait for the pipeline's messages.
+    first = list(range(len(groups)))
+    for g in range(1, len(groups)):
+        if all(KINDS[a.kind].waits for a in groups[g - 1]):
+            first[g] = first[g - 1]
     incoming = {}  # group -> [("recv", src, message)], in the order posted
     for _, src, msg in sorted(wanted, key=lambda w: (post[w[2]], sent.get(w[2], 0))):
-        incoming.setdefault(post[msg], []).append(("recv", src, msg))
+        incoming.setdefault(first[post[msg]], []).append(("recv", src, msg))
     steps, outgoing = [], []
     for g, group in enumerate(groups):
         if outgoing or incoming.get(g):
             steps.append(("comm", outgoing + incoming.get(g, [])))
-        outgoing = []
+            outgoing = []
         for a in group:
             steps.append(("run", a))
             out = produces(a, placement(pp, a.chunk, rank), S)
@@ -222,15 +247,18 @@ def rank_plan(actions, rank, pp, placement=looped, schedule=None):
     return steps
 
 
-def validate(schedule, pp, m, placement=looped, lockstep=False):
+def validate(schedule, pp, m, placement=looped, lockstep=False, grad_from=None):
     """Raise ScheduleError unless the per-rank lists are complete, ordered and deadlock-free.
     lockstep: check the plans whose receives are posted in lockstep with their senders (rank_plan
-    given every list), which execute(schedule=...) runs; 06's schedules need them."""
+    given every list), which execute(schedule=...) runs; 06's schedules need them. grad_from: 07's
+    (see waits_for); its passes' collectives must be issued in the same order on every rank."""
     v = n_chunks([a for acts in schedule for a in acts])
     where = stage_map(pp, v, placement)
+    passes = sorted({a.kind for acts in schedule for a in acts if KINDS[a.kind].waits})  # 07's, once a microbatch
     for r, acts in enumerate(schedule):
         kinds = "FIW" if any(a.kind in "IW" for a in acts) else "FB"  # B, or its two halves (06)
         want = Counter(Action(k, i, c) for k in kinds for i in range(m) for c in range(v))
+        want += Counter(Action(k, i) for k in passes for i in range(m))
         have = Counter(acts)
         for a in want - have:
             raise ScheduleError(f"rank {r} never runs {a}")
@@ -246,21 +274,38 @@ def validate(schedule, pp, m, placement=looped, lockstep=False):
                 dep = Action(a.kind, a.mb, where[got[1]][1])
                 if at[dep] > at[a]:
                     raise ScheduleError(f"deadlock: rank {r} runs {a} before {dep}, which feeds it")
+        order = [a for a in acts if a.kind in passes]  # collectives: gloo and NCCL match them by order
+        first = [a for a in schedule[0] if a.kind in passes]
+        if order != first:
+            n = next(i for i, (x, y) in enumerate(zip(order + [None], first + [None])) if x != y)
+            raise ScheduleError(f"rank {r} issues its collectives in another order than rank 0: the "
+                                f"{n}th is {order[n] if n < len(order) else 'none'} there, "
+                                f"{first[n] if n < len(first) else 'none'} on rank 0")
     _check_channels_and_progress([rank_plan(acts, r, pp, placement, schedule if lockstep else None)
-                                  for r, acts in enumerate(schedule)], pp)
+                                  for r, acts in enumerate(schedule)], pp,
+                                 lambda r, a: waits_for(a, r, pp, v, placement, grad_from))
 
 
-def _check_channels_and_progress(plans, pp):
-    bounds = [[ops for kind, ops in plan if kind == "comm"] for plan in plans]
-    posts = {}  # (src, dst, "send" | "recv") -> [(message, boundary index at the posting rank)]
-    for r, bs in enumerate(bounds):
-        for b, ops in enumerate(bs):
-            for side, peer, msg in ops:
+def during(plan, i):
+    """The steps after plan[i], a boundary, that run while its messages travel: 07's passes."""
+    j = i + 1
+    while j < len(plan) and plan[j][0] == "run" and KINDS[plan[j][1].kind].waits:
+        j += 1
+    return plan[i + 1:j]
+
+
+def _check_channels_and_progress(plans, pp, waits=lambda rank, action: []):
+    """Every channel's sends and receives match, and every rank gets through its plan. waits(rank,
+    action): [(rank, action)] it waits for beyond the messages (07's vocabulary passes)."""
+    posts = {}  # (src, dst, "send" | "recv") -> [(message, step index at the posting rank)]
+    for r, plan in enumerate(plans):
+        for i, (kind, ops) in enumerate(plan):
+            for side, peer, msg in ops if kind == "comm" else []:
                 ch = (r, peer) if side == "send" else (peer, r)
-                posts.setdefault((*ch, side), []).append((msg, b))
+                posts.setdefault((*ch, side), []).append((msg, i))
     # Messages between two ranks are matched in the order they are posted: the sender's order and
     # the receiver's must agree message by message, or data would land in the wrong buffer.
-    needs_peer = [[[] for _ in bs] for bs in bounds]  # what each boundary waits for: (peer, boundary)
+    needs_peer = [[[] for _ in plan] for plan in plans]  # what each step waits for: (peer, step it reached)
     for src, dst in {(s, d) for s, d, _ in posts}:
         sends, recvs = posts.get((src, dst, "send"), []), posts.get((src, dst, "recv"), [])
         for n, ((x, bs), (y, br)) in enumerate(zip(sends, recvs)):
@@ -270,6 +315,25 @@ def _check_channels_and_progress(plans, pp):
             needs_peer[dst][br].append((src, bs))
         if len(sends) != len(recvs):
             raise ScheduleError(f"rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
+    # Each rank's events: a boundary is posted, the passes during it run, then it is waited for.
+    events, at = [[] for _ in plans], {}  # at: (rank, step index) -> index of its post or run event
+    for r, plan in enumerate(plans):
+        quiet = set()
+        for i, (kind, step) in enumerate(plan):
+            if i in quiet:
+                continue
+            at[(r, i)] = len(events[r])
+            events[r].append(("post", i) if kind == "comm" else ("run", i))
+            if kind == "comm":
+                for j in range(i + 1, i + 1 + len(during(plan, i))):
+                    quiet.add(j)
+                    at[(r, j)] = len(events[r])
+                    events[r].append(("run", j))
+                events[r].append(("wait", i))
+    ran = {(r, step): at[(r, i)] for r, plan in enumerate(plans) for i, (kind, step) in enumerate(plan) if kind == "run"}
+    blocked = [[[(q, at[(q, j)] + 1) for q, j in needs_peer[r][i]] if kind == "wait" else  # its peers posted
+                [(q, ran[(q, b)] + 1) for q, b in waits(r, plans[r][i][1])] if kind == "run" else []  # 07's
+                for kind, i in evs] for r, evs in enumerate(events)]
     # Progress with rendezvous semantics (a send completes only once its receive is posted, as a
     # large NCCL send does): a rank leaves a boundary once every op in it has been posted by its peer.
     # execute()'s background sends only relax this (a boundary waits for its receives and for the
@@ -278,14 +342,19 @@ def _check_channels_and_progress(plans, pp):
     while moved:
         moved = False
         for r in range(pp):
-            while pos[r] < len(bounds[r]) and all(pos[q] >= b for q, b in needs_peer[r][pos[r]]):
+            while pos[r] < len(events[r]) and all(pos[q] >= e for q, e in blocked[r][pos[r]]):
                 pos[r] += 1
                 moved = True
-    stuck = [r for r in range(pp) if pos[r] < len(bounds[r])]
+    stuck = [r for r in range(pp) if pos[r] < len(events[r])]
     if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(
-            f"rank {r} waits to {' and '.join(f'{o[0]} {o[2]} with rank {o[1]}' for o in bounds[r][pos[r]])}"
-            for r in stuck))
+        raise ScheduleError("deadlock: " + "; ".join(_waiting(r, plans[r][events[r][pos[r]][1]], waits) for r in stuck))
+
+
+def _waiting(r, step, waits):
+    kind, what = step
+    if kind == "comm":
+        return f"rank {r} waits to {' and '.join(f'{o[0]} {o[2]} with rank {o[1]}' for o in what)}"
+    return f"rank {r} waits to run {what} until " + " and ".join(f"rank {q} has run {b}" for q, b in waits(r, what))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,15 +383,16 @@ def peak_in_flight(actions, w_share=0):
     return peak
 
 
-def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0, times=None, placement=looped, w_share=0):
+def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0, times=None, placement=looped, w_share=0, grad_from=None):
     """Deterministic replay: each action starts when its rank is free and its input has arrived.
-    times: {kind: time} for kinds other than F and B (06's I and W), each a number or a list per
-    rank as t_f and t_b are; w_share: see peak_in_flight."""
+    times: {kind: time} for kinds other than F and B (06's I and W, 07's S and T), each a number or
+    a list per rank as t_f and t_b are; w_share: see peak_in_flight; grad_from: 07's (waits_for):
+    an action waiting for actions of other ranks starts t_comm after the last of them ends."""
     v = n_chunks([a for acts in schedule for a in acts])
     S, where = pp * v, stage_map(pp, v, placement)
     per_rank = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * pp  # noqa: E731
     times = {kind: per_rank(t) for kind, t in {"F": t_f, "B": t_b, **(times or {})}.items()}
-    done, clock, nxt = {}, [0] * pp, [0] * pp
+    done, ran, clock, nxt = {}, {}, [0] * pp, [0] * pp
     timeline = [[] for _ in range(pp)]
     while any(nxt[r] < len(schedule[r]) for r in range(pp)):
         moved = False
@@ -332,12 +402,13 @@ def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0, times=None, placement=looped,
                 k, kind = placement(pp, a.chunk, r), KINDS[a.kind]
                 got = needs(a, k, S)  # the message from another stage, and what runs before on this one
                 deps = ([(kind.flow, got[1])] if got else []) + ([(kind.after, k)] if kind.after else [])
-                if any((dep, st, a.mb) not in done for dep, st in deps):
+                others = waits_for(a, r, pp, v, placement, grad_from)  # 07's: actions of other ranks
+                if any((dep, st, a.mb) not in done for dep, st in deps) or any(w not in ran for w in others):
                     break
                 start = max([clock[r]] + [done[(dep, st, a.mb)] + (t_comm if where[st][0] != r else 0)
-                                          for dep, st in deps])
+                                          for dep, st in deps] + [ran[w] + t_comm for w in others])
                 end = start + times[a.kind][r]
-                done[(a.kind, k, a.mb)] = done[(kind.flow, k, a.mb)] = clock[r] = end
+                done[(a.kind, k, a.mb)] = done[(kind.flow, k, a.mb)] = ran[(r, a)] = clock[r] = end
                 timeline[r].append((start, end, a))
                 nxt[r] += 1
                 moved = True
@@ -417,7 +488,8 @@ def check_world(pp, world_size):
 # into it through two arguments, each named here once: wire= is how a boundary tensor travels (05's
 # scatter/gather), clock= reads the time of its events (05's --trace); exchange= is an optimization
 # (BackgroundSends, at the end of this file). 06 (zero bubble) through three: placement= and
-# schedule= (see rank_plan), and split=, the backward split that runs its I and W actions.
+# schedule= (see rank_plan), and split=, the backward split that runs its I and W actions. 07
+# (vocabulary parallelism) through one: vocab=, the vocabulary passes that run its S and T actions.
 
 
 @dataclass
@@ -446,8 +518,10 @@ class Exchange:
     """A boundary's sends and receives, posted as one batch and all waited for before the next
     action runs. Returns the messages sent: their tensors may now change, or be freed."""
 
-    def __call__(self, ops, sent):
-        for work in dist.batch_isend_irecv(ops):
+    def __call__(self, ops, sent, meanwhile=lambda: None):
+        works = dist.batch_isend_irecv(ops)
+        meanwhile()  # what runs while the messages travel: 07's vocabulary passes (rank_plan)
+        for work in works:
             work.wait()
         return sent
 
@@ -458,7 +532,7 @@ class Exchange:
 
 def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True, valid=None,
             ignore_index=-100, wire=None, exchange=None, clock=time.perf_counter, t0=None,
-            placement=looped, schedule=None, split=None):
+            placement=looped, schedule=None, split=None, vocab=None):
     """Run this rank's actions. chunks[c] is virtual stage placement(pp, c, rank); microbatches is
     the list of (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in
     the chunks' parameters; the loss of microbatch i is weighted by its share valid[i] / sum(valid)
@@ -468,7 +542,11 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
     schedule: every rank's list (receives in their sender's order, rank_plan). split: 06's
     BackwardSplit, for lists with I and W: split.input(key) is the context in which I's backward
     computes input gradients only, split.held(key) what it kept for W (counted as activations until
-    then), split.weight(key) runs W."""
+    then), split.weight(key) runs W. vocab: 07's vocabulary passes, for lists with S and T:
+    vocab.start(microbatches, valid) runs the input layer, whose output vocab.input(mb) is the
+    first stage's input; the last stage's output goes to vocab.output(mb, y) instead of a loss, and
+    its backward starts from vocab.output_grad(mb); vocab.run(action) runs S and T; vocab.finish()
+    runs the input layer's backward and returns the loss (on the last stage's rank, else None)."""
     wire, exchange = wire or Wire(act_shape), exchange or Exchange()
     rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     S, where = pp * len(chunks), stage_map(pp, len(chunks), placement)
@@ -478,6 +556,8 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
     inbox, outbox, inputs, outputs = {}, {}, {}, {}
     meter, t0 = ActivationMeter(chunks, outputs), clock() if t0 is None else t0
     events, waits, loss, n_msgs, n_bytes = [], [], None, 0, 0
+    if vocab:
+        vocab.start(microbatches, valid)
 
     def sent(msg):  # its send completed: the tensor may change now
         if msg[0] == "act":
@@ -486,33 +566,18 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
             if deallocate and key in outputs:  # backward does not read a stage's output (its last op
                 outputs[key].untyped_storage().resize_(0)  # is an add): free it, keep its graph
 
-    for kind, step in rank_plan(actions, rank, pp, placement, schedule):
-        if kind == "comm":  # one batch: this boundary's sends and receives, posted together
-            ops, start = [], clock() - t0
-            for side, peer, msg in step:
-                if side == "send":
-                    t = outbox.pop(msg)
-                    ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(pp_group, peer), pp_group))
-                    n_msgs, n_bytes = n_msgs + 1, n_bytes + t.numel() * t.element_size()
-                else:  # poisoned, so a receive that never happened shows up as NaN
-                    inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
-                    ops.append(dist.P2POp(dist.irecv, inbox[msg], dist.get_global_rank(pp_group, peer), pp_group))
-            for msg in exchange(ops, [msg for side, _, msg in step if side == "send"]):
-                sent(msg)
-            for side, _, msg in step:
-                if side == "recv":
-                    inbox[msg] = wire.unpack(inbox[msg])
-            waits.append((start, clock() - t0, len(ops)))
-            meter.measure()
-            continue
-        a, start = step, clock() - t0
+    def run(a):
+        nonlocal loss
+        start = clock() - t0
         k, key = placement(pp, a.chunk, rank), (a.chunk, a.mb)
         idx, targets = microbatches[a.mb]
         if a.kind == "F":  # receive -> forward -> send
-            x = idx if k == 0 else inbox.pop(("act", k, a.mb)).requires_grad_()
+            x = (vocab.input(a.mb) if vocab else idx) if k == 0 else inbox.pop(("act", k, a.mb)).requires_grad_()
             with meter.forward(key):
-                y = chunks[a.chunk](x, targets if k == S - 1 else None)
-            if k == S - 1:
+                y = chunks[a.chunk](x, targets if k == S - 1 and not vocab else None)
+            if k == S - 1 and vocab:  # 07: the output layer is every rank's, in S and T
+                vocab.output(a.mb, y)
+            elif k == S - 1:
                 y = y[1] * (valid[a.mb] / n_valid)
                 loss = y.detach() if loss is None else loss + y.detach()
             elif where[k + 1][0] == rank:  # the next stage is one of this rank's own chunks
@@ -524,11 +589,14 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
         elif a.kind == "W":  # 06: the weight gradients its I left for later; no messages
             split.weight(key)
             meter.saved.pop(key)
+        elif KINDS[a.kind].waits:  # 07: S or T, on this rank's slice of the vocabulary
+            vocab.run(a)
         else:  # B, or 06's I: receive the output's gradient -> backward -> send the input's gradient
             x, y = inputs.pop(key), outputs.pop(key)
             meter.saved.pop(key)
+            grad = inbox.pop(("grad", k, a.mb)) if k < S - 1 else vocab.output_grad(a.mb) if vocab else None
             with split.input(key) if a.kind == "I" else contextlib.nullcontext():
-                torch.autograd.backward(y, None if k == S - 1 else inbox.pop(("grad", k, a.mb)))
+                torch.autograd.backward(y, grad)
             if a.kind == "I":
                 meter.saved[key] = split.held(key)  # what W still needs, until it runs
             if k > 0:
@@ -536,8 +604,44 @@ def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=Tr
                 box[("grad", k - 1, a.mb)] = x.grad if box is inbox else wire.pack(x.grad)
         events.append((start, clock() - t0, a))
         meter.measure()
+
+    plan = rank_plan(actions, rank, pp, placement, schedule)
+    i = 0
+    while i < len(plan):
+        kind, step = plan[i]
+        if kind == "run":
+            run(step)
+            i += 1
+            continue
+        ops, start = [], clock() - t0  # one batch: this boundary's sends and receives, posted together
+        for side, peer, msg in step:
+            if side == "send":
+                t = outbox.pop(msg)
+                ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(pp_group, peer), pp_group))
+                n_msgs, n_bytes = n_msgs + 1, n_bytes + t.numel() * t.element_size()
+            else:  # poisoned, so a receive that never happened shows up as NaN
+                inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, inbox[msg], dist.get_global_rank(pp_group, peer), pp_group))
+        quiet = during(plan, i)  # 07's passes, while the messages travel
+
+        def meanwhile():
+            nonlocal start
+            for _, a in quiet:
+                run(a)
+            start = clock() - t0 if quiet else start  # the wait begins after them
+
+        for msg in exchange(ops, [msg for side, _, msg in step if side == "send"], meanwhile):
+            sent(msg)
+        for side, _, msg in step:
+            if side == "recv":
+                inbox[msg] = wire.unpack(inbox[msg])
+        waits.append((start, clock() - t0, len(ops)))
+        meter.measure()
+        i += 1 + len(quiet)
     for msg in exchange.flush():  # the end of the step: nothing is left in flight when the caller goes on
         sent(msg)
+    if vocab:
+        loss = vocab.finish()
     return StepResult(loss, events, meter.peak, n_msgs, n_bytes, waits)
 
 
@@ -593,8 +697,9 @@ class BackgroundSends(Exchange):
     def __init__(self):
         self.in_flight = []  # [(work, message)] from the previous boundary
 
-    def __call__(self, ops, sent):
+    def __call__(self, ops, sent, meanwhile=lambda: None):
         works = dist.batch_isend_irecv(ops)
+        meanwhile()
         if len(works) != len(ops):  # NCCL: one work for the whole batch, which the receives need
             for work in works:
                 work.wait()

@@ -91,6 +91,8 @@ class Groups:
     dp: object
     pp: object
     embed: object  # None on a rank that holds no copy of the tied embedding (or at pp = 1)
+    vocab: object = None  # 07: the vocabulary group, this replica's pp x tp ranks (else None)
+    vocab_p2p: object = None  # 07: its own pp group, for the last stage's output sent to every rank
 
 
 def new_groups(env, grid, timeout_s=60.0):
@@ -171,7 +173,7 @@ def counts_in_norm(p, chunk, tp_group):
     """Split parameters count on every tp rank (each holds a different slice); replicated ones
     (LayerNorms, row-parallel biases, wpe) only on tp rank 0; the tied output layer's copy on the
     last stage not at all (it is the first stage's embedding again)."""
-    tied_copy = chunk.post_process and not chunk.pre_process and p is chunk.transformer.wte.weight
+    tied_copy = hasattr(chunk, "lm_head") and not chunk.pre_process and p is chunk.lm_head.weight  # 07: none
     return not tied_copy and (hasattr(p, "tp_dim") or dist.get_rank(tp_group) == 0)
 
 
@@ -230,18 +232,25 @@ class Run:
     dtype: torch.dtype
     ops: object  # kernels.FusedOps, or None: 01's layers as written
     forward_backward: object  # forward_backward below, or kernels.graphs' CUDA-graph replay of it
+    vocab: object = None  # 07's vocabulary passes over the chunks, or None
 
 
 @dataclass
 class PipelineSchedule:
     """What the pipeline runs. 05's is 03's interleaved 1F1B (interleaved_schedule); 06 passes its
-    zero-bubble schedules to train() as schedule_of(tc), the one seam for them, named here."""
+    zero-bubble schedules to train() as schedule_of(tc), the one seam for them, named here, and 07
+    its schedules with the vocabulary passes (vocab, grad_from)."""
     name: str  # for the summary: "1F1B", "interleaved 1F1B, v=2", ...
     lists: list  # every pipeline rank's actions
     placement: object = pipeline.looped  # where each chunk's stage is (02)
     lockstep: bool = False  # receives posted in lockstep with their senders (02's rank_plan)
     split: object = None  # (chunks) -> the backward split that runs I and W actions (06)
     bubble: str = "(pp-1)/(v m)"  # the formula of the summary's simulated bubble (t_b = 2 t_f)
+    # 07: (cfg, chunks, groups, pipe) -> the vocabulary passes (the output and input layers spread
+    # over every rank; it moves the token embedding's rows into the chunks), and the kind of pass
+    # whose all-reduce brings the last stage its output's gradient (02's waits_for).
+    vocab: object = None
+    grad_from: str | None = None
 
     @property
     def last(self):
@@ -252,9 +261,14 @@ class PipelineSchedule:
 
     def grid(self, world, tp, dp):
         """rank_grid for this schedule: with the last stage beside the first (06's V), the tied
-        embedding's copies are on one rank, summed there (02's sync_tied_embeddings): no group."""
+        embedding's copies are on one rank, summed there (02's sync_tied_embeddings): no group.
+        07's vocabulary groups: each replica's pp x tp ranks, and a second group per pipeline; the
+        embedding is then tied on each rank, no group either."""
         grid = rank_grid(world, tp, dp, len(self.lists))
-        grid["embed"] = grid["embed"] if self.last else []
+        grid["embed"] = grid["embed"] if self.last and not self.vocab else []
+        if self.vocab:
+            grid["vocab"] = [sorted(r for g in grid["pp"] for r in g if r // tp % dp == d) for d in range(dp)]
+            grid["vocab_p2p"] = [list(g) for g in grid["pp"]]
         return grid
 
 
@@ -287,6 +301,7 @@ def build(env, cfg, tc, groups, pipe=None):
                                    # layer's GEMM has aligned sizes (50257 -> 50304 at tp = 1)
                                    vocab_divisible_by=VOCAB_DIVISIBLE_BY,
                                    check_inputs=False)  # train_step checks each batch on the host
+    vocab = pipe.vocab(cfg, chunks, groups, pipe) if pipe.vocab else None  # 07: before the weights load
     fused, graph_mode = acceleration(tc, env.device)
     ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else None
     for c in chunks:
@@ -310,6 +325,8 @@ def build(env, cfg, tc, groups, pipe=None):
     if overlap_gather:  # each block waits for its own weights; the chunk, first, for the rest
         for c in chunks:
             opt.wait_before_forward(c, [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")])
+            if vocab and "wte" in c.transformer:  # 07 looks tokens up outside the chunk's forward
+                opt.wait_before_forward(c.transformer.wte, [c.transformer.wte.weight])
             for block in c.transformer.h.values():
                 opt.wait_before_forward(block, list(block.parameters()))
     b = tc.batch_size // (tc.dp * tc.microbatches)
@@ -318,7 +335,7 @@ def build(env, cfg, tc, groups, pipe=None):
     wire = ScatterGather(act_shape, groups.tp) if sg else None
     step = cuda_graphs.Graphed(graph_mode, forward_backward, pipeline.StepResult) if graph_mode else forward_backward
     return Run(env, cfg, tc, groups, chunks, pipe.lists[pp_rank], pipe, split, act_shape, wire, ddp, opt, dtype, ops,
-               step)
+               step, vocab)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,13 +403,15 @@ def forward_backward(run, micro, valid, trace=None, chunks=None, plain=False):
     timing = dict(t0=trace.t0, clock=trace.clock) if trace else {}
     return pipeline.execute(run.schedule, chunks or run.chunks, run.groups.pp, micro, run.act_shape, wire=run.wire,
                             valid=valid, exchange=exchange, deallocate=not plain, placement=run.pipe.placement,
-                            schedule=run.pipe.lists if run.pipe.lockstep else None, split=run.split, **timing)
+                            schedule=run.pipe.lists if run.pipe.lockstep else None, split=run.split, vocab=run.vocab,
+                            **timing)
 
 
 def forward_only(run, idx, targets, chunks=None):
     """This replica's batch through the pipeline, forward only (eval mode, no gradients); chunks:
-    stand-ins for run.chunks that wrap them (the end report's probe reads the logits so)."""
-    forwards = [[pipeline.Action("F", a.mb, a.chunk) for a in acts if a.kind == "F"] for acts in run.pipe.lists]
+    stand-ins for run.chunks that wrap them (the end report's probe reads the logits so). The
+    forwards, and 07's S passes (its loss)."""
+    forwards = [[pipeline.Action(a.kind, a.mb, a.chunk) for a in acts if a.kind in "FS"] for acts in run.pipe.lists]
     valid = [int((t != -100).sum()) for t in targets.chunk(run.tc.microbatches)]  # on the host
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
     for c in run.chunks:
@@ -401,7 +420,7 @@ def forward_only(run, idx, targets, chunks=None):
         with torch.no_grad():
             return pipeline.execute(forwards[dist.get_rank(run.groups.pp)], chunks or run.chunks, run.groups.pp, micro,
                                     run.act_shape, wire=run.wire, valid=valid, placement=run.pipe.placement,
-                                    schedule=forwards if run.pipe.lockstep else None)
+                                    schedule=forwards if run.pipe.lockstep else None, vocab=run.vocab)
     finally:
         for c in run.chunks:
             c.train()
@@ -593,7 +612,7 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
     out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=skipped, busy_ms=busy,
                bytes_per_message=res.bytes_sent / max(res.messages, 1),
                peak_activation_bytes=res.peak_activation_bytes)
-    if not tc.data and cfg.vocab_size >= 128:  # the built-in corpus: what did the model learn?
+    if not tc.data and cfg.vocab_size >= 128 and not run.vocab:  # the built-in corpus: what did it learn?
         out["sums"] = report.sum_probe(run, forward_only)
     report.report(run, out, time.perf_counter() - t_start, say)
     return out

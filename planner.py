@@ -34,6 +34,11 @@ set of constants (Cluster, each with its source; none fitted to Table 1, none pe
     optimizer         Adam's bytes per parameter / HBM
     recomputation     full: the whole forward again in backward; selective: the attention core
 
+Vocabulary parallelism (07; Yeung et al. 2024): vocab_stages gives each pipeline stage's time,
+parameters and peak memory with the output layer and the embedding on the last and first stage, or
+spread over every rank with 07's S and T passes, replayed by 02's simulate() on 07's own lists;
+`--plan table5` sets them beside the paper's Table 5 (8 GPUs, seq 2048, V from 32k to 256k).
+
 It lands within 10% of every row of Table 1 (tests/test_planner.py), and says why the paper's
 small models are its least efficient (Section 5.1: "larger matrix multiplications"): for 1.7B the
 memory-bound kernels, mostly softmax and dropout over the s^2 attention scores, take 28% of the
@@ -441,6 +446,113 @@ def model_constants(c=Cluster()):
 
 
 # ----------------------------------------------------------------------------------------------
+# Vocabulary parallelism (07; Yeung et al. 2024): the output layer and the embedding per stage, on
+# the first and last stage (Megatron's) or spread over every pipeline rank, and the paper's Table 5
+
+
+# Yeung et al. 2024, Table 5, "8GPU, Seq Length 2048": 1F1B over pp = 8 A100s, the ~4B model of their
+# Table 1 (32 layers, h 3072, 24 heads, b = 1, m = 128). MFU % and peak memory GB for V = 32k to 256k
+# (read here as 2^15 to 2^18).
+TABLE5_MODEL, TABLE5_VOCABS = ModelSpec(32, 3072, 24, 32768, 2048), (32768, 65536, 131072, 262144)
+TABLE5 = {0: ("baseline", [46.16, 40.48, 33.11, 25.23], [14.86, 16.32, 19.25, 25.64]),
+          2: ("Vocab-1", [50.42, 50.28, 49.93, 50.12], [15.63, 16.02, 16.84, 18.59]),
+          1: ("Vocab-2", [50.23, 50.18, 49.82, 49.69], [14.83, 15.23, 16.04, 17.78])}
+
+
+def output_layer_seconds(m, L, slices=1, c=Cluster()):
+    """The output layer and its cross entropy for one microbatch on one rank holding V/(t slices) of
+    the vocabulary: (forward, backward) as microbatch_seconds counts them (one GEMM forward, two
+    backward, the fp32 loss's bytes), and the GEMM X's gradient costs."""
+    bs, h, v = L.b * m.seq_len, m.n_embd, math.ceil(m.vocab_size / (L.tp * slices))
+    hbm, grad_x = c.hbm_gbs * 1e9, gemm_seconds(bs, h, v, c=c)
+    return (gemm_seconds(bs, v, h, c=c) + 38 * bs * v / hbm,
+            grad_x + gemm_seconds(h, v, bs, c=c) + (22 * bs * v + 10 * v * h) / hbm, grad_x)
+
+
+@functools.lru_cache(maxsize=64)
+def _vocab_lists(pp, m, barriers):
+    return importlib.import_module("07_vocab_parallel").vocab_schedule("1f1b", pp, m, barriers)
+
+
+def vocab_stages(m, L, barriers=0, c=Cluster()):
+    """Per pipeline rank, 1F1B: a microbatch's forward and backward seconds (with 07's S and T), its
+    parameters, its peak bytes (weights, fp32 gradients and Adam, activations in flight, the fp32
+    logits kept for the loss), and the step, replayed by 02's simulate(). barriers 0: the vocabulary
+    layers on the first and last stage; 2 or 1: spread over the pp ranks (Algorithm 1 or 2)."""
+    pp, h, V, l = L.pp, m.n_embd, m.vocab_size, m.n_layer / L.pp
+    fwd, bwd = microbatch_seconds(m, L, c)  # the last stage's, output layer included
+    out_f, out_b, grad_x = output_layer_seconds(m, L, 1, c)
+    ar = tp_allreduce_seconds(m, L, c)  # the output layer's input gradient over tp
+    t_f, t_b = sum(fwd.values()) - out_f, sum(bwd.values()) - out_b - ar  # the layers alone
+    last = [r == pp - 1 for r in range(pp)]
+    layers = l * (12 * h * h + 13 * h)
+    if barriers:
+        pipe = _vocab_lists(pp, L.m, barriers)
+        s_f, s_b, s_x = output_layer_seconds(m, L, pp, c)  # one rank's slice; Algorithm 2 moves X's GEMM to S
+        times = {"S": s_f + (s_x if barriers == 1 else 0), "T": s_b - (s_x if barriers == 1 else 0) + ar / pp}
+        sim = pipeline_sim(pipe.lists, pp, [t_f] * pp, [t_b] * pp, p2p_seconds(m, L, c), times, pipe.grad_from)
+        params = [layers + V * h / pp + (m.seq_len * h if r == 0 else 0) + 2 * h * x for r, x in enumerate(last)]
+        logits = [L.b * m.seq_len * V / pp * importlib.import_module("07_vocab_parallel").logits_held(acts)
+                  for acts in pipe.lists]  # from S to T
+    else:
+        lists = [list(a) for a in _schedule(pp, L.m, 1)]
+        sim = pipeline_sim(lists, pp, [t_f + out_f * x for x in last], [t_b + (out_b + ar) * x for x in last],
+                           p2p_seconds(m, L, c))
+        params = [layers + (V + m.seq_len) * h * (r == 0) + (V * h + 2 * h) * x for r, x in enumerate(last)]
+        logits = [L.b * m.seq_len * V * x for x in last]  # the softmax, for the one microbatch in flight
+    params = [p / L.tp for p in params]
+    activations = [activation_bytes_per_layer(m, L) * l * n for n in sim.peak_in_flight]
+    memory = [18 * p + a + 4 * x / L.tp for p, a, x in zip(params, activations, logits)]  # Megatron's 2+4+12 B
+    # The Adam step of the fullest rank, and (without) the tied embedding's all-reduce between stages.
+    tail = max(params) * 42 / (c.hbm_gbs * 1e9) + (0 if barriers else 4 * V * h / L.tp / (c.ib_gbs * 1e9))
+    total = sim.step_time + tail
+    mfu = flops_per_iteration(m, L.batch, "none") / (L.tp * pp * L.dp * total * c.peak_tflops * 1e12)
+    return dict(forward=[f for f in ([t_f] * pp if barriers else [t_f + out_f * x for x in last])],
+                compute=[busy / L.m for busy in (sim.step_time - i for i in sim.idle)], params=params,
+                memory=memory, step=total, mfu=mfu, peak=max(memory))
+
+
+def pipeline_sim(lists, pp, t_f, t_b, t_comm, times=None, grad_from=None):
+    """02's simulate() on every rank's list (per-rank times), for the vocabulary estimates."""
+    return importlib.import_module("02_pipeline_1f1b").simulate(lists, pp, t_f, t_b, t_comm, times,
+                                                                 grad_from=grad_from)
+
+
+def vocab_report(c=Cluster()):
+    """--plan table5: Table 5's setting estimated without and with vocabulary parallelism (each
+    stage at V = 256k, then MFU and peak memory for every V) beside the paper's figures, and how
+    the trends compare."""
+    m, L = TABLE5_MODEL, Layout(1, 8, 1, 128, recompute="selective")  # FlashAttention: no s^2 stored
+    out = [f"Yeung et al. 2024, Table 5: l={m.n_layer} h={m.n_embd} a={m.n_head} s={m.seq_len}, 1F1B over pp=8, "
+           f"b=1, m=128, the attention core recomputed (as FlashAttention does); {c.peak_tflops:g} TFLOP/s bf16 "
+           f"peak (A100); MFU counts the model's FLOPs (eq. 3 without recomputation)"]
+    big = m._replace(vocab_size=TABLE5_VOCABS[-1])
+    est = {b: vocab_stages(big, L, b, c) for b in (0, 2)}
+    out.append(f"each stage at V = {big.vocab_size:,}: without | with vocabulary parallelism (Algorithm 1)")
+    out.append("  stage   busy ms per microbatch    parameters (M)    peak memory (GB)")
+    for r in range(L.pp):
+        out.append(f"  {r:5d}   {est[0]['compute'][r] * 1e3:7.2f} | {est[2]['compute'][r] * 1e3:7.2f}"
+                   f"      {est[0]['params'][r] / 1e6:6.0f} | {est[2]['params'][r] / 1e6:5.0f}"
+                   f"      {est[0]['memory'][r] / 1e9:6.2f} | {est[2]['memory'][r] / 1e9:5.2f}")
+    out.append("V          " + "".join(f"{'MFU % ' + name:>24s}{'peak GB':>16s}" for name, _, _ in TABLE5.values()))
+    rows = {}
+    for i, V in enumerate(TABLE5_VOCABS):
+        spec = m._replace(vocab_size=V)
+        rows[V] = {b: vocab_stages(spec, L, b, c) for b in TABLE5}
+        out.append(f"{V // 1024:4d}k   " + "".join(
+            f"{100 * rows[V][b]['mfu']:9.1f} (paper {mfu[i]:5.2f}){rows[V][b]['peak'] / 1e9:7.2f} ({mem[i]:5.2f})"
+            for b, (_, mfu, mem) in TABLE5.items()))
+    first, last = rows[TABLE5_VOCABS[0]], rows[TABLE5_VOCABS[-1]]
+    out.append(f"trend, 32k -> 256k: without, MFU {100 * first[0]['mfu']:.1f} -> {100 * last[0]['mfu']:.1f} % "
+               f"(x{last[0]['mfu'] / first[0]['mfu']:.2f}; the paper x{TABLE5[0][1][-1] / TABLE5[0][1][0]:.2f}); with, "
+               f"{100 * first[2]['mfu']:.1f} -> {100 * last[2]['mfu']:.1f} % (x{last[2]['mfu'] / first[2]['mfu']:.2f}; the "
+               f"paper x{TABLE5[2][1][-1] / TABLE5[2][1][0]:.2f}); peak memory without x"
+               f"{last[0]['peak'] / first[0]['peak']:.2f} (paper x{TABLE5[0][2][-1] / TABLE5[0][2][0]:.2f}), with x"
+               f"{last[2]['peak'] / first[2]['peak']:.2f} (paper x{TABLE5[2][2][-1] / TABLE5[2][2][0]:.2f})")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
 # Layouts
 
 
@@ -629,7 +741,8 @@ def add_plan_args(parser):
     --n-layer etc. from GPTConfig) are reused for `custom`, not added twice."""
     g = parser.add_argument_group("planner: --plan prints estimates and exits, allocating nothing")
     g.add_argument("--plan", metavar="NAME", help=f"a model of Table 1 ({', '.join(PAPER_CONFIGS)}, "
-                   f"or 1T), or custom (the model flags)")
+                   f"or 1T), or custom (the model flags), or table5 (07's vocabulary parallelism against "
+                   f"Yeung et al.'s Table 5)")
     g.add_argument("--gpus", type=int, default=None, help="n GPUs (default: Table 1's for the model)")
     for flag, _ in MODEL_FLAGS:
         if flag not in parser._option_string_actions:
@@ -654,7 +767,10 @@ def add_plan_args(parser):
 
 
 def plan_from_args(args):
-    """plan_report for the options of add_plan_args, after check_plan_args has refused bad ones."""
+    """plan_report for the options of add_plan_args, after check_plan_args has refused bad ones;
+    --plan table5: vocab_report."""
+    if args.plan == "table5":
+        return vocab_report(Cluster(gpu_mem_gb=args.plan_gpu_mem))
     spec, n_gpus, layout, batch, options = check_plan_args(args)
     return plan_report(spec, n_gpus, layout, batch, args.plan_tokens, args.plan_tflops,
                        Cluster(gpu_mem_gb=args.plan_gpu_mem), **options)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from plumbing import checks, paths
 from plumbing.launch import side_channel
+from plumbing.shards import split_of
 from plumbing.tokenizer import TOKENIZERS, tokenizer_of
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -263,15 +264,23 @@ def _shard(run, snapshot=False):
     return dict(
         coords={k: dist.get_rank(getattr(run.groups, k)) for k in ("tp", "dp", "pp")},
         chunks=[{n: cpu(p) for n, p in c.named_parameters()} for c in run.chunks] if first_replica else [],
+        # a tensor split over another group than tp (07's vocabulary shard): (its shards, this one's index)
+        splits={n: split_of(p, None) for c in run.chunks for n, p in c.named_parameters() if hasattr(p, "split_group")},
         pieces=pieces,
         rng=dict(device=device.type, cpu=torch.get_rng_state(), tracked=cpu(run.chunks[0].rng.state),
                  cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None))
 
 
+def _layout(run):
+    """The layout a checkpoint records; 07's vocabulary parallelism places the embedding otherwise."""
+    tc = run.tc
+    return dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1,
+                **({"vocab_parallel": True} if getattr(run, "vocab", None) else {}))
+
+
 def _manifest(run, step):
     tc = run.tc
-    return dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size,
-                layout=dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1),
+    return dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size, layout=_layout(run),
                 train={k: getattr(tc, k) for k in KEPT_FIELDS}, noted={k: getattr(tc, k) for k in NOTED_FIELDS},
                 dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data))
 
@@ -493,18 +502,21 @@ def read_checkpoint(path, cfg=None, tc=None):
     manifest = read_manifest(path, cfg, tc)
     lay = manifest["layout"]
     meta = dict(tensor_parallel.GPT(tensor_parallel.GPTConfig(**manifest["model"]), device="meta").named_parameters())
-    params, states = {}, {}  # name -> {tp rank: shard}; name -> {tp rank: {key: flat shard}}
+    params, states = {}, {}  # name -> {shard index: shard}; name -> {shard index: {key: flat shard}}
+    count = {}  # name -> how many shards it has: tp, or (07's vocabulary shard) its own group's size
     for r in range(manifest["world"]):
         file = os.path.join(path, f"rank_{r:05d}.pt")
         shard = _load_shard(file)
         try:
-            t = shard["coords"]["tp"]
+            splits = shard.get("splits", {})
             for chunk in shard["chunks"]:
                 for name, value in chunk.items():
+                    count[name], t = splits.get(name, (lay["tp"], shard["coords"]["tp"]))
                     params.setdefault(name, {})[t] = value
             for c, name, start, end, state in shard["pieces"]:
                 # Shaped like the parameter's shard on this tp rank, which replica 0 (a lower rank,
                 # read earlier) wrote even when this file is a ZeRO-1 replica's without weights.
+                t = splits.get(name, (lay["tp"], shard["coords"]["tp"]))[1]
                 local = params[name][t]
                 flat = states.setdefault(name, {}).setdefault(t, {})
                 for key, value in state.items():
@@ -515,17 +527,17 @@ def read_checkpoint(path, cfg=None, tc=None):
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
             raise ValueError(f"checkpoint shard {file} is malformed: {type(e).__name__} {e}") from None
     missing = sorted(set(meta) - set(params))
-    if missing or any(len(shards) != lay["tp"] for shards in params.values()):
+    if missing or any(set(shards) != set(range(count[n])) for n, shards in params.items()):
         raise ValueError(f"the checkpoint {path} is incomplete: its shards lack {missing[:3] or 'some tp ranks'}")
     try:
-        full = {n: tensor_parallel.join_shards([shards[t] for t in range(lay["tp"])], meta[n])
+        full = {n: tensor_parallel.join_shards([shards[t] for t in range(count[n])], meta[n])
                 for n, shards in params.items()}
         full_state = {}
         for name, by_rank in states.items():
             shape = params[name][0].shape
             keys = by_rank[0].keys()
             full_state[name] = {k: by_rank[0][k] if by_rank[0][k].dim() == 0 else tensor_parallel.join_shards(
-                [by_rank[t][k].view(shape) for t in range(lay["tp"])], meta[name]) for k in keys}
+                [by_rank[t][k].view(shape) for t in range(count[name])], meta[name]) for k in keys}
     except (KeyError, RuntimeError, ValueError) as e:
         raise ValueError(f"the checkpoint {path} does not fit its manifest: {type(e).__name__} {e}") from None
     bad = [n for n, t in full.items() if t.shape != meta[n].shape]
@@ -539,7 +551,7 @@ def load_checkpoint(run, path, say=print):
     """Load path into this run, whatever layout wrote it; returns the number of steps done. In the
     layout that wrote it, each rank reads only its own shard (and, for the weights a replica does
     not write, its replica 0's): 2 files at most, not every rank's."""
-    here = dict(tp=run.tc.tp, pp=run.tc.pp, dp=run.tc.dp, v=run.tc.virtual_stages, zero1=run.tc.zero1)
+    here = _layout(run)
     manifest = read_manifest(path, run.cfg, run.tc)
     own = _load_own_shards(run, path) if manifest["layout"] == here and manifest["world"] == run.env.world_size else None
     if own is None:
@@ -605,14 +617,14 @@ def _load_resharded(run, path, manifest, here):
     manifest, full, full_state = read_checkpoint(path, run.cfg, run.tc)
     for c in run.chunks:
         c.load_full_state_dict(full)
-    tp_n, tp_r = dist.get_world_size(run.groups.tp), dist.get_rank(run.groups.tp)
     owner = {id(p): n for chunk in run.chunks for n, p in chunk.named_parameters()}
     for piece in run.opt.pieces:
         state = full_state.get(owner[id(piece.param)])
         if not state:
             continue  # saved before the first optimizer step
         start, n = piece.weights.storage_offset() - run.ddp.offsets[piece.param], piece.weights.numel()
-        mine = {k: v if v.dim() == 0 else tensor_parallel.split_full(v, piece.param, tp_n, tp_r).reshape(-1)[start:start + n]
+        split = split_of(piece.param, run.groups.tp)  # tp, or 07's vocabulary group
+        mine = {k: v if v.dim() == 0 else tensor_parallel.split_full(v, piece.param, *split).reshape(-1)[start:start + n]
                 for k, v in state.items()}
         run.opt.optimizer.state[piece.master] = _set_piece(piece, mine)
     same = manifest["layout"] == here and manifest["world"] == run.env.world_size

@@ -4,7 +4,7 @@
                                   GPTConfig, SampleConfig): its type and its range (FIELDS below)
     check_config(cfg, tc, world)  the relations between fields: the layout (tp x dp x pp = world,
                                   layers per stage, microbatches per interleaving group, 06's
-                                  zero-bubble schedules), the batch,
+                                  zero-bubble schedules, 07's vocabulary passes), the batch,
                                   the model's shapes, the learning rates, the flags that need others
     check_device(tc, device)      what needs a GPU (CUDA graphs, forced CUDA kernels)
     check_paths(tc)               --save, --metrics, --trace: writable, of the right kind
@@ -56,7 +56,8 @@ FIELDS = {
     # the layout and the batch (every file)
     "tp": _at_least(1), "pp": _at_least(1), "dp": _at_least(1), "virtual_stages": _at_least(1),
     "batch_size": _at_least(1), "microbatches": _at_least(1), "seq_len": _at_least(1),
-    "sequence_parallel": _ANY, "schedule": _ANY, "seed": _SEED, "trace": _ANY,
+    "sequence_parallel": _ANY, "schedule": _ANY, "seed": _SEED, "trace": _ANY, "vocab_barriers": _ANY,
+    "large_vocab": _at_least(1),
     # training (04's demo and 05)
     "steps": _at_least(1), "min_lr": _at_least(0), "warmup_steps": _at_least(0),
     # AdamW moves each weight by about lr per step: beyond 1 a weight of GPT-2's scale (0.02) is lost
@@ -162,6 +163,13 @@ def check_config(cfg, tc, world=None):
     if schedule == "zb-v" and cfg.n_layer % (2 * pp):
         raise ValueError(f"--schedule zb-v runs two chunks per rank in a V: --n-layer {cfg.n_layer} is not divisible "
                          f"by its 2 x pp = {2 * pp} stages; uneven splits are not supported")
+    barriers = getattr(tc, "vocab_barriers", None)  # 07's vocabulary parallelism
+    if barriers and v > 1:
+        raise ValueError(f"--virtual-stages {v}: --vocab-barriers puts its passes into 1F1B or 06's schedules "
+                         f"(--schedule), not into interleaved 1F1B; leave --virtual-stages at 1")
+    if barriers and getattr(tc, "cuda_graphs", None):
+        raise ValueError(f"--cuda-graphs: --vocab-barriers {barriers} runs the vocabulary passes' collectives on a "
+                         f"thread of their own, which a captured graph cannot; drop the flag")
     for name in ("fused_kernels", "cuda_graphs"):
         if schedule in ZERO_BUBBLE and getattr(tc, name, None):
             raise ValueError(f"{flag(name)}: --schedule {schedule} splits each linear layer's backward in two (I "
@@ -461,7 +469,8 @@ def acceleration(tc, device):
     v = 1 (its graph holds one chunk: with v > 1 each chunk is captured on its own)."""
     gpu = device.type == "cuda" and getattr(tc, "schedule", "") not in ZERO_BUBBLE  # 06 runs 01's layers
     fused = gpu if tc.fused_kernels is None else tc.fused_kernels
-    graphs = (gpu and tc.tp == 1 and tc.recompute == "none") if tc.cuda_graphs is None else tc.cuda_graphs
+    graphs = (gpu and tc.tp == 1 and tc.recompute == "none" and not getattr(tc, "vocab_barriers", None)) \
+        if tc.cuda_graphs is None else tc.cuda_graphs  # 07's collectives run on a thread: no graphs
     if not graphs:
         return fused, None
     if tc.graph_scope != "auto":

@@ -109,7 +109,8 @@ def summary(run, spec, flops, n_train, n_eval, say):
     local = sum(p.numel() for c in run.chunks for p in c.parameters())
     per_rank = [int(x[0]) for x in gather_numbers([local], device=env.device)]
     mem = memory_estimate(run, spec)
-    sim = pipeline.simulate(run.pipe.lists, tc.pp, 1, 2, times={"I": 1, "W": 1}, placement=run.pipe.placement)
+    sim = pipeline.simulate(run.pipe.lists, tc.pp, 1, 2, times={"I": 1, "W": 1, "S": 0, "T": 0},
+                            placement=run.pipe.placement, grad_from=run.pipe.grad_from)
     on = lambda flag: "on" if flag else "off"  # noqa: E731
     graphs = {None: "off", "stage": "per stage and microbatch", "step": "whole step"}[getattr(run.forward_backward, "mode", None)]
     data = tc.data or "the built-in corpus"

@@ -11,7 +11,8 @@ imports and the parity tests need, not what tensor parallelism is. 01 re-exports
 
 A split parameter carries .tp_dim (the dim it is split along), .tp_full (its unpadded full size
 there) and .tp_fused (how many separately split blocks it stacks, 3 for Q, K, V); 01 marks them.
-A tensor without .tp_dim is replicated: its full tensor is itself.
+A tensor without .tp_dim is replicated: its full tensor is itself. One split over another group
+than its module's carries that group as .split_group (07's vocabulary shard, over pp x tp ranks).
 """
 import math
 
@@ -22,6 +23,11 @@ from einops import rearrange
 
 def _size_rank(group):
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def split_of(p, group):
+    """(size, rank) of the group p is split over: its module's group, or its own .split_group."""
+    return _size_rank(getattr(p, "split_group", group))
 
 
 def split_full(t, p, tp, rank):
@@ -45,14 +51,13 @@ def join_shards(shards, p):
 
 def load_full_state_dict(module, full, group):
     """Master weight, then split: copy this rank's shard of every full (serial) tensor."""
-    tp, rank = _size_rank(group)
     params = dict(module.named_parameters())
     if set(params) != set(full):
         raise KeyError(f"state dict mismatch: missing {sorted(set(params) - set(full))}, "
                        f"unexpected {sorted(set(full) - set(params))}")
     with torch.no_grad():
         for name, p in params.items():
-            t = split_full(full[name], p, tp, rank)
+            t = split_full(full[name], p, *split_of(p, group))
             if t.shape != p.shape:
                 raise ValueError(f"{name}: full shape {tuple(full[name].shape)} does not fit shard {tuple(p.shape)}")
             p.copy_(t)
@@ -61,13 +66,13 @@ def load_full_state_dict(module, full, group):
 def gather_full(module, group, grads=False):
     """The inverse of load_full_state_dict: all-gather every split tensor back to its full shape
     (a collective over the tp group: every rank calls it). New tensors, never the parameters."""
-    tp, out = _size_rank(group)[0], {}
+    out = {}
     for name, p in module.named_parameters():
         t = (p.grad if grads else p).detach()
-        parts = [t]
-        if hasattr(p, "tp_dim") and tp > 1:
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=group)
+        parts, n = [t], split_of(p, group)[0]
+        if hasattr(p, "tp_dim") and n > 1:
+            parts = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(parts, t.contiguous(), group=getattr(p, "split_group", group))
         out[name] = join_shards(parts, p).clone()
     return out
 

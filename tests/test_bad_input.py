@@ -878,10 +878,10 @@ def test_the_table_covers_a_hundred_cases_and_every_file():
     assert {script for script, _, _ in CASES.values()} == set(SCRIPTS)
 
 
-zero_bubble = load("06_zero_bubble")
+zero_bubble, vocab_parallel = load("06_zero_bubble"), load("07_vocab_parallel")
 CONFIGS = [tensor_parallel.GPTConfig, gpt3d.TrainConfig, sample.SampleConfig, tensor_parallel.DemoConfig,
            pipeline.DemoConfig, interleaved.DemoConfig, data_parallel.DemoConfig, zero_bubble.DemoConfig,
-           zero_bubble.TrainConfig]
+           zero_bubble.TrainConfig, vocab_parallel.DemoConfig, vocab_parallel.TrainConfig]
 
 
 @pytest.mark.parametrize("cls", CONFIGS, ids=[f"{c.__module__}.{c.__name__}" for c in CONFIGS])

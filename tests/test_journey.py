@@ -20,7 +20,8 @@ tensor_parallel = load("01_tensor_parallel")
 gpt3d = load("05_3d_gpt")
 from plumbing import charts, cli, sample  # noqa: E402
 
-FILES = ["01_tensor_parallel", "02_pipeline_1f1b", "03_interleaved", "04_data_parallel", "05_3d_gpt", "06_zero_bubble"]
+FILES = ["01_tensor_parallel", "02_pipeline_1f1b", "03_interleaved", "04_data_parallel", "05_3d_gpt", "06_zero_bubble",
+         "07_vocab_parallel"]
 
 
 def run(script, *args, timeout=120):

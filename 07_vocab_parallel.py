@@ -1,0 +1,480 @@
+"""07 - Vocabulary parallelism: the vocabulary layers spread over every pipeline rank (Yeung et al.
+2024, "Balancing Pipeline Parallelism with Vocabulary Parallelism": its Algorithms 1 and 2).
+
+What this file adds on top of 02-06: with pp > 1 the first stage holds the input embedding and the
+last one the output layer and the loss, whose work and weights grow with V (6 b s h V FLOPs and 2 h V
+bytes against a layer's b s h (72 h + 12 s) and 24 h^2: the paper's Table 4). For a large
+vocabulary the last stage is the pipeline's slowest and fullest, and every other stage waits for it
+(Figure 1). Here the vocabulary is cut over all pp x tp ranks instead:
+  - where the weights live: V padded to a multiple of pp tp; the rank at pipeline place r and tp
+    place t holds rows [i n, (i + 1) n) of wte, i = r tp + t, n = V_pad / (pp tp), used both by the
+    input lookup and by the tied output layer, so the tie is local; wpe stays on the first stage and
+    ln_f on the last;
+  - the input layer: every rank looks each token up in its own rows (zeros for the others'); the sums
+    are reduced to the first stage; in backward the gradient is broadcast back to every rank;
+  - the output layer, per microbatch, as two passes that every rank runs on its slice: S, once the
+    last stage has handed its output X to every rank: the slice's logits, their max, their sum of
+    exponentials and the target's logit; T: the slice's gradient, from the softmax. The softmax
+    needs every rank's statistics, so an all-reduce stands between S and T: a barrier. Algorithm 1
+    has two, the statistics after S and X's gradient after T; Algorithm 2 has one: S also computes
+    X's gradient from its own slice's softmax, and the statistics' all-reduce rescales and sums it;
+  - the schedules: S and T are actions of 02's lists, inserted into 1F1B or 06's ZB-H1 and ZB-V as
+    data (insert_passes); 02's validator knows that they wait for the last stage or for every rank,
+    and that their collectives go in the same order everywhere. Each barrier costs one more warm-up
+    microbatch: rank r holds pp - r + barriers microbatches of 1F1B in flight, not pp - r;
+  - the barriers' all-reduces run on a thread of their own, in the order issued, while the pipeline
+    goes on (the CPU's stand-in for the paper's second stream, Figure 5): a pass waits for one only
+    when it needs its result.
+05's training loop runs it all: --train, with --vocab-barriers and --schedule.
+
+Run it:
+    python 07_vocab_parallel.py                          # pp=4 x tp=2: 8 CPU ranks, m=5
+    python 07_vocab_parallel.py --pp 2 --tp 1 --microbatches 2 --large-vocab 32768
+    python 07_vocab_parallel.py --train --tp 2 --pp 2 --dp 2 --vocab-barriers 1 --steps 50
+    torchrun --nproc-per-node 8 07_vocab_parallel.py     # one rank per GPU
+
+The demo prints, for the model's vocabulary and a large one, each stage's parameter bytes, its
+compute per microbatch and its memory (microbatches in flight, logits held), with and without
+vocabulary parallelism, and the simulated step time of both; then it runs 1F1B, ZB-H1 and ZB-V with
+both algorithms against the serial model in float64 (loss and every gradient within 1e-10, V padded)
+and exits 1 on a mismatch. tests/test_vocab_parallel.py adds ignore_index and 10 AdamW steps.
+"""
+import concurrent.futures
+import dataclasses
+import functools
+import importlib
+import itertools
+import math
+import queue
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from einops import rearrange
+
+from plumbing import cli
+from plumbing.launch import gather_numbers, printer, run_main
+
+tensor_parallel = importlib.import_module("01_tensor_parallel")
+pipeline = importlib.import_module("02_pipeline_1f1b")
+gpt3d = importlib.import_module("05_3d_gpt")
+zero_bubble = importlib.import_module("06_zero_bubble")
+Action = pipeline.Action
+
+
+# ----------------------------------------------------------------------------------------------
+# Where the weights live: one slice of the vocabulary per rank, input and output layer alike
+
+
+def spread_vocabulary(cfg, chunks, vocab_group):
+    """Take the vocabulary layers out of 02's chunks and give this rank its rows of wte, in chunk 0
+    under wte's own name (so that 04's buckets and the checkpoints see it as before). The first
+    stage's chunk then takes token embeddings, not ids; the last one's forward ends at ln_f."""
+    like = next(chunks[0].parameters())
+    for c in chunks:
+        if "wte" in c.transformer:
+            del c.transformer["wte"]
+        if c.pre_process:
+            c.embed = c.embed_positions  # (b, T, C) in: the input layer's reduced sums
+        if c.post_process:
+            del c.lm_head  # it was wte's copy: the output layer is S and T now
+            c.head = functools.partial(_final_norm, c)
+    n = dist.get_world_size(vocab_group)  # pp x tp; its rank i = r tp + t (05's grid: tp fastest)
+    shard = tensor_parallel.VocabParallelEmbedding(cfg.vocab_size, tensor_parallel.padded_vocab_size(
+        cfg.vocab_size, n), cfg.n_embd, vocab_group, dtype=like.dtype, device=like.device)
+    shard.weight.split_group = vocab_group  # split over pp x tp, not its chunk's tp (plumbing/shards)
+    shard.forward = shard.lookup  # 01's lookup without its g: the sums go to the first stage
+    chunks[0].transformer["wte"] = shard
+    return shard
+
+
+def _final_norm(chunk, x, targets=None, ignore_index=-100):
+    return chunk.transformer.ln_f(x)  # X, the output layer's input: (b, T, C), T/tp with sp
+
+
+class Stream:
+    """One thread running the vocabulary group's collectives one at a time, in the order they are
+    submitted (gloo and NCCL match collectives by order): the CPU's stand-in for the second CUDA
+    stream of the paper's Figure 5. submit(fn, *args) returns a Future."""
+
+    def __init__(self):
+        self.jobs = queue.SimpleQueue()
+        threading.Thread(target=self._work, daemon=True, name="vocabulary collectives").start()
+
+    def submit(self, fn, *args):
+        future = concurrent.futures.Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def _work(self):
+        while True:
+            future, fn, args = self.jobs.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # raised again where the result is wanted
+                future.set_exception(e)
+
+
+# ----------------------------------------------------------------------------------------------
+# The passes: the input layer around the step, S and T (Algorithms 1 and 2) per microbatch
+
+
+class VocabularyPasses:
+    """This rank's part of the vocabulary layers for 02's executor (execute(vocab=...)): start and
+    finish are the input layer, run(action) the output layer's S and T; input, output and
+    output_grad are where the first and last stages meet them. barriers: 2 is Algorithm 1, 1 is
+    Algorithm 2."""
+
+    def __init__(self, shard, chunks, groups, pipe, barriers, ignore_index=-100):
+        self.shard, self.barriers, self.ignore_index = shard, barriers, ignore_index
+        self.group, self.tp_group, self.pp_group, self.p2p = groups.vocab, groups.tp, groups.pp, groups.vocab_p2p
+        rank = dist.get_rank(groups.pp)
+        self.first, self.last, self.last_rank = rank == 0, rank == pipe.last, pipe.last  # stage 0 is rank 0's
+        self.sp, self.pp = chunks[0].sp, dist.get_world_size(groups.pp)
+        rows = torch.arange(shard.start, shard.start + shard.per_rank, device=shard.weight.device)
+        self.padding = rows >= shard.weight.tp_full  # padded rows: never a token
+        self.stream = Stream()
+
+    def start(self, microbatches, valid):
+        """The input layer: every microbatch's tokens looked up in this rank's rows, the sums
+        reduced along the pipeline to the first stage and over its tp ranks."""
+        self.training, m = torch.is_grad_enabled(), len(microbatches)
+        self.part = self.shard(torch.cat([idx for idx, _ in microbatches]))  # (B, T, C), this rank's share
+        total = self.part.detach().clone()
+        dist.reduce(total, dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
+        if self.first:
+            total = tensor_parallel.all_reduce(total, self.tp_group)
+            self.inputs = [x.detach().requires_grad_(self.training) for x in total.chunk(m)]
+        n_valid = max(sum(valid), 1)  # 02's weighting: each counted token 1/n_valid of the loss
+        self.targets = [t.reshape(-1) for _, t in microbatches]  # (b T,) each
+        self.weights = [(t != self.ignore_index).to(total.dtype) / n_valid for t in self.targets]
+        b, T, C = *microbatches[0][0].shape, total.shape[-1]
+        self.shape, self.sent_shape = (b, T, C), (b, T // tensor_parallel.tp_size(self.tp_group) if self.sp else T, C)
+        self.x, self.saved, self.stats, self.grads, self.sends = {}, {}, {}, {}, []
+
+    def input(self, mb):
+        return self.inputs[mb]  # the first stage's input: (b, T, C)
+
+    def output(self, mb, y):
+        """The last stage's output X, handed to every other rank of its pipeline for S."""
+        self.x[mb] = y.detach()
+        self.sends += [dist.isend(self.x[mb], dist.get_global_rank(self.p2p, r), group=self.p2p)
+                       for r in range(self.pp) if r != self.last_rank]
+
+    def run(self, a):
+        (self.s_pass if a.kind == "S" else self.t_pass)(a.mb)
+
+    def s_pass(self, mb):
+        """S: this slice's logits and their statistics; their all-reduce is the first barrier."""
+        x = self.x.pop(mb) if self.last else self._receive()
+        x = tensor_parallel.gather(x, self.tp_group, 1) if self.sp else x  # the whole sequence
+        x = rearrange(x, "b T C -> (b T) C").requires_grad_(self.training and self.barriers == 2)
+        weight = self.shard.weight  # (V_pad / (pp tp), C)
+        logits = F.linear(x, weight).masked_fill(self.padding, -math.inf)  # (N, V_pad / (pp tp))
+        y = logits.detach().float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.detach()
+        # A slice of padding only has no finite logit: its max is taken as the lowest float, so that
+        # its exponentials and its rescaling below are 0, not NaN.
+        top = y.max(dim=1).values.clamp_min(torch.finfo(y.dtype).min)
+        local = self.targets[mb] - self.shard.start
+        mine = (self.targets[mb] != self.ignore_index) & (local >= 0) & (local < y.shape[1])
+        local = local.masked_fill(~mine, 0)
+        picked = y.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)  # the target's logit
+        exp = y.sub_(top[:, None]).exp_()  # in place: T needs the logits' graph, not their values
+        sums = [exp.sum(1), picked]  # (N,) each
+        if self.barriers == 1 and self.training:  # Algorithm 2: X's gradient before the statistics,
+            w = weight.detach().to(y.dtype)  # from this slice's softmax, as exp(y - top) W and onehot W
+            sums += [exp @ w, w[local] * mine[:, None]]  # (N, C) each
+        self.stats[mb] = self.stream.submit(self._statistics, top, sums)
+        self.saved[mb] = logits, exp, top, x, local, mine
+
+    def _statistics(self, top, sums):
+        """The barrier (on the stream): the global max, then one all-reduce of the sums, each rank's
+        rescaled from its own max to the global one. Returns (max, sum of exp, target logit, ...)."""
+        top_all = tensor_parallel.all_reduce(top, self.group, dist.ReduceOp.MAX)
+        scale = (top - top_all).exp()  # (N,)
+        sums = [sums[0] * scale, sums[1]] + ([sums[2] * scale[:, None], sums[3]] if len(sums) > 2 else [])
+        flat = tensor_parallel.all_reduce(torch.cat([s.reshape(-1) for s in sums]), self.group)
+        return (top_all, *[p.view_as(s) for p, s in zip(flat.split([s.numel() for s in sums]), sums)])
+
+    def t_pass(self, mb):
+        """T: (softmax - onehot) of this slice, weighted, back through its GEMM: the rows' gradient
+        (and, in Algorithm 1, this slice's share of X's: its all-reduce is the second barrier)."""
+        logits, exp, top, x, local, mine = self.saved.pop(mb)
+        top_all, total = self.stats[mb].result()[:2]  # waits for every rank's S
+        w = self.weights[mb]
+        grad = exp.mul_(((top - top_all).exp() / total * w)[:, None])  # the softmax, weighted, in place
+        grad[torch.arange(len(local)), local] -= mine * w  # minus the one-hot target
+        torch.autograd.backward(logits, grad.to(logits.dtype))
+        if self.barriers == 2:
+            self.grads[mb] = self.stream.submit(tensor_parallel.all_reduce, x.grad, self.group)
+
+    def output_grad(self, mb):
+        """The gradient the last stage's backward starts from: X's, summed over every rank."""
+        if self.barriers == 2:
+            grad = self.grads.pop(mb).result()
+        else:  # Algorithm 2: (sum of exp(y - max) W / sum of exp - onehot W), weighted
+            _, total, _, expw, onehot = self.stats[mb].result()
+            grad = self.weights[mb][:, None] * (expw / total[:, None] - onehot)
+        grad = grad.view(self.shape)
+        return (tensor_parallel.split(grad, self.tp_group, 1) if self.sp else grad).to(self.shard.weight.dtype)
+
+    def _receive(self):
+        x = torch.empty(self.sent_shape, dtype=self.shard.weight.dtype, device=self.shard.weight.device)
+        dist.recv(x, dist.get_global_rank(self.p2p, self.last_rank), group=self.p2p)  # in S's order
+        return x
+
+    def finish(self):
+        """The loss (every rank has the statistics; the last stage's rank returns it, as 02's
+        executor does), then the input layer's backward: the first stage's input gradients
+        broadcast along the pipeline, and each rank's rows' share through its lookup."""
+        for work in self.sends + list(self.grads.values()):  # Algorithm 1's other ranks never read theirs
+            work.wait() if hasattr(work, "wait") else work.result()
+        loss = sum(((total.log() + top - picked) * w).sum() for w, (top, total, picked, *_) in
+                   zip(self.weights, (self.stats[mb].result() for mb in range(len(self.weights)))))
+        if self.training:
+            grad = torch.cat([x.grad for x in self.inputs]) if self.first else torch.empty_like(self.part)
+            dist.broadcast(grad, dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
+            torch.autograd.backward(self.part, grad)
+        return loss.detach().to(self.shard.weight.dtype) if self.last else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedules as data: S and T inserted into a schedule's lists (the paper's Figure 10, for 1F1B)
+
+
+def warm_up(acts, n):
+    """acts with every forward n places earlier among the other actions (each kind's order kept):
+    n more microbatches in flight, so that the last stage can wait out n barriers."""
+    forwards, rest, count = [a for a in acts if a.kind == "F"], [], 0
+    for a in acts:  # every other action, with the number of forwards before it
+        count += a.kind == "F"
+        if a.kind != "F":
+            rest.append((min(count + n, len(forwards)), a))
+    out, seen = [], 0
+    for before, a in rest:
+        out += forwards[seen:before]
+        seen = max(seen, before)
+        out.append(a)
+    return out + forwards[seen:]
+
+
+def insert_passes(lists, pp, m, placement, barriers, split):
+    """Every rank's list with S and T added. The lists, with `barriers` more warm-up forwards, are
+    simulated at the paper's equal times (t_F = 1, t_B = 2, halved per chunk of ZB-V). On every rank
+    S_i goes before the first action that starts once the last stage's F of microbatch i has ended,
+    and T_i before the first that starts once the last stage's next action has ended: each barrier
+    has a pass of slack to hide in. The passes are in the same order on every rank."""
+    v = pipeline.n_chunks([a for acts in lists for a in acts])
+    lists = [warm_up(acts, barriers) for acts in lists]
+    t = 1 / v
+    sim = pipeline.simulate(lists, pp, t, 2 * t, times={"I": t, "W": t} if split else None, placement=placement)
+    last = pipeline.stage_map(pp, v, placement)[pp * v - 1]
+    timeline = sim.timeline[last[0]]
+    at = {a.mb: j for j, (_, _, a) in enumerate(timeline) if a.kind == "F" and a.chunk == last[1]}
+
+    def slack(i):  # the end of the last stage's action after F_i, unless that is B_i, fed by T_i (m = 1)
+        j = at[i] + 1
+        return timeline[j - (barriers == 2 and timeline[j][2] in (Action("B", i, last[1]), Action("I", i, last[1])))][1]
+
+    passes = sorted([(timeline[at[i]][1], Action("S", i)) for i in range(m)] +  # once X_i exists
+                    [(slack(i), Action("T", i)) for i in range(m)],  # T_{i-1} before S_i, T_i after
+                    key=lambda p: (p[0], p[1].mb + (p[1].kind == "T") / 2))
+    out = []
+    for timeline in sim.timeline:
+        acts, j = [], 0
+        for start, _, a in timeline:
+            while j < len(passes) and passes[j][0] <= start:
+                acts.append(passes[j][1])
+                j += 1
+            acts.append(a)
+        out.append(acts + [p[1] for p in passes[j:]])
+    return out
+
+
+def vocab_schedule(name, pp, m, barriers):
+    """05's PipelineSchedule of 06's "1f1b", "zb-h1" or "zb-v" with the vocabulary passes: Algorithm 1
+    (barriers=2: X's gradient after T) or 2 (barriers=1: after S)."""
+    base = zero_bubble.pipeline_schedule(name, pp, m)
+    return dataclasses.replace(
+        base, name=f"{base.name} + vocabulary parallelism, Algorithm {3 - barriers}",
+        lists=insert_passes(base.lists, pp, m, base.placement, barriers, base.split),
+        vocab=functools.partial(vocabulary_passes, barriers=barriers), grad_from="T" if barriers == 2 else "S")
+
+
+def vocabulary_passes(cfg, chunks, groups, pipe, barriers):
+    """05's seam (PipelineSchedule.vocab): this rank's slice of the vocabulary in its chunks, and its passes."""
+    return VocabularyPasses(spread_vocabulary(cfg, chunks, groups.vocab), chunks, groups, pipe, barriers)
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: the balance, simulated for two vocabularies, then every schedule against the serial model
+
+
+def balance(cfg, pp, tp, m, b, T, V, barriers=2):
+    """Each stage's parameters (all its tp ranks), compute per microbatch (forward + backward, in
+    units of one layer's: Table 4's b s h (72 h + 12 s)) and peak memory, without and with
+    vocabulary parallelism, and the simulated 1F1B steps (layers' times from the same FLOPs)."""
+    h, l = cfg.n_embd, cfg.n_layer // pp
+    layer = b * T * h * (24 * h + 4 * T)  # a layer's forward; its backward is twice that
+    out, inp = 2 * b * T * h * V / layer, b * T * h / layer  # the output layer's forward, the lookup's
+    rows, spread = tensor_parallel.padded_vocab_size(V, tp), tensor_parallel.padded_vocab_size(V, pp * tp) // pp
+    plain_f = [l + inp * (r == 0) + out * (r == pp - 1) for r in range(pp)]
+    s_t, t_t = (out / pp, 2 * out / pp) if barriers == 2 else (2 * out / pp, out / pp)  # 3 GEMMs either way
+    vocab = vocab_schedule("1f1b", pp, m, barriers)
+    sims = (pipeline.simulate([pipeline.one_f_one_b(pp, m, r) for r in range(pp)], pp, plain_f, [2 * f for f in plain_f]),
+            pipeline.simulate(vocab.lists, pp, l + inp / pp, 2 * (l + inp / pp), times={"S": s_t, "T": t_t},
+                              grad_from=vocab.grad_from))
+    params = []
+    for r in range(pp):  # on "meta": nothing is allocated
+        chunk = pipeline.build_chunks(dataclasses.replace(cfg, vocab_size=V), pp, r, device="meta")[0]
+        own = sum(p.numel() for n, p in chunk.named_parameters() if n != "transformer.wte.weight")
+        params.append((own + rows * h * ("wte" in chunk.transformer), own + spread * h))
+    logits = [[b * T * rows * (r == pp - 1) for r in range(pp)],  # softmax saved from F to B on the last stage
+              [b * T * spread * logits_held(acts) for acts in vocab.lists]]  # every rank, from S to T
+    return dict(params=params, compute=[(3 * f, 3 * l + (s_t + t_t + 3 * inp / pp)) for f in plain_f], sims=sims,
+                logits=logits, barriers=barriers)
+
+
+def logits_held(acts):
+    """The most microbatches whose logits a rank holds at once: past S and not yet past T."""
+    return max(itertools.accumulate((a.kind == "S") - (a.kind == "T") for a in acts))
+
+
+def report(cfg, args, V, say):
+    fig = balance(cfg, args.pp, args.tp, args.microbatches, args.batch_size // args.microbatches, args.seq_len, V)
+    plain, vp = fig["sims"]
+    say(f"\n=== V = {V:,} (C = {cfg.n_embd}, {cfg.n_layer} layers, pp = {args.pp}, tp = {args.tp}, m = "
+        f"{args.microbatches}; Algorithm 1): without | with vocabulary parallelism ===")
+    say("stage   parameters (float32 MiB)   compute per microbatch (a layer's forward = 1)   microbatches in flight   "
+        "logits held")
+    for r in range(args.pp):
+        (p0, p1), (c0, c1) = fig["params"][r], fig["compute"][r]
+        say(f"  {r}      {4 * p0 / 2**20:8.3f} | {4 * p1 / 2**20:8.3f}                  {c0:8.2f} | {c1:8.2f}"
+            f"                      {plain.peak_in_flight[r]:3d} | {vp.peak_in_flight[r]:3d}          "
+            f"{fig['logits'][0][r]:>9,} | {fig['logits'][1][r]:,}")
+    spread = lambda xs: max(xs) / min(xs)  # noqa: E731
+    say(f"imbalance (fullest / emptiest stage): parameters {spread([p[0] for p in fig['params']]):.2f}x -> "
+        f"{spread([p[1] for p in fig['params']]):.2f}x, compute {spread([c[0] for c in fig['compute']]):.2f}x -> "
+        f"{spread([c[1] for c in fig['compute']]):.2f}x")
+    say(f"simulated 1F1B step, in one layer's forward: {plain.step_time:.1f} -> {vp.step_time:.1f} "
+        f"({plain.step_time / vp.step_time:.2f}x faster); in flight on rank r: pp - r -> pp - r + 2 (at most m), "
+        f"one more microbatch per barrier")
+    if V == cfg.vocab_size:
+        say(f"simulated with vocabulary parallelism (S and T, every rank; one layer's forward = "
+            f"{100 / vp.step_time:.2f} columns):\n{pipeline.render(vp.timeline, 100)}")
+    return plain.step_time, vp.step_time
+
+
+def run_step(env, cfg, pipe, groups, ref):
+    """One forward and backward of pipe on this rank, float64: the worst difference from serial."""
+    microbatches, full, ref_loss, ref_grads = ref
+    pp, rank = dist.get_world_size(groups.pp), dist.get_rank(groups.pp)
+    chunks = pipeline.build_chunks(cfg, pp, rank, pipeline.n_chunks(pipe.lists[rank]), groups.tp, pipe.placement,
+                                   init=False, dtype=torch.float64, device=env.device)
+    vocab = pipe.vocab(cfg, chunks, groups, pipe)
+    for c in chunks:
+        c.load_full_state_dict(full)
+    result = pipeline.execute(pipe.lists[rank], chunks, groups.pp, microbatches, (*microbatches[0][0].shape, cfg.n_embd),
+                              placement=pipe.placement, schedule=pipe.lists if pipe.lockstep else None,
+                              split=pipe.split(chunks) if pipe.split else None, vocab=vocab)
+    diffs = [tensor_parallel.max_rel_diff(g, ref_grads[n]) for c in chunks for n, g in c.full_grads().items()]
+    return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
+
+
+def demo(env, cfg, args):
+    pp, tp, m, say = args.pp, args.tp, args.microbatches, printer(env)
+    if pp * tp != env.world_size:  # checked before the first collective
+        raise ValueError(f"the world size {env.world_size} does not match pp={pp} x tp={tp}")
+    say(f"{cfg}\npp={pp} tp={tp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    if env.rank == 0:
+        steps = [report(cfg, args, V, say) for V in (cfg.vocab_size, args.large_vocab)]
+        say(f"\nV {cfg.vocab_size:,} -> {args.large_vocab:,}: the simulated step grows {steps[1][0] / steps[0][0]:.2f}x "
+            f"without vocabulary parallelism, where every stage waits for the last one's output layer,\nand "
+            f"{steps[1][1] / steps[0][1]:.2f}x with it, where every rank does 1/{pp * tp} of it (Table 4: the "
+            f"output layer is 6 b s h V FLOPs)")
+    ref = pipeline.serial_reference(cfg, args, m, env.device)
+    say(f"\n=== executed against the serial model, float64, V = {cfg.vocab_size} padded to "
+        f"{tensor_parallel.padded_vocab_size(cfg.vocab_size, pp * tp)} over {pp * tp} ranks ===")
+    groups, ok = None, True
+    for name in ("1f1b", "zb-h1", "zb-v"):
+        for barriers in (2, 1):
+            pipe = vocab_schedule(name, pp, m, barriers)
+            pipeline.validate(pipe.lists, pp, m, pipe.placement, pipe.lockstep, pipe.grad_from)
+            groups = groups or gpt3d.new_groups(env, pipe.grid(env.world_size, tp, 1))
+            worst = max(x[0] for x in gather_numbers([run_step(env, cfg, pipe, groups, ref)], device=env.device))
+            ok &= worst <= 1e-10
+            say(f"{pipe.name}: max relative difference (loss and every gradient) {worst:.2e} "
+                f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+    last = vocab_schedule("1f1b", pp, m, 2).lists
+    say(f"\n1F1B with Algorithm 1 on rank {pp - 1}, the last stage: {' '.join(map(str, last[-1][:12]))} ...\n"
+        f"  S_i follows the last stage's F_i, T_i the action after it, and B_i comes later still: each barrier's\n"
+        f"  all-reduce has a pass to hide in (rank 0 holds {pipeline.peak_in_flight(last[0])} microbatches in flight: "
+        f"pp + 2, at most m = {m})")
+    say(f"\n{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+@dataclass
+class DemoConfig:
+    microbatches: int = 5  # m, microbatches the batch is cut into
+    batch_size: int | None = None  # global batch B, in sequences (unset: 2 m)
+    seq_len: int = 32  # T, tokens per sequence
+    seed: int = 1234  # for the weights and the batch
+    pp: int = 4  # pipeline stages
+    tp: int = 2  # tensor-parallel ranks per stage: pp x tp CPU ranks started here, or torchrun's world
+    large_vocab: int = 32768  # the second vocabulary of the simulated figures
+
+
+@dataclass
+class VocabParallel:
+    vocab_barriers: Literal[1, 2] = 2  # 2: Algorithm 1 (statistics, then X's gradient); 1: Algorithm 2 (both at once)
+    schedule: Literal["1f1b", "zb-h1", "zb-v"] = "1f1b"  # the schedule the vocabulary passes go into (zb-*: 06's)
+
+
+@dataclass
+class TrainConfig(VocabParallel, gpt3d.TrainConfig):
+    """05's flags, --vocab-barriers and --schedule."""
+
+
+def parser():
+    p = cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=8,
+                        n_head=4, n_embd=64)
+    p.add_argument("--train", action="store_true", help="train with 05's loop instead: every flag of 05, and "
+                   "--vocab-barriers 1|2, --schedule (see --train --help)")
+    return p
+
+
+def train_parser():
+    p = gpt3d.parser()
+    cli.add_dataclass_args(p, VocabParallel, "vocabulary parallelism (07)")
+    return p
+
+
+def schedule_of(tc):
+    """The trainer's seam (05's train and main): the schedule with the vocabulary passes."""
+    return vocab_schedule(tc.schedule, tc.pp, tc.microbatches, tc.vocab_barriers)
+
+
+def train(env, cfg, tc, quiet=False):
+    """05's training loop on one rank, with vocabulary parallelism."""
+    return gpt3d.train(env, cfg, tc, quiet, schedule_of)
+
+
+def main():
+    if "--train" in sys.argv[1:]:
+        sys.argv.remove("--train")
+        return gpt3d.main(train_parser, TrainConfig, schedule_of)
+    cfg, args = cli.demo_args(parser(), batch_size=lambda a: 2 * a.microbatches if a.batch_size is None else a.batch_size)
+    if cfg.n_layer % (2 * args.pp):  # refused before any rank starts, as every other flag is
+        raise ValueError(f"--n-layer {cfg.n_layer}: the demo runs ZB-V, which cuts the model into 2 x pp = "
+                         f"{2 * args.pp} stages, and n_layer is not divisible by them")
+    return all(tensor_parallel.launch(demo, args.pp * args.tp, cfg, args))
+
+
+if __name__ == "__main__":
+    run_main(main)
