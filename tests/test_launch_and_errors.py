@@ -167,7 +167,8 @@ def test_the_readme_baseline_example_runs_as_written(tmp_path):
 def test_the_package_names_each_chapter_and_pyproject_installs_it():
     import tomllib
     import megatron_scratch
-    names = {"tensor_parallel": "01_", "pipeline": "02_", "interleaved": "03_", "data_parallel": "04_", "gpt3d": "05_"}
+    names = {"tensor_parallel": "01_", "pipeline": "02_", "interleaved": "03_", "data_parallel": "04_", "gpt3d": "05_",
+             "zero_bubble": "06_", "vocab_parallel": "07_"}
     for name, prefix in names.items():
         assert getattr(megatron_scratch, name).__name__.startswith(prefix)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
