@@ -28,6 +28,7 @@ every rank before the first collective (under torchrun there is no launching pro
 import dataclasses
 import math
 import os
+import stat
 import typing
 
 from plumbing import paths
@@ -244,9 +245,13 @@ def check_paths(tc, writer=True):
         root = getattr(tc, name, "")
         if not root:
             continue
-        what = paths.describe(root)
-        if os.path.exists(root) and what != "a directory":
-            raise ValueError(f"{flag(name)} {root}: it is {what or 'a file'}, not a directory for checkpoints")
+        try:  # one look: another rank may be making the directory at this very moment
+            is_dir = stat.S_ISDIR(os.stat(root).st_mode)
+        except OSError:  # nothing there (or a parent is a file: the probe below says so)
+            is_dir = None
+        if is_dir is False:
+            raise ValueError(f"{flag(name)} {root}: it is {paths.describe(root) or 'a file'}, not a directory for "
+                             f"checkpoints")
         inside = paths.enclosing_checkpoint(os.path.join(root, "step"))
         if inside:
             where = "is" if os.path.realpath(root) == inside else "lies inside"

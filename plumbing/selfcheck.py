@@ -37,9 +37,10 @@ def self_check(env, grid, timeout_s=5.0, faults=(), where_is=str):
     slow = sum(arg for kind, r, arg in faults if kind == "slow" and r == env.rank)
     skips = any(kind == "hang" and r == env.rank for kind, r, _ in faults)
     a = torch.randn(SIZE, SIZE, generator=torch.Generator().manual_seed(0)).to(env.device)
-    # Every group first, all ranks together (making one is a collective of the whole world, and under
-    # its own short timeout it must not wait on a rank still busy with another check).
-    groups = {(kind, tuple(ranks)): dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+    # Every group first, all ranks together (making one is a collective of the whole world, which a
+    # rank still starting up may join late): under a generous timeout; each check then waits for its
+    # own collective under the short one (work.wait), so that one slow start is not a failed group.
+    groups = {(kind, tuple(ranks)): dist.new_group(ranks, timeout=timedelta(seconds=timeout_s + 60))
               for kind in ("tp", "dp") for ranks in grid[kind] if len(ranks) > 1}
     turns = env.device.type == "cpu"  # CPU ranks share the cores: timed one at a time, or the timing
     if turns and env.rank:  # says which rank the scheduler preferred, not which one is slow
@@ -62,7 +63,7 @@ def self_check(env, grid, timeout_s=5.0, faults=(), where_is=str):
     for (kind, ranks), group in groups.items():
         if env.rank in ranks:
             name = ",".join(map(str, ranks))
-            rows.append((f"{kind} group [{name}] all-reduce", _all_reduce(env, group, ranks, name, store, skips)))
+            rows.append((f"{kind} group [{name}] all-reduce", _all_reduce(env, group, ranks, name, store, skips, timeout_s)))
     for ranks in grid["pp"]:
         for a_rank, b_rank in zip(ranks, ranks[1:]):
             if env.rank in (a_rank, b_rank):
@@ -110,14 +111,14 @@ def _table(env, store, timeout_s, where_is):
     return problems
 
 
-def _all_reduce(env, group, ranks, name, store, skips):
+def _all_reduce(env, group, ranks, name, store, skips, timeout_s):
     key = f"selfcheck/{name}/{{}}"
     if skips:
         return "skipped here (a rehearsed hang)"
     store.set(key.format(env.rank), "in")
     x = torch.full((4,), float(env.rank + 1), device=env.device)
     try:
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, group=group, async_op=True).wait(timedelta(seconds=timeout_s))
     except Exception:
         absent = [r for r in ranks if not store.check([key.format(r)])]
         return f"did not complete: rank(s) {absent} never entered it" if absent else "did not complete"
