@@ -28,9 +28,9 @@ def tc_for(tp_, pp, dp, v=1, **kw):
     return replace(BASE, **{**dict(tp=tp_, pp=pp, dp=dp, virtual_stages=v, steps=STEPS), **kw})
 
 
-def _resume_same_layout(env, layout, root):
+def _resume_same_layout(env, layout, root, dtypes):
     out = {}
-    for dtype in ("float64", "float32"):
+    for dtype in dtypes:
         cfg = replace(CFG, dropout=0.1)
         save = os.path.join(root, dtype)
         whole = gpt3d.train(env, cfg, replace(layout, dtype=dtype, save=save, save_every=3), quiet=True)
@@ -40,10 +40,13 @@ def _resume_same_layout(env, layout, root):
     return out
 
 
-@pytest.mark.parametrize("layout", [tc_for(2, 2, 2), tc_for(1, 2, 1, 2)], ids=["2-2-2-1", "1-2-1-2"])
-def test_resume_in_the_same_layout_is_bit_identical_with_dropout(run_ranks, tmp_path, layout):
+# Both dtypes on the interleaved layout; on the 8-rank one float32 only (float64 adds nothing there
+# that the other layout and test_3d's float64 grid do not show, and costs 4 s of the suite).
+@pytest.mark.parametrize("layout,dtypes", [(tc_for(2, 2, 2), ["float32"]), (tc_for(1, 2, 1, 2), ["float64", "float32"])],
+                         ids=["2-2-2-1", "1-2-1-2"])
+def test_resume_in_the_same_layout_is_bit_identical_with_dropout(run_ranks, tmp_path, layout, dtypes):
     world = layout.tp * layout.pp * layout.dp
-    for dtype, (whole, resumed, start) in run_ranks(_resume_same_layout, world, layout, str(tmp_path))[0].items():
+    for dtype, (whole, resumed, start) in run_ranks(_resume_same_layout, world, layout, str(tmp_path), dtypes)[0].items():
         assert start == 3 and resumed == whole, dtype  # exactly equal floats
 
 
