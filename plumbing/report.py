@@ -237,8 +237,8 @@ class Progress:
             for step in self.bar:
                 self.step = step
                 yield step
-        finally:
-            if main:
+        finally:  # after a Ctrl-C it stays SIG_IGN: the launcher's copy must not cut the report short
+            if main and signal.getsignal(signal.SIGINT) == self._interrupt:
                 signal.signal(signal.SIGINT, previous)
 
     def _interrupt(self, signum, frame):

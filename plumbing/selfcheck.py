@@ -143,8 +143,10 @@ def run(tc, grid, prefix=""):
     """05's --self-check (and the check before a restart): self_check on every rank of tc's layout,
     whose groups are grid (05's rank_grid), launched here; a ValueError listing what it found, else a
     line saying all is well."""
-    problems = sorted({p for rank in launch(_check_layout, tc.tp * tc.pp * tc.dp, tc, grid, timeout_s=tc.timeout_s)
-                       for p in rank})
+    # Each check has its own short timeout; the launch's bounds joining and building groups, which on
+    # a loaded machine can outlast a short --timeout-s (gloo's connection waits on the launch's store).
+    ranks = launch(_check_layout, tc.tp * tc.pp * tc.dp, tc, grid, timeout_s=max(tc.timeout_s, 60.0))
+    problems = sorted({p for rank in ranks for p in rank})
     if problems:
         raise ValueError(f"{prefix}the self-check found {len(problems)} problem(s):\n"
                          + "\n".join(f"  - {p}" for p in problems))

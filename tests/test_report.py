@@ -1,5 +1,6 @@
 """plumbing/report: on a GPU the end report prints the measured peak memory beside the start-up
 estimate (the GPU checklist's G12 reads it); on a CPU, where torch counts no allocations, nothing.
+The training loop's Ctrl-C handler interrupts once and then ignores the launcher's copy.
 
 No GPU here: torch.cuda.max_memory_allocated and the gather across ranks are stubbed, and the run
 is a stand-in holding only what report() reads.
@@ -48,3 +49,39 @@ def test_on_a_cpu_the_end_report_says_nothing_of_a_peak_it_cannot_measure(monkey
     lines, asked = end_report("cpu", monkeypatch, peaks=[12 * MiB, 30 * MiB])
     assert asked == [] and not [line for line in lines if "peak (torch.cuda" in line or line.startswith("memory")]
     assert any(line.startswith("peak stored activation bytes") for line in lines)  # the rest is there
+
+
+def test_after_a_ctrl_c_the_loop_ignores_the_second_one_the_launcher_passes_on():
+    """The terminal signals every rank and the launcher passes Ctrl-C on as well: the loop's first
+    SIGINT raises Interrupted, and closing the loop must leave SIGINT ignored, not restore a handler
+    that would raise again while the rank reports where it stopped (a traceback, seen once in CI)."""
+    import os
+    import signal
+    from plumbing.launch import Interrupted
+    before = signal.signal(signal.SIGINT, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("restored")))
+    try:
+        progress = report.Progress(RankEnv(1, 2, 1, torch.device("cpu")), TRAINER_BASE, 1.0, 0, torch.float64)
+        loop, raised = iter(progress), None
+        try:
+            for step in loop:
+                os.kill(os.getpid(), signal.SIGINT)
+        except Interrupted as e:
+            raised = str(e)
+        loop.close()  # the generator's finally, as when the rank's frame unwinds
+        assert raised == f"interrupted at step 0 of {TRAINER_BASE.steps}"
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher's copy: ignored, no exception
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_loop_that_ends_normally_puts_the_previous_handler_back():
+    import signal
+    mine = lambda *a: None  # noqa: E731
+    before = signal.signal(signal.SIGINT, mine)
+    try:
+        for step in report.Progress(RankEnv(1, 2, 1, torch.device("cpu")), TRAINER_BASE, 1.0, 0, torch.float64):
+            assert signal.getsignal(signal.SIGINT) != mine
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, before)
