@@ -554,7 +554,7 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
     beats = watch.start(env, side_channel(), recorder.install(), watch.hang_seconds(tc), launcher_ranks()) \
         if tc.watch else None
     traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
-    losses, norms, evals, skipped, in_a_row, t_start = [], [], [], [], 0, time.perf_counter()
+    losses, norms, evals, skipped, in_a_row, t_start, busy = [], [], [], [], 0, time.perf_counter(), None
     for step in progress:
         trace = StepTrace(env.device).start() if tc.trace and step == traced else None
         recorder.begin_step(step)
@@ -585,6 +585,8 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
             evals.append((step, record["eval_loss"]))
         if tc.watch and tc.straggler_every and (step + 1 - start) % tc.straggler_every == 0:
             record["busy_ms"] = watch.report_stragglers(env, tc, recorder, tc.straggler_every, progress.note)
+        if tc.watch and step == tc.steps - 1:  # the whole run's, per rank: the end report's, and this line's
+            busy = record["busy_ms_run"] = watch.gather_busy(env, recorder, len(recorder.busy_ms))
         if step == start and run.ops:  # what the dispatcher chose
             progress.note(f"kernel paths: {kernels.build.report()}")
         saving = saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps)
@@ -602,8 +604,8 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
             recorder.set_phase("save")
             s.wait()  # the run's end waits for a save still being written
     progress.close()
-    busy = watch.report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True) \
-        if tc.watch and recorder.busy_ms else None
+    if busy:
+        watch.report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True, busy=busy)
     watch.stop(beats, recorder)
     run.opt.wait_gather()  # the last step's: the report and the caller read the weights
     if not losses:

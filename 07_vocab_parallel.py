@@ -469,7 +469,8 @@ def main():
     if "--train" in sys.argv[1:]:
         sys.argv.remove("--train")
         return gpt3d.main(train_parser, TrainConfig, schedule_of)
-    cfg, args = cli.demo_args(parser(), batch_size=lambda a: 2 * a.microbatches if a.batch_size is None else a.batch_size)
+    cfg, args = cli.demo_args(parser(), train_parser=train_parser(),
+                              batch_size=lambda a: 2 * a.microbatches if a.batch_size is None else a.batch_size)
     if cfg.n_layer % (2 * args.pp):  # refused before any rank starts, as every other flag is
         raise ValueError(f"--n-layer {cfg.n_layer}: the demo runs ZB-V, which cuts the model into 2 x pp = "
                          f"{2 * args.pp} stages, and n_layer is not divisible by them")

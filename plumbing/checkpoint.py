@@ -135,7 +135,7 @@ class Saver:
                        f"itself was the slow one")
             else:
                 who = f"not every rank had finished {after}"
-            raise RuntimeError(f"saving step {step} under {self.root} timed out after {self.timeout_s:g} s (the "
+            raise TimeoutError(f"saving step {step} under {self.root} timed out after {self.timeout_s:g} s (the "
                                f"save's own timeout, Saver's timeout_s; --timeout-s does not bound a save): "
                                f"{who}. torch: {text}") from e
 
@@ -236,7 +236,7 @@ class Saver:
         if self.writer is not None:
             self.writer.join(self.timeout_s)
             if self.writer.is_alive():
-                raise RuntimeError(f"rank {dist.get_rank()}: the background write of step {self.in_flight} under "
+                raise TimeoutError(f"rank {dist.get_rank()}: the background write of step {self.in_flight} under "
                                    f"{self.root} did not finish within {self.timeout_s:g} s (--save-timeout-s); "
                                    f"the previous checkpoint stays the newest")
             self.writer = None

@@ -195,7 +195,7 @@ def check_config(cfg, tc, world=None):
                          f"comes before the collective timeout ends the run (or --hang-s 0 turns it off)")
     if getattr(tc, "rehearse_fault", None):
         from plumbing.watch import parse_faults
-        parse_faults(tc.rehearse_fault, tp * dp * pp)
+        parse_faults(tc.rehearse_fault, tp * dp * pp, getattr(tc, "steps", None))
     if getattr(tc, "snapshot_every", 0) and not tc.snapshot_dir:
         raise ValueError(f"--snapshot-every {tc.snapshot_every} needs --snapshot-dir DIR (node-local, e.g. "
                          f"/dev/shm/snapshots)")

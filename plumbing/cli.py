@@ -141,10 +141,17 @@ def demo_parser(doc, demo_cls, model_cls, **model_defaults):
     return parser
 
 
-def demo_args(parser, argv=None, **resolve):
+def demo_args(parser, argv=None, train_parser=None, **resolve):
     """Parse a demo's flags, set each resolve[name](args) (a default that depends on other flags),
     and check every field and relation (plumbing.checks) before anything starts. Returns (the
-    model's config, the parsed flags)."""
+    model's config, the parsed flags). train_parser: the chapter's --train flags (06, 07), so that
+    one of them given without --train is named as such rather than as unknown."""
+    if train_parser is not None:
+        extra = parser.parse_known_args(argv)[1]
+        for flag in (x.split("=")[0] for x in extra if x.startswith("--")):
+            if flag in train_parser._option_string_actions:
+                raise ValueError(f"{flag} is a flag of training, not of the demo: add --train "
+                                 f"(python3 {parser.prog} --train {flag} ...)")
     args = parser.parse_args(argv)
     for name, value in resolve.items():
         setattr(args, name, value(args))

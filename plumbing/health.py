@@ -88,7 +88,8 @@ def diagnose(records, world):
                          why=f"ranks {sorted(cycle)} wait for each other: {what}: they call collectives in "
                              f"different orders")
     group, op = _inside(records[path[-1]])  # what the last victim before the culprit waits in
-    return _blame(records, [r], waiting, group, op)
+    direct = {q: _inside(records[q]) for q in waiting if r in edges[q]}  # those waiting on it themselves
+    return _blame(records, [r], waiting, group, op, direct)
 
 
 def _reaches(edges, start, target):
@@ -110,16 +111,30 @@ def _inside(rec):
     return "", ""
 
 
-def _blame(records, culprits, waiting, group, op):
+def _blame(records, culprits, waiting, group, op, direct=None):
+    """direct: {rank: (group, op)} of the ranks that wait on the culprit itself, not through another."""
     rec = records[culprits[0]]
     state = rec.get("state", "running")
     kind = "dead" if state.startswith("dead") else "silent" if state == "silent" else "outside communication"
     what = {"dead": f"died ({state[6:]})", "silent": "stopped answering (no record within the deadline)",
             "outside communication": f"is not in any collective (at step {rec.get('step')}, "
                                      f"{rec.get('phase') or 'no phase said'})"}[kind]
-    where = f" in {op} on group [{group}]" if op else ""
+    if not direct:
+        where = f" in {op} on group [{group}]" if op else ""
+        return Diagnosis(culprits, kind, group, op, rec.get("step"), waiting,
+                         f"rank {culprits[0]} {what}; ranks {waiting} wait for it{where}")
+    inside = {}  # (group, op) -> the ranks waiting on the culprit there
+    for q, (g, o) in sorted(direct.items()):
+        inside.setdefault((g, o), []).append(q)
+    said = "; ".join(f"{_ranks(qs)} for it "
+                     + (f"in {o} on group [{g}]" if o else "in a point-to-point exchange") for (g, o), qs in inside.items())
+    rest = [q for q in waiting if q not in direct]
     return Diagnosis(culprits, kind, group, op, rec.get("step"), waiting,
-                     f"rank {culprits[0]} {what}; ranks {waiting} wait for it{where}")
+                     f"rank {culprits[0]} {what}; {said}" + (f"; {_ranks(rest)} on them in turn" if rest else ""))
+
+
+def _ranks(qs):
+    return f"rank {qs[0]} waits" if len(qs) == 1 else f"ranks {qs} wait"
 
 
 def stragglers(busy, stage_of, ratio=1.3, margin_ms=20.0):

@@ -57,8 +57,9 @@ class Interrupted(KeyboardInterrupt):
 
 
 # Faults that name their own cause in a sentence: a rank that raises one reports the sentence and
-# where, not a traceback (bad input; a run whose steps are all non-finite; a save that refuses).
-SENTENCES = (ValueError, FloatingPointError)
+# where, not a traceback (bad input; a run whose steps are all non-finite; a save that refuses, or
+# that did not finish within its own timeout).
+SENTENCES = (ValueError, FloatingPointError, TimeoutError)
 
 
 def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None):
@@ -376,7 +377,9 @@ def _failure_report(failures, deaths, stopped):
     first = next((r for r in order if r in deaths), None)
     first = first if first is not None else next((r for r in order if r not in lost), order[0])
     who = lambda r: r if isinstance(r, str) else f"rank {r}"  # noqa: E731
-    lines = [f"{who(first)} failed:\n{failures[first]}"]
+    # A death, or the hang report ("the run"), names itself in its first line: that line is the cause.
+    lines = [failures[first].strip() if first in deaths or isinstance(first, str) else
+             f"{who(first)} failed:\n{failures[first]}"]
     lines += [f"{who(r)} also failed: {failures[r].strip().splitlines()[-1]}"
               for r in order if r != first and r not in lost]
     victims = sorted(r for r in lost if r != first)
@@ -391,6 +394,8 @@ def _failure_report(failures, deaths, stopped):
 def _peer_lost_text(text):
     last = text.strip().splitlines()[-1] if text.strip() else ""
     return any(phrase in last for phrase in PEER_LOST) or "DistError" in last or "DistNetworkError" in last
+
+
 def _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s, grace_s=1.0, deaths=None,
              dog=None, watch=None):
     """Read each rank's report ("ok", "error" or "interrupted") as it comes; after the first
@@ -415,7 +420,7 @@ def _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s,
                 break
             if failures or interrupted or (deadline is not None and time.monotonic() >= deadline):
                 if not failures and not interrupted:
-                    failures["the run"] = f"passed its deadline of {deadline_s} s\n"
+                    failures["the run"] = f"the run passed its deadline of {deadline_s} s\n"
                 break
             continue
         for pipe in ready:
@@ -489,8 +494,8 @@ def run_main(main):
     shell's code for Ctrl-C) with one line saying where it stopped, not a traceback, on Ctrl-C."""
     try:
         ok = main()
-    except (RankFailure, *SENTENCES) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (RankFailure, *SENTENCES) as e:  # a rank stopped mid-bar leaves its progress line open
+        print(f"{chr(10) if isinstance(e, RankFailure) else ''}error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:
         print(f"\n{e if isinstance(e, Interrupted) and str(e) else 'interrupted'}", file=sys.stderr)

@@ -318,12 +318,17 @@ def launcher_watch(tc):
     return Watch(hang_seconds(tc), lambda r: coords(r, tc))
 
 
-def report_stragglers(env, tc, recorder, last, say, final=False):
-    """Every rank's median busy ms over its last `last` steps, gathered (a collective: every rank),
+def gather_busy(env, recorder, last):
+    """Every rank's median busy ms over its last `last` steps, in rank order (a collective: every rank)."""
+    from plumbing.launch import gather_numbers
+    return [row[0] for row in gather_numbers([median_busy(recorder, last)], device=env.device)]
+
+
+def report_stragglers(env, tc, recorder, last, say, final=False, busy=None):
+    """Every rank's median busy ms over its last `last` steps (gathered here unless given as busy),
     and on rank 0 the stragglers among them named (health.stragglers); final: and the heat map of
     the whole run. Returns the list."""
-    from plumbing.launch import gather_numbers
-    busy = [row[0] for row in gather_numbers([median_busy(recorder, last)], device=env.device)]
+    busy = gather_busy(env, recorder, last) if busy is None else busy
     if env.rank == 0:
         stage_of = {r: r // (tc.tp * tc.dp) for r in range(env.world_size)}
         for r in health.stragglers(dict(enumerate(busy)), stage_of):
@@ -354,11 +359,12 @@ def with_restarts(launch_run, tc, grid):
             done, reached = read_manifest(newest)["step"] if newest else 0, getattr(failure, "step", None)
             lost = "the steps since then are lost" if reached is None else "no finished step is lost" \
                 if reached <= done else f"{reached - done} finished step(s) lost: steps {done} to {reached - 1} run again"
-            headline = " ".join(str(failure).splitlines()[:2])
-            print(f"{headline}\nrestart {attempt + 1} of {tc.restarts}: resuming from {newest or 'the start'} at "
+            lines = str(failure).splitlines() or [""]
+            headline = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "rank 2 failed:" says no cause
+            print(f"\n{headline}\nrestart {attempt + 1} of {tc.restarts}: resuming from {newest or 'the start'} at "
                   f"step {done}; {lost}", file=sys.stderr, flush=True)
-            selfcheck.run(tc, grid, "not restarting: ")
-            tc = dataclasses.replace(tc, resume=newest or "", rehearse_fault=[])
+            tc = dataclasses.replace(tc, resume=newest or "", rehearse_fault=[])  # before the self-check too:
+            selfcheck.run(tc, grid, "not restarting: ")  # it would act a rehearsed hang or slow rank out again
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,9 +374,10 @@ def with_restarts(launch_run, tc, grid):
 FAULT_KINDS = {"slow": "MS", "hang": "STEP", "kill": "STEP", "stop": "STEP"}
 
 
-def parse_faults(specs, world=None):
+def parse_faults(specs, world=None, steps=None):
     """[(kind, rank, arg)] from --rehearse-fault values KIND:RANK:ARG; a ValueError naming the flag,
-    the value and the rule otherwise. world: ranks must be below it."""
+    the value and the rule otherwise. world: ranks must be below it; steps: a fault's STEP too (a
+    step the run never reaches rehearses nothing)."""
     out = []
     for spec in specs or []:
         parts = str(spec).split(":")
@@ -382,6 +389,9 @@ def parse_faults(specs, world=None):
         kind, rank, arg = parts[0], int(parts[1]), int(parts[2])
         if world is not None and rank >= world:
             raise ValueError(f"--rehearse-fault {spec!r}: rank {rank} is not below the world size {world}")
+        if steps is not None and FAULT_KINDS[kind] == "STEP" and arg >= steps:
+            raise ValueError(f"--rehearse-fault {spec!r}: step {arg} is not below --steps {steps} (steps count "
+                             f"from 0), so the fault would never happen")
         out.append((kind, rank, arg))
     return out
 

@@ -332,6 +332,29 @@ def test_with_one_writer_blocked_training_goes_on_and_the_step_stays_invisible_u
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000004", "step_00000006"]  # keep=2 of 2, 4, 6
 
 
+def _writer_never_finishes(env, root):
+    """Rank 1's background write of step 2 never finishes; the save's own timeout is 1 s."""
+    real_save = torch.save
+
+    def stuck_save(obj, f):
+        while env.rank == 1 and "step_00000002" in str(getattr(f, "name", "")):
+            time.sleep(0.05)
+        real_save(obj, f)
+
+    torch.save = stuck_save  # this forked rank's only
+    gpt3d.train(env, CFG, tc_for(1, 2, 1, save=root, save_every=2, async_save=True, save_timeout_s=1), quiet=True)
+
+
+def test_a_writer_that_never_finishes_abandons_its_step_naming_the_rank_and_leaves_the_previous_newest(
+        run_ranks, tmp_path):
+    with pytest.raises(RankFailure, match=r"rank 1: the background write of step 2 under \S+ did not finish within "
+                                          r"1 s \(--save-timeout-s\); the previous checkpoint stays the newest") as e:
+        run_ranks(_writer_never_finishes, 2, str(tmp_path))
+    assert "Traceback" not in str(e.value)  # a sentence, not a stack
+    assert checkpoint.latest_checkpoint(str(tmp_path)) is None  # step 2 never became visible
+    assert os.listdir(tmp_path) == ["step_00000002.tmp"]
+
+
 def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_intact_and_resumable_bit_for_bit(
         run_ranks, tmp_path):
     with pytest.raises(RankFailure, match=r"rank 1 died \(killed by SIGKILL\)"):

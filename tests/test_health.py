@@ -28,6 +28,8 @@ def test_a_chain_of_waits_ends_at_the_rank_outside_communication():
     assert d.culprits == [5] and d.kind == "outside communication" and d.step == 3
     assert (d.group, d.op) == ("4,5", "all_reduce")  # what the last rank before it waits in
     assert d.waiting == [0, 1, 4] and "rank 5 is not in any collective (at step 3, backward)" in d.why
+    # Who waits on it directly, and in what; the others only through them.
+    assert d.why.endswith("rank 4 waits for it in all_reduce on group [4,5]; ranks [0, 1] wait on them in turn")
 
 
 def test_a_dead_rank_and_a_silent_one_are_named_as_such():

@@ -59,7 +59,7 @@ def _rank1_dies(env):
 
 
 def test_a_killed_rank_fails_the_run_with_its_signal():
-    with pytest.raises(RankFailure, match=r"^rank 1 failed:\nrank 1 died \(killed by SIGKILL\)"):
+    with pytest.raises(RankFailure, match=r"^rank 1 died \(killed by SIGKILL\)"):
         launch(_rank1_dies, 2, timeout_s=30)
 
 
@@ -82,7 +82,7 @@ def _forever(env):
 
 
 def test_a_run_past_its_deadline_is_stopped():
-    with pytest.raises(RankFailure, match="the run failed:\npassed its deadline of 2 s"):
+    with pytest.raises(RankFailure, match="^the run passed its deadline of 2 s"):
         launch(_forever, 2, deadline_s=2)
 
 

@@ -158,12 +158,14 @@ def _train(env, cases, steps=10):
 # step): every pp in {2, 3, 4} with every tp in {1, 2}, m in {1, 2, 5}, both algorithms, the three
 # schedules; V = 97 pads
 # 1 to 3 rows, V = 5 over 4 ranks leaves rank (1, 1) a slice of padding only (rows 6 and 7).
-GRID = {
+GRID = {  # every pp x tp with both algorithms (2 and 1 barriers), m 1, 2 and 5 with each; V = 5: shards of padding only
     2: [("1f1b", 2, 1, 1, 2, 97, False), ("zb-v", 2, 1, 2, 1, 97, False)],
-    3: [("zb-h1", 3, 1, 5, 1, 97, False)],
-    4: [("1f1b", 2, 2, 5, 2, 5, False), ("zb-h1", 2, 2, 2, 1, 97, True), ("1f1b", 4, 1, 2, 1, 97, False)],
-    6: [("zb-v", 3, 2, 1, 2, 97, True)],
-    8: [("1f1b", 4, 2, 5, 2, 97, False)],  # pp 4 x tp 2 over 10 steps too (the demo runs one step of it)
+    3: [("zb-h1", 3, 1, 5, 1, 97, False), ("1f1b", 3, 1, 2, 2, 97, False)],
+    4: [("1f1b", 2, 2, 5, 2, 5, False), ("zb-h1", 2, 2, 2, 1, 97, True), ("1f1b", 4, 1, 2, 1, 97, False),
+        ("zb-h1", 4, 1, 1, 2, 97, False)],
+    6: [("zb-v", 3, 2, 1, 2, 97, True), ("1f1b", 3, 2, 5, 1, 97, False)],
+    8: [("1f1b", 4, 2, 5, 2, 97, False),  # pp 4 x tp 2 over 10 steps too (the demo runs one step of it)
+        ("zb-h1", 4, 2, 1, 1, 5, False)],
 }
 
 
