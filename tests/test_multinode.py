@@ -176,8 +176,8 @@ def processes_with(marker):
 def records(path):
     """Each step's --metrics line without its timings: what the two runs must share exactly."""
     lines = path.read_text().split("\n")[:-1] if path.exists() else []  # complete lines only
-    return [{k: v for k, v in json.loads(line).items() if k not in ("time_s", "tokens_per_s")}
-            for line in lines]
+    timings = ("time_s", "tokens_per_s", "busy_ms", "busy_ms_run")
+    return [{k: v for k, v in json.loads(line).items() if k not in timings} for line in lines]
 
 
 def launcher_flags(text):
