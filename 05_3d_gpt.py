@@ -51,7 +51,7 @@ import planner
 from kernels import graphs as cuda_graphs
 from plumbing import cli, report, sample, selfcheck, watch
 from plumbing.checkpoint import Saver, load_checkpoint, newest_checkpoint
-from plumbing.checks import acceleration, check_action, check_fields, check_model_flags, preflight
+from plumbing.checks import acceleration, check_action, check_fields, check_model_flags, check_plan_flags, preflight
 from plumbing.data import check_tokens, replica_batch
 from plumbing.gpt2 import export_checkpoint, import_gpt2
 from plumbing.launch import launcher_ranks, printer, run_main, side_channel
@@ -648,7 +648,8 @@ def main(parser=parser, config=TrainConfig, schedule_of=interleaved_schedule):
     """The trainer's command line; 06 runs it with its own flags (config, parser) and schedules."""
     p = parser()
     args = p.parse_args()
-    if args.plan:  # the planner checks its own flags
+    if args.plan:  # the planner checks its own flags, and refuses any other
+        check_plan_flags(cli.given(p), [name for _, name in planner.MODEL_FLAGS])
         print(planner.plan_from_args(args))
         return True
     tc, cfg, sc = (cli.from_args(c, args) for c in (config, tensor_parallel.GPTConfig, sample.SampleConfig))
@@ -684,8 +685,6 @@ def main(parser=parser, config=TrainConfig, schedule_of=interleaved_schedule):
                                                                      watch=watch.launcher_watch(tc)),
                                    tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
     return True
-
-
 
 
 if __name__ == "__main__":

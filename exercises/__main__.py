@@ -46,6 +46,9 @@ def load_impl(exercise, file=None, limit_s=None):
     except TimeLimit:
         raise CannotGrade(f"{where}: importing it ran past the {limit_s:g} s time limit (an endless loop at the top "
                           f"level of the file?)") from None
+    except SystemExit as e:  # sys.exit() at its top level: it would end the grading as a success, or not
+        raise CannotGrade(f"{where} does not import: it calls sys.exit({e.code!r}) at its top level (keep such "
+                          f"code under `if __name__ == \"__main__\":`)") from None
     except Exception as e:  # noqa: BLE001 - the student's module may raise anything at import
         frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.basename(f.filename) ==
                   os.path.basename(where)]
@@ -164,6 +167,9 @@ def main(argv=None):
     except CannotGrade as e:
         print(f"python3 -m exercises: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while grading: one line, not a traceback
+        print("\npython3 -m exercises: interrupted", file=sys.stderr)
+        return 130
     return 0 if ok else 1
 
 

@@ -280,9 +280,20 @@ def _layout(run):
 
 def _manifest(run, step):
     tc = run.tc
+    # outputs: the files this run writes, so that a resume knows them as its own (checks.check_outputs)
+    outputs = {name: os.path.realpath(getattr(tc, name)) if getattr(tc, name, "") else "" for name in OUTPUTS}
     return dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size, layout=_layout(run),
                 train={k: getattr(tc, k) for k in KEPT_FIELDS}, noted={k: getattr(tc, k) for k in NOTED_FIELDS},
-                dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data))
+                dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data), outputs=outputs)
+
+
+OUTPUTS = ("metrics", "trace")  # the manifest's outputs: what the run that wrote it wrote besides checkpoints
+
+
+def outputs_of(path):
+    """{"metrics": path, "trace": path} the run that wrote the checkpoint at path wrote ("": none),
+    or None for a manifest from before they were kept."""
+    return read_manifest(path).get("outputs")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,20 +340,21 @@ def newest_checkpoint(*roots):
     return max(found, key=lambda p: read_manifest(p)["step"], default=None)
 
 
-def check_save_dir(root, start, resuming_from=None):
+def check_save_dir(root, start, resuming_from=None, name="--save"):
     """A run that starts after `start` steps must not write into a directory holding later steps:
-    it would shadow them, and rotating its own saves would never reach them. Say what to do."""
+    it would shadow them, and rotating its own saves would never reach them. Say what to do.
+    name: the flag that gave root (--save, --snapshot-dir)."""
     if not os.path.isdir(root):
         return
     later = sorted(d for d in os.listdir(root) if CKPT.match(d) and int(CKPT.match(d)[1]) > start)
     if later:
         where = f"resuming from {resuming_from} ({start} steps)" if resuming_from else "starting from step 0"
-        raise ValueError(f"--save {root} already holds {', '.join(later[-3:])}, written by another run, and this "
+        raise ValueError(f"{name} {root} already holds {', '.join(later[-3:])}, written by another run, and this "
                          f"run is {where}: it would write over or beside them. Resume from them with "
                          f"--resume {root}, or save to another directory.")
     for d in sorted(os.listdir(root)):  # the interrupted saves of steps this run will save: removed then
         if INTERRUPTED.match(d) and int(INTERRUPTED.match(d)[1]) > start:
-            _check_interrupted(os.path.join(root, d), f"--save {root}")
+            _check_interrupted(os.path.join(root, d), f"{name} {root}")
 
 
 def _check_interrupted(tmp, who):
@@ -392,6 +404,9 @@ def _manifest_problems(m):
         wrong.append(f"noted {noted!r} (an object: seed a whole number, data a path)")
     if "dtype" in m and m["dtype"] not in DTYPES:
         wrong.append(f"dtype (one of {', '.join(DTYPES)}; got {m['dtype']!r})")
+    out = m.get("outputs", {})
+    if not isinstance(out, dict) or set(out) - set(OUTPUTS) or not all(isinstance(v, str) for v in out.values()):
+        wrong.append(f"outputs {out!r} (an object: {' and '.join(OUTPUTS)}, each a path or \"\")")
     if "tokenizer" in m and m["tokenizer"] not in TOKENIZERS:
         wrong.append(f"tokenizer (one of {', '.join(TOKENIZERS)}; got {m['tokenizer']!r})")
     return wrong
@@ -415,6 +430,10 @@ def read_manifest(path, cfg=None, tc=None, say=None):
     wrong = _manifest_problems(manifest)
     if wrong:
         raise ValueError(f"{file} is malformed: missing or wrong " + ", ".join(map(str, wrong)))
+    named = CKPT.fullmatch(os.path.basename(os.path.normpath(path)))
+    if named and int(named[1]) != manifest["step"]:  # a save names its directory after its step
+        raise ValueError(f"{file} is malformed: its step {manifest['step']} is not the {int(named[1])} of its "
+                         f"directory's name")
     if cfg is not None:
         diff = [f"{k}={v} (this run {getattr(cfg, k)})" for k, v in manifest["model"].items()
                 if getattr(cfg, k) != v]
@@ -463,6 +482,24 @@ def _load_shard(file, mmap=False):
     return shard
 
 
+# The largest magnitude every training dtype holds (bfloat16's, just below float32's): a float64
+# number beyond it is finite in a file and inf once a run casts it.
+LARGEST = torch.finfo(torch.bfloat16).max
+
+
+def unusable(t):
+    """What makes the floating-point tensor t unusable as weights or optimizer state, as a phrase:
+    NaN or inf values, or values inf once cast to a training dtype; "" if nothing."""
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        return f"holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf) of {t.numel()}"
+    big = int((t.abs() > LARGEST).sum())
+    if big:
+        return (f"holds {big} value{'s' if big > 1 else ''} larger than {LARGEST:.4g} in magnitude, which "
+                f"become{'' if big > 1 else 's'} inf in float32 or bfloat16")
+    return ""
+
+
 def _check_shard(file, shard):
     """Refuse a shard whose numbers cannot be trained on: every weight and every piece of AdamW's
     state a floating-point tensor of finite values, the second moments (exp_avg_sq) not negative,
@@ -475,9 +512,9 @@ def _check_shard(file, shard):
     def numbers(what, t):
         if not torch.is_tensor(t) or not (t.is_floating_point() or what.startswith("AdamW's step")):
             refuse(what, f"is {type(t).__name__ if not torch.is_tensor(t) else t.dtype}, not a floating-point tensor")
-        bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
-        if bad:
-            refuse(what, f"holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf) of {t.numel()}")
+        why = unusable(t) if t.is_floating_point() else ""
+        if why:
+            refuse(what, why)
 
     for c, chunk in enumerate(shard["chunks"]):
         if not isinstance(chunk, dict):
@@ -486,12 +523,15 @@ def _check_shard(file, shard):
             numbers(f"the weight {name}", t)
     for piece in shard["pieces"]:
         if not (isinstance(piece, (list, tuple)) and len(piece) == 5 and isinstance(piece[1], str)
-                and isinstance(piece[4], dict)):
+                and isinstance(piece[4], dict) and all(isinstance(x, int) for x in piece[2:4]) and piece[3] >= piece[2]):
             raise ValueError(f"checkpoint shard {file} is malformed: an optimizer piece is not (chunk, name, start, "
                              f"end, state)")
-        name, state = piece[1], piece[4]
+        name, start, end, state = piece[1:]
         for key, t in state.items():
             numbers(f"AdamW's {key} of {name}", t)
+            if key != "step" and t.numel() != end - start:
+                raise ValueError(f"checkpoint shard {file} is malformed: AdamW's {key} of {name} has {t.numel()} "
+                                 f"values for the {end - start} elements {start} to {end} it is the state of")
             if key in ("exp_avg_sq", "step") and bool((t < 0).any()):
                 refuse(f"AdamW's {key} of {name}", "is negative (a sum of squares, or a count, cannot be)")
 

@@ -72,7 +72,9 @@ FIELDS = {
     # Below a second not even the groups' own set-up completes: every run would fail at its first collective.
     "timeout_s": [(lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"), _A_SECOND],
     "max_skipped_steps": _at_least(1),
-    "hang_s": (lambda v: 0 <= v <= MAX_TIMEOUT_S, f"0 (off) or positive, at most {MAX_TIMEOUT_S} (seconds)"),
+    # Below a second a healthy run's ordinary waits (a stage's receive while its neighbour computes) look hung.
+    "hang_s": (lambda v: v == 0 or 1 <= v <= MAX_TIMEOUT_S, f"0 (off), or at least 1 and at most {MAX_TIMEOUT_S} "
+                                                            f"(seconds)"),
     "straggler_every": _at_least(0), "rehearse_fault": _ANY, "watch": _ANY,
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
     "save_timeout_s": [(lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), _A_SECOND],
@@ -304,21 +306,28 @@ def read_paths(tc, resumed=None):
     return reads
 
 
-def check_outputs(tc, resumed=None):
-    """Every file the run writes (--metrics, --trace, and --save's step directories) checked
-    against every file it reads, against each other and against checkpoints, links followed
-    (plumbing/paths.py): none may replace an input or lie inside a checkpoint, whatever the flags,
-    and none may replace a file this run did not write unless --overwrite. A resumed run's own
-    metrics and trace (a file 05 wrote, by its contents) are its own: metrics are appended to."""
+def check_outputs(tc, resumed=None, writer=True):
+    """Every file the run writes (--metrics, --trace, and the step directories of --save and
+    --snapshot-dir) checked against every file it reads, against each other and against
+    checkpoints, links followed (plumbing/paths.py): none may replace an input or lie inside a
+    checkpoint, whatever the flags, and none may replace a file this run did not write unless
+    --overwrite. A resumed run's metrics and trace are its own when the checkpoint's manifest names
+    them as the files of the run that wrote it (a manifest from before it did: when 05 wrote their
+    contents): metrics are then appended to. writer: see paths.check_outputs."""
     writes = [("--metrics", getattr(tc, "metrics", "")), ("--trace", getattr(tc, "trace", ""))]
     protected = [("--resume", resumed, None)] if resumed else []
-    if getattr(tc, "save", ""):
-        protected.append(("--save", tc.save, r"step_\d+(\.tmp)?"))
+    for name in ("save", "snapshot_dir"):
+        if getattr(tc, name, ""):
+            protected.append((flag(name), getattr(tc, name), r"step_\d+(\.tmp)?"))
     own = set()
     if resumed:  # a continued run: its earlier metrics and trace are its own
-        own |= {"--metrics"} if tc.metrics and paths.looks_like_metrics(tc.metrics) else set()
-        own |= {"--trace"} if tc.trace and paths.looks_like_trace(tc.trace) else set()
-    paths.check_outputs(writes, read_paths(tc, resumed), protected, getattr(tc, "overwrite", False), own)
+        from plumbing.checkpoint import outputs_of
+        written = outputs_of(resumed)
+        for name, looks_like in (("metrics", paths.looks_like_metrics), ("trace", paths.looks_like_trace)):
+            path = getattr(tc, name, "")
+            if path and (os.path.realpath(path) == written.get(name) if written is not None else looks_like(path)):
+                own.add(flag(name))
+    paths.check_outputs(writes, read_paths(tc, resumed), protected, getattr(tc, "overwrite", False), own, writer)
 
 
 def machine_bytes(device):
@@ -394,6 +403,10 @@ USES = {  # besides the action's own flag
     "sample": {"resume", "init_from", "seed", *MODEL_SHAPE, *SAMPLING},
     "export": {"resume", "overwrite", "export_hf", "export_state_dict"},
 }
+PATH_FLAGS = {"data": "file to train on", "resume": "checkpoint directory to resume from",
+              "init_from": "GPT-2 directory or .pt to start from", "metrics": "file to write",
+              "trace": "file to write", "save": "directory to save into", "snapshot_dir": "directory to snapshot into",
+              "export_hf": "directory to write", "export_state_dict": "file to write"}
 WHY = {"print_layout": "it prints the rank grid of --tp, --pp and --dp and starts nothing",
        "self_check": "it tries every rank, group and link of --tp, --pp and --dp and trains nothing",
        "sample": "it samples on one process from the weights, which decide the model",
@@ -405,10 +418,9 @@ def check_action(args, given):
     refusing two at once (--export-hf and --export-state-dict together are one: both are written),
     an empty path, --init-from with --resume, and any flag the action would silently ignore.
     given: the names of the flags on the command line (cli.given)."""
-    for name in ("export_hf", "export_state_dict"):
-        if getattr(args, name) is not None and not getattr(args, name).strip():
-            what = "directory" if name == "export_hf" else "file"
-            raise ValueError(f"{flag(name)}: the path is empty; give the {what} to write")
+    for name, what in PATH_FLAGS.items():  # given, but empty: not the same as not given
+        if name in given and not str(getattr(args, name, None) or "").strip():
+            raise ValueError(f"{flag(name)}: the path is empty; give the {what}")
     chosen = [a for a in ACTIONS if getattr(args, a, None) not in (None, False)]
     kinds = list(dict.fromkeys("export" if a.startswith("export") else a for a in chosen))
     if len(kinds) > 1:
@@ -427,6 +439,15 @@ def check_action(args, given):
         raise ValueError(f"{flag(chosen[0])} does not use {names}: {WHY[action]}; drop "
                          f"{'it' if len(ignored) == 1 else 'them'}")
     return action
+
+
+def check_plan_flags(given, model_flags):
+    """--plan uses its own flags (--gpus, --plan-*) and, for --plan custom, the model's size
+    (model_flags: the dests it reads); any other flag would be silently ignored: refused."""
+    ignored = sorted(n for n in given if n not in ("plan", "gpus", *model_flags) and not n.startswith("plan_"))
+    if ignored:
+        raise ValueError(f"--plan does not use {', '.join(map(flag, ignored))}: it prints the papers' estimates "
+                         f"and starts nothing; drop {'it' if len(ignored) == 1 else 'them'}")
 
 
 def check_model_flags(given, cfg, weights_cfg, source):
@@ -451,7 +472,7 @@ def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
     check_config(cfg, tc, world)
     check_device(tc, device)
     path = latest_checkpoint(tc.resume, say, flag="--resume") if tc.resume else None
-    check_outputs(tc, path)
+    check_outputs(tc, path, writer)
     check_paths(tc, writer)
     check_memory(cfg, tc, device, world if ranks_here is None else ranks_here)
     train_tokens, eval_tokens = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len, tc.data)
@@ -459,12 +480,13 @@ def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
     if path:
         check_shards(path, manifest, tensors=writer)
     start = manifest["step"]
-    for root in (tc.save, getattr(tc, "snapshot_dir", "")):
+    for name in ("save", "snapshot_dir"):
+        root = getattr(tc, name, "")
         if root:  # a restart picks the newest step there: none of another run's may be later
-            check_save_dir(root, start, resuming_from=path)
+            check_save_dir(root, start, resuming_from=path, name=flag(name))
             if writer:  # then again under the lock: nothing can have appeared since
-                paths.lock_save_dir(root, flag("snapshot_dir") if root == getattr(tc, "snapshot_dir", "") else "--save")
-                check_save_dir(root, start, resuming_from=path)
+                paths.lock_save_dir(root, flag(name))
+                check_save_dir(root, start, resuming_from=path, name=flag(name))
     return train_tokens, eval_tokens, path, start
 
 

@@ -131,11 +131,12 @@ def given(parser, argv=None):
 
 def demo_parser(doc, demo_cls, model_cls, **model_defaults):
     """The parser of a numbered file's demo: its own flags, then the model's (defaults overridden),
-    and --overwrite for the files a demo writes (its --trace)."""
+    and --overwrite for the file a demo writes (its --trace), where it has one."""
     parser = make_parser(doc)
     add_dataclass_args(parser, demo_cls, "demo")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="let --trace replace a file this run did not write")
+    if "trace" in {f.name for f in dataclasses.fields(demo_cls)}:
+        parser.add_argument("--overwrite", action="store_true",
+                            help="let --trace replace a file this run did not write")
     add_dataclass_args(parser, model_cls, "model", **model_defaults)
     parser.configs = demo_cls, model_cls
     return parser
@@ -158,7 +159,7 @@ def demo_args(parser, argv=None, train_parser=None, **resolve):
     demo_cls, model_cls = parser.configs
     cfg, demo = from_args(model_cls, args), from_args(demo_cls, args)
     checks.check_config(cfg, demo)
-    paths.check_outputs([("--trace", getattr(demo, "trace", ""))], overwrite=args.overwrite)
+    paths.check_outputs([("--trace", getattr(demo, "trace", ""))], overwrite=getattr(args, "overwrite", False))
     checks.check_paths(demo)
     return cfg, args
 

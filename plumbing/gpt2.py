@@ -24,7 +24,7 @@ import os
 import torch
 
 from plumbing import checks, paths
-from plumbing.checkpoint import latest_checkpoint, read_checkpoint
+from plumbing.checkpoint import latest_checkpoint, read_checkpoint, unusable
 from plumbing.tokenizer import TOKENIZERS
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -116,10 +116,9 @@ def _check_weight(file, name, value):
     weights (they would be cast silently), and one NaN or inf ends a run in skipped steps."""
     if not value.is_floating_point():
         raise ValueError(f"{file}: {name} is {value.dtype}, not floating-point weights")
-    bad = int((~torch.isfinite(value)).sum())
-    if bad:
-        raise ValueError(f"{file}: {name} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf) of "
-                         f"{value.numel()}; weights must be finite numbers")
+    why = unusable(value)
+    if why:
+        raise ValueError(f"{file}: {name} {why}; weights must be finite numbers")
 
 
 def _misfits(cfg, full):
@@ -171,7 +170,10 @@ def _import_state_dict(path, flags_cfg=None):
     if tokenizer is not None and tokenizer not in TOKENIZERS:
         raise ValueError(f"--init-from {path}: its _tokenizer {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
     for name, value in full.items():
-        if not (isinstance(name, str) and torch.is_tensor(value)):
+        if not isinstance(name, str):
+            raise ValueError(f"--init-from {path}: it has the key {name!r} ({type(name).__name__}) where a state "
+                             f"dict has parameter names (text): not a state dict (names to tensors)")
+        if not torch.is_tensor(value):
             raise ValueError(f"--init-from {path}: {name!r} is {type(value).__name__}, not a tensor: not a state dict "
                              f"(names to tensors)")
         _check_weight(path, name, value)
@@ -223,7 +225,7 @@ def export_state_dict(cfg, full, tokenizer, out, overwrite=False):
 
 
 def _check_finite(full, what):
-    bad = [name for name, t in full.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [name for name, t in full.items() if t.is_floating_point() and unusable(t)]
     if bad:
         raise ValueError(f"not writing {what}: {', '.join(bad[:3])} hold non-finite values; an export holds only "
                          f"finite numbers")

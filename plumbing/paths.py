@@ -11,6 +11,9 @@ nothing heavier than the standard library (scripts/prepare_data.py and plot_metr
                                      this run did not write without --overwrite
     lock_save_dir(root)              one run at a time saves into a directory (an flock on it,
                                      released when the run's processes exit)
+    fresh(path)                      the name of a new file: what was at path (a file allowed to
+                                     be replaced, or a link) removed, so that writing never goes
+                                     through a link or a second name (a hard link) into another file
     looks_like_metrics(path), looks_like_trace(path)   a file an earlier part of this run wrote
 
 The rule (issue 28): a run never replaces a file it did not create unless the user says so
@@ -76,13 +79,16 @@ def enclosing_checkpoint(path):
         folder = parent
 
 
-def check_outputs(writes, reads=(), protected=(), overwrite=False, own=()):
+def check_outputs(writes, reads=(), protected=(), overwrite=False, own=(), writer=True):
     """Refuse, before anything is written, every output that would destroy something.
 
     writes: [(flag, path)] the files this run writes; reads: [(flag, path)] the files it reads;
     protected: [(flag, folder, pattern)]: no output may lie in folder (pattern None) or in an entry
     of it whose name matches pattern (a --save directory's step_N); own: the flags whose existing
-    file is this run's own (a resumed run's metrics). Every path is resolved, links followed."""
+    file is this run's own (a resumed run's metrics). Every path is resolved, links followed.
+    writer: this process writes the outputs; only it asks whether a file is already there (another
+    rank may see one that the writer has just made), and any file there, empty or not, needs
+    --overwrite."""
     outputs = [(flag, path) for flag, path in writes if path]
     for i, (flag, path) in enumerate(outputs):
         real = os.path.realpath(path)
@@ -113,9 +119,18 @@ def check_outputs(writes, reads=(), protected=(), overwrite=False, own=()):
         what = describe(real)
         if what:
             raise ValueError(f"{flag} {path}{via}: it is {what}; give a file name")
-        if flag not in own and not overwrite and os.path.exists(real) and os.path.getsize(real) > 0:
+        if writer and flag not in own and not overwrite and os.path.lexists(path):
             raise ValueError(f"{flag} {path}{via} already exists, and this run did not write it: give "
                              f"--overwrite to replace it, or another path")
+
+
+def fresh(path):
+    """path, with whatever was there removed (check_outputs allowed replacing it): the file written
+    next is a new one, so a link at path is replaced rather than followed, and a file with a second
+    name (a hard link) elsewhere keeps its contents there."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        os.unlink(path)
+    return path
 
 
 def looks_like_metrics(path, lines=1):

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from planner import PEAK_BF16_FLOPS, Layout, ModelSpec, activation_bytes_per_layer, layers_in_flight, \
     params_exact
+from plumbing import paths
 from plumbing.charts import ascii_chart
 from plumbing.data import held_out
 from plumbing.tokenizer import tokenizer_of
@@ -226,7 +227,8 @@ class Progress:
         peak = next((f for gpu, f in PEAK_BF16_FLOPS.items() if gpu in name), None)
         # MFU: eq. 3's FLOPs per iteration over the step time and every GPU's dense bf16 peak.
         self.mfu_seconds = flops / (env.world_size * peak) if peak and dtype == torch.bfloat16 else None
-        self.metrics = open(tc.metrics, "a" if append else "w") if tc.metrics and env.rank == 0 else None
+        self.metrics = (open(tc.metrics, "a") if append else open(paths.fresh(tc.metrics), "w")) \
+            if tc.metrics and env.rank == 0 else None
         self.bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=not self.show,
                         desc="train", dynamic_ncols=True)
 

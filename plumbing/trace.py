@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from plumbing import paths
 from plumbing.launch import gather_json
 
 # ----------------------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def write_chrome_trace(path, processes):
             events += [{"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid,
                         "ts": float(s) * 1e6, "dur": float(e - s) * 1e6}
                        for s, e, name, cat in spans]
-    with open(path, "w") as f:
+    with open(paths.fresh(path), "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 

@@ -363,7 +363,8 @@ def with_restarts(launch_run, tc, grid):
             headline = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "rank 2 failed:" says no cause
             print(f"\n{headline}\nrestart {attempt + 1} of {tc.restarts}: resuming from {newest or 'the start'} at "
                   f"step {done}; {lost}", file=sys.stderr, flush=True)
-            tc = dataclasses.replace(tc, resume=newest or "", rehearse_fault=[])  # before the self-check too:
+            # Its outputs are this run's own now (overwrite), and the faults were the first attempt's,
+            tc = dataclasses.replace(tc, resume=newest or "", rehearse_fault=[], overwrite=True)  # self-check's too:
             selfcheck.run(tc, grid, "not restarting: ")  # it would act a rehearsed hang or slow rank out again
 
 

@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plumbing.charts import ascii_chart  # noqa: E402  (the repository root, put on the path above)
-from plumbing.paths import check_outputs, regular_file  # noqa: E402
+from plumbing.paths import check_outputs, fresh, regular_file  # noqa: E402
 
 
 class Refused(Exception):
@@ -53,10 +53,10 @@ def read_metrics(path):
         regular_file(path, "the metrics file")
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:  # the latter first: it is a ValueError too
+        raise Refused(f"cannot read the metrics file {path!r}: {getattr(e, 'strerror', None) or e}") from None
     except ValueError as e:
         raise Refused(str(e)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise Refused(f"cannot read the metrics file {path!r}: {getattr(e, 'strerror', None) or e}") from None
     records = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -110,7 +110,7 @@ def plot_file(records, out, title, log=False):
     ax.set_title(title)
     ax.legend()
     try:
-        fig.savefig(out, dpi=120, bbox_inches="tight")
+        fig.savefig(fresh(out), dpi=120, bbox_inches="tight")
     except OSError as e:
         raise Refused(f"cannot write {out!r}: {e.strerror or e}") from None
     except (ValueError, OverflowError) as e:  # a suffix it has no format for; a span it cannot scale

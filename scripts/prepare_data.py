@@ -34,7 +34,7 @@ import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from plumbing.paths import check_outputs  # noqa: E402  (the repository root, put on the path above)
+from plumbing.paths import check_outputs, fresh  # noqa: E402  (the repository root, put on the path above)
 from plumbing.tokenizer import FORMAT, SIDECAR_TOKENIZERS as VOCAB, gpt2_bpe  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def write_bin(ids, path):
     out = array.array("H", ids)  # OverflowError for an id outside 0..65535; prepare checks first
     if sys.byteorder == "big":  # the format is little-endian whatever host writes it
         out.byteswap()
-    with open(path, "wb") as f:
+    with open(fresh(path), "wb") as f:
         out.tofile(f)
 
 
@@ -104,7 +104,7 @@ def read_bin(path):
 
 
 def _write_json(meta, path):
-    with open(path, "w") as f:
+    with open(fresh(path), "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
 

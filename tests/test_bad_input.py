@@ -120,13 +120,14 @@ CASES = {
     "05 timeout nan": ("05", ["--timeout-s", "nan"], "--timeout-s must be a finite number, got nan"),
     "05 save timeout 0": ("05", ["--save-timeout-s", "0"], "--save-timeout-s must be positive and at most 86400 (seconds), got 0.0"),
     "05 hang above the timeout": ("05", ["--hang-s", "200"], "--hang-s 200 must be below --timeout-s 120"),
-    "05 hang negative": ("05", ["--hang-s", "-1"], "--hang-s must be 0 (off) or positive, at most 3600 (seconds), got -1.0"),
+    "05 hang negative": ("05", ["--hang-s", "-1"], "--hang-s must be 0 (off), or at least 1 and at most 3600 (seconds), got -1.0"),
     "05 straggler every negative": ("05", ["--straggler-every", "-2"], "--straggler-every must be at least 0, got -2"),
     "05 snapshots without a directory": ("05", ["--snapshot-every", "2"], "--snapshot-every 2 needs --snapshot-dir DIR"),
     "05 restarts negative": ("05", ["--restarts", "-1"], "--restarts must be at least 0, got -1"),
     "05 fault unknown kind": ("05", ["--rehearse-fault", "melt:1:2"], "--rehearse-fault 'melt:1:2' must be KIND:RANK:ARG"),
     "05 fault rank outside the world": ("05", ["--rehearse-fault", "kill:8:3"],
                                         "--rehearse-fault 'kill:8:3': rank 8 is not below the world size 8"),
+    "05 hang report after a millisecond": ("05", ["--hang-s", "0.001"], "--hang-s must be 0 (off), or at least 1"),
     "05 fault negative ms": ("05", ["--rehearse-fault", "slow:1:-5"], "--rehearse-fault 'slow:1:-5' must be KIND:RANK:ARG"),
     "05 fault without its step": ("05", ["--rehearse-fault", "hang:1"], "--rehearse-fault 'hang:1' must be KIND:RANK:ARG"),
     "05 fault after the last step": ("05", ["--steps", "2", "--rehearse-fault", "kill:1:50"],
@@ -209,6 +210,8 @@ CASES = {
     "plan on -8 GPUs": ("05", ["--plan", "1T", "--gpus", "-8"], "--gpus"),
     "plan a negative batch": ("05", ["--plan", "1T", "--gpus", "3072", "--plan-batch", "-1"], "--plan-batch"),
     "plan an unknown model": ("05", ["--plan", "2T"], "--plan=2T: give a model of Table 1"),
+    "plan beside training flags": ("05", ["--plan", "1T", "--save", "ck", "--lr", "1e308"],
+                                   "--plan does not use --lr, --save: it prints the papers' estimates and starts nothing"),
     "plan a model with 0 heads": ("05", ["--plan", "custom", "--n-head", "0", "--gpus", "8"], "--n-head"),
     "06 a training flag without --train": ("06", ["--schedule", "zb-v"],
                                            "--schedule is a flag of training, not of the demo: add --train"),
@@ -397,6 +400,18 @@ def _nan(name, value=math.nan):
     return edit
 
 
+def _huge(name):  # a finite float64 number that a float32 or bfloat16 run would read as inf
+    def edit(sd):
+        sd[name] = sd[name].double()
+        sd[name].view(-1)[0] = 1e300
+    return edit
+
+
+def _huge_first_weight(shard):
+    chunk = shard["chunks"][0]
+    _huge(next(iter(chunk)))(chunk)
+
+
 def _write(name, data):
     def setup(tmp, subs):
         path = os.path.join(tmp, name)
@@ -428,6 +443,15 @@ def _no_manifest(tmp, subs):
     os.makedirs(run)
     os.rename(subs["{ckpt}"], os.path.join(run, "step_00000002"))
     os.remove(os.path.join(run, "step_00000002", "manifest.json"))
+
+
+def _step_dir(step):  # the checkpoint copy as run/step_00000002, its manifest saying `step`
+    def setup(tmp, subs):
+        run = os.path.join(tmp, "run")
+        os.makedirs(run)
+        os.rename(subs["{ckpt}"], os.path.join(run, "step_00000002"))
+        _edit_manifest(os.path.join(run, "step_00000002"), lambda m: m.update(step=step))
+    return setup
 
 
 def _fifo_at(name):
@@ -493,6 +517,17 @@ HOSTILE = {
         "--metrics {txt} already exists, and this run did not write it", None, None),
     "metrics where a save will go": ("05", [*T05, "--save", "{tmp}/s", "--metrics", "{tmp}/s/step_00000004"],
         "lies where --save {tmp}/s writes its checkpoints (step_00000004)", None, None),
+    "metrics where a snapshot will go": ("05", [*T05, "--snapshot-every", "2", "--snapshot-dir", "{tmp}/snap",
+                                                "--metrics", "{tmp}/snap/step_00000002"],
+        "lies where --snapshot-dir {tmp}/snap writes its checkpoints (step_00000002)", None, None),
+    "metrics over an empty file it did not write": ("05", ["--metrics", "{tmp}/empty.jsonl"],
+        "--metrics {tmp}/empty.jsonl already exists, and this run did not write it", _write("empty.jsonl", ""), None),
+    "resumed metrics onto another run's metrics": ("05", [*T05, "--resume", "{ckpt}", "--metrics", "{tmp}/m.jsonl"],
+        "--metrics {tmp}/m.jsonl already exists, and this run did not write it",
+        _write("m.jsonl", '{"step": 0, "loss": 5.5}\n'), None),
+    "resumed trace onto another run's trace": ("05", [*T05, "--resume", "{ckpt}", "--trace", "{tmp}/t.json"],
+        "--trace {tmp}/t.json already exists, and this run did not write it",
+        _write("t.json", '{"traceEvents": []}'), None),
     "metrics is the --init-from .pt": ("05", ["--init-from", "{pt}", *T05, "--metrics", "{pt}"],
         "--metrics {pt} would overwrite --init-from {pt}", None, None),
     "trace is the GPT-2 config.json": ("05", ["--init-from", "{hf}", *T05, "--trace", "{hf}/config.json"],
@@ -529,6 +564,8 @@ HOSTILE = {
     "prepare over a .bin it did not write": ("prep", ["{txt}", "-o", "{tmp}/y.bin"],
         "-o {tmp}/y.bin already exists, and this run did not write it: give --overwrite",
         _write("y.bin", b"\x01\x00"), None),
+    "prepare over an empty .bin it did not write": ("prep", ["{txt}", "-o", "{tmp}/e.bin"],
+        "-o {tmp}/e.bin already exists, and this run did not write it", _write("e.bin", b""), None),
     "prepare over a sidecar it did not write": ("prep", ["{txt}", "-o", "{tmp}/y.bin"],
         "-o's sidecar {tmp}/y.json already exists", _write("y.json", "{}"), None),
     "prepare's sidecar links to the input": ("prep", ["{txt}", "-o", "{tmp}/y.bin"],
@@ -546,6 +583,8 @@ HOSTILE = {
         "-o {tmp}/m.png already exists", _write("m.png", b"\x89PNG mine"), None),
     "plot onto a link to the metrics": ("plot", ["{metrics}", "-o", "{tmp}/l.png"],
         "would overwrite the metrics file", _link("l.png", "{metrics}"), None),
+    "plot a file that is not UTF-8": ("plot", ["{tmp}/m.jsonl"], "cannot read the metrics file '{tmp}/m.jsonl': 'utf-8'",
+                                      _write("m.jsonl", b'{"step": 0, "loss": \xff}\n'), None),
     "plot onto a FIFO": ("plot", ["{metrics}", "-o", "{fifo}"], "-o {fifo}: it is a FIFO", None, None),
     # 2. Non-finite numbers on the way in, and never out
     "init from a .pt holding NaN": ("05", ["--init-from", "{pt}", *T05],
@@ -564,6 +603,9 @@ HOSTILE = {
         "rank_00001.pt: AdamW's exp_avg_sq of", _edit_shard(1, _moment("exp_avg_sq", math.inf)), None),
     "resume a NaN first moment": ("05", [*T05, "--resume", "{ckpt}"],
         "rank_00000.pt: AdamW's exp_avg of", _edit_shard(0, _moment("exp_avg", math.nan)), None),
+    "resume a first moment of the wrong size": ("05", [*T05, "--resume", "{ckpt}"],
+        "rank_00000.pt is malformed: AdamW's exp_avg of transformer.h.3.mlp.c_proj.weight has 3 values for the 484 "
+        "elements", _edit_shard(0, lambda s: s["pieces"][0][4].__setitem__("exp_avg", torch.zeros(3))), None),
     "resume a negative second moment": ("05", [*T05, "--resume", "{ckpt}"],
         "AdamW's exp_avg_sq of", _edit_shard(0, _moment("exp_avg_sq", -1.0)), None),
     "resume a NaN step count": ("05", [*T05, "--resume", "{ckpt}"],
@@ -581,7 +623,20 @@ HOSTILE = {
     "sample a .pt holding inf": ("05", ["--init-from", "{pt}", "--sample", "a"],
         "{pt}: transformer.ln_f.weight holds 1 non-finite value",
         _pt_edit(_nan("transformer.ln_f.weight", math.inf)), None),
+    "init from a .pt keyed by a number": ("05", ["--init-from", "{pt}", *T05],
+        "--init-from {pt}: it has the key 7 (int) where a state dict has parameter names",
+        _pt_edit(lambda sd: sd.__setitem__(7, torch.zeros(1))), None),
+    "init from a float64 .pt beyond float32's range": ("05", ["--init-from", "{pt}", *T05],
+        "{pt}: transformer.wte.weight holds 1 value larger than 3.39e+38 in magnitude, which becomes inf",
+        _pt_edit(_huge("transformer.wte.weight")), None),
+    "export a float64 weight beyond float32's range": ("05", ["--resume", "{ckpt}", "--export-hf", "{tmp}/out"],
+        "rank_00000.pt: the weight transformer.wte.weight holds 1 value larger than",
+        _edit_shard(0, _huge_first_weight), None),
     # 3. Artefacts whose contents lie
+    "manifest whose step is not its directory's": ("05", [*T05, "--resume", "{tmp}/run"],
+        "step_00000002/manifest.json is malformed: its step 7 is not the 2 of its directory's name", _step_dir(7), None),
+    "manifest with a step of 10**30": ("05", [*T05, "--resume", "{tmp}/run/step_00000002"],
+        "is malformed: its step 1000000000000000000000000000000 is not the 2", _step_dir(10**30), None),
     "manifest with a negative step": ("05", [*T05, "--resume", "{ckpt}"],
         "manifest.json is malformed: missing or wrong step (a whole number, at least 0; got -1)",
         _manifest(lambda m: m.update(step=-1)), None),
@@ -691,6 +746,10 @@ HOSTILE = {
     # 4. Flags accepted and then ignored
     "init from weights while resuming": ("05", ["--init-from", "{pt}", "--resume", "{ckpt}", *T05],
         "--init-from {pt} and --resume {ckpt} both give the starting weights", None, None),
+    "an empty --data": ("05", ["--data", ""], "--data: the path is empty; give the file to train on", None, None),
+    "an empty --resume": ("05", ["--resume", " "], "--resume: the path is empty", None, None),
+    "an empty --init-from": ("05", ["--init-from", ""], "--init-from: the path is empty", None, None),
+    "an empty --metrics": ("05", ["--metrics="], "--metrics: the path is empty; give the file to write", None, None),
     "an empty --export-state-dict": ("05", ["--resume", "{ckpt}", "--export-state-dict", ""],
         "--export-state-dict: the path is empty", None, None),
     "an empty --export-hf": ("05", ["--resume", "{ckpt}", "--export-hf", " "],
@@ -769,6 +828,9 @@ HOSTILE = {
     "an exercise file that raises at import": ("ex", ["check", "02", "--file", "{tmp}/mine.py"],
         "{tmp}/mine.py does not import: ZeroDivisionError: division by zero (at line 3: x = 1 / 0)",
         _stub("x = 1 / 0\n"), None),
+    "an exercise file that exits at import": ("ex", ["check", "02", "--file", "{tmp}/mine.py"],
+        "{tmp}/mine.py does not import: it calls sys.exit(0) at its top level",
+        _stub("import sys\nsys.exit(0)\n"), None),
     "an exercise file that lacks the function": ("ex", ["check", "02.1", "--file", "{tmp}/mine.py"],
         "{tmp}/mine.py has no gpipe: write 02.1's functions there, with the names and signatures of the stubs in "
         "exercises/ex02_pipeline_1f1b.py",
@@ -938,6 +1000,27 @@ def test_print_layout_summarises_a_world_of_a_billion_ranks_at_once():
 def test_the_loss_chart_draws_losses_of_plus_and_minus_1e308():
     rows = charts.ascii_chart({"train loss": ("*", [(0, 1e308), (1, 0.0), (2, -1e308)])}, width=3, height=3).splitlines()
     assert rows[0].endswith("|*  ") and rows[1].endswith("| * ") and rows[2].endswith("|  *")
+
+
+def test_overwrite_replaces_a_name_and_never_writes_through_a_hard_link_into_another_file(tmp_path, checkpoint_dir):
+    # --overwrite lets an output replace what is at its path: a new file there, not new contents for
+    # the file that path shares with another name (a checkpoint's manifest, a corpus).
+    manifest, corpus, other = os.path.join(checkpoint_dir, "manifest.json"), tmp_path / "corpus.txt", tmp_path / "o"
+    corpus.write_text("not this run's\n")
+    other.write_bytes(b"\x01\x00")
+    before = {p: open(p, "rb").read() for p in (manifest, corpus, other)}
+    os.link(manifest, tmp_path / "m.jsonl")
+    os.link(corpus, tmp_path / "t.json")
+    os.link(other, tmp_path / "y.bin")
+    flags = ["--metrics", tmp_path / "m.jsonl", "--trace", tmp_path / "t.json"]
+    assert "already exists" in run_script("05_3d_gpt.py", *T05, "--steps", "2", *flags).stderr
+    proc = run_script("05_3d_gpt.py", *T05, "--steps", "2", "--eval-every", "0", *flags, "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    prep = run_script("scripts/prepare_data.py", tmp_path / "corpus.txt", "-o", tmp_path / "y.bin", "--overwrite")
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    assert {p: open(p, "rb").read() for p in before} == before  # the other names' files, byte for byte
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2 and os.stat(tmp_path / "m.jsonl").st_nlink == 1
+    assert "traceEvents" in (tmp_path / "t.json").read_text() and (tmp_path / "y.bin").stat().st_size > 0
 
 
 def test_overwrite_lets_both_exports_replace_files_and_a_stale_weight_file_goes(tmp_path, checkpoint_dir):
