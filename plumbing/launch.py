@@ -466,6 +466,11 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
         store = dist.TCPStore(*_side, world, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
+        # Every rank's connections made before any rank goes on: one that returned (or failed) at
+        # once and exited would close its side while a slower peer still connects to it, and that
+        # peer would fail with "connection closed by peer", not with what happened.
+        store.set(f"launch/ready/{rank}", "1")
+        store.wait([f"launch/ready/{r}" for r in range(world)])
         result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)
         pipe.send_bytes(pickle.dumps(("ok", result)))
     except SENTENCES as e:  # bad input found on a rank: its sentence and where, not a traceback
