@@ -143,8 +143,9 @@ def reduce_scatter(x, group, dim):
 # ----------------------------------------------------------------------------------------------
 # The other conjugate pairs, one Function each as f and g are: the last dim split and gathered
 # (for logits), and sequence parallelism (Korthikanti et al. 2022, Section 4.2.2), which splits the
-# activations outside the tp regions along T. Its g-bar and g replace f and g: an all-reduce is a
-# reduce-scatter followed by an all-gather, so the pair moves the same bytes as f and g.
+# activations outside the tp regions along T. Its g (all-gather of T, into a tp region) and g-bar
+# (reduce-scatter of T, out of it), as the paper's Figure 5 names them, replace f and g: an
+# all-reduce is a reduce-scatter followed by an all-gather, so the pair moves the same bytes.
 
 SEQ = 1  # activations are (B, T, C): sequence parallelism splits dim 1
 
@@ -189,7 +190,7 @@ class ScatterToSP(torch.autograd.Function):
 
 
 class GatherFromSP(torch.autograd.Function):
-    """g-bar, sequence parallelism's f: all-gather T in forward; reduce-scatter T in backward."""
+    """Sequence parallelism's g (in f's place): all-gather T in forward; reduce-scatter T in backward."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -202,7 +203,7 @@ class GatherFromSP(torch.autograd.Function):
 
 
 class ReduceScatterToSP(torch.autograd.Function):
-    """Sequence parallelism's g: reduce-scatter T in forward; all-gather T in backward."""
+    """Sequence parallelism's g-bar (in g's place): reduce-scatter T in forward; all-gather T in backward."""
 
     @staticmethod
     def forward(ctx, x, group):  # each rank keeps its slice of the sum
@@ -221,12 +222,12 @@ scatter_to_sp, gather_from_sp, reduce_scatter_to_sp = ScatterToSP.apply, GatherF
 
 
 def enter_tp(x, group, sp):
-    """Into a column-parallel layer: f, or with sequence parallelism g-bar (the all-gather of T)."""
+    """Into a column-parallel layer: f, or with sequence parallelism its g (the all-gather of T)."""
     return gather_from_sp(x, group) if sp else copy_to_tp(x, group)
 
 
 def exit_tp(y, group, sp):
-    """Out of a row-parallel layer: g, or with sequence parallelism its reduce-scatter over T."""
+    """Out of a row-parallel layer: g, or with sequence parallelism its g-bar (the reduce-scatter of T)."""
     return reduce_scatter_to_sp(y, group) if sp else reduce_from_tp(y, group)
 
 

@@ -4,17 +4,19 @@ What this file adds on top of 01: the GPT-2 is cut into pp stages of contiguous 
 holds the embeddings, the last ln_f, the tied output layer and the loss). A schedule is a pure
 function (pp, m, stage) -> that stage's ordered list of actions, "F3" = forward of microbatch 3,
 "B3" = its backward. Everything else only reads those lists:
-  - rank_plan() derives the point-to-point messages around each action, batched per boundary;
-  - validate() proves every microbatch runs once each way, backward after forward, and that the
-    messages can be matched without deadlock even if every send waits for its receive;
+  - Schedule.plan() derives the point-to-point messages around each action, batched per boundary;
+  - Executor runs one rank's plan over real batched isend/irecv; pipeline_step() is one training
+    step's forward and backward on a rank: build its chunks, execute its list, sync the tied embedding;
   - simulate() replays the lists with per-action times: step time, idle time, bubble, peak
-    microbatches in flight (Section 2.2.1: bubble = (pp - 1) / m for GPipe and 1F1B alike);
-  - execute() runs one rank's list over real batched isend/irecv; pipeline_step() is one training
-    step's forward and backward on a rank: build its chunks, execute its list, sync the tied embedding.
-After the concept, one optimization: BackgroundSends, which 05's trainer turns on.
+    microbatches in flight (Section 2.2.1: bubble = (pp - 1) / m for GPipe and 1F1B alike).
+After the concept: validate(), the proof that every microbatch runs once each way, backward after
+forward, and that the messages match without deadlock even if every send waits for its receive;
+and one optimization, BackgroundSends, which 05's trainer turns on.
 GPipe (Huang et al. 2019: all forwards, then all backwards) keeps all m microbatches' activations
 alive; 1F1B (PipeDream-Flush: Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN
 Training") starts backwards as soon as possible and keeps at most pp - stage alive.
+This file knows two kinds of action, F and B (KINDS). A later file adds its own kinds by giving its
+Schedule a larger table and its Executor a method for each (06: I and W; 07: S and T).
 
 Run it:
     python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules
@@ -26,11 +28,10 @@ The demo checks GPipe and 1F1B against the serial model in float64 (loss and eve
 formula and each stage's peak stored activation bytes, with and without Megatron's deallocation.
 Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
 """
-import contextlib
 import importlib
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from fractions import Fraction
 from typing import Literal
@@ -40,7 +41,8 @@ import torch.distributed as dist
 
 from plumbing import cli, demos
 from plumbing.launch import printer, run_main
-from plumbing.meter import ActivationMeter  # what execute() counts of activation memory
+from plumbing.meter import ActivationMeter  # what the executor counts of activation memory
+from plumbing.reference import pipeline_reference
 from plumbing.trace import write_timelines
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -52,11 +54,11 @@ tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" forward or "B" backward (06 splits B into "I" and "W": see KINDS)
+    kind: str  # "F" forward or "B" backward (KINDS)
     mb: int  # microbatch
     chunk: int = 0  # which of this rank's model chunks (03's virtual stages); always 0 here
-    # 03: a steady-state forward runs with the backward after it as one pair, with no exchange in
-    # between (see rank_plan). A property of the position in a list: it takes no part in equality.
+    # 03: a steady-state forward runs with the backward after it as one pair, with no boundary in
+    # between (see run_groups). A property of the position in a list: it takes no part in equality.
     steady: bool = field(default=False, compare=False)
 
     def __str__(self):
@@ -70,8 +72,9 @@ def gpipe(pp, m, stage):
 
 def one_f_one_b(pp, m, stage):
     """PipeDream-Flush: warm up, then alternate one forward and one backward, then drain."""
-    # Stage s must run pp - s - 1 forwards before the first backward can come back to it: that
-    # is how long the first microbatch takes to reach the last stage and return.
+    # Stage s runs pp - s - 1 forwards before the steady state: that is how long the first
+    # microbatch takes to reach the last stage and come back. The steady state's first F makes
+    # pp - s in flight when B0 arrives, so the last stage (s = pp - 1) alternates from the start.
     warmup = min(pp - stage - 1, m)
     acts = [Action("F", i) for i in range(warmup)]
     for i in range(m - warmup):  # steady state: the forward of a new microbatch, the oldest backward
@@ -87,76 +90,101 @@ class ScheduleError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Messages. Chunk c of rank r is virtual stage c*pp + r of S = pp*v (the "looped" placement; 06 adds
-# another). The forward of stage k sends its output to stage k+1 as message ("act", k+1, mb); the
-# backward of stage k sends the gradient of its input to stage k-1 as ("grad", k-1, mb). Stages on
-# the same rank hand over locally.
+# Messages. Chunk c of rank r is virtual stage placement(pp, c, r) of S = pp*v. The forward of
+# stage k sends its output to stage k+1 as message ("act", k+1, mb); the backward of stage k sends
+# the gradient of its input to stage k-1 as ("grad", k-1, mb). Stages on one rank hand over locally.
 
 
 @dataclass(frozen=True)
 class Kind:
-    """What an action of one kind exchanges, as rank_plan, validate and simulate read it."""
-    flow: str | None  # "act": waits for its input from stage k-1, sends its output to k+1; "grad":
-    # waits for its output's gradient from k+1, sends its input's to k-1; None: no messages
-    after: str = ""  # the kind that must have run before it, on the same stage and microbatch
-    # (kind, "last" | "every"): an action of that kind and the same microbatch that must have run on
-    # the last stage's rank, or on every rank. A kind with waits runs once a microbatch on every rank
-    # (chunk 0), and is a collective: every rank issues them in the same order.
-    waits: tuple = ()
+    """What an action of one kind waits for and sends; Schedule.plan, simulate and validate read it."""
+    flow: str | None  # "act": takes its input from stage k-1, sends its output to k+1; "grad": takes
+    # its output's gradient from k+1, sends its input's to k-1; None: no messages
+    after: str = ""  # the kind that must have run before it on the same stage and microbatch
+    waits: object = None  # (action, rank, schedule) -> [(rank, action)] of other ranks it waits for
 
 
-# The kinds of action, named here once. F and B are this file's; 06 (zero bubble) splits B in two,
-# I (the input's gradient, sent on as B's is) and W (the weights' gradients: no messages), and runs
-# W later. 07 (vocabulary parallelism) adds the output layer's passes, run by every rank on its slice
-# of the vocabulary: S after the last stage's F (which hands its output to every rank), T after
-# every rank's S (whose all-reduce brings the softmax's statistics). A later file's kind is one more entry.
-KINDS = {"F": Kind("act"), "B": Kind("grad", "F"), "I": Kind("grad", "F"), "W": Kind(None, "I"),
-         "S": Kind(None, waits=(("F", "last"),)), "T": Kind(None, "S", waits=(("S", "every"),))}
+KINDS = {"F": Kind("act"), "B": Kind("grad", "F")}
 
 
 def looped(pp, chunk, rank):
-    """The placement of 02 and 03: chunk c of rank r is virtual stage c*pp + r. A placement is
-    part of a schedule; execute, rank_plan, validate and simulate take it (06's V is another)."""
+    """02's and 03's placement: chunk c of rank r is virtual stage c*pp + r."""
     return chunk * pp + rank
 
 
-def stage_map(pp, v, placement=looped):
-    """{virtual stage: (rank, chunk)} for the pp*v stages."""
-    return {placement(pp, c, r): (r, c) for r in range(pp) for c in range(v)}
+@dataclass
+class Schedule:
+    """Every rank's list of actions, with what it takes to read them: where each rank's chunks sit
+    in the pipeline (placement) and the kinds of action (kinds)."""
+    lists: list  # lists[r]: rank r's actions
+    placement: object = looped  # (pp, chunk, rank) -> virtual stage
+    kinds: dict = field(default_factory=lambda: KINDS)
 
+    def __post_init__(self):
+        self.pp = len(self.lists)
+        self.v = 1 + max((a.chunk for acts in self.lists for a in acts), default=0)  # chunks per rank
+        self.S = self.pp * self.v  # virtual stages
+        self.where = {self.stage(r, c): (r, c) for r in range(self.pp) for c in range(self.v)}  # -> (rank, chunk)
 
-def n_chunks(actions):
-    return 1 + max(a.chunk for a in actions)
+    def stage(self, rank, chunk):
+        return self.placement(self.pp, chunk, rank)
 
+    def needs(self, a, k):
+        """(the message action a on stage k waits for, the stage that sends it), or None."""
+        flow = self.kinds[a.kind].flow
+        if flow == "act" and k > 0:
+            return ("act", k, a.mb), k - 1
+        if flow == "grad" and k < self.S - 1:
+            return ("grad", k, a.mb), k + 1
+        return None
 
-def waits_for(a, rank, pp, v, placement=looped, grad_from=None):
-    """[(rank, action)] that action a on `rank` waits for beyond 02's messages: its kind's waits and,
-    given grad_from (07: the kind whose all-reduce brings the last stage its output's gradient), the
-    last stage's backward waits for that pass on every rank."""
-    last = stage_map(pp, v, placement)[pp * v - 1]
-    waits = KINDS[a.kind].waits + (((grad_from, "every"),) if grad_from and a.kind in "BI" and (rank, a.chunk) == last
-                                   else ())
-    return [(last[0], Action(kind, a.mb, last[1])) if where == "last" else (q, Action(kind, a.mb))
-            for kind, where in waits for q in ([None] if where == "last" else range(pp))]
+    def produces(self, a, k):
+        """The message action a on stage k sends, or None."""
+        flow = self.kinds[a.kind].flow
+        if flow == "act" and k < self.S - 1:
+            return "act", k + 1, a.mb
+        if flow == "grad" and k > 0:
+            return "grad", k - 1, a.mb
+        return None
 
+    def plan(self, rank):
+        """This rank's steps: ("run", action, stage), and between them boundaries, ("post", ops) then
+        ("wait", ops), ops = [("send" | "recv", peer rank, message)]. A boundary is one batch: the sends
+        of the previous group's outputs and the receives of the next group's inputs, posted together so
+        that two ranks exchanging with each other both make progress (Megatron's
+        send_forward_recv_backward and friends). At v = 1 each action is its own group, or F would
+        wait for B's input. Messages between two ranks are matched in the order they are posted."""
+        groups = run_groups(self.lists[rank])
+        wanted = []  # (group, source rank, message): every receive, in the order needed
+        for g, group in enumerate(groups):
+            for a in group:
+                got = self.needs(a, self.stage(rank, a.chunk))
+                if got and self.where[got[1]][0] != rank:  # from this rank itself it is a local hand-over
+                    wanted.append((g, self.where[got[1]][0], got[0]))
+        post, incoming = self.posted(rank, wanted), {}
+        for _, src, msg in sorted(wanted, key=lambda w: post[w[2]]):
+            incoming.setdefault(post[msg][0], []).append(("recv", src, msg))
+        steps, outgoing = [], []
+        for g, group in enumerate(groups):
+            ops, outgoing = outgoing + incoming.get(g, []), []
+            steps += [("post", ops), ("wait", ops)] if ops else []
+            for a in group:
+                k = self.stage(rank, a.chunk)
+                steps.append(("run", a, k))
+                out = self.produces(a, k)
+                if out and self.where[out[1]][0] != rank:
+                    outgoing.append(("send", self.where[out[1]][0], out))
+        return steps + ([("post", outgoing), ("wait", outgoing)] if outgoing else [])
 
-def needs(a, k, S=None):
-    """(the message action a on virtual stage k of S waits for, the stage that sends it), or None."""
-    flow = KINDS[a.kind].flow
-    if flow == "act" and k > 0:
-        return ("act", k, a.mb), k - 1
-    if flow == "grad" and (S is None or k < S - 1):  # S None: the caller handles the last stage
-        return ("grad", k, a.mb), k + 1
-    return None
+    def posted(self, rank, wanted):
+        """{message: (group, order)}: the group at whose boundary its receive is posted, and its place
+        among that boundary's receives. Here: the boundary before the group that needs it, in the order
+        needed, which for 02's and 03's lists is the order its sender sends in (06 posts otherwise)."""
+        return {msg: (g, i) for i, (g, _, msg) in enumerate(wanted)}
 
-
-def produces(a, k, S):
-    flow = KINDS[a.kind].flow
-    if flow == "act":
-        return ("act", k + 1, a.mb) if k < S - 1 else None
-    if flow == "grad":
-        return ("grad", k - 1, a.mb) if k > 0 else None
-    return None
+    def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
+        """What runs this schedule's actions on a rank (06 and 07 return their own Executors)."""
+        return Executor(self, chunks, pp_group, wire, exchange, deallocate)
 
 
 def run_groups(actions):
@@ -170,280 +198,153 @@ def run_groups(actions):
     return groups
 
 
-def lockstep(schedule, pp, placement=looped):
-    """Every rank's list run in rounds: in each round each rank runs its next group of actions if the
-    messages they wait for were sent in an earlier round. Returns ({message: (round, n)}, n counting
-    the messages in the order they were sent; [the round each group ran in, per rank])."""
-    v = n_chunks([a for acts in schedule for a in acts])
-    S, where, groups = pp * v, stage_map(pp, v, placement), [run_groups(acts) for acts in schedule]
-    sent, ran, t = {}, [[] for _ in range(pp)], 0
-    while any(len(ran[r]) < len(groups[r]) for r in range(pp)):
-        now, moved = {}, False
-        for r in range(pp):
-            group = groups[r][len(ran[r])] if len(ran[r]) < len(groups[r]) else []
-            inputs = [needs(a, placement(pp, a.chunk, r), S) for a in group]
-            if group and all(got is None or where[got[1]][0] == r or got[0] in sent for got in inputs):
-                ran[r].append(t)
-                moved = True
-                for a in group:
-                    out = produces(a, placement(pp, a.chunk, r), S)
-                    now.update({out: (t, len(sent) + len(now))} if out else {})
-        if not moved:
-            raise ScheduleError("deadlock: in lockstep, no rank can run its next action")
-        sent.update(now)
-        t += 1
-    return sent, ran
-
-
-def rank_plan(actions, rank, pp, placement=looped, schedule=None):
-    """This rank's steps: ("comm", ops) boundaries and ("run", action). Each boundary is one
-    batch: the sends of the previous group's outputs and the receives of the next group's inputs,
-    posted together so that two ranks exchanging with each other both make progress (Megatron's
-    send_forward_recv_backward and friends). In 03's interleaved steady state a forward and a
-    backward form one group: a boundary between them can make two ranks wait on each other, and
-    validate() finds that cycle. At v = 1 each action has its own, or F would wait for B's input.
-    Messages between two ranks are matched in the order they are posted, and each receive is
-    posted in the boundary before the action that needs it: for 02's and 03's lists that is the
-    order their senders send in. Not for 06's, where activations and gradients travel the same way
-    between two ranks: given schedule (every rank's list), a receive is posted at the boundary this
-    rank has reached when, with every list run in lockstep, its sender sends it (torch's pipelining
-    lowers its schedules so too). Receives are then posted in the order sent, and every boundary's
-    sends and receives meet their peers' at the same round: no rank can wait on another in a cycle."""
-    v = n_chunks(schedule[rank] if schedule else actions)
-    S, where = pp * v, stage_map(pp, v, placement)
-    groups = run_groups(actions)
-    wanted = []  # (group, source rank, message): every receive, in the order needed
-    for g, group in enumerate(groups):
-        for a in group:
-            got = needs(a, placement(pp, a.chunk, rank), S)
-            if got and where[got[1]][0] != rank:  # from this rank itself it is a local hand-over
-                wanted.append((g, where[got[1]][0], got[0]))
-    post, sent = {msg: g for g, _, msg in wanted}, {}  # the boundary each receive is posted at
-    if schedule:
-        sent, ran = lockstep(schedule, pp, placement)
-        post = {msg: next(g for g, t in enumerate(ran[rank]) if t > sent[msg][0]) for msg in post}
-    # 07's vocabulary passes exchange nothing of 02's: the boundary before the next action is posted
-    # before them and waited for after them (see during), so that it stays one batch (sends cut from
-    # the receives could deadlock) and the passes never wait for the pipeline's messages.
-    first = list(range(len(groups)))
-    for g in range(1, len(groups)):
-        if all(KINDS[a.kind].waits for a in groups[g - 1]):
-            first[g] = first[g - 1]
-    incoming = {}  # group -> [("recv", src, message)], in the order posted
-    for _, src, msg in sorted(wanted, key=lambda w: (post[w[2]], sent.get(w[2], 0))):
-        incoming.setdefault(first[post[msg]], []).append(("recv", src, msg))
-    steps, outgoing = [], []
-    for g, group in enumerate(groups):
-        if outgoing or incoming.get(g):
-            steps.append(("comm", outgoing + incoming.get(g, [])))
-            outgoing = []
-        for a in group:
-            steps.append(("run", a))
-            out = produces(a, placement(pp, a.chunk, rank), S)
-            if out and where[out[1]][0] != rank:
-                outgoing.append(("send", where[out[1]][0], out))
-    if outgoing:
-        steps.append(("comm", outgoing))
-    return steps
-
-
-def validate(schedule, pp, m, placement=looped, lockstep=False, grad_from=None):
-    """Raise ScheduleError unless the per-rank lists are complete, ordered and deadlock-free.
-    lockstep: check the plans whose receives are posted in lockstep with their senders (rank_plan
-    given every list), which execute(schedule=...) runs; 06's schedules need them. grad_from: 07's
-    (see waits_for); its passes' collectives must be issued in the same order on every rank."""
-    v = n_chunks([a for acts in schedule for a in acts])
-    where = stage_map(pp, v, placement)
-    passes = sorted({a.kind for acts in schedule for a in acts if KINDS[a.kind].waits})  # 07's, once a microbatch
-    for r, acts in enumerate(schedule):
-        kinds = "FIW" if any(a.kind in "IW" for a in acts) else "FB"  # B, or its two halves (06)
-        want = Counter(Action(k, i, c) for k in kinds for i in range(m) for c in range(v))
-        want += Counter(Action(k, i) for k in passes for i in range(m))
-        have = Counter(acts)
-        for a in want - have:
-            raise ScheduleError(f"rank {r} never runs {a}")
-        for a in have - want:
-            raise ScheduleError(f"rank {r} runs {a} more often than once, or it does not exist")
-        at = {a: i for i, a in enumerate(acts)}
-        for a in acts:
-            before = KINDS[a.kind].after and Action(KINDS[a.kind].after, a.mb, a.chunk)
-            if before and at[a] < at[before]:
-                raise ScheduleError(f"rank {r} runs {a} before {'its forward' if before.kind == 'F' else before}")
-            got = needs(a, placement(pp, a.chunk, r), pp * v)
-            if got and where[got[1]][0] == r:  # fed by this rank itself: it must come earlier in the list
-                dep = Action(a.kind, a.mb, where[got[1]][1])
-                if at[dep] > at[a]:
-                    raise ScheduleError(f"deadlock: rank {r} runs {a} before {dep}, which feeds it")
-        order = [a for a in acts if a.kind in passes]  # collectives: gloo and NCCL match them by order
-        first = [a for a in schedule[0] if a.kind in passes]
-        if order != first:
-            n = next(i for i, (x, y) in enumerate(zip(order + [None], first + [None])) if x != y)
-            raise ScheduleError(f"rank {r} issues its collectives in another order than rank 0: the "
-                                f"{n}th is {order[n] if n < len(order) else 'none'} there, "
-                                f"{first[n] if n < len(first) else 'none'} on rank 0")
-    _check_channels_and_progress([rank_plan(acts, r, pp, placement, schedule if lockstep else None)
-                                  for r, acts in enumerate(schedule)], pp,
-                                 lambda r, a: waits_for(a, r, pp, v, placement, grad_from))
-
-
-def during(plan, i):
-    """The steps after plan[i], a boundary, that run while its messages travel: 07's passes."""
-    j = i + 1
-    while j < len(plan) and plan[j][0] == "run" and KINDS[plan[j][1].kind].waits:
-        j += 1
-    return plan[i + 1:j]
-
-
-def _check_channels_and_progress(plans, pp, waits=lambda rank, action: []):
-    """Every channel's sends and receives match, and every rank gets through its plan. waits(rank,
-    action): [(rank, action)] it waits for beyond the messages (07's vocabulary passes)."""
-    posts = {}  # (src, dst, "send" | "recv") -> [(message, step index at the posting rank)]
-    for r, plan in enumerate(plans):
-        for i, (kind, ops) in enumerate(plan):
-            for side, peer, msg in ops if kind == "comm" else []:
-                ch = (r, peer) if side == "send" else (peer, r)
-                posts.setdefault((*ch, side), []).append((msg, i))
-    # Messages between two ranks are matched in the order they are posted: the sender's order and
-    # the receiver's must agree message by message, or data would land in the wrong buffer.
-    needs_peer = [[[] for _ in plan] for plan in plans]  # what each step waits for: (peer, step it reached)
-    for src, dst in {(s, d) for s, d, _ in posts}:
-        sends, recvs = posts.get((src, dst, "send"), []), posts.get((src, dst, "recv"), [])
-        for n, ((x, bs), (y, br)) in enumerate(zip(sends, recvs)):
-            if x != y:
-                raise ScheduleError(f"rank {src} -> rank {dst}: message {n} is {x} when sent but {y} when received")
-            needs_peer[src][bs].append((dst, br))
-            needs_peer[dst][br].append((src, bs))
-        if len(sends) != len(recvs):
-            raise ScheduleError(f"rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
-    # Each rank's events: a boundary is posted, the passes during it run, then it is waited for.
-    events, at = [[] for _ in plans], {}  # at: (rank, step index) -> index of its post or run event
-    for r, plan in enumerate(plans):
-        quiet = set()
-        for i, (kind, step) in enumerate(plan):
-            if i in quiet:
-                continue
-            at[(r, i)] = len(events[r])
-            events[r].append(("post", i) if kind == "comm" else ("run", i))
-            if kind == "comm":
-                for j in range(i + 1, i + 1 + len(during(plan, i))):
-                    quiet.add(j)
-                    at[(r, j)] = len(events[r])
-                    events[r].append(("run", j))
-                events[r].append(("wait", i))
-    ran = {(r, step): at[(r, i)] for r, plan in enumerate(plans) for i, (kind, step) in enumerate(plan) if kind == "run"}
-    blocked = [[[(q, at[(q, j)] + 1) for q, j in needs_peer[r][i]] if kind == "wait" else  # its peers posted
-                [(q, ran[(q, b)] + 1) for q, b in waits(r, plans[r][i][1])] if kind == "run" else []  # 07's
-                for kind, i in evs] for r, evs in enumerate(events)]
-    # Progress with rendezvous semantics (a send completes only once its receive is posted, as a
-    # large NCCL send does): a rank leaves a boundary once every op in it has been posted by its peer.
-    # execute()'s background sends only relax this (a boundary waits for its receives and for the
-    # previous boundary's sends, each a wait this model makes no later), so what passes runs either way.
-    pos, moved = [0] * pp, True
-    while moved:
-        moved = False
-        for r in range(pp):
-            while pos[r] < len(events[r]) and all(pos[q] >= e for q, e in blocked[r][pos[r]]):
-                pos[r] += 1
-                moved = True
-    stuck = [r for r in range(pp) if pos[r] < len(events[r])]
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(_waiting(r, plans[r][events[r][pos[r]][1]], waits) for r in stuck))
-
-
-def _waiting(r, step, waits):
-    kind, what = step
-    if kind == "comm":
-        return f"rank {r} waits to {' and '.join(f'{o[0]} {o[2]} with rank {o[1]}' for o in what)}"
-    return f"rank {r} waits to run {what} until " + " and ".join(f"rank {q} has run {b}" for q, b in waits(r, what))
-
-
 # ----------------------------------------------------------------------------------------------
-# The simulator: replay the lists with per-action times, t_f and t_b one for every rank or a list of
-# each rank's. Sends are buffered (a stage starts once its input has arrived); exact with ints.
+# The executor: runs exactly one rank's plan. Receive -> compute -> send, for each action.
 
 
 @dataclass
-class Simulation:
-    step_time: object
-    idle: list  # per rank: the step time less its busy time
-    bubble: object  # total idle / total busy time: (pp - 1) / m for uniform times
-    peak_in_flight: list  # per rank: most microbatches (x chunks) forwarded but not yet backwarded
-    timeline: list  # per rank: [(start, end, action)]
-    span_idle: list = field(default_factory=list)  # per rank: idle between its own first start and last end
-    peak_memory: list = field(default_factory=list)  # per rank: peak_in_flight, with what W still holds (06)
+class Wire:
+    """A boundary tensor travels as itself, in buffers of `shape` (05's ScatterGather sends 1/tp)."""
+    shape: tuple
+
+    def pack(self, t):
+        return t
+
+    def unpack(self, buf):
+        return buf
 
 
-def peak_in_flight(actions, w_share=0):
-    """The most microbatches (x chunks) forwarded and not yet backwarded. w_share (06): a backward
-    split in two frees all but w_share of a microbatch's activations at I, the rest at W."""
-    live = peak = 0
-    for a in actions:
-        live += {"F": 1, "B": -1, "I": w_share - 1, "W": -w_share}.get(a.kind, 0)
-        peak = max(peak, live)
-    return peak
+class Exchange:
+    """A boundary's sends and receives: posted as one batch, then all waited for. wait() returns
+    the messages whose sends completed: their tensors may now change, or be freed."""
+
+    def post(self, ops):
+        return dist.batch_isend_irecv(ops)
+
+    def wait(self, works, ops, sent):
+        for work in works:
+            work.wait()
+        return sent
+
+    def flush(self):
+        """At the step's end: the messages whose sends are still in flight, once they completed."""
+        return []
 
 
-def simulate(schedule, pp, t_f=1, t_b=2, t_comm=0, times=None, placement=looped, w_share=0, grad_from=None):
-    """Deterministic replay: each action starts when its rank is free and its input has arrived.
-    times: {kind: time} for kinds other than F and B (06's I and W, 07's S and T), each a number or
-    a list per rank as t_f and t_b are; w_share: see peak_in_flight; grad_from: 07's (waits_for):
-    an action waiting for actions of other ranks starts t_comm after the last of them ends."""
-    v = n_chunks([a for acts in schedule for a in acts])
-    S, where = pp * v, stage_map(pp, v, placement)
-    per_rank = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * pp  # noqa: E731
-    times = {kind: per_rank(t) for kind, t in {"F": t_f, "B": t_b, **(times or {})}.items()}
-    done, ran, clock, nxt = {}, {}, [0] * pp, [0] * pp
-    timeline = [[] for _ in range(pp)]
-    while any(nxt[r] < len(schedule[r]) for r in range(pp)):
-        moved = False
-        for r in range(pp):
-            while nxt[r] < len(schedule[r]):
-                a = schedule[r][nxt[r]]
-                k, kind = placement(pp, a.chunk, r), KINDS[a.kind]
-                got = needs(a, k, S)  # the message from another stage, and what runs before on this one
-                deps = ([(kind.flow, got[1])] if got else []) + ([(kind.after, k)] if kind.after else [])
-                others = waits_for(a, r, pp, v, placement, grad_from)  # 07's: actions of other ranks
-                if any((dep, st, a.mb) not in done for dep, st in deps) or any(w not in ran for w in others):
-                    break
-                start = max([clock[r]] + [done[(dep, st, a.mb)] + (t_comm if where[st][0] != r else 0)
-                                          for dep, st in deps] + [ran[w] + t_comm for w in others])
-                end = start + times[a.kind][r]
-                done[(a.kind, k, a.mb)] = done[(kind.flow, k, a.mb)] = ran[(r, a)] = clock[r] = end
-                timeline[r].append((start, end, a))
-                nxt[r] += 1
-                moved = True
-        if not moved:
-            raise ScheduleError("deadlock: no rank can start its next action")
-    step = max(clock)
-    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
-    idle = [step - b for b in busy]
-    bubble = Fraction(sum(idle), sum(busy)) if all(isinstance(x, int) for x in idle + busy) else sum(idle) / sum(busy)
-    span_idle = [tl[-1][1] - tl[0][0] - b if tl else 0 for tl, b in zip(timeline, busy)]
-    return Simulation(step, idle, bubble, [peak_in_flight(acts) for acts in schedule], timeline, span_idle,
-                      [peak_in_flight(acts, w_share) for acts in schedule])
+@dataclass
+class StepResult:
+    loss: object  # the global mean loss on the rank holding the last stage, else None
+    events: list  # [(start_s, end_s, action)] in the order they ran
+    peak_activation_bytes: int  # most bytes saved for backward (plus kept outputs) at a boundary
+    messages: int
+    bytes_sent: int
+    waits: list = field(default_factory=list)  # [(start_s, end_s, n_ops)]: each batched exchange
 
 
-def render(timeline, width=100, end=None):
-    """ASCII timeline, one row per rank as in the paper's Figures 3 and 4: forwards are written
-    F<mb> padded with spaces, backwards B<mb> padded with '=' (06's I<mb> too, and W<mb> with '-'),
-    idle time '.'; odd model chunks (03) in lower case, f<mb> and b<mb>. `end` fixes the time at the
-    right edge, so that two timelines can share one scale."""
-    end = end or max(e for tl in timeline for _, e, _ in tl) or 1
-    scale = width / float(end)
-    rows = []
-    for r, tl in enumerate(timeline):
-        row = ["."] * width
-        for s, e, a in tl:
-            lo, hi = round(s * scale), max(round(e * scale), round(s * scale) + 1)
-            name = (a.kind if a.chunk % 2 == 0 else a.kind.lower()) + str(a.mb)
-            text = name.ljust(hi - lo, {"F": " ", "W": "-"}.get(a.kind, "="))[: hi - lo]
-            row[lo:hi] = text
-        rows.append(f"rank {r} |{''.join(row)[:width]}|")
-    return "\n".join(rows)
+class Executor:
+    """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire is how
+    a boundary tensor travels; deallocate frees each sent output once its send completed (Megatron's
+    trick: backward needs its graph, not its values). An action of kind K runs as run_K(action,
+    stage): F and B here. Gradients accumulate in the chunks' parameters; clock and t0 time the
+    events (05's --trace sets its own)."""
+
+    def __init__(self, schedule, chunks, pp_group, wire, exchange=None, deallocate=True):
+        self.schedule, self.chunks, self.pp_group, self.wire, self.deallocate = schedule, chunks, pp_group, wire, deallocate
+        self.plan, self.last = schedule.plan(dist.get_rank(pp_group)), schedule.S - 1
+        self.remote = {m for kind, *s in self.plan if kind == "post" for side, _, m in s[0] if side == "send"}
+        self.exchange, self.clock, self.t0 = exchange or Exchange(), time.perf_counter, None
+
+    def run(self, microbatches, valid=None, ignore_index=-100):
+        """Run the plan on microbatches [(idx, targets)]. The loss of microbatch i is weighted by its
+        share valid[i] / sum(valid) of the tokens that count (not ignore_index), so the sum is the
+        serial model's mean loss. Pass valid, counted on the host, to keep device read-backs out."""
+        self.micro, self.valid = microbatches, valid or [int((t != ignore_index).sum()) for _, t in microbatches]
+        self.n_valid = max(sum(self.valid), 1)  # a microbatch with no valid target weighs 0: adds nothing
+        self.box, self.inputs, self.outputs, self.sending = {}, {}, {}, {}  # box: messages, by key
+        self.meter, self.t0 = ActivationMeter(self.chunks, self.outputs), self.clock() if self.t0 is None else self.t0
+        self.events, self.waits, self.loss, self.n_msgs, self.n_bytes = [], [], None, 0, 0
+        for kind, *step in self.plan:
+            {"run": self.act, "post": self.post, "wait": self.wait}[kind](*step)
+        for msg in self.exchange.flush():  # nothing is left in flight when the caller goes on
+            self.sent(msg)
+        return StepResult(self.loss, self.events, self.meter.peak, self.n_msgs, self.n_bytes, self.waits)
+
+    def run_F(self, a, k):  # receive -> forward -> send
+        x = self.input(a.mb) if k == 0 else self.box.pop(("act", k, a.mb)).requires_grad_()
+        with self.meter.forward((a.chunk, a.mb)):
+            y = self.chunks[a.chunk](x, self.micro[a.mb][1] if k == self.last else None)
+        if k == self.last:
+            y = self.output(a.mb, y)
+        else:  # to the next stage: sent from the box at the next boundary, or handed over on this rank
+            self.box[("act", k + 1, a.mb)] = y.detach()
+            if ("act", k + 1, a.mb) in self.remote:  # the meter counts an output once its send completed
+                self.meter.unsent.add((a.chunk, a.mb))
+        self.inputs[(a.chunk, a.mb)], self.outputs[(a.chunk, a.mb)] = x, y
+
+    def input(self, mb):
+        return self.micro[mb][0]  # the first stage's input: the token ids
+
+    def output(self, mb, y):
+        """The last stage's (logits, loss): the loss, weighted by its share of the valid tokens."""
+        loss = y[1] * (self.valid[mb] / self.n_valid)
+        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+        return loss
+
+    def run_B(self, a, k):  # receive the output's gradient -> backward -> send the input's gradient
+        x, y = self.inputs.pop((a.chunk, a.mb)), self.outputs.pop((a.chunk, a.mb))
+        self.meter.saved.pop((a.chunk, a.mb))
+        torch.autograd.backward(y, self.box.pop(("grad", k, a.mb)) if k < self.last else self.output_grad(a.mb))
+        if k > 0:
+            self.box[("grad", k - 1, a.mb)] = x.grad
+
+    def output_grad(self, mb):
+        return None  # the last stage's output is the loss: its backward starts from 1
+
+    def act(self, a, k):
+        start = self.clock() - self.t0
+        getattr(self, "run_" + a.kind)(a, k)
+        self.events.append((start, self.clock() - self.t0, a))
+        self.meter.measure()
+
+    def post(self, ops):
+        p2p, peer = [], lambda r: dist.get_global_rank(self.pp_group, r)  # noqa: E731
+        for side, r, msg in ops:
+            if side == "send":
+                self.sending[msg] = self.box.pop(msg)  # kept until the send completed (sent())
+                t = self.wire.pack(self.sending[msg])
+                self.n_msgs, self.n_bytes = self.n_msgs + 1, self.n_bytes + t.numel() * t.element_size()
+                p2p.append(dist.P2POp(dist.isend, t, peer(r), self.pp_group))
+            else:  # poisoned, so a receive that never happened shows up as NaN
+                p = next(self.chunks[0].parameters())
+                self.box[msg] = torch.full(self.wire.shape, float("nan"), dtype=p.dtype, device=p.device)
+                p2p.append(dist.P2POp(dist.irecv, self.box[msg], peer(r), self.pp_group))
+        self.p2p, self.works = p2p, self.exchange.post(p2p)
+
+    def wait(self, ops):
+        start = self.clock() - self.t0
+        for msg in self.exchange.wait(self.works, self.p2p, [msg for side, _, msg in ops if side == "send"]):
+            self.sent(msg)
+        for side, _, msg in ops:
+            if side == "recv":
+                self.box[msg] = self.wire.unpack(self.box[msg])
+        self.waits.append((start, self.clock() - self.t0, len(ops)))
+        self.meter.measure()
+
+    def sent(self, msg):  # its send completed: the tensor may change or be freed now
+        t = self.sending.pop(msg)
+        if msg[0] == "act":  # a stage output: backward needs its graph, not its values
+            self.meter.unsent.discard((self.schedule.where[msg[1] - 1][1], msg[2]))
+            if self.deallocate:
+                t.untyped_storage().resize_(0)
+
+
+def execute(schedule, chunks, pp_group, microbatches, wire, valid=None, exchange=None, deallocate=True):
+    """Run this rank's part of `schedule` (see Executor) on microbatches; returns a StepResult."""
+    return schedule.executor(chunks, pp_group, wire, exchange, deallocate).run(microbatches, valid)
 
 
 # ----------------------------------------------------------------------------------------------
-# Stages: the GPT-2 of 01, cut into contiguous chunks of layers.
+# Stages: the GPT-2 of 01, cut into contiguous chunks of layers; one step on one rank.
 
 
 def split_layers(n_layer, n_stages):
@@ -478,173 +379,6 @@ def split_batch(idx, targets, m):
     return list(zip(idx.chunk(m), targets.chunk(m)))
 
 
-def check_world(pp, world_size):
-    if pp != world_size:
-        raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
-
-
-# ----------------------------------------------------------------------------------------------
-# The executor: runs exactly one rank's list, with the messages rank_plan derives from it. 05 plugs
-# into it through two arguments, each named here once: wire= is how a boundary tensor travels (05's
-# scatter/gather), clock= reads the time of its events (05's --trace); exchange= is an optimization
-# (BackgroundSends, at the end of this file). 06 (zero bubble) through three: placement= and
-# schedule= (see rank_plan), and split=, the backward split that runs its I and W actions. 07
-# (vocabulary parallelism) through one: vocab=, the vocabulary passes that run its S and T actions.
-
-
-@dataclass
-class StepResult:
-    loss: object  # the global mean loss on the rank holding the last stage, else None
-    events: list  # [(start_s, end_s, action)] in the order they ran
-    peak_activation_bytes: int  # most bytes saved for backward (plus kept outputs) at a boundary
-    messages: int
-    bytes_sent: int
-    waits: list = field(default_factory=list)  # [(start_s, end_s, n_ops)]: each batched exchange
-
-
-@dataclass
-class Wire:
-    """A boundary tensor travels as itself, in buffers of `shape`."""
-    shape: tuple
-
-    def pack(self, t):
-        return t
-
-    def unpack(self, buf):
-        return buf
-
-
-class Exchange:
-    """A boundary's sends and receives, posted as one batch and all waited for before the next
-    action runs. Returns the messages sent: their tensors may now change, or be freed."""
-
-    def __call__(self, ops, sent, meanwhile=lambda: None):
-        works = dist.batch_isend_irecv(ops)
-        meanwhile()  # what runs while the messages travel: 07's vocabulary passes (rank_plan)
-        for work in works:
-            work.wait()
-        return sent
-
-    def flush(self):
-        """At the step's end: the messages whose sends are still in flight, once they completed."""
-        return []
-
-
-def execute(actions, chunks, pp_group, microbatches, act_shape, *, deallocate=True, valid=None,
-            ignore_index=-100, wire=None, exchange=None, clock=time.perf_counter, t0=None,
-            placement=looped, schedule=None, split=None, vocab=None):
-    """Run this rank's actions. chunks[c] is virtual stage placement(pp, c, rank); microbatches is
-    the list of (idx, targets); act_shape is the shape of a stage's output. Gradients accumulate in
-    the chunks' parameters; the loss of microbatch i is weighted by its share valid[i] / sum(valid)
-    of the tokens that count (not ignore_index), so the sum is the serial model's mean loss. Pass
-    valid, counted on the host, to keep device read-backs out of the loop (None: counted here).
-    deallocate: free each sent output's storage once its send completed (Megatron's trick).
-    schedule: every rank's list (receives in their sender's order, rank_plan). split: 06's
-    BackwardSplit, for lists with I and W: split.input(key) is the context in which I's backward
-    computes input gradients only, split.held(key) what it kept for W (counted as activations until
-    then), split.weight(key) runs W. vocab: 07's vocabulary passes, for lists with S and T:
-    vocab.start(microbatches, valid) runs the input layer, whose output vocab.input(mb) is the
-    first stage's input; the last stage's output goes to vocab.output(mb, y) instead of a loss, and
-    its backward starts from vocab.output_grad(mb); vocab.run(action) runs S and T; vocab.finish()
-    runs the input layer's backward and returns the loss (on the last stage's rank, else None)."""
-    wire, exchange = wire or Wire(act_shape), exchange or Exchange()
-    rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    S, where = pp * len(chunks), stage_map(pp, len(chunks), placement)
-    dtype, device = next(chunks[0].parameters()).dtype, next(chunks[0].parameters()).device
-    valid = valid or [int((t != ignore_index).sum()) for _, t in microbatches]
-    n_valid = max(sum(valid), 1)  # a microbatch with no valid target weighs 0: it adds nothing
-    inbox, outbox, inputs, outputs = {}, {}, {}, {}
-    meter, t0 = ActivationMeter(chunks, outputs), clock() if t0 is None else t0
-    events, waits, loss, n_msgs, n_bytes = [], [], None, 0, 0
-    if vocab:
-        vocab.start(microbatches, valid)
-
-    def sent(msg):  # its send completed: the tensor may change now
-        if msg[0] == "act":
-            key = (where[msg[1] - 1][1], msg[2])  # the output's chunk; its backward may have run already
-            meter.unsent.discard(key)
-            if deallocate and key in outputs:  # backward does not read a stage's output (its last op
-                outputs[key].untyped_storage().resize_(0)  # is an add): free it, keep its graph
-
-    def run(a):
-        nonlocal loss
-        start = clock() - t0
-        k, key = placement(pp, a.chunk, rank), (a.chunk, a.mb)
-        idx, targets = microbatches[a.mb]
-        if a.kind == "F":  # receive -> forward -> send
-            x = (vocab.input(a.mb) if vocab else idx) if k == 0 else inbox.pop(("act", k, a.mb)).requires_grad_()
-            with meter.forward(key):
-                y = chunks[a.chunk](x, targets if k == S - 1 and not vocab else None)
-            if k == S - 1 and vocab:  # 07: the output layer is every rank's, in S and T
-                vocab.output(a.mb, y)
-            elif k == S - 1:
-                y = y[1] * (valid[a.mb] / n_valid)
-                loss = y.detach() if loss is None else loss + y.detach()
-            elif where[k + 1][0] == rank:  # the next stage is one of this rank's own chunks
-                inbox[("act", k + 1, a.mb)] = y.detach()
-            else:
-                outbox[("act", k + 1, a.mb)] = wire.pack(y.detach())
-                meter.unsent.add(key)
-            inputs[key], outputs[key] = x, y
-        elif a.kind == "W":  # 06: the weight gradients its I left for later; no messages
-            split.weight(key)
-            meter.saved.pop(key)
-        elif KINDS[a.kind].waits:  # 07: S or T, on this rank's slice of the vocabulary
-            vocab.run(a)
-        else:  # B, or 06's I: receive the output's gradient -> backward -> send the input's gradient
-            x, y = inputs.pop(key), outputs.pop(key)
-            meter.saved.pop(key)
-            grad = inbox.pop(("grad", k, a.mb)) if k < S - 1 else vocab.output_grad(a.mb) if vocab else None
-            with split.input(key) if a.kind == "I" else contextlib.nullcontext():
-                torch.autograd.backward(y, grad)
-            if a.kind == "I":
-                meter.saved[key] = split.held(key)  # what W still needs, until it runs
-            if k > 0:
-                box = inbox if where[k - 1][0] == rank else outbox
-                box[("grad", k - 1, a.mb)] = x.grad if box is inbox else wire.pack(x.grad)
-        events.append((start, clock() - t0, a))
-        meter.measure()
-
-    plan = rank_plan(actions, rank, pp, placement, schedule)
-    i = 0
-    while i < len(plan):
-        kind, step = plan[i]
-        if kind == "run":
-            run(step)
-            i += 1
-            continue
-        ops, start = [], clock() - t0  # one batch: this boundary's sends and receives, posted together
-        for side, peer, msg in step:
-            if side == "send":
-                t = outbox.pop(msg)
-                ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(pp_group, peer), pp_group))
-                n_msgs, n_bytes = n_msgs + 1, n_bytes + t.numel() * t.element_size()
-            else:  # poisoned, so a receive that never happened shows up as NaN
-                inbox[msg] = torch.full(wire.shape, float("nan"), dtype=dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, inbox[msg], dist.get_global_rank(pp_group, peer), pp_group))
-        quiet = during(plan, i)  # 07's passes, while the messages travel
-
-        def meanwhile():
-            nonlocal start
-            for _, a in quiet:
-                run(a)
-            start = clock() - t0 if quiet else start  # the wait begins after them
-
-        for msg in exchange(ops, [msg for side, _, msg in step if side == "send"], meanwhile):
-            sent(msg)
-        for side, _, msg in step:
-            if side == "recv":
-                inbox[msg] = wire.unpack(inbox[msg])
-        waits.append((start, clock() - t0, len(ops)))
-        meter.measure()
-        i += 1 + len(quiet)
-    for msg in exchange.flush():  # the end of the step: nothing is left in flight when the caller goes on
-        sent(msg)
-    if vocab:
-        loss = vocab.finish()
-    return StepResult(loss, events, meter.peak, n_msgs, n_bytes, waits)
-
-
 def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
     """The output layer is tied to the token embedding. With pp > 1 the first and the last stage
     each hold a copy; summing their gradients over the embedding group (Megatron's) keeps the
@@ -661,24 +395,166 @@ def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
             g.copy_(grads[0])
 
 
-def pipeline_step(cfg, actions, pp_group, embed_group, full, microbatches, deallocate=True):
+def pipeline_step(cfg, schedule, pp_group, embed_group, full, microbatches, deallocate=True):
     """One forward and backward of the whole batch on this rank: its chunks built from the full
     weights, its list of actions run, the tied embedding's gradients summed. Returns (chunks, result)."""
-    pp, rank, dtype = dist.get_world_size(pp_group), dist.get_rank(pp_group), full["transformer.wte.weight"].dtype
-    device = microbatches[0][0].device
-    chunks = build_chunks(cfg, pp, rank, n_chunks(actions), init=False, dtype=dtype, device=device)
+    pp, rank, dtype = schedule.pp, dist.get_rank(pp_group), full["transformer.wte.weight"].dtype
+    chunks = build_chunks(cfg, pp, rank, schedule.v, init=False, dtype=dtype, device=microbatches[0][0].device)
     for c in chunks:
         c.load_full_state_dict(full)
-    act_shape = (*microbatches[0][0].shape, cfg.n_embd)  # a stage's output: (b, T, C)
-    result = execute(actions, chunks, pp_group, microbatches, act_shape, deallocate=deallocate)
+    wire = Wire((*microbatches[0][0].shape, cfg.n_embd))  # a stage's output: (b, T, C)
+    result = execute(schedule, chunks, pp_group, microbatches, wire, deallocate=deallocate)
     sync_tied_embeddings(chunks, embed_group)
     return chunks, result
 
 
-def differences(chunks, result, ref_loss, ref_grads):
-    """The largest relative difference of this rank's loss (on the last stage) and gradients from serial."""
-    diffs = [tensor_parallel.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
-    return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
+# ----------------------------------------------------------------------------------------------
+# The simulator: replay the lists with per-action times, t_f and t_b one for every rank or a list of
+# each rank's. Sends are buffered (a stage starts once its input has arrived); exact with ints.
+
+
+@dataclass
+class Simulation:
+    step_time: object
+    idle: list  # per rank: the step time less its busy time
+    bubble: object  # total idle / total busy time: (pp - 1) / m for uniform times
+    peak_in_flight: list  # per rank: most microbatches (x chunks) forwarded but not yet backwarded
+    timeline: list  # per rank: [(start, end, action)]
+    span_idle: list  # per rank: idle between its own first start and last end
+
+
+def peak_in_flight(actions, kinds=KINDS):
+    """The most microbatches (x chunks) forwarded ("act") and not yet backwarded ("grad")."""
+    live = peak = 0
+    for a in actions:
+        live += {"act": 1, "grad": -1}.get(kinds[a.kind].flow, 0)
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(schedule, t_f=1, t_b=2, t_comm=0, times=None):
+    """Deterministic replay: each action starts when its rank is free and what it waits for has
+    ended: its input (t_comm later from another rank), the action of kind Kind.after on its stage,
+    and any actions of other ranks (Kind.waits; t_comm later). times: {kind: time} for kinds
+    other than F and B (06's I and W), each a number or a list per rank, as t_f and t_b are."""
+    pp, lists = schedule.pp, schedule.lists
+    per_rank = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * pp  # noqa: E731
+    times = {kind: per_rank(t) for kind, t in {"F": t_f, "B": t_b, **(times or {})}.items()}
+    done, clock, nxt, timeline = {}, [0] * pp, [0] * pp, [[] for _ in range(pp)]
+    while any(nxt[r] < len(lists[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while nxt[r] < len(lists[r]):
+                a = lists[r][nxt[r]]
+                k, kind = schedule.stage(r, a.chunk), schedule.kinds[a.kind]
+                got = schedule.needs(a, k)  # (key of what it waits for, delay once that ended)
+                deps = ([((kind.flow, got[1], a.mb), t_comm * (schedule.where[got[1]][0] != r))] if got else []) \
+                    + ([((kind.after, k, a.mb), 0)] if kind.after else []) \
+                    + [(w, t_comm) for w in (kind.waits(a, r, schedule) if kind.waits else [])]
+                if any(dep not in done for dep, _ in deps):
+                    break
+                start = max([clock[r]] + [done[dep] + delay for dep, delay in deps])
+                end = clock[r] = start + times[a.kind][r]
+                done[(a.kind, k, a.mb)] = done[(kind.flow, k, a.mb)] = done[(r, a)] = end
+                timeline[r].append((start, end, a))
+                nxt[r] += 1
+                moved = True
+        if not moved:
+            raise ScheduleError("deadlock: no rank can start its next action")
+    step = max(clock)
+    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
+    idle = [step - b for b in busy]
+    bubble = Fraction(sum(idle), sum(busy)) if all(isinstance(x, int) for x in idle + busy) else sum(idle) / sum(busy)
+    span_idle = [tl[-1][1] - tl[0][0] - b if tl else 0 for tl, b in zip(timeline, busy)]
+    return Simulation(step, idle, bubble, [peak_in_flight(acts, schedule.kinds) for acts in lists], timeline, span_idle)
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the validator. It proves a schedule can run before any rank starts: every
+# microbatch once each way and in order, and every plan's messages matched without deadlock.
+
+
+def validate(schedule, m):
+    """Raise ScheduleError unless the lists are complete and ordered (check_lists) and the plans
+    deadlock-free (check_plans)."""
+    check_lists(schedule, m)
+    check_plans(schedule)
+
+
+def check_lists(schedule, m):
+    """Every rank runs each kind of schedule.kinds once for each microbatch and chunk, each after
+    its Kind.after, and an action fed by another chunk of its own rank after that one."""
+    for r, acts in enumerate(schedule.lists):
+        want = Counter(Action(k, i, c) for k in schedule.kinds for i in range(m) for c in range(schedule.v))
+        have = Counter(acts)
+        for a in want - have:
+            raise ScheduleError(f"rank {r} never runs {a}")
+        for a in have - want:
+            raise ScheduleError(f"rank {r} runs {a} more often than once, or it does not exist")
+        at = {a: i for i, a in enumerate(acts)}
+        for a in acts:
+            after = schedule.kinds[a.kind].after
+            if after and at[a] < at[Action(after, a.mb, a.chunk)]:
+                raise ScheduleError(f"rank {r} runs {a} before {'its forward' if after == 'F' else after + str(a.mb)}")
+            got = schedule.needs(a, schedule.stage(r, a.chunk))
+            if got and schedule.where[got[1]][0] == r:  # fed by this rank itself: it must come earlier
+                dep = Action(a.kind, a.mb, schedule.where[got[1]][1])
+                if at[dep] > at[a]:
+                    raise ScheduleError(f"deadlock: rank {r} runs {a} before {dep}, which feeds it")
+
+
+def check_plans(schedule):
+    """Every channel's sends and receives match, and every rank gets through its plan when a send
+    completes only once its receive is posted (a large NCCL send does so) and an action waits for
+    the actions of other ranks its kind names (Kind.waits)."""
+    pp, plans = schedule.pp, [schedule.plan(r) for r in range(schedule.pp)]
+    posts, at = {}, {}  # (src, dst, side) -> [(message, step)]; (rank, action) -> its step
+    for r, plan in enumerate(plans):
+        for i, (kind, *what) in enumerate(plan):
+            for side, peer, msg in what[0] if kind == "post" else []:
+                posts.setdefault((r, peer, side) if side == "send" else (peer, r, side), []).append((msg, i))
+            at.update({(r, what[0]): i} if kind == "run" else {})
+    # Messages between two ranks are matched in the order they are posted: the sender's order and
+    # the receiver's must agree message by message, or data would land in the wrong buffer.
+    blocked = [[[] for _ in plan] for plan in plans]  # blocked[r][i]: [(rank, step it must have passed)]
+    for src, dst in {(s, d) for s, d, _ in posts}:
+        sends, recvs = posts.get((src, dst, "send"), []), posts.get((src, dst, "recv"), [])
+        for n, ((x, bs), (y, br)) in enumerate(zip(sends, recvs)):
+            if x != y:
+                raise ScheduleError(f"rank {src} -> rank {dst}: message {n} is {x} when sent but {y} when received")
+            blocked[src][_wait_of(plans[src], bs)].append((dst, br))  # each side's wait needs the other's post
+            blocked[dst][_wait_of(plans[dst], br)].append((src, bs))
+        if len(sends) != len(recvs):
+            raise ScheduleError(f"rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
+    for r, plan in enumerate(plans):
+        for i, (kind, *what) in enumerate(plan):
+            kind_of = schedule.kinds[what[0].kind] if kind == "run" else None
+            if kind_of and kind_of.waits:
+                blocked[r][i] += [(q, at[(q, b)]) for q, b in kind_of.waits(what[0], r, schedule)]
+    pos, moved = [0] * pp, True  # each rank's next step; a step can run once its peers passed theirs
+    while moved:
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(plans[r]) and all(pos[q] > i for q, i in blocked[r][pos[r]]):
+                pos[r] += 1
+                moved = True
+    stuck = [r for r in range(pp) if pos[r] < len(plans[r])]
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(_waiting(r, plans[r][pos[r]], blocked[r][pos[r]], plans)
+                                                     for r in stuck))
+
+
+def _wait_of(plan, i):
+    """The index of the wait of the boundary posted at plan[i]."""
+    return next(j for j in range(i + 1, len(plan)) if plan[j][0] == "wait" and plan[j][1] is plan[i][1])
+
+
+def _waiting(r, step, blocked, plans):
+    kind, what = step[:2]
+    if kind == "wait":
+        return f"rank {r} waits to {' and '.join(f'{o[0]} {o[2]} with rank {o[1]}' for o in what)}"
+    return f"rank {r} waits to run {what} until " + " and ".join(
+        f"rank {q} has run {plans[q][i][1]}" for q, i in blocked if plans[q][i][0] == "run")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,16 +567,16 @@ class BackgroundSends(Exchange):
     Now: a boundary waits for its receives only (the next action needs them); its sends complete
     while that action runs, and are waited for at the next boundary or the step's end, when their
     tensors may change or be freed. MegaScale (Jiang et al. 2024, Section 3.3) decouples the sends
-    and receives of pipeline parallelism so. validate()'s rendezvous model is the conservative one:
-    this only relaxes it (a wait moved later), so what validates runs either way."""
+    and receives of pipeline parallelism so. check_plans' rendezvous model is the conservative one:
+    this only relaxes it (a wait moved later), so what validates runs either way. NCCL returns one
+    handle for a whole batch, which the receives need: there the sends are waited for with them,
+    and this gains nothing (gloo returns one per op)."""
 
     def __init__(self):
         self.in_flight = []  # [(work, message)] from the previous boundary
 
-    def __call__(self, ops, sent, meanwhile=lambda: None):
-        works = dist.batch_isend_irecv(ops)
-        meanwhile()
-        if len(works) != len(ops):  # NCCL: one work for the whole batch, which the receives need
+    def wait(self, works, ops, sent):
+        if len(works) != len(ops):  # NCCL: one work for the whole batch
             for work in works:
                 work.wait()
             return self.flush() + sent
@@ -723,50 +599,41 @@ class BackgroundSends(Exchange):
 # figures is plumbing (plumbing/demos.py); the step and the comparison are here.
 
 
-def serial_reference(cfg, args, m, device):
-    """What the demo compares against: the batch cut into m microbatches, the full float64
-    weights, and the serial model's loss and gradients on that batch."""
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(device)
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=device)
-    serial.load_full_state_dict(full)
-    loss = serial(idx, targets)[1]
-    loss.backward()
-    return split_batch(idx, targets, m), full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
-
-
-def run_schedule(env, cfg, schedule, ref, embed_group):
-    """One step of `schedule` (every rank's list) against the serial reference, twice: outputs
-    deallocated once sent, then kept (to show what deallocation saves). This rank's figures."""
-    microbatches, full, ref_loss, ref_grads = ref
-    dist.barrier()  # the ranks start together, so their measured timelines line up
-    chunks, result = pipeline_step(cfg, schedule[env.rank], dist.group.WORLD, embed_group, full, microbatches)
-    kept = pipeline_step(cfg, schedule[env.rank], dist.group.WORLD, embed_group, full, microbatches, deallocate=False)[1]
-    return differences(chunks, result, ref_loss, ref_grads), result, kept
+def differences(chunks, result, ref_loss, ref_grads):
+    """The largest relative difference of this rank's loss (on the last stage) and gradients from serial."""
+    diffs = [tensor_parallel.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
+    return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
 
 
 def demo(env, cfg, args):
     pp, m, say = args.pp, args.microbatches, printer(env)
     check_world(pp, env.world_size)  # every check runs before the first collective
     split_layers(cfg.n_layer, pp)
-    ref = serial_reference(cfg, args, m, env.device)
+    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device)
     say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
     ok, measured = True, {}
     for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
-        schedule = [SCHEDULES[name](pp, m, s) for s in range(pp)]
-        validate(schedule, pp, m)
-        worst, result, kept = run_schedule(env, cfg, schedule, ref, embed_group)
-        good, _, measured[name] = demos.report_pipeline(env, name, schedule, simulate(schedule, pp), worst,
-                                                        result, kept, render, say)
+        schedule = Schedule([SCHEDULES[name](pp, m, s) for s in range(pp)])
+        validate(schedule, m)
+        dist.barrier()  # the ranks start together, so their measured timelines line up
+        chunks, result = pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches)
+        kept = pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches, deallocate=False)[1]
+        worst = differences(chunks, result, ref_loss, ref_grads)
+        good, _, measured[name] = demos.report_pipeline(env, name, schedule.lists, simulate(schedule), worst,
+                                                        result, kept, say)
         ok &= good
     if args.trace and env.rank == 0:
         write_timelines(args.trace, {n: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)
         say(f"\nChrome trace of the measured steps ({', '.join(measured)}): {args.trace} "
             f"(open it in chrome://tracing or ui.perfetto.dev)")
     return ok
+
+
+def check_world(pp, world_size):
+    if pp != world_size:
+        raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
 
 
 @dataclass

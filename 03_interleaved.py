@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from plumbing import cli, demos
 from plumbing.launch import printer, run_main
+from plumbing.reference import pipeline_reference
 from plumbing.trace import write_timelines
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -65,9 +66,10 @@ def interleaved(pp, m, stage, v):
                            chunk if forward else v - 1 - chunk)
 
     total = m * v
-    # Rank r waits (pp - r - 1) forward steps for its first input to come back from the last
-    # rank, twice over (there and back), plus one extra round of pp forwards for each further chunk
-    # before the first backward (on the last chunk) can start.
+    # (v - 1) pp forwards bring microbatch 0 to rank r's last chunk; its gradient is back 2 (pp - r - 1)
+    # steps later, one hop a step down to the last rank and one back. A steady pair runs F and B with
+    # no boundary between, so with fewer warm-up forwards rank r's B would wait for rank r+1, which
+    # waits for the F output rank r sends only after that B (validate() finds it: v = 2, m = 2 pp).
     warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
     acts = [at(k, True) for k in range(warmup)]
     for i in range(total - warmup):
@@ -91,7 +93,7 @@ def demo(env, cfg, args):
     pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
     check_interleaving(pp, m, v)
     pipeline.split_layers(cfg.n_layer, pp * v)
-    ref = pipeline.serial_reference(cfg, args, m, env.device)
+    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device)
     say = printer(env)
     say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
@@ -99,40 +101,23 @@ def demo(env, cfg, args):
         f"rank {r}: " + ", ".join(f"{c.start + 1}-{c.stop}" for c in chunk_layers(cfg.n_layer, pp, v, r))
         for r in range(pp)))
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
-    runs = {"1f1b": [pipeline.one_f_one_b(pp, m, s) for s in range(pp)],
-            "interleaved": [interleaved(pp, m, s, v) for s in range(pp)]}
+    runs = {"1f1b": pipeline.Schedule([pipeline.one_f_one_b(pp, m, s) for s in range(pp)]),
+            "interleaved": pipeline.Schedule([interleaved(pp, m, s, v) for s in range(pp)])}
     # The same work per rank: a whole stage costs t_f=1, t_b=2, a chunk of it 1/v of that.
     times = {"1f1b": (1, 2), "interleaved": (Fraction(1, v), Fraction(2, v))}
-    end = max(pipeline.simulate(runs[n], pp, *times[n]).step_time for n in runs)
+    end = max(pipeline.simulate(runs[n], *times[n]).step_time for n in runs)
     ok, out = True, {}
     for name, schedule in runs.items():
-        pipeline.validate(schedule, pp, m)
-        worst, result, kept = pipeline.run_schedule(env, cfg, schedule, ref, embed_group)
-        good, sim, ranks = demos.report_pipeline(env, name, schedule, pipeline.simulate(schedule, pp, *times[name]),
-                                                 worst, result, kept, pipeline.render, say, *times[name], end=end,
-                                                 width=150)
+        pipeline.validate(schedule, m)
+        dist.barrier()  # the ranks start together, so their measured timelines line up
+        chunks, result = pipeline.pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches)
+        kept = pipeline.pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches, False)[1]
+        worst = pipeline.differences(chunks, result, ref_loss, ref_grads)
+        good, sim, ranks = demos.report_pipeline(env, name, schedule.lists, pipeline.simulate(schedule, *times[name]),
+                                                 worst, result, kept, say, *times[name], end=end, width=150)
         ok &= good
         out[name] = sim, ranks
-    (s1, r1), (s2, r2) = out["1f1b"], out["interleaved"]
-    say(f"\n=== summary ===\nbubble: 1F1B {s1.bubble} (formula (pp-1)/m = {Fraction(pp - 1, m)}), "
-        f"interleaved {s2.bubble} (formula (pp-1)/(v m) = {Fraction(pp - 1, v * m)})")
-    say(f"simulated step time: 1F1B {s1.step_time}, interleaved {s2.step_time} "
-        f"({float(s2.step_time / s1.step_time):.3f}x)")
-    msgs = [sum(r.messages for r in rs) for rs in (r1, r2)]
-    nbytes = [sum(r.bytes_sent for r in rs) for rs in (r1, r2)]
-    # Each microbatch crosses pp*v - 1 chunk boundaries each way instead of pp - 1: about v times.
-    say(f"p2p messages: 1F1B {msgs[0]}, interleaved {msgs[1]} ({msgs[1] / max(msgs[0], 1):.2f}x, "
-        f"expected (pp v - 1)/(pp - 1) = {(pp * v - 1) / max(pp - 1, 1):.2f}x); bytes {nbytes[0]} vs "
-        f"{nbytes[1]} ({nbytes[1] / max(nbytes[0], 1):.2f}x)")
-    say(f"peak stored activation bytes per stage: 1F1B {[r.peak_bytes for r in r1]}, "
-        f"interleaved {[r.peak_bytes for r in r2]}")
-    # Megatron's interleaved warmup keeps (v+1) pp - 1 chunks in flight on rank 0 (the simulator's
-    # peak), each 1/v of a stage, against 1F1B's pp whole stages.
-    say(f"  interleaving holds more on the first stage: {s2.peak_in_flight[0]} chunks of 1/{v} stage "
-        f"in flight = (v+1) pp - 1, against 1F1B's {s1.peak_in_flight[0]} stages = pp, a ratio of "
-        f"{s2.peak_in_flight[0] / (v * s1.peak_in_flight[0]):.3f}\n  (measured on rank 0: "
-        f"{r2[0].peak_bytes / r1[0].peak_bytes:.3f}); the smaller bubble costs 1 + (pp-1)/(pp v) "
-        f"times the activation memory (Korthikanti 4.2.3)")
+    demos.report_interleaving(say, pp, v, m, out["1f1b"], out["interleaved"])
     if args.trace and env.rank == 0:
         write_timelines(args.trace, {n: [r.events for r in ranks] for n, (_, ranks) in out.items()}, 1.0)
         say(f"\nChrome trace of the measured steps (1f1b, interleaved): {args.trace} "

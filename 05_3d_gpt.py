@@ -38,7 +38,8 @@ import importlib
 import math
 import os
 import time
-from dataclasses import dataclass
+from types import SimpleNamespace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal
 
@@ -84,15 +85,9 @@ def rank_grid(world, tp=1, dp=1, pp=1):
     return grid
 
 
-@dataclass
-class Groups:
-    """This rank's process group of each kind, passed explicitly to whatever communicates."""
-    tp: object
-    dp: object
-    pp: object
-    embed: object  # None on a rank that holds no copy of the tied embedding (or at pp = 1)
-    vocab: object = None  # 07: the vocabulary group, this replica's pp x tp ranks (else None)
-    vocab_p2p: object = None  # 07: its own pp group, for the last stage's output sent to every rank
+class Groups(SimpleNamespace):
+    """This rank's process group of each kind in the grid (tp, dp, pp; embed, None on a rank that
+    holds no copy of the tied embedding), passed explicitly to whatever communicates."""
 
 
 def new_groups(env, grid, timeout_s=60.0):
@@ -221,10 +216,9 @@ class Run:
     cfg: object  # 01's GPTConfig
     tc: object  # TrainConfig
     groups: Groups
-    chunks: list  # this rank's model chunks, chunk c being virtual stage c pp + pp_rank (pipe.placement)
+    chunks: list  # this rank's model chunks, chunk c being virtual stage pipe.stage(pp_rank, c)
     schedule: list  # this rank's actions: 1F1B, or interleaved 1F1B when v > 1 (pipe.lists[pp_rank])
-    pipe: object  # the PipelineSchedule it runs: every rank's list, the placement of the chunks
-    split: object  # 06's backward split of the chunks, for lists with I and W; else None
+    pipe: object  # the PipelineSchedule it runs
     act_shape: tuple  # a stage's output: (b, T, C), T/tp with sequence parallelism
     wire: object  # ScatterGather, or None: boundary tensors travel whole
     ddp: object  # 04's BucketedDDP (PipelineDDP) over the chunks' parameters
@@ -232,51 +226,38 @@ class Run:
     dtype: torch.dtype
     ops: object  # kernels.FusedOps, or None: 01's layers as written
     forward_backward: object  # forward_backward below, or kernels.graphs' CUDA-graph replay of it
-    vocab: object = None  # 07's vocabulary passes over the chunks, or None
 
 
 @dataclass
-class PipelineSchedule:
-    """What the pipeline runs. 05's is 03's interleaved 1F1B (interleaved_schedule); 06 passes its
-    zero-bubble schedules to train() as schedule_of(tc), the one seam for them, named here, and 07
-    its schedules with the vocabulary passes (vocab, grad_from)."""
-    name: str  # for the summary: "1F1B", "interleaved 1F1B, v=2", ...
-    lists: list  # every pipeline rank's actions
-    placement: object = pipeline.looped  # where each chunk's stage is (02)
-    lockstep: bool = False  # receives posted in lockstep with their senders (02's rank_plan)
-    split: object = None  # (chunks) -> the backward split that runs I and W actions (06)
-    bubble: str = "(pp-1)/(v m)"  # the formula of the summary's simulated bubble (t_b = 2 t_f)
-    # 07: (cfg, chunks, groups, pipe) -> the vocabulary passes (the output and input layers spread
-    # over every rank; it moves the token embedding's rows into the chunks), and the kind of pass
-    # whose all-reduce brings the last stage its output's gradient (02's waits_for).
-    vocab: object = None
-    grad_from: str | None = None
-
-    @property
-    def last(self):
-        """The pipeline rank holding the last stage (and the tied output layer)."""
-        pp = len(self.lists)
-        v = pipeline.n_chunks([a for acts in self.lists for a in acts])
-        return pipeline.stage_map(pp, v, self.placement)[pp * v - 1][0]
+class PipelineSchedule(pipeline.Schedule):
+    """What the trainer runs: 02's Schedule, named for the summary. A later chapter's schedule is a
+    subclass passed to train() as schedule_of(tc), and may override grid (the process groups it
+    needs), prepare (what it does to the chunks) and forward_only (the eval's lists)."""
+    name: str = "1F1B"  # for the summary: "1F1B", "interleaved 1F1B, v=2", ...
+    bubble: str = "(pp-1)/(v m)"  # the formula of the summary's simulated bubble (t_f = 1, t_b = 2)
+    times: dict = field(default_factory=dict)  # the summary's times of kinds other than F and B
 
     def grid(self, world, tp, dp):
-        """rank_grid for this schedule: with the last stage beside the first (06's V), the tied
-        embedding's copies are on one rank, summed there (02's sync_tied_embeddings): no group.
-        07's vocabulary groups: each replica's pp x tp ranks, and a second group per pipeline; the
-        embedding is then tied on each rank, no group either."""
-        grid = rank_grid(world, tp, dp, len(self.lists))
-        grid["embed"] = grid["embed"] if self.last and not self.vocab else []
-        if self.vocab:
-            grid["vocab"] = [sorted(r for g in grid["pp"] for r in g if r // tp % dp == d) for d in range(dp)]
-            grid["vocab_p2p"] = [list(g) for g in grid["pp"]]
+        """rank_grid for this schedule. With the last stage on the first stage's rank, both copies of
+        the tied embedding are on one rank, summed there (02's sync_tied_embeddings): no group."""
+        grid = rank_grid(world, tp, dp, self.pp)
+        grid["embed"] = grid["embed"] if self.where[self.S - 1][0] else []
         return grid
+
+    def prepare(self, chunks, groups=None, full=None):
+        """Called by build() once this rank's chunks hold their weights and optimizations."""
+
+    def forward_only(self):
+        """The eval's schedule: every rank's forwards, in order."""
+        return replace(self, lists=[[pipeline.Action(a.kind, a.mb, a.chunk) for a in acts
+                                     if self.kinds[a.kind].flow == "act"] for acts in self.lists])
 
 
 def interleaved_schedule(tc):
     """1F1B (02), or interleaved 1F1B (03) when v > 1."""
     v = tc.virtual_stages
-    return PipelineSchedule("interleaved 1F1B, v=" + str(v) if v > 1 else "1F1B",
-                            [interleaved.interleaved(tc.pp, tc.microbatches, r, v) for r in range(tc.pp)])
+    return PipelineSchedule([interleaved.interleaved(tc.pp, tc.microbatches, r, v) for r in range(tc.pp)],
+                            name="interleaved 1F1B, v=" + str(v) if v > 1 else "1F1B")
 
 
 def resolve_dtype(tc, device):
@@ -294,14 +275,13 @@ def build(env, cfg, tc, groups, pipe=None):
     # Megatron's CPU initialisation: the full model from the seed (or imported GPT-2 weights),
     # then this rank's part of it.
     full = import_gpt2(tc.init_from)[1] if tc.init_from else tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dtype)
-    chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, pipeline.n_chunks(pipe.lists[pp_rank]), groups.tp,
-                                   pipe.placement, sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
+    chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, pipe.v, groups.tp, pipe.placement,
+                                   sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
                                    init=False, dtype=dtype, device=env.device,
                                    # Megatron's padding: V_pad a multiple of 128 tp, so the output
                                    # layer's GEMM has aligned sizes (50257 -> 50304 at tp = 1)
                                    vocab_divisible_by=VOCAB_DIVISIBLE_BY,
                                    check_inputs=False)  # train_step checks each batch on the host
-    vocab = pipe.vocab(cfg, chunks, groups, pipe) if pipe.vocab else None  # 07: before the weights load
     fused, graph_mode = acceleration(tc, env.device)
     ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else None
     for c in chunks:
@@ -310,7 +290,7 @@ def build(env, cfg, tc, groups, pipe=None):
         if ops:
             kernels.fuse(c, ops, tc.overlap_input_grad)
         recompute_layers(c, tc.recompute)
-    split = pipe.split(chunks) if pipe.split else None  # last: it takes over the linears' forwards
+    pipe.prepare(chunks, groups, full)  # what the schedule does to the chunks (06, 07), last
     params = [p for c in chunks for p in c.parameters()]
     # Gradients are reduced in fp32 when the weights are bf16; the optimizer keeps fp32 masters. A
     # gradient is final at the last of its chunk's m backwards, when its bucket's reduction can start,
@@ -322,20 +302,17 @@ def build(env, cfg, tc, groups, pipe=None):
     overlap_gather = tc.zero1 and tc.overlap_param_gather and graph_mode is None  # a graph's replay runs no hooks
     opt = (data_parallel.OverlappedGather if overlap_gather else data_parallel.FlatAdamW)(
         ddp, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, no_decay=no_decay(params))
-    if overlap_gather:  # each block waits for its own weights; the chunk, first, for the rest
-        for c in chunks:
+    if overlap_gather:  # each block waits for its own weights; the chunk, first, for the rest, and
+        for c in chunks:  # each module outside the blocks for its own (07 calls wte's on its own)
             opt.wait_before_forward(c, [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")])
-            if vocab and "wte" in c.transformer:  # 07 looks tokens up outside the chunk's forward
-                opt.wait_before_forward(c.transformer.wte, [c.transformer.wte.weight])
-            for block in c.transformer.h.values():
-                opt.wait_before_forward(block, list(block.parameters()))
+            for m in [*(m for n, m in c.transformer.items() if n != "h"), *c.transformer.h.values()]:
+                opt.wait_before_forward(m, list(m.parameters()))
     b = tc.batch_size // (tc.dp * tc.microbatches)
     act_shape = (b, tc.seq_len // (tc.tp if tc.sequence_parallel else 1), cfg.n_embd)
     sg = tc.scatter_gather and tc.tp > 1 and not tc.sequence_parallel  # with sp it is split already
     wire = ScatterGather(act_shape, groups.tp) if sg else None
     step = cuda_graphs.Graphed(graph_mode, forward_backward, pipeline.StepResult) if graph_mode else forward_backward
-    return Run(env, cfg, tc, groups, chunks, pipe.lists[pp_rank], pipe, split, act_shape, wire, ddp, opt, dtype, ops,
-               step, vocab)
+    return Run(env, cfg, tc, groups, chunks, pipe.lists[pp_rank], pipe, act_shape, wire, ddp, opt, dtype, ops, step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,27 +377,24 @@ def forward_backward(run, micro, valid, trace=None, chunks=None, plain=False):
     events go on its timeline. chunks, plain (kernels/graphs.py): run these chunks instead, with
     nothing left in flight and no output freed (a graph owns them)."""
     exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
-    timing = dict(t0=trace.t0, clock=trace.clock) if trace else {}
-    return pipeline.execute(run.schedule, chunks or run.chunks, run.groups.pp, micro, run.act_shape, wire=run.wire,
-                            valid=valid, exchange=exchange, deallocate=not plain, placement=run.pipe.placement,
-                            schedule=run.pipe.lists if run.pipe.lockstep else None, split=run.split, vocab=run.vocab,
-                            **timing)
+    step = run.pipe.executor(chunks or run.chunks, run.groups.pp, run.wire or pipeline.Wire(run.act_shape), exchange,
+                             deallocate=not plain)
+    if trace:
+        step.clock, step.t0 = trace.clock, trace.t0
+    return step.run(micro, valid)
 
 
 def forward_only(run, idx, targets, chunks=None):
-    """This replica's batch through the pipeline, forward only (eval mode, no gradients); chunks:
-    stand-ins for run.chunks that wrap them (the end report's probe reads the logits so). The
-    forwards, and 07's S passes (its loss)."""
-    forwards = [[pipeline.Action(a.kind, a.mb, a.chunk) for a in acts if a.kind in "FS"] for acts in run.pipe.lists]
+    """This replica's batch through the pipeline's forwards only (eval mode, no gradients); chunks:
+    stand-ins for run.chunks that wrap them (the end report's probe reads the logits so)."""
     valid = [int((t != -100).sum()) for t in targets.chunk(run.tc.microbatches)]  # on the host
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
     for c in run.chunks:
         c.eval()
     try:
         with torch.no_grad():
-            return pipeline.execute(forwards[dist.get_rank(run.groups.pp)], chunks or run.chunks, run.groups.pp, micro,
-                                    run.act_shape, wire=run.wire, valid=valid, placement=run.pipe.placement,
-                                    schedule=forwards if run.pipe.lockstep else None, vocab=run.vocab)
+            return run.pipe.forward_only().executor(chunks or run.chunks, run.groups.pp,
+                                                    run.wire or pipeline.Wire(run.act_shape)).run(micro, valid)
     finally:
         for c in run.chunks:
             c.train()
@@ -614,7 +588,7 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
     out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=skipped, busy_ms=busy,
                bytes_per_message=res.bytes_sent / max(res.messages, 1),
                peak_activation_bytes=res.peak_activation_bytes)
-    if not tc.data and cfg.vocab_size >= 128 and not run.vocab:  # the built-in corpus: what did it learn?
+    if not tc.data and cfg.vocab_size >= 128:  # the built-in corpus: what did it learn?
         out["sums"] = report.sum_probe(run, forward_only)
     report.report(run, out, time.perf_counter() - t_start, say)
     return out

@@ -16,8 +16,9 @@ Running W later, in the time a rank would otherwise sit idle, shrinks the pipeli
     the first and last stage share rank 0; at equal times no rank idles inside its own span, with
     pp M_B of memory (2pp chunks of half a stage) on every rank.
 The lists are torch's own (ScheduleInterleavedZeroBubble at one stage per rank, ScheduleZBVZeroBubble),
-action for action (tests/test_zero_bubble.py). 02 runs them: its executor knows I and W and the
-placement, and its rank_plan posts ZB-V's receives in lockstep with their senders. 05's training
+action for action (tests/test_zero_bubble.py). 02 runs them unchanged: ZeroBubbleSchedule gives its
+Schedule the kinds I and W (KINDS), an Executor that runs them (SplitExecutor) and, for ZB-V, plans
+whose receives are posted in lockstep with their senders (posted). 05's training
 loop runs them too (--train, --schedule).
 
 Run it:
@@ -36,7 +37,7 @@ import functools
 import importlib
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from fractions import Fraction
 from typing import Literal
@@ -46,7 +47,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plumbing import cli, demos
+from plumbing.charts import pipeline_timeline
 from plumbing.launch import printer, run_main
+from plumbing.reference import pipeline_reference
 from plumbing.trace import write_timelines
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -182,26 +185,113 @@ def zb_v(pp, m, stage):
     return [a for a in acts if a.mb < m]
 
 
+# ----------------------------------------------------------------------------------------------
+# How 02 runs them: I and W as kinds of action, with their executor; receives posted in lockstep.
+
+
+KINDS = {"F": pipeline.KINDS["F"], "I": pipeline.Kind("grad", "F"), "W": pipeline.Kind(None, "I")}  # B = I + W
+
+
+class SplitExecutor(pipeline.Executor):
+    """02's Executor with I and W: I is B's backward inside the split's input() context (the weights'
+    gradients kept, not computed), W computes them. The activation meter counts what W still needs,
+    from I to W."""
+
+    def __init__(self, split, *args):
+        super().__init__(*args)
+        self.split = split
+
+    def run_I(self, a, k):  # receive the output's gradient -> input gradients -> send, as B does
+        with self.split.input((a.chunk, a.mb)):
+            self.run_B(a, k)
+        self.meter.saved[(a.chunk, a.mb)] = self.split.held((a.chunk, a.mb))
+
+    def run_W(self, a, k):  # the weights' gradients I left: no messages
+        self.split.weight((a.chunk, a.mb))
+        self.meter.saved.pop((a.chunk, a.mb))
+
+
+@dataclass
+class ZeroBubbleSchedule(gpt3d.PipelineSchedule):
+    """A schedule with I and W (KINDS) for 02 and 05: prepare() splits the chunks' backward, and
+    executor() runs I and W. lockstep: post each receive when, with every rank's list run in lockstep,
+    its sender sends it (see posted)."""
+    kinds: dict = field(default_factory=lambda: KINDS)
+    lockstep: bool = False
+    split: object = field(default=None, repr=False)  # this rank's BackwardSplit, once prepared
+
+    def prepare(self, chunks, groups=None, full=None):
+        self.split = BackwardSplit(chunks)  # last: it takes over the linears' forwards (05's build)
+
+    def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
+        return SplitExecutor(self.split, self, chunks, pp_group, wire, exchange, deallocate)
+
+    def posted(self, rank, wanted):
+        """02 posts a receive at the boundary before the action that needs it. In ZB-V, activations
+        (chunk 0) and gradients (chunk 1) travel the same way between two ranks, and in that order a
+        rank could wait for a message its peer sends after one this rank has not posted yet. With
+        lockstep, a receive is posted at the boundary this rank has reached when its sender sends it
+        (torch's pipelining lowers its schedules so too): receives are posted in the order sent, and
+        every boundary's sends and receives meet their peers' at the same round."""
+        if not self.lockstep:
+            return super().posted(rank, wanted)
+        sent, ran = lockstep_rounds(self)
+        return {msg: (next(g for g, t in enumerate(ran[rank]) if t > sent[msg][0]), sent[msg][1]) for _, _, msg in wanted}
+
+
+def lockstep_rounds(schedule):
+    """Every rank's list run in rounds: in each round each rank runs its next group of actions (02's
+    run_groups) if the messages they wait for were sent in an earlier round. Returns ({message:
+    (round, n)}, n counting the messages in the order sent; [the round each group ran in, per rank])."""
+    pp, groups = schedule.pp, [pipeline.run_groups(acts) for acts in schedule.lists]
+    sent, ran, t = {}, [[] for _ in range(pp)], 0
+    while any(len(ran[r]) < len(groups[r]) for r in range(pp)):
+        now, moved = {}, False
+        for r in range(pp):
+            group = groups[r][len(ran[r])] if len(ran[r]) < len(groups[r]) else []
+            inputs = [schedule.needs(a, schedule.stage(r, a.chunk)) for a in group]
+            if group and all(got is None or schedule.where[got[1]][0] == r or got[0] in sent for got in inputs):
+                ran[r].append(t)
+                moved = True
+                for a in group:
+                    out = schedule.produces(a, schedule.stage(r, a.chunk))
+                    now.update({out: (t, len(sent) + len(now))} if out else {})
+        if not moved:
+            raise pipeline.ScheduleError("deadlock: in lockstep, no rank can run its next action")
+        sent.update(now)
+        t += 1
+    return sent, ran
+
+
 def pipeline_schedule(name, pp, m):
     """05's PipelineSchedule of "1f1b", "zb-h1" or "zb-v": every rank's list and how they run.
     ZB-V sends activations (chunk 0) and gradients (chunk 1) the same way between two ranks, so
-    its receives are posted in lockstep with their senders (02's rank_plan); ZB-H1's are not mixed."""
+    its receives are posted in lockstep with their senders; ZB-H1's are not mixed."""
     if name == "1f1b":
-        return gpt3d.PipelineSchedule("1F1B", [pipeline.one_f_one_b(pp, m, r) for r in range(pp)])
+        return gpt3d.PipelineSchedule([pipeline.one_f_one_b(pp, m, r) for r in range(pp)], name="1F1B")
     if name == "zb-h1":
-        return gpt3d.PipelineSchedule("ZB-H1", [zb_h1(pp, m, r) for r in range(pp)], split=BackwardSplit,
-                                      bubble="(pp-1)/(3m)")
-    return gpt3d.PipelineSchedule("ZB-V", [zb_v(pp, m, r) for r in range(pp)], placement=v_shape, lockstep=True,
-                                  split=BackwardSplit, bubble="of ZB-V")
+        return ZeroBubbleSchedule([zb_h1(pp, m, r) for r in range(pp)], name="ZB-H1", bubble="(pp-1)/(3m)",
+                                  times={"I": 1, "W": 1})
+    return ZeroBubbleSchedule([zb_v(pp, m, r) for r in range(pp)], v_shape, name="ZB-V", bubble="of ZB-V",
+                              times={"I": 1, "W": 1}, lockstep=True)
+
+
+def peak_memory(actions, w_share):
+    """The most microbatches' activations (x chunks) held at once, when I frees all but w_share of a
+    microbatch's and W the rest (1F1B's peak_in_flight at w_share = 0)."""
+    live = peak = 0
+    for a in actions:
+        live += {"F": 1, "B": -1, "I": w_share - 1, "W": -w_share}.get(a.kind, 0)
+        peak = max(peak, live)
+    return peak
 
 
 def simulate(pipe, t=1):
     """02's simulator on pipe's lists with t_F = t_I = t_W = t per stage (half of it per chunk of
-    ZB-V) and M_W = M_B / 2 (what W keeps, as a share of a microbatch's activations)."""
-    pp, v = len(pipe.lists), pipeline.n_chunks(pipe.lists[0])
-    t = Fraction(t, v)
-    return pipeline.simulate(pipe.lists, pp, t, 2 * t, times={"I": t, "W": t}, placement=pipe.placement,
-                             w_share=Fraction(1, 2))
+    ZB-V); its memory peaks with M_W = M_B / 2 (what W keeps, as a share of a microbatch's activations)."""
+    t = Fraction(t, pipe.v)
+    sim = pipeline.simulate(pipe, t, 2 * t, times={"I": t, "W": t})
+    return sim, [peak_memory(acts, Fraction(1, 2)) for acts in pipe.lists]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,44 +301,42 @@ def simulate(pipe, t=1):
 def run_schedule(env, cfg, pipe, ref, embed_group):
     """One step of pipe on this rank against the serial reference: (worst difference, StepResult)."""
     microbatches, full, ref_loss, ref_grads = ref
-    pp, rank = env.world_size, env.rank
-    chunks = pipeline.build_chunks(cfg, pp, rank, pipeline.n_chunks(pipe.lists[rank]), placement=pipe.placement,
-                                   init=False, dtype=torch.float64, device=env.device)
+    chunks = pipeline.build_chunks(cfg, pipe.pp, env.rank, pipe.v, placement=pipe.placement, init=False,
+                                   dtype=torch.float64, device=env.device)
     for c in chunks:
         c.load_full_state_dict(full)
-    split = pipe.split(chunks) if pipe.split else None
+    pipe.prepare(chunks)
     dist.barrier()  # the ranks start together, so their measured timelines line up
-    result = pipeline.execute(pipe.lists[rank], chunks, dist.group.WORLD, microbatches,
-                              (*microbatches[0][0].shape, cfg.n_embd), placement=pipe.placement,
-                              schedule=pipe.lists if pipe.lockstep else None, split=split)
-    pipeline.sync_tied_embeddings(chunks, embed_group if pipe.last else None)  # ZB-V: both copies on rank 0
+    result = pipeline.execute(pipe, chunks, dist.group.WORLD, microbatches, pipeline.Wire((*microbatches[0][0].shape,
+                                                                                          cfg.n_embd)))
+    pipeline.sync_tied_embeddings(chunks, embed_group if pipe.where[pipe.S - 1][0] else None)  # ZB-V: both on rank 0
     return pipeline.differences(chunks, result, ref_loss, ref_grads), result
 
 
 def demo(env, cfg, args):
     pp, m, say = args.pp, args.microbatches, printer(env)
     pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
-    ref = pipeline.serial_reference(cfg, args, m, env.device)
+    ref = pipeline_reference(cfg, args, m, env.device)
     say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
     pipes = {name: pipeline_schedule(name, pp, m) for name in ("1f1b", "zb-h1", "zb-v")}
     sims = {name: simulate(pipe) for name, pipe in pipes.items()}
-    end = max(sim.step_time for sim in sims.values())
+    end = max(sim.step_time for sim, _ in sims.values())
     say("\n=== simulated: t_F = t_I = t_W = 1 per stage (ZB-V: 1/2 per chunk, chunk 1 in lower case) ===")
-    for name, sim in sims.items():
-        say(f"{pipes[name].name}:\n{pipeline.render(sim.timeline, 150, end)}")
-    one, h1, zv = sims["1f1b"], sims["zb-h1"], sims["zb-v"]
+    for name, (sim, _) in sims.items():
+        say(f"{pipes[name].name}:\n{pipeline_timeline(sim.timeline, 150, end)}")
+    (one, one_mem), (h1, h1_mem), (zv, zv_mem) = sims["1f1b"], sims["zb-h1"], sims["zb-v"]
     formulas = [  # (what, simulated, the paper's formula, where it holds)
         ("1F1B idle per rank", one.idle, [(pp - 1) * 3] * pp, "(pp-1)(t_F+t_I+t_W)"),
         ("ZB-H1 idle per rank", h1.idle, [pp - 1] * pp, "(pp-1)(t_F+t_I-t_W), m >= pp"),
         ("ZB-V idle inside each rank's span", zv.span_idle, [0] * pp, "0, m >= 2pp-1"),
         ("bubble, 1F1B", one.bubble, Fraction(pp - 1, m), "(pp-1)/m"),
         ("bubble, ZB-H1", h1.bubble, Fraction(pp - 1, 3 * m), "(pp-1)/(3m): a third, m >= pp"),
-        ("peak memory, 1F1B", one.peak_memory, [pp - r for r in range(pp)], "(pp-r) M_B"),
-        ("peak memory, ZB-H1", h1.peak_memory, [pp - r + Fraction(r, 2) for r in range(pp)],
+        ("peak memory, 1F1B", one_mem, [pp - r for r in range(pp)], "(pp-r) M_B"),
+        ("peak memory, ZB-H1", h1_mem, [pp - r + Fraction(r, 2) for r in range(pp)],
          "(pp-r) M_B + r M_W <= pp M_B, m >= pp"),
-        ("peak memory, ZB-V (chunks)", zv.peak_memory, [2 * pp] * pp, "2pp half-stage chunks = pp M_B, m >= 2pp-1"),
+        ("peak memory, ZB-V (chunks)", zv_mem, [2 * pp] * pp, "2pp half-stage chunks = pp M_B, m >= 2pp-1"),
     ]
     ok, show = True, lambda x: str([str(y) for y in x]).replace("'", "") if isinstance(x, list) else str(x)  # noqa: E731
     say("\nthe paper's figures (M_W = M_B/2 here; memory in microbatches of a stage's activations, M_B):")
@@ -261,7 +349,7 @@ def demo(env, cfg, args):
     say("\n=== executed against the serial model, float64 ===")
     measured = {}
     for name, pipe in pipes.items():
-        pipeline.validate(pipe.lists, pp, m, pipe.placement, pipe.lockstep)
+        pipeline.validate(pipe, m)
         worst, result = run_schedule(env, cfg, pipe, ref, embed_group)
         ranks = demos.gather_figures(env, pipe.lists, worst, result, result)
         worst = max(r.worst for r in ranks)
@@ -269,7 +357,7 @@ def demo(env, cfg, args):
         measured[name] = ranks
         say(f"{pipe.name}: max relative difference (loss and every gradient) {worst:.2e} "
             f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10); measured timeline:\n"
-            f"{pipeline.render([r.events for r in ranks], 150)}")
+            f"{pipeline_timeline([r.events for r in ranks], 150)}")
     peaks = {name: [r.peak_bytes for r in ranks] for name, ranks in measured.items()}
     say("\npeak stored activation bytes per rank (outputs deallocated; ZB: X and dY kept for W counted):")
     for name in pipes:

@@ -48,7 +48,9 @@ import math
 import queue
 import sys
 import threading
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Literal
 
 import torch
@@ -57,7 +59,9 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from plumbing import cli
+from plumbing.charts import pipeline_timeline
 from plumbing.launch import gather_numbers, printer, run_main
+from plumbing.reference import pipeline_reference
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 pipeline = importlib.import_module("02_pipeline_1f1b")
@@ -124,16 +128,16 @@ class Stream:
 
 
 class VocabularyPasses:
-    """This rank's part of the vocabulary layers for 02's executor (execute(vocab=...)): start and
-    finish are the input layer, run(action) the output layer's S and T; input, output and
-    output_grad are where the first and last stages meet them. barriers: 2 is Algorithm 1, 1 is
-    Algorithm 2."""
+    """This rank's part of the vocabulary layers, which VocabExecutor runs: start and finish are the
+    input layer, s_pass and t_pass the output layer's S and T; input, output and output_grad are
+    where the first and last stages meet them. barriers: 2 is Algorithm 1, 1 is Algorithm 2."""
 
     def __init__(self, shard, chunks, groups, pipe, barriers, ignore_index=-100):
         self.shard, self.barriers, self.ignore_index = shard, barriers, ignore_index
         self.group, self.tp_group, self.pp_group, self.p2p = groups.vocab, groups.tp, groups.pp, groups.vocab_p2p
         rank = dist.get_rank(groups.pp)
-        self.first, self.last, self.last_rank = rank == 0, rank == pipe.last, pipe.last  # stage 0 is rank 0's
+        last = pipe.where[pipe.S - 1][0]  # the last stage's rank; stage 0 is rank 0's
+        self.first, self.last, self.last_rank = rank == 0, rank == last, last
         self.sp, self.pp = chunks[0].sp, dist.get_world_size(groups.pp)
         rows = torch.arange(shard.start, shard.start + shard.per_rank, device=shard.weight.device)
         self.padding = rows >= shard.weight.tp_full  # padded rows: never a token
@@ -164,9 +168,6 @@ class VocabularyPasses:
         self.x[mb] = y.detach()
         self.sends += [dist.isend(self.x[mb], dist.get_global_rank(self.p2p, r), group=self.p2p)
                        for r in range(self.pp) if r != self.last_rank]
-
-    def run(self, a):
-        (self.s_pass if a.kind == "S" else self.t_pass)(a.mb)
 
     def s_pass(self, mb):
         """S: this slice's logits and their statistics; their all-reduce is the first barrier."""
@@ -262,17 +263,16 @@ def warm_up(acts, n):
     return out + forwards[seen:]
 
 
-def insert_passes(lists, pp, m, placement, barriers, split):
-    """Every rank's list with S and T added. The lists, with `barriers` more warm-up forwards, are
-    simulated at the paper's equal times (t_F = 1, t_B = 2, halved per chunk of ZB-V). On every rank
-    S_i goes before the first action that starts once the last stage's F of microbatch i has ended,
-    and T_i before the first that starts once the last stage's next action has ended: each barrier
-    has a pass of slack to hide in. The passes are in the same order on every rank."""
-    v = pipeline.n_chunks([a for acts in lists for a in acts])
-    lists = [warm_up(acts, barriers) for acts in lists]
-    t = 1 / v
-    sim = pipeline.simulate(lists, pp, t, 2 * t, times={"I": t, "W": t} if split else None, placement=placement)
-    last = pipeline.stage_map(pp, v, placement)[pp * v - 1]
+def insert_passes(base, m, barriers):
+    """Every rank's list of `base` (a 05 PipelineSchedule) with S and T added. The lists, with
+    `barriers` more warm-up forwards, are simulated at the paper's equal times (t_F = 1, t_B = 2,
+    halved per chunk of ZB-V). On every rank S_i goes before the first action that starts once the
+    last stage's F of microbatch i has ended, and T_i before the first that starts once the last
+    stage's next action has ended: each barrier has a pass of slack to hide in. The passes are in
+    the same order on every rank."""
+    t, warm = Fraction(1, base.v), replace(base, lists=[warm_up(acts, barriers) for acts in base.lists])
+    sim = pipeline.simulate(warm, t, 2 * t, times={"I": t, "W": t})
+    last = base.where[base.S - 1]
     timeline = sim.timeline[last[0]]
     at = {a.mb: j for j, (_, _, a) in enumerate(timeline) if a.kind == "F" and a.chunk == last[1]}
 
@@ -295,19 +295,144 @@ def insert_passes(lists, pp, m, placement, barriers, split):
     return out
 
 
+def vocab_kinds(kinds, grad_from):
+    """kinds with S and T: S_i waits for the last stage's F_i (its output X_i), T_i for S_i on every
+    rank (the statistics' all-reduce); and the last stage's backward (B, or 06's I) for `grad_from`
+    on every rank, whose all-reduce brings X_i's gradient. They are collectives: every rank runs them,
+    once a microbatch, in the same order."""
+    def last(a, r, s):
+        return s.where[s.S - 1]
+
+    def every(kind):
+        return lambda a, r, s: [(q, Action(kind, a.mb)) for q in range(s.pp)]
+
+    back = "I" if "I" in kinds else "B"
+    return {**kinds, "S": pipeline.Kind(None, waits=lambda a, r, s: [(last(a, r, s)[0], Action("F", a.mb, last(a, r, s)[1]))]),
+            "T": pipeline.Kind(None, "S", waits=every("S")),
+            back: replace(kinds[back], waits=lambda a, r, s: every(grad_from)(a, r, s) if (r, a.chunk) == last(a, r, s)
+                          else [])}
+
+
+class VocabExecutor(zero_bubble.SplitExecutor):
+    """06's executor (02's with I and W) with the vocabulary layers: the input layer around the step,
+    the first stage's input from it, the last stage's output to it and its gradient from it, S and
+    T as actions. 07's plan runs S and T while a boundary's messages travel."""
+
+    def __init__(self, passes, *args):
+        super().__init__(*args)
+        self.passes = passes
+
+    def run(self, microbatches, valid=None, ignore_index=-100):
+        valid = valid or [int((t != ignore_index).sum()) for _, t in microbatches]
+        self.passes.start(microbatches, valid)
+        result = super().run(microbatches, valid)
+        result.loss = self.passes.finish()
+        return result
+
+    def input(self, mb):
+        return self.passes.input(mb)
+
+    def output(self, mb, y):
+        self.passes.output(mb, y)
+        return y
+
+    def output_grad(self, mb):
+        return self.passes.output_grad(mb)
+
+    def run_S(self, a, k):
+        self.passes.s_pass(a.mb)
+
+    def run_T(self, a, k):
+        self.passes.t_pass(a.mb)
+
+
+@dataclass
+class VocabSchedule(zero_bubble.ZeroBubbleSchedule):
+    """06's schedule (1F1B, ZB-H1 or ZB-V) with S and T: its own groups (grid), the vocabulary spread
+    over the chunks (prepare), its executor, and plans whose passes run during a boundary (plan)."""
+    barriers: int = 2
+    passes: object = field(default=None, repr=False)  # this rank's VocabularyPasses, once prepared
+
+    def grid(self, world, tp, dp):
+        """05's grid with the vocabulary groups: each replica's pp x tp ranks, and a second group per
+        pipeline (the last stage's output sent to every rank). The embedding is tied on each rank
+        (one slice of wte serves input and output alike): no embedding group."""
+        grid = dict(super().grid(world, tp, dp), embed=[])
+        grid["vocab"] = [sorted(r for g in grid["pp"] for r in g if r // tp % dp == d) for d in range(dp)]
+        grid["vocab_p2p"] = [list(g) for g in grid["pp"]]
+        return grid
+
+    def prepare(self, chunks, groups, full):
+        shard = spread_vocabulary(chunks[0].cfg, chunks, groups.vocab)
+        tensor_parallel.load_full_state_dict(shard, {"weight": full["transformer.wte.weight"]}, groups.vocab)
+        self.passes = VocabularyPasses(shard, chunks, groups, self, self.barriers)
+        if "I" in self.kinds:  # 06's split, for ZB-H1 and ZB-V
+            super().prepare(chunks)
+
+    def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
+        return VocabExecutor(self.passes, self.split, self, chunks, pp_group, wire, exchange, deallocate)
+
+    def forward_only(self):
+        return replace(self, lists=[[Action(a.kind, a.mb, a.chunk) for a in acts if a.kind in "FS"]
+                                    for acts in self.lists])
+
+    def plan(self, rank):
+        """06's plan of the pipeline's own actions, with S and T put back in: a pass between two
+        actions runs inside the boundary between them, after its messages are posted and before they
+        are waited for, so that the boundary stays one batch (sends cut from receives could deadlock)
+        and the passes never wait for the pipeline's messages."""
+        own = replace(self, lists=[[a for a in acts if a.kind not in "ST"] for acts in self.lists])
+        steps, due, n = super(VocabSchedule, own).plan(rank), {}, 0  # due[i]: passes before own action i
+        for a in self.lists[rank]:
+            if a.kind in "ST":
+                due.setdefault(n, []).append(a)
+            else:
+                n += 1
+        out, n = [], 0
+        for step in steps:
+            if step[0] == "run" and n in due:  # no boundary before this action: the passes first
+                out += [("run", a, 0) for a in due.pop(n)]
+            out.append(step)
+            if step[0] == "post" and n in due:  # the boundary before action n: the passes inside it
+                out += [("run", a, 0) for a in due.pop(n)]
+            n += step[0] == "run"
+        return out + [("run", a, 0) for a in due.pop(n, [])]
+
+
+def validate(pipe, m):
+    """02's validation of the pipeline's own actions; then S and T: each once a microbatch on every
+    rank, T after S, in the same order everywhere (they are collectives); then every plan, with the
+    passes and what they wait for, free of deadlock (02's check_plans)."""
+    own = {k: v for k, v in pipe.kinds.items() if k not in "ST"}
+    pipeline.check_lists(replace(pipe, lists=[[a for a in acts if a.kind not in "ST"] for acts in pipe.lists],
+                                 kinds=own), m)
+    first = [a for a in pipe.lists[0] if a.kind in "ST"]
+    for r, acts in enumerate(pipe.lists):
+        order = [a for a in acts if a.kind in "ST"]
+        want, have = Counter(Action(k, i) for k in "ST" for i in range(m)), Counter(order)
+        for a in want - have:
+            raise pipeline.ScheduleError(f"rank {r} never runs {a}")
+        for a in have - want:
+            raise pipeline.ScheduleError(f"rank {r} runs {a} more often than once, or it does not exist")
+        for i in range(m):
+            if order.index(Action("T", i)) < order.index(Action("S", i)):
+                raise pipeline.ScheduleError(f"rank {r} runs T{i} before S{i}")
+        if order != first:  # collectives: gloo and NCCL match them by order
+            n = next(i for i, (x, y) in enumerate(zip(order, first)) if x != y)
+            raise pipeline.ScheduleError(f"rank {r} issues its collectives in another order than rank 0: the "
+                                         f"{n}th is {order[n]} there, {first[n]} on rank 0")
+    pipeline.check_plans(pipe)
+
+
 def vocab_schedule(name, pp, m, barriers):
     """05's PipelineSchedule of 06's "1f1b", "zb-h1" or "zb-v" with the vocabulary passes: Algorithm 1
     (barriers=2: X's gradient after T) or 2 (barriers=1: after S)."""
     base = zero_bubble.pipeline_schedule(name, pp, m)
-    return dataclasses.replace(
-        base, name=f"{base.name} + vocabulary parallelism, Algorithm {3 - barriers}",
-        lists=insert_passes(base.lists, pp, m, base.placement, barriers, base.split),
-        vocab=functools.partial(vocabulary_passes, barriers=barriers), grad_from="T" if barriers == 2 else "S")
-
-
-def vocabulary_passes(cfg, chunks, groups, pipe, barriers):
-    """05's seam (PipelineSchedule.vocab): this rank's slice of the vocabulary in its chunks, and its passes."""
-    return VocabularyPasses(spread_vocabulary(cfg, chunks, groups.vocab), chunks, groups, pipe, barriers)
+    return VocabSchedule(insert_passes(base, m, barriers), base.placement,
+                         vocab_kinds(base.kinds, "T" if barriers == 2 else "S"),
+                         name=f"{base.name} + vocabulary parallelism, Algorithm {3 - barriers}", bubble=base.bubble,
+                         times={**base.times, "S": 0, "T": 0}, lockstep=getattr(base, "lockstep", False),
+                         barriers=barriers)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,9 +450,9 @@ def balance(cfg, pp, tp, m, b, T, V, barriers=2):
     plain_f = [l + inp * (r == 0) + out * (r == pp - 1) for r in range(pp)]
     s_t, t_t = (out / pp, 2 * out / pp) if barriers == 2 else (2 * out / pp, out / pp)  # 3 GEMMs either way
     vocab = vocab_schedule("1f1b", pp, m, barriers)
-    sims = (pipeline.simulate([pipeline.one_f_one_b(pp, m, r) for r in range(pp)], pp, plain_f, [2 * f for f in plain_f]),
-            pipeline.simulate(vocab.lists, pp, l + inp / pp, 2 * (l + inp / pp), times={"S": s_t, "T": t_t},
-                              grad_from=vocab.grad_from))
+    sims = (pipeline.simulate(pipeline.Schedule([pipeline.one_f_one_b(pp, m, r) for r in range(pp)]), plain_f,
+                              [2 * f for f in plain_f]),
+            pipeline.simulate(vocab, l + inp / pp, 2 * (l + inp / pp), times={"S": s_t, "T": t_t}))
     params = []
     for r in range(pp):  # on "meta": nothing is allocated
         chunk = pipeline.build_chunks(dataclasses.replace(cfg, vocab_size=V), pp, r, device="meta")[0]
@@ -365,22 +490,21 @@ def report(cfg, args, V, say):
         f"one more microbatch per barrier")
     if V == cfg.vocab_size:
         say(f"simulated with vocabulary parallelism (S and T, every rank; one layer's forward = "
-            f"{100 / vp.step_time:.2f} columns):\n{pipeline.render(vp.timeline, 100)}")
+            f"{100 / vp.step_time:.2f} columns):\n{pipeline_timeline(vp.timeline, 100)}")
     return plain.step_time, vp.step_time
 
 
 def run_step(env, cfg, pipe, groups, ref):
     """One forward and backward of pipe on this rank, float64: the worst difference from serial."""
     microbatches, full, ref_loss, ref_grads = ref
-    pp, rank = dist.get_world_size(groups.pp), dist.get_rank(groups.pp)
-    chunks = pipeline.build_chunks(cfg, pp, rank, pipeline.n_chunks(pipe.lists[rank]), groups.tp, pipe.placement,
-                                   init=False, dtype=torch.float64, device=env.device)
-    vocab = pipe.vocab(cfg, chunks, groups, pipe)
+    rank = dist.get_rank(groups.pp)
+    chunks = pipeline.build_chunks(cfg, pipe.pp, rank, pipe.v, groups.tp, pipe.placement, init=False,
+                                   dtype=torch.float64, device=env.device)
     for c in chunks:
         c.load_full_state_dict(full)
-    result = pipeline.execute(pipe.lists[rank], chunks, groups.pp, microbatches, (*microbatches[0][0].shape, cfg.n_embd),
-                              placement=pipe.placement, schedule=pipe.lists if pipe.lockstep else None,
-                              split=pipe.split(chunks) if pipe.split else None, vocab=vocab)
+    pipe.prepare(chunks, groups, full)
+    result = pipeline.execute(pipe, chunks, groups.pp, microbatches, pipeline.Wire((*microbatches[0][0].shape,
+                                                                                   cfg.n_embd)))
     diffs = [tensor_parallel.max_rel_diff(g, ref_grads[n]) for c in chunks for n, g in c.full_grads().items()]
     return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
 
@@ -397,23 +521,23 @@ def demo(env, cfg, args):
             f"without vocabulary parallelism, where every stage waits for the last one's output layer,\nand "
             f"{steps[1][1] / steps[0][1]:.2f}x with it, where every rank does 1/{pp * tp} of it (Table 4: the "
             f"output layer is 6 b s h V FLOPs)")
-    ref = pipeline.serial_reference(cfg, args, m, env.device)
+    ref = pipeline_reference(cfg, args, m, env.device)
     say(f"\n=== executed against the serial model, float64, V = {cfg.vocab_size} padded to "
         f"{tensor_parallel.padded_vocab_size(cfg.vocab_size, pp * tp)} over {pp * tp} ranks ===")
     groups, ok = None, True
     for name in ("1f1b", "zb-h1", "zb-v"):
         for barriers in (2, 1):
             pipe = vocab_schedule(name, pp, m, barriers)
-            pipeline.validate(pipe.lists, pp, m, pipe.placement, pipe.lockstep, pipe.grad_from)
+            validate(pipe, m)
             groups = groups or gpt3d.new_groups(env, pipe.grid(env.world_size, tp, 1))
             worst = max(x[0] for x in gather_numbers([run_step(env, cfg, pipe, groups, ref)], device=env.device))
             ok &= worst <= 1e-10
             say(f"{pipe.name}: max relative difference (loss and every gradient) {worst:.2e} "
                 f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
-    last = vocab_schedule("1f1b", pp, m, 2).lists
+    last, kinds = vocab_schedule("1f1b", pp, m, 2).lists, vocab_kinds(pipeline.KINDS, "T")
     say(f"\n1F1B with Algorithm 1 on rank {pp - 1}, the last stage: {' '.join(map(str, last[-1][:12]))} ...\n"
         f"  S_i follows the last stage's F_i, T_i the action after it, and B_i comes later still: each barrier's\n"
-        f"  all-reduce has a pass to hide in (rank 0 holds {pipeline.peak_in_flight(last[0])} microbatches in flight: "
+        f"  all-reduce has a pass to hide in (rank 0 holds {pipeline.peak_in_flight(last[0], kinds)} microbatches in flight: "
         f"pp + 2, at most m = {m})")
     say(f"\n{'PASS' if ok else 'FAIL'}")
     return ok

@@ -372,12 +372,12 @@ def p2p_seconds(m, L, c=Cluster()):
 
 @functools.lru_cache(maxsize=64)
 def _schedule(pp, m, v):
-    """Every rank's action list: 02's 1F1B, or 03's interleaved 1F1B for v > 1."""
+    """02's Schedule of every rank's action list: 02's 1F1B, or 03's interleaved 1F1B for v > 1."""
+    pipeline = importlib.import_module("02_pipeline_1f1b")
     if v == 1:
-        one_f_one_b = importlib.import_module("02_pipeline_1f1b").one_f_one_b
-        return [one_f_one_b(pp, m, r) for r in range(pp)]
+        return pipeline.Schedule([pipeline.one_f_one_b(pp, m, r) for r in range(pp)])
     interleaved = importlib.import_module("03_interleaved").interleaved
-    return [interleaved(pp, m, r, v) for r in range(pp)]
+    return pipeline.Schedule([interleaved(pp, m, r, v) for r in range(pp)])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -391,7 +391,7 @@ def pipeline_seconds(pp, m, v, t_f, t_b, t_comm):
     messages included). The interleaved schedule settles into no such short period when messages
     are slow, so for v > 1 all m are replayed."""
     simulate = importlib.import_module("02_pipeline_1f1b").simulate
-    step = lambda k: simulate(_schedule(pp, k, v), pp, t_f, t_b, t_comm).step_time  # noqa: E731
+    step = lambda k: simulate(_schedule(pp, k, v), t_f, t_b, t_comm).step_time  # noqa: E731
     m1 = pp + (m - pp) % pp
     if v > 1 or m <= m1 + pp:
         return step(m)
@@ -490,13 +490,13 @@ def vocab_stages(m, L, barriers=0, c=Cluster()):
         pipe = _vocab_lists(pp, L.m, barriers)
         s_f, s_b, s_x = output_layer_seconds(m, L, pp, c)  # one rank's slice; Algorithm 2 moves X's GEMM to S
         times = {"S": s_f + (s_x if barriers == 1 else 0), "T": s_b - (s_x if barriers == 1 else 0) + ar / pp}
-        sim = pipeline_sim(pipe.lists, pp, [t_f] * pp, [t_b] * pp, p2p_seconds(m, L, c), times, pipe.grad_from)
+        sim = pipeline_sim(pipe, [t_f] * pp, [t_b] * pp, p2p_seconds(m, L, c), times)
         params = [layers + V * h / pp + (m.seq_len * h if r == 0 else 0) + 2 * h * x for r, x in enumerate(last)]
         logits = [L.b * m.seq_len * V / pp * importlib.import_module("07_vocab_parallel").logits_held(acts)
                   for acts in pipe.lists]  # from S to T
     else:
-        lists = [list(a) for a in _schedule(pp, L.m, 1)]
-        sim = pipeline_sim(lists, pp, [t_f + out_f * x for x in last], [t_b + (out_b + ar) * x for x in last],
+        sim = pipeline_sim(_schedule(pp, L.m, 1), [t_f + out_f * x for x in last],
+                           [t_b + (out_b + ar) * x for x in last],
                            p2p_seconds(m, L, c))
         params = [layers + (V + m.seq_len) * h * (r == 0) + (V * h + 2 * h) * x for r, x in enumerate(last)]
         logits = [L.b * m.seq_len * V * x for x in last]  # the softmax, for the one microbatch in flight
@@ -512,10 +512,9 @@ def vocab_stages(m, L, barriers=0, c=Cluster()):
                 memory=memory, step=total, mfu=mfu, peak=max(memory))
 
 
-def pipeline_sim(lists, pp, t_f, t_b, t_comm, times=None, grad_from=None):
-    """02's simulate() on every rank's list (per-rank times), for the vocabulary estimates."""
-    return importlib.import_module("02_pipeline_1f1b").simulate(lists, pp, t_f, t_b, t_comm, times,
-                                                                 grad_from=grad_from)
+def pipeline_sim(schedule, t_f, t_b, t_comm, times=None):
+    """02's simulate() of a Schedule (per-rank times), for the vocabulary estimates."""
+    return importlib.import_module("02_pipeline_1f1b").simulate(schedule, t_f, t_b, t_comm, times)
 
 
 def vocab_report(c=Cluster()):

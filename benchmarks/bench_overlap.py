@@ -72,8 +72,9 @@ def pp_worker(env, cfg, args):
 
     out = {}
     for name in args.schedules:
-        actions = pipeline.SCHEDULES[name](pp, m, env.rank)
-        steps = {side: (lambda ex=ex: pipeline.execute(actions, chunks, dist.group.WORLD, micro, shape, exchange=ex()))
+        schedule = pipeline.Schedule([pipeline.SCHEDULES[name](pp, m, r) for r in range(pp)])
+        steps = {side: (lambda ex=ex: pipeline.execute(schedule, chunks, dist.group.WORLD, micro, pipeline.Wire(shape),
+                                                       exchange=ex()))
                  for side, ex in (("background", pipeline.BackgroundSends), ("waited", pipeline.Exchange))}
         grads = {}
         for side, step in steps.items():

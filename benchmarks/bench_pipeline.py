@@ -124,15 +124,16 @@ def worker(env, cfg, args):
     chunk_sets, pairs, ours, schedules = {}, {}, {}, {}  # v -> this rank's chunks, which ours and the peer share
     for name in args.schedules:
         v = args.virtual_stages if name == "interleaved" else 1
-        schedules[name] = [actions_of(name, pp, m, r, v) for r in range(pp)]
-        pipeline.validate(schedules[name], pp, m)
+        schedules[name] = pipeline.Schedule([actions_of(name, pp, m, r, v) for r in range(pp)])
+        pipeline.validate(schedules[name], m)
         if v not in chunk_sets:
             chunk_sets[v] = pipeline.build_chunks(cfg, pp, rank, v, init=False, dtype=torch.float32)
             for c in chunk_sets[v]:  # 01's optimizations on, as 05 (and harness.gpt)
                 tensor_parallel.optimize(c).load_full_state_dict(full)
-        chunks, actions = chunk_sets[v], schedules[name][rank]
-        ours[name] = lambda actions=actions, chunks=chunks: pipeline.execute(  # 02's optimization on, as 05
-            actions, chunks, dist.group.WORLD, microbatches, (b, T, cfg.n_embd), exchange=pipeline.BackgroundSends())
+        chunks, schedule = chunk_sets[v], schedules[name]
+        ours[name] = lambda schedule=schedule, chunks=chunks: pipeline.execute(  # 02's optimization on, as 05
+            schedule, chunks, dist.group.WORLD, microbatches, pipeline.Wire((b, T, cfg.n_embd)),
+            exchange=pipeline.BackgroundSends())
         pairs[name] = chunks, {"ours": lambda run=ours[name]: run().loss,
                                "peer": peer_step(name, chunks, pp, rank, m, idx, targets, cfg.vocab_size)}
 

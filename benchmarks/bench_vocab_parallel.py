@@ -27,16 +27,17 @@ def side(cfg, full, pipe, groups, microbatches, shape):
     """A step of pipe on this rank (05's 1F1B when pipe has no vocab), and its squared gradient sum."""
     pp, rank = dist.get_world_size(groups.pp), dist.get_rank(groups.pp)
     chunks = pipeline.build_chunks(cfg, pp, rank, 1, groups.tp, pipe.placement, init=False, dtype=torch.float32)
-    vocab = pipe.vocab(cfg, chunks, groups, pipe) if pipe.vocab else None
     for c in chunks:
         tensor_parallel.optimize(c).load_full_state_dict(full)
+    pipe.prepare(chunks, groups, full)  # 07: the vocabulary spread over every rank; 05's 1F1B: nothing
+    spread = isinstance(pipe, vp.VocabSchedule)
 
     def step():
         for c in chunks:
             c.zero_grad(set_to_none=True)
-        res = pipeline.execute(pipe.lists[rank], chunks, groups.pp, microbatches, shape, vocab=vocab,
+        res = pipeline.execute(pipe, chunks, groups.pp, microbatches, pipeline.Wire(shape),
                                exchange=pipeline.BackgroundSends())
-        if not vocab:
+        if not spread:
             pipeline.sync_tied_embeddings(chunks, groups.embed)
         return res
 

@@ -34,12 +34,13 @@ TOLERANCES = {"loss": 1e-6, "grad": 1e-5}
 def chunks_of(cfg, full, pipe, rank, split):
     """This rank's chunks for pipe, optimize()d as 05's, with 06's backward split (ours) or not (torch,
     which splits the backward itself)."""
-    pp = len(pipe.lists)
-    chunks = pipeline.build_chunks(cfg, pp, rank, pipeline.n_chunks(pipe.lists[rank]), placement=pipe.placement,
-                                   init=False, dtype=torch.float32)
+    chunks = pipeline.build_chunks(cfg, pipe.pp, rank, pipe.v, placement=pipe.placement, init=False,
+                                   dtype=torch.float32)
     for c in chunks:
         tensor_parallel.optimize(c).load_full_state_dict(full)
-    return chunks, (pipe.split(chunks) if split and pipe.split else None)
+    if split:
+        pipe.prepare(chunks)  # 06's split for ZB-H1 and ZB-V: the executor then runs I and W on these chunks
+    return chunks
 
 
 def torch_step(name, chunks, pipe, rank, m, idx, targets, vocab_size):
@@ -66,17 +67,16 @@ def torch_step(name, chunks, pipe, rank, m, idx, targets, vocab_size):
     return step
 
 
-def ours_step(chunks, split, pipe, rank, microbatches, shape):
-    return lambda: pipeline.execute(pipe.lists[rank], chunks, dist.group.WORLD, microbatches, shape,
-                                    exchange=pipeline.BackgroundSends(), placement=pipe.placement,
-                                    schedule=pipe.lists if pipe.lockstep else None, split=split)
+def ours_step(chunks, pipe, microbatches, shape):
+    return lambda: pipeline.execute(pipe, chunks, dist.group.WORLD, microbatches, pipeline.Wire(shape),
+                                    exchange=pipeline.BackgroundSends())
 
 
 def grads_after(step, chunks, pipe, embed_group):
     for c in chunks:
         c.zero_grad(set_to_none=True)
     loss = step()
-    pipeline.sync_tied_embeddings(chunks, embed_group if pipe.last else None)
+    pipeline.sync_tied_embeddings(chunks, embed_group if pipe.where[pipe.S - 1][0] else None)
     return (None if loss is None else float(loss)), {(c, n): p.grad.detach().clone() for c, chunk in enumerate(chunks)
                                                       for n, p in chunk.named_parameters()}
 
@@ -90,12 +90,12 @@ def worker(env, cfg, args):
     pipes = {name: zb.pipeline_schedule(name, pp, m) for name in ("1f1b", "zb-h1", "zb-v")}
     sides, chunk_of, ours = {}, {}, {}
     for name, pipe in pipes.items():
-        pipeline.validate(pipe.lists, pp, m, pipe.placement, pipe.lockstep)
-        chunks, split = chunks_of(cfg, full, pipe, rank, split=True)
-        ours[name] = ours_step(chunks, split, pipe, rank, microbatches, shape)
+        pipeline.validate(pipe, m)
+        chunks = chunks_of(cfg, full, pipe, rank, split=True)
+        ours[name] = ours_step(chunks, pipe, microbatches, shape)
         sides[f"ours {name}"], chunk_of[f"ours {name}"] = (lambda run=ours[name]: run().loss), (chunks, pipe)
         if name in TORCH:
-            chunks, _ = chunks_of(cfg, full, pipe, rank, split=False)
+            chunks = chunks_of(cfg, full, pipe, rank, split=False)
             sides[f"torch {name}"] = torch_step(name, chunks, pipe, rank, m, idx, targets, cfg.vocab_size)
             chunk_of[f"torch {name}"] = chunks, pipe
     for side, step in sides.items():  # torch's first step infers and exchanges shapes
@@ -114,7 +114,7 @@ def worker(env, cfg, args):
     fed = {}
     for name, pipe in pipes.items():
         events = [e for _ in range(args.repeats * args.steps) for e in (zero(f"ours {name}"), ours[name]())[1].events]
-        fed[name] = demos.fed_simulator(pipeline, env, events, pipe.lists, shape, placement=pipe.placement)
+        fed[name] = demos.fed_simulator(pipeline, env, events, pipe, shape)
     return {"same": True, "checks": checks, "rounds": rounds, "fed": fed}
 
 

@@ -105,7 +105,8 @@ OPERATORS = {
     "reduce_scatter_to_sp": (lambda xs, gs, r, tp: sum(xs).chunk(tp, 1)[r], lambda xs, gs, r, tp: torch.cat(gs, 1)),
 }
 LABEL = {"copy_to_tp": "f (copy_to_tp)", "reduce_from_tp": "g (reduce_from_tp)",
-         "gather_from_sp": "g-bar (gather_from_sp)", "reduce_scatter_to_sp": "reduce_scatter_to_sp"}
+         "gather_from_sp": "sequence parallelism's g (gather_from_sp)",
+         "reduce_scatter_to_sp": "sequence parallelism's g-bar (reduce_scatter_to_sp)"}
 
 
 def _suspects(name, xs, gs, r, tp):
@@ -121,7 +122,7 @@ def _suspects(name, xs, gs, r, tp):
                                     "that every rank has the sum")],
                            [(sum(gs), "g's backward all-reduced the gradient: g's backward is the identity "
                                       "(each rank's partial output gets the whole gradient as it is)")]),
-        "gather_from_sp": ([], [(gs[r].chunk(tp, 1)[r], "g-bar's backward kept this rank's slice of its own "
+        "gather_from_sp": ([], [(gs[r].chunk(tp, 1)[r], "sp's g's backward kept this rank's slice of its own "
                                 "gradient: every rank used the whole gathered tensor, so sum the ranks' "
                                 "gradients first (reduce-scatter, not a split)")]),
         "reduce_scatter_to_sp": ([(xs[r].chunk(tp, 1)[r], "kept this rank's slice of its own partial sums: "
@@ -423,6 +424,6 @@ EXERCISES = [
     Exercise("01.4", "sequence_parallel", "sequence parallelism's all-gather / reduce-scatter pair",
              ("GatherFromSP", "ReduceScatterToSP"), "Korthikanti et al. 2022, Section 4.2.2",
              check_sequence_parallel, lambda: {k: REFERENCE[k] for k in ("GatherFromSP", "ReduceScatterToSP")},
-             [Planted("gather_backward_splits", "g-bar's backward splits the gradient instead of reduce-scattering",
+             [Planted("gather_backward_splits", "sp's g's backward splits the gradient instead of reduce-scattering",
                       lambda: {"GatherFromSP": _GatherBackwardSplits}, "reduce-scatter, not a split")]),
 ]

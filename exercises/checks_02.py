@@ -54,7 +54,7 @@ def lists_of(fn, pp, m, *extra, what):
 def validated(lists, pp, m, where):
     """None if 02's validate() accepts the lists, else its reason."""
     try:
-        pipeline.validate(lists, pp, m)
+        pipeline.validate(pipeline.Schedule(lists), m)
     except pipeline.ScheduleError as e:
         return f"{where}: 02's validate() refuses the lists: {e}"
     return None
@@ -92,7 +92,7 @@ def check_one_f_one_b_lists(fn):
         bad = validated(lists, pp, m, where)
         if bad:
             return [bad + _warmup_note(lists, pp, m)]
-        sim = pipeline.simulate(lists, pp)
+        sim = pipeline.simulate(pipeline.Schedule(lists))
         for s, acts in enumerate(lists):
             warmup = next((i for i, a in enumerate(acts) if a.kind == "B"), len(acts))
             want = min(pp - s - 1, m) + (pp - s - 1 < m)  # the warmup, then the first steady forward
@@ -143,13 +143,13 @@ def serial_reference(n_layer, m, seed=7):
 def _execute(env, lists, ref):
     """Build this rank's chunks and run its list with 02's executor, the tied embedding not yet
     synced: (chunks, result, embed_group)."""
-    pp, v = env.world_size, pipeline.n_chunks(lists[env.rank])
+    pp, schedule = env.world_size, pipeline.Schedule(lists)
     embed_group = new_group([0, pp - 1]) if pp > 1 else None
-    chunks = pipeline.build_chunks(ref["cfg"], pp, env.rank, v, init=False, dtype=F64)
+    chunks = pipeline.build_chunks(ref["cfg"], pp, env.rank, schedule.v, init=False, dtype=F64)
     for c in chunks:
         c.load_full_state_dict(ref["full"])
     micro = pipeline.split_batch(ref["idx"], ref["targets"], ref["m"])
-    res = pipeline.execute(lists[env.rank], chunks, dist.group.WORLD, micro, (ROWS, T, ref["cfg"].n_embd))
+    res = pipeline.execute(schedule, chunks, dist.group.WORLD, micro, pipeline.Wire((ROWS, T, ref["cfg"].n_embd)))
     return chunks, res, embed_group
 
 
@@ -159,8 +159,8 @@ def _run(env, lists, ref):
     pp = env.world_size
     embed_group = new_group([0, pp - 1]) if pp > 1 else None
     micro = pipeline.split_batch(ref["idx"], ref["targets"], ref["m"])
-    chunks, res = pipeline.pipeline_step(ref["cfg"], lists[env.rank], dist.group.WORLD, embed_group, ref["full"],
-                                         micro)
+    chunks, res = pipeline.pipeline_step(ref["cfg"], pipeline.Schedule(lists), dist.group.WORLD, embed_group,
+                                         ref["full"], micro)
     pairs = [("the loss", res.loss, ref["loss"])] if res.loss is not None else []
     pairs += [(f"the gradient of {n}", p.grad, ref["grads"][n]) for c in chunks for n, p in c.named_parameters()]
     return [f"rank {env.rank}: {r}" for r in differences(pairs, factors={"m": ref["m"]})]

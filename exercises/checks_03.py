@@ -26,11 +26,12 @@ LEGAL = [(pp, v, m) for pp in range(1, 7) for v in range(1, 5) for m in range(pp
 def _run(env, lists, ref, layers_of):
     """Run this rank's list: through 02's pipeline_step (layers_of None: 02's own chunks), or with
     02's executor on chunks holding layers_of(n_layer, pp, v, rank)."""
-    pp, v, cfg = env.world_size, pipeline.n_chunks(lists[env.rank]), ref["cfg"]
+    schedule, cfg = pipeline.Schedule(lists), ref["cfg"]
+    pp, v = schedule.pp, schedule.v
     embed_group = new_group([0, pp - 1]) if pp > 1 else None
     micro = pipeline.split_batch(ref["idx"], ref["targets"], ref["m"])
     if layers_of is None:
-        chunks, res = pipeline.pipeline_step(cfg, lists[env.rank], dist.group.WORLD, embed_group, ref["full"], micro)
+        chunks, res = pipeline.pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, ref["full"], micro)
     else:
         chunks = []
         for c, layers in enumerate(layers_of(cfg.n_layer, pp, v, env.rank)):
@@ -39,7 +40,7 @@ def _run(env, lists, ref, layers_of):
                                         init=False, dtype=F64)
             chunk.load_full_state_dict(ref["full"])
             chunks.append(chunk)
-        res = pipeline.execute(lists[env.rank], chunks, dist.group.WORLD, micro, (ROWS, T, cfg.n_embd))
+        res = pipeline.execute(schedule, chunks, dist.group.WORLD, micro, pipeline.Wire((ROWS, T, cfg.n_embd)))
         pipeline.sync_tied_embeddings(chunks, embed_group)
     pairs = [("the loss", res.loss, ref["loss"])] if res.loss is not None else []
     pairs += [(f"the gradient of {n}", p.grad, ref["grads"][n]) for c in chunks for n, p in c.named_parameters()]
@@ -113,7 +114,7 @@ def check_interleaved_lists(fn):
         bad = validated(lists, pp, m, where)
         if bad:
             return [bad]
-        sim = pipeline.simulate(lists, pp, Fraction(1, v), Fraction(2, v))
+        sim = pipeline.simulate(pipeline.Schedule(lists), Fraction(1, v), Fraction(2, v))
         if sim.bubble != Fraction(pp - 1, v * m):
             return [f"{where}: the simulated bubble is {sim.bubble}, not (pp - 1)/(v m) = {Fraction(pp - 1, v * m)}"]
         diff = next(filter(None, (first_difference(a, interleaved.interleaved(pp, m, s, v), f"{where}, rank {s}",

@@ -155,7 +155,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 # 01.4 Sequence parallelism's pair (Korthikanti et al. 2022, Section 4.2.2 and Figure 5)
 #
 # Outside the tensor-parallel regions (LayerNorm, dropout) each rank holds T/tp of the sequence.
-# Entering a region, g-bar all-gathers T; leaving it, g reduce-scatters T. As with f and g, each
+# Entering a region, g all-gathers T; leaving it, g-bar reduce-scatters T (the paper's Figure 5
+# names them so: they take f's and g's places). As with f and g, each
 # one's backward is the other collective. 01's layers call gather_from_sp(x, group) and
 # reduce_scatter_to_sp(x, group), which are these Functions' apply. The collectives are 01's (at
 # tp = 1 each returns x):
@@ -166,7 +167,7 @@ reduce_scatter = tensor_parallel.reduce_scatter  # (x, group, dim): the sum over
 
 
 class GatherFromSP(torch.autograd.Function):
-    """g-bar, sequence parallelism's f: all-gather T in forward; reduce-scatter T in backward."""
+    """Sequence parallelism's g (in f's place): all-gather T in forward; reduce-scatter T in backward."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -48,7 +48,7 @@ def interleaved(pp, m, stage, v):
     the first group of pp microbatches has gone through its earlier chunks: count the forwards that
     takes (at most m v).
     Then steady pairs, one new forward and the oldest backward, both marked steady=True (02's
-    rank_plan runs such a pair back to back, with no exchange between them: with v chunks a
+    Schedule.plan runs such a pair back to back, with no exchange between them: with v chunks a
     boundary there can make two ranks wait on each other), and then the remaining backwards."""
     raise NotImplementedError("03.2 interleaved: the order (groups of pp microbatches per chunk) and the warmup "
                               "(how far is rank r from the last stage, twice, plus a round of pp per extra "

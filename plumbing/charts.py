@@ -3,6 +3,8 @@ this without it).
 
     ascii_chart({"train loss": ("*", [(step, loss), ...])})   curves on one grid: 05's loss chart
     bars([(label, value), ...])                               horizontal bars on one scale
+    pipeline_timeline(timeline)                               02's schedules: one row per rank, as the
+                                                              paper's Figures 3 and 4 draw them
     bucket_timeline(start, end, events, n_buckets)            04's BucketedDDP: backward, and when
                                                               each bucket's reduction was launched
                                                               (and, if known, seen done), on one time axis
@@ -101,3 +103,21 @@ def bucket_timeline(start, end, events, n_buckets, width=64):
     early = sum(t < end for t in launch.values())
     lines.append(f"{early} of {n_buckets} launched before backward finished")
     return "\n".join(lines)
+
+
+def pipeline_timeline(timeline, width=100, end=None):
+    """A pipeline's timeline [(start, end, action)] per rank, one row each as in Narayanan et al.'s
+    Figures 3 and 4: forwards are written F<mb> padded with spaces, backwards B<mb> padded with '='
+    (06's I<mb> too, and W<mb> with '-'), idle time '.'; odd model chunks (03) in lower case, f<mb>
+    and b<mb>. `end` fixes the time at the right edge, so that two timelines can share one scale."""
+    end = end or max(e for tl in timeline for _, e, _ in tl) or 1
+    scale = width / float(end)
+    rows = []
+    for r, tl in enumerate(timeline):
+        row = ["."] * width
+        for s, e, a in tl:
+            lo, hi = round(s * scale), max(round(e * scale), round(s * scale) + 1)
+            name = (a.kind if a.chunk % 2 == 0 else a.kind.lower()) + str(a.mb)
+            row[lo:hi] = name.ljust(hi - lo, {"F": " ", "W": "-"}.get(a.kind, "="))[: hi - lo]
+        rows.append(f"rank {r} |{''.join(row)[:width]}|")
+    return "\n".join(rows)

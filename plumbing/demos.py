@@ -7,6 +7,7 @@ stay in each file.
     checksum(module)               04: a hash of the weights' bytes, to show replicas bit-identical
     report_pipeline(env, ...)      02, 03: one schedule's step, printed: its timelines, bubble,
                                    memory, traffic and difference from serial (02 ran and compared it)
+    report_interleaving(say, ...)  03: the two schedules side by side: bubbles, messages, memory
     fed_simulator(pipeline, ..)    bench_pipeline, bench_zero_bubble: 02's simulator fed a run's own
                                    measured times
 
@@ -22,6 +23,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from plumbing import charts
 from plumbing.launch import gather_numbers
 
 
@@ -30,7 +32,7 @@ from plumbing.launch import gather_numbers
 
 
 # The paper's name of each operator class of 01 that issues a collective, for the demo's list.
-PAPER_NAMES = {"CopyToTP": "f", "ReduceFromTP": "g", "GatherFromSP": "g-bar", "ReduceScatterToSP": "g",
+PAPER_NAMES = {"CopyToTP": "f", "ReduceFromTP": "g", "GatherFromSP": "g", "ReduceScatterToSP": "g-bar",
                "ScatterToSP": "split", "GatherFromTP": "gather", "ScatterToTP": "split",
                "_VocabParallelCrossEntropy": "loss", "OverlappedColumnLinear": "f (overlapped)"}
 
@@ -104,10 +106,11 @@ def gather_figures(env, schedule, worst, result, kept):
             for r, row in enumerate(gather_numbers(flat, device=env.device))]
 
 
-def report_pipeline(env, name, schedule, sim, worst, result, kept, render, say, t_f=1, t_b=2, end=None, width=100):
+def report_pipeline(env, name, schedule, sim, worst, result, kept, say, t_f=1, t_b=2, end=None, width=100):
     """Print one schedule's run: its simulated and measured timelines, bubble, memory, traffic and
-    difference from serial. sim: 02's simulate() of `schedule`; render: 02's render. Collective:
+    difference from serial. schedule: every rank's list; sim: 02's simulate() of it. Collective:
     every rank calls it. Returns (ok, sim, every rank's RankFigures)."""
+    render = charts.pipeline_timeline
     pp, m, v = len(schedule), sum(a.kind == "F" and a.chunk == 0 for a in schedule[0]), 1 + max(a.chunk for a in schedule[0])
     ranks = gather_figures(env, schedule, worst, result, kept)
     worst, formula = max(r.worst for r in ranks), Fraction(pp - 1, v * m)
@@ -132,12 +135,38 @@ def report_pipeline(env, name, schedule, sim, worst, result, kept, render, say, 
     return worst <= 1e-10 and sim.bubble == formula, sim, ranks
 
 
-def fed_simulator(pipeline, env, events, schedule, shape, rounds=21, placement=None):
+def report_interleaving(say, pp, v, m, one, inter):
+    """03's summary: the two bubbles against their formulas, the step times, the messages (v times
+    more) and the memory price. one, inter: (02's Simulation, every rank's RankFigures) of 1F1B and
+    interleaved 1F1B."""
+    (s1, r1), (s2, r2) = one, inter
+    say(f"\n=== summary ===\nbubble: 1F1B {s1.bubble} (formula (pp-1)/m = {Fraction(pp - 1, m)}), "
+        f"interleaved {s2.bubble} (formula (pp-1)/(v m) = {Fraction(pp - 1, v * m)})")
+    say(f"simulated step time: 1F1B {s1.step_time}, interleaved {s2.step_time} "
+        f"({float(s2.step_time / s1.step_time):.3f}x)")
+    msgs = [sum(r.messages for r in rs) for rs in (r1, r2)]
+    nbytes = [sum(r.bytes_sent for r in rs) for rs in (r1, r2)]
+    # Each microbatch crosses pp*v - 1 chunk boundaries each way instead of pp - 1: about v times.
+    say(f"p2p messages: 1F1B {msgs[0]}, interleaved {msgs[1]} ({msgs[1] / max(msgs[0], 1):.2f}x, "
+        f"expected (pp v - 1)/(pp - 1) = {(pp * v - 1) / max(pp - 1, 1):.2f}x); bytes {nbytes[0]} vs "
+        f"{nbytes[1]} ({nbytes[1] / max(nbytes[0], 1):.2f}x)")
+    say(f"peak stored activation bytes per stage: 1F1B {[r.peak_bytes for r in r1]}, "
+        f"interleaved {[r.peak_bytes for r in r2]}")
+    # Megatron's interleaved warmup keeps (v+1) pp - 1 chunks in flight on rank 0 (the simulator's
+    # peak), each 1/v of a stage, against 1F1B's pp whole stages.
+    say(f"  interleaving holds more on the first stage: {s2.peak_in_flight[0]} chunks of 1/{v} stage "
+        f"in flight = (v+1) pp - 1, against 1F1B's {s1.peak_in_flight[0]} stages = pp, a ratio of "
+        f"{s2.peak_in_flight[0] / (v * s1.peak_in_flight[0]):.3f}\n  (measured on rank 0: "
+        f"{r2[0].peak_bytes / r1[0].peak_bytes:.3f}); the smaller bubble costs 1 + (pp-1)/(pp v) "
+        f"times the activation memory (Korthikanti 4.2.3)")
+
+
+def fed_simulator(pipeline, env, events, schedule, shape, rounds=21):
     """What 02's simulate() predicts for `schedule` fed a run's own times: each rank's t_f and t_b,
     the mean durations of its forwards and backwards in its `events` (02's StepResult.events of
     some steps; 06's split backward: of its I and W, and t_b their sum), and t_comm, half the median
     round trip of one boundary tensor of `shape` between ranks 0 and 1 through batch_isend_irecv, as
-    02 sends it. placement: the schedule's (None: 02's looped). Collective: every rank calls it.
+    02 sends it. schedule: 02's Schedule. Collective: every rank calls it.
     Returns (predicted step time, [t_f per rank], [t_b per rank], t_comm), in seconds."""
     x, trips = torch.zeros(shape, device=env.device), []
     ping_pong = {0: (dist.isend, dist.irecv), 1: (dist.irecv, dist.isend)}.get(env.rank, ()) if env.world_size > 1 else ()
@@ -154,7 +183,5 @@ def fed_simulator(pipeline, env, events, schedule, shape, rounds=21, placement=N
     t_b = mean["B"] if any(a.kind == "B" for _, _, a in events) else mean["I"] + mean["W"]
     mine = [mean["F"], t_b, sorted(trips)[rounds // 2] / 2, mean["I"], mean["W"]]
     t_f, t_b, t_comm, t_i, t_w = zip(*gather_numbers(mine, device=env.device))  # each rank's row; t_comm: rank 0's
-    kwargs = dict(placement=placement) if placement else {}
-    step = pipeline.simulate(schedule, len(schedule), list(t_f), list(t_b), t_comm[0],
-                             times={"I": list(t_i), "W": list(t_w)}, **kwargs).step_time
+    step = pipeline.simulate(schedule, list(t_f), list(t_b), t_comm[0], times={"I": list(t_i), "W": list(t_w)}).step_time
     return step, t_f, t_b, t_comm[0]

@@ -8,6 +8,22 @@ import torch
 from plumbing.data import global_batch, load_tokens, split_tokens
 
 
+def pipeline_reference(cfg, args, m, device):
+    """What 02's, 03's and 06's demos compare against: the batch (args.batch_size x args.seq_len
+    random tokens from args.seed) cut into m microbatches, the full float64 weights, and the serial
+    model's loss and gradients on that batch: (microbatches, full, loss, {name: grad})."""
+    tensor_parallel = importlib.import_module("01_tensor_parallel")
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(device)
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=device)
+    serial.load_full_state_dict(full)
+    loss = serial(idx, targets)[1]
+    loss.backward()
+    micro = list(zip(idx.chunk(m), targets.chunk(m)))
+    return micro, full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
+
+
 def serial_train(cfg, tc):
     """tc.steps AdamW steps of the serial model in tc.dtype: {"losses": [...], "norms": [...]}."""
     tensor_parallel = importlib.import_module("01_tensor_parallel")

@@ -110,8 +110,7 @@ def summary(run, spec, flops, n_train, n_eval, say):
     local = sum(p.numel() for c in run.chunks for p in c.parameters())
     per_rank = [int(x[0]) for x in gather_numbers([local], device=env.device)]
     mem = memory_estimate(run, spec)
-    sim = pipeline.simulate(run.pipe.lists, tc.pp, 1, 2, times={"I": 1, "W": 1, "S": 0, "T": 0},
-                            placement=run.pipe.placement, grad_from=run.pipe.grad_from)
+    sim = pipeline.simulate(run.pipe, 1, 2, times=run.pipe.times)
     on = lambda flag: "on" if flag else "off"  # noqa: E731
     graphs = {None: "off", "stage": "per stage and microbatch", "step": "whole step"}[getattr(run.forward_backward, "mode", None)]
     data = tc.data or "the built-in corpus"
@@ -164,7 +163,7 @@ def report(run, out, wall, say):
     if run.env.device.type == "cuda":  # the memory checklist's figure (G12); not counted on a CPU
         spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)  # as 05 builds it
         say(measured_peak(run.env, sum(memory_estimate(run, spec).values())))
-    if "sums" in out:
+    if out.get("sums"):
         seen, of_seen, held, of_held = out["sums"]
         say(f"sums, greedy \"x plus y is\" for x, y < 10: {seen}/{of_seen} right of those in the "
             f"corpus, {held}/{of_held} of the held-out ones it never states")
@@ -174,8 +173,13 @@ def sum_probe(run, forward_only):
     """How many of the 100 single-digit sums greedy decoding gets right, split into the sums the
     built-in corpus states and the held-out ones it never does: [right, of, right, of]. 05's
     forward_only(run, idx, targets, chunks) runs the pipeline; the last stage's chunk is wrapped to
-    read its logits, and the counts are summed over the world."""
+    read its logits, and the counts are summed over the world. None where the last stage has no
+    output layer of its own (07 spreads it over every rank): every rank asks, and all agree."""
     tc, dp_rank = run.tc, dist.get_rank(run.groups.dp)
+    head = torch.tensor(float(all(hasattr(c, "lm_head") for c in run.chunks if c.post_process)), device=run.env.device)
+    dist.all_reduce(head, op=dist.ReduceOp.MIN)
+    if not head:
+        return None
     counts = torch.zeros(4, dtype=torch.float64, device=run.env.device)  # seen right/of, held right/of
     rows_per_mb = tc.batch_size // (tc.dp * tc.microbatches)
     for idx, targets, pairs in probe_batches(tc.seq_len, tc.batch_size):

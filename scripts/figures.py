@@ -13,8 +13,8 @@ timestamps, coordinates rounded to 2 decimals.
 
 The figures (docs/DIAGRAMS.md shows each and says what it means), each NAME drawn into NAME.svg:
     f-and-g            f and g in the MLP and the attention block (01; Shoeybi et al. 2019, Figure 3)
-    sequence-parallel  LayerNorm and dropout on T/tp of the sequence, g-bar into the tensor-parallel
-                       region and g out of it (01; Korthikanti et al. 2022, Section 4.2.2)
+    sequence-parallel  LayerNorm and dropout on T/tp of the sequence, g into the tensor-parallel
+                       region and g-bar out of it (01; Korthikanti et al. 2022, Section 4.2.2, Figure 5)
     grid               05's rank grid for tp = 2 x dp = 2 x pp = 2: its tp, dp and pp groups
     schedules          1F1B and interleaved 1F1B (v = 2) on one time scale, pp = 4, m = 8: 02's
                        simulate() on 02's and 03's lists (Narayanan et al. 2021, Figure 4)
@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from plumbing.charts import ascii_chart, bars, bucket_timeline  # noqa: E402
+from plumbing.charts import ascii_chart, bars, bucket_timeline, pipeline_timeline  # noqa: E402
 from plumbing.launch import launch  # noqa: E402
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -279,15 +279,15 @@ def f_and_g_svg(_=None, tp=2):
 
 
 SP_OPS = [  # (name, 01's function, forward, backward)
-    ("g-bar", "gather_from_sp", "all-gather T", "reduce-scatter T"),
-    ("g", "reduce_scatter_to_sp", "reduce-scatter T", "all-gather T"),
+    ("g", "gather_from_sp", "all-gather T", "reduce-scatter T"),
+    ("g-bar", "reduce_scatter_to_sp", "reduce-scatter T", "all-gather T"),
 ]
 
 
 def sequence_parallel_text(tp=2):
     lines = [f"sequence parallelism, tp = {tp} (Korthikanti et al. 2022, Section 4.2.2; 01's gather_from_sp and "
              f"reduce_scatter_to_sp):",
-             "  LayerNorm on (B, T/tp, C) -> g-bar -> self-attention or MLP on (B, T, C), split as in f and g -> g "
+             "  LayerNorm on (B, T/tp, C) -> g -> self-attention or MLP on (B, T, C), split as in f and g -> g-bar "
              "-> + bias, dropout, + residual on (B, T/tp, C)"]
     lines += [f"  {name:<5}  {fn:<20} forward: {fwd:<16} backward: {bwd}" for name, fn, fwd, bwd in SP_OPS]
     lines.append("an all-reduce is a reduce-scatter then an all-gather: the bytes of f and g, with LayerNorm's and "
@@ -305,12 +305,12 @@ def _sequence_strip(s, x, y, w, tp, rank):
 
 def sequence_parallel_svg(_=None, tp=2):
     s = Svg(f"Sequence parallelism: in and out of the tensor-parallel region, tp = {tp}",
-            "Korthikanti et al. 2022, Section 4.2.2 (Figure 5) · 01_tensor_parallel.py: g-bar = gather_from_sp, "
-            "g = reduce_scatter_to_sp")
+            "Korthikanti et al. 2022, Section 4.2.2 (Figure 5) · 01_tensor_parallel.py: g = gather_from_sp, "
+            "g-bar = reduce_scatter_to_sp")
     regions = [(16, 230, "sequence-parallel region", "(B, T/tp, C) on each rank", "#eaf3fa"),
                (336, 262, "tensor-parallel region", "(B, T, C) on every rank", "#fdf3e1"),
                (688, 196, "sequence-parallel region", "(B, T/tp, C) on each rank", "#eaf3fa")]
-    ops = [(262, PURPLE), (614, ORANGE)]  # g-bar and g, between the regions: (left, colour), 58 px wide
+    ops = [(262, PURPLE), (614, ORANGE)]  # g and g-bar, between the regions: (left, colour), 58 px wide
     lane_h, top = 84, 116
     bottom = top + tp * (lane_h + 8)
     for x, w, name, shape, tint in regions:
@@ -446,20 +446,21 @@ def schedules_data(pp=4, m=8, v=2):
     """(pp, m, v, {name: 02's Simulation}): a whole stage's forward takes 1 and its backward 2, and
     a chunk of 1/v of a stage 1/v of that (03's demo's times), so the two share one time scale."""
     return pp, m, v, {
-        "1F1B": pipeline.simulate([pipeline.one_f_one_b(pp, m, s) for s in range(pp)], pp, 1, 2),
-        f"interleaved 1F1B, v={v}": pipeline.simulate([interleaved.interleaved(pp, m, s, v) for s in range(pp)], pp,
-                                                       Fraction(1, v), Fraction(2, v))}
+        "1F1B": pipeline.simulate(pipeline.Schedule([pipeline.one_f_one_b(pp, m, s) for s in range(pp)]), 1, 2),
+        f"interleaved 1F1B, v={v}": pipeline.simulate(pipeline.Schedule([interleaved.interleaved(pp, m, s, v)
+                                                                         for s in range(pp)]), Fraction(1, v),
+                                                       Fraction(2, v))}
 
 
 def schedules_text(data, width=132):
     pp, m, v, runs = data
     end = max(sim.step_time for sim in runs.values())
-    out = [f"1F1B and interleaved 1F1B, pp={pp}, m={m}, on one time scale (02's simulate() and render()): F<mb> a "
+    out = [f"1F1B and interleaved 1F1B, pp={pp}, m={m}, on one time scale (02's simulate()): F<mb> a "
            f"forward, B<mb>== a backward,", "lower case the second chunk, '.' idle; a stage's forward takes 1, its "
            "backward 2, a chunk's 1/v of that"]
     for (name, sim), formula in zip(runs.items(), ("(pp-1)/m", "(pp-1)/(v m)")):
         out += ["", f"{name}: step time {float(sim.step_time):g}, bubble {sim.bubble} = {formula}",
-                pipeline.render(sim.timeline, width, end)]
+                pipeline_timeline(sim.timeline, width, end)]
     return "\n".join(out)
 
 
@@ -518,8 +519,8 @@ def bubble_data(pp=4, ms=(4, 8, 12, 16, 24, 32), vs=(1, 2, 4)):
     1F1B), every chunk taking 1/v of a stage's time (t_f = 1/v, t_b = 2/v)."""
     out = {}
     for v in vs:
-        lists = lambda m: [interleaved.interleaved(pp, m, s, v) for s in range(pp)]  # noqa: E731
-        out[v] = [(m, pipeline.simulate(lists(m), pp, Fraction(1, v), Fraction(2, v)).bubble,
+        lists = lambda m: pipeline.Schedule([interleaved.interleaved(pp, m, s, v) for s in range(pp)])  # noqa: E731
+        out[v] = [(m, pipeline.simulate(lists(m), Fraction(1, v), Fraction(2, v)).bubble,
                    Fraction(pp - 1, v * m)) for m in ms]
     return out
 
@@ -600,7 +601,8 @@ def _memory(env, full, m, rows, v_interleaved):
         chunks = pipeline.build_chunks(cfg, pp, env.rank, v, init=False, dtype=torch.float64)
         for c in chunks:
             c.load_full_state_dict(full)
-        res = pipeline.execute(make(pp, m, env.rank), chunks, dist.group.WORLD, micro, (rows, cfg.block_size, cfg.n_embd))
+        res = pipeline.execute(pipeline.Schedule([make(pp, m, r) for r in range(pp)]), chunks, dist.group.WORLD, micro,
+                               pipeline.Wire((rows, cfg.block_size, cfg.n_embd)))
         out[name] = res.peak_activation_bytes
     return out
 

@@ -201,8 +201,8 @@ def _dp_pp(env, dp, pp, zero, steps):
         ref_opt.zero_grad()
         mine = data_parallel.shard_batch(idx, targets, dp, dp_rank)
         ddp.sync = False  # the pipeline runs every microbatch first; then the flush, then the reduction
-        schedule = pipeline.one_f_one_b(pp, m, pp_rank)
-        pipeline.execute(schedule, chunks, groups.pp, pipeline.split_batch(*mine, m), (2, 8, cfg.n_embd))
+        schedule = pipeline.Schedule([pipeline.one_f_one_b(pp, m, r) for r in range(pp)])
+        pipeline.execute(schedule, chunks, groups.pp, pipeline.split_batch(*mine, m), pipeline.Wire((2, 8, cfg.n_embd)))
         pipeline.sync_tied_embeddings(chunks, groups.embed, grad_of=ddp.main_grad)
         ddp.finish()
         opt.step()
@@ -229,10 +229,11 @@ def _step_timeline(env, tc):
     groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp))
     run = gpt3d.build(env, CFG, tc, groups)
     tokens = data.split_tokens(data.load_tokens("", CFG.vocab_size, tc.seq_len), tc.seq_len)[0]
-    seen, execute, finish = {}, gpt3d.pipeline.execute, run.ddp.finish
+    seen, execute, finish = {}, gpt3d.pipeline.Executor.run, run.ddp.finish
 
-    def timed_execute(*args, **kwargs):  # t0=0: the actions' times are perf_counter's, as the events'
-        res = execute(*args, **{**kwargs, "t0": 0.0})
+    def timed_execute(self, *args, **kwargs):  # t0=0: the actions' times are perf_counter's, as the events'
+        self.t0 = 0.0
+        res = execute(self, *args, **kwargs)
         seen["actions"], seen["flushed"] = res.events, time.perf_counter()
         return res
 
@@ -240,7 +241,7 @@ def _step_timeline(env, tc):
         finish()
         seen["events"] = list(run.ddp.events)  # train_step's zero_grad clears them
 
-    gpt3d.pipeline.execute, run.ddp.finish = timed_execute, kept_finish  # this forked rank's copies
+    gpt3d.pipeline.Executor.run, run.ddp.finish = timed_execute, kept_finish  # this forked rank's copies
     gpt3d.train_step(run, *data.replica_batch(tokens, 0, tc, dist.get_rank(groups.dp)), 1e-3)
     chunks_of = [{c for c, chunk in enumerate(run.chunks) for p in chunk.parameters() if i in run.ddp.buckets_of[p]}
                  for i in range(len(run.ddp.buckets))]
@@ -327,8 +328,8 @@ def test_the_main_job_trains_8_ranks_shows_progress_and_summaries(tmp_path):
 def _switches(env, tc):
     """Build 05's run and take one train_step: where each of 01's and 02's switches ended up."""
     groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tc.tp, tc.dp, tc.pp))
-    run, seen, execute = gpt3d.build(env, CFG, tc, groups), {}, gpt3d.pipeline.execute
-    gpt3d.pipeline.execute = lambda *args, **kw: (seen.update(kw), execute(*args, **kw))[1]  # this rank only
+    run, seen, execute = gpt3d.build(env, CFG, tc, groups), {}, gpt3d.pipeline.Executor.run
+    gpt3d.pipeline.Executor.run = lambda self, *a, **kw: (seen.update(exchange=self.exchange), execute(self, *a, **kw))[1]
     tokens = data.split_tokens(data.load_tokens("", CFG.vocab_size, tc.seq_len), tc.seq_len)[0]
     gpt3d.train_step(run, *data.replica_batch(tokens, 0, tc, 0), 1e-3)
     linears = [isinstance(m.forward, functools.partial) and m.forward.func is tensor_parallel.overlapped_forward
@@ -419,16 +420,16 @@ def test_recompute_takes_a_mode_and_the_old_boolean_is_refused_by_name():
 
 
 def _nan_at_step_3(env):
-    real, calls = gpt3d.pipeline.execute, [0]
+    real, calls = gpt3d.pipeline.Executor.run, [0]
 
-    def poisoned(*args, **kwargs):
-        res = real(*args, **kwargs)
+    def poisoned(self, *args, **kwargs):
+        res = real(self, *args, **kwargs)
         calls[0] += 1
         if calls[0] == 4 and res.loss is not None:
             res.loss = res.loss * float("nan")
         return res
 
-    gpt3d.pipeline.execute = poisoned  # this forked rank's copy of the module only
+    gpt3d.pipeline.Executor.run = poisoned  # this forked rank's copy of the module only
     return gpt3d.train(env, CFG, replace(BASE, pp=2, microbatches=2), quiet=True)
 
 
@@ -445,7 +446,7 @@ def test_the_forward_only_eval_lists_cannot_deadlock():
             for m in range(pp, 33, pp):
                 lists = [[pipeline.Action("F", a.mb, a.chunk) for a in interleaved.interleaved(pp, m, s, v) if a.kind == "F"]
                          for s in range(pp)]
-                pipeline._check_channels_and_progress([pipeline.rank_plan(a, r, pp) for r, a in enumerate(lists)], pp)
+                pipeline.check_plans(pipeline.Schedule(lists))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -290,7 +290,7 @@ CLAIMS = [
           lambda: (count(collectives(TP), operator="g", direction="forward"), count(collectives(TP), operator="loss"),
                    one({r[4].strip("(,)") for r in collectives(TP) if r[1] == "loss"}),
                    count(collectives(TP), operator="f", direction="backward"))),
-    Claim("README.md", r"each f and g becomes an all-gather \(g-bar\) or a reduce-scatter of this rank's "
+    Claim("README.md", r"f becomes an all-gather \(the paper's g\) and g a reduce-scatter \(g-bar\) of this rank's "
                        r"\(B, T/tp, C\) = (\([\d, ]+\)): `layer 0: (\d+) forward and (\d+) backward collectives; "
                        r"(\d+) in all`",
           lambda: (next(r[4] for r in collectives(SP) if r[1] == "g-bar"),

@@ -105,8 +105,9 @@ def _graph_step(env, v, m, sched_name, graphed):
     chunks = pipeline.build_chunks(cfg, pp, rank, v, None, init=False, dtype=torch.float64)
     for c in chunks:
         c.load_full_state_dict(full)
-    actions = interleaved.interleaved(pp, m, rank, v) if sched_name == "interleaved" else \
-        pipeline.SCHEDULES[sched_name](pp, m, rank)
+    schedule = pipeline.Schedule([interleaved.interleaved(pp, m, r, v) if sched_name == "interleaved" else
+                                  pipeline.SCHEDULES[sched_name](pp, m, r) for r in range(pp)])
+    actions = schedule.lists[rank]
     run_chunks, captured = chunks, None
     if graphed:
         real, torch.cuda.make_graphed_callables = torch.cuda.make_graphed_callables, faithful_make_graphed_callables
@@ -118,7 +119,8 @@ def _graph_step(env, v, m, sched_name, graphed):
             torch.cuda.make_graphed_callables = real
         run_chunks, captured = sg.chunks, sg.captured
         assert captured == sum(graphs.slots(actions)[1].values())
-    res = pipeline.execute(actions, run_chunks, dist.group.WORLD, micro, (2, 16, 16), deallocate=not graphed)
+    res = pipeline.execute(schedule, run_chunks, dist.group.WORLD, micro, pipeline.Wire((2, 16, 16)),
+                           deallocate=not graphed)
     shared = max(graphs.slots(actions)[1].values()) > 1  # some chunk has two microbatches in flight
     return (None if res.loss is None else float(res.loss),
             {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}, shared)

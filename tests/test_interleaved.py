@@ -23,18 +23,18 @@ def legal():
 
 
 def lists(pp, m, v):
-    return [interleaved.interleaved(pp, m, s, v) for s in range(pp)]
+    return pipeline.Schedule([interleaved.interleaved(pp, m, s, v) for s in range(pp)])
 
 
 def test_the_validator_accepts_every_interleaved_list_up_to_pp_8_v_4_m_32():
     for pp, v, m in legal():
-        pipeline.validate(lists(pp, m, v), pp, m)
+        pipeline.validate(lists(pp, m, v), m)
 
 
 @pytest.mark.parametrize("t_f,t_b", [(1, 1), (1, 2), (Fraction(1, 3), Fraction(5, 7))])
 def test_the_simulated_bubble_is_exactly_pp_minus_1_over_v_m_for_uniform_chunk_times(t_f, t_b):
     for pp, v, m in legal():
-        assert pipeline.simulate(lists(pp, m, v), pp, t_f, t_b).bubble == Fraction(pp - 1, v * m), (pp, v, m)
+        assert pipeline.simulate(lists(pp, m, v), t_f, t_b).bubble == Fraction(pp - 1, v * m), (pp, v, m)
 
 
 def test_v_equal_1_is_exactly_02s_1f1b():
@@ -49,15 +49,35 @@ def test_warmup_is_2_pp_minus_rank_minus_1_plus_v_minus_1_times_pp_capped_at_m_v
     for pp, v, m in legal():
         if v == 1:
             continue
-        for r, acts in enumerate(lists(pp, m, v)):
+        for r, acts in enumerate(lists(pp, m, v).lists):
             warmup = next((i for i, a in enumerate(acts) if a.steady), len(acts) // 2)
             assert warmup == min((pp - r - 1) * 2 + (v - 1) * pp, m * v), (pp, v, m, r)
             assert all(a.kind == "F" for a in acts[:warmup])
 
 
+def test_with_one_round_trip_of_warmup_instead_of_two_the_validator_finds_a_deadlock_at_v_2():
+    # 03's comment: microbatch 0's gradient is back 2 (pp - r - 1) steps after rank r's first
+    # last-chunk forward, and a steady pair has no boundary between its F and its B.
+    def short(pp, m, r, v):  # interleaved() with (pp - r - 1) * 1 in the warm-up
+        acts, good = [], interleaved.interleaved(pp, m, r, v)
+        warmup = min(pp - r - 1 + (v - 1) * pp, m * v)
+        forwards, backwards = [a for a in good if a.kind == "F"], [a for a in good if a.kind == "B"]
+        acts = forwards[:warmup]
+        for f, b in zip(forwards[warmup:], backwards):
+            acts += [pipeline.Action("F", f.mb, f.chunk, steady=True), pipeline.Action("B", b.mb, b.chunk, steady=True)]
+        return acts + backwards[m * v - warmup:]
+
+    for pp in (3, 4):
+        pipeline.validate(pipeline.Schedule([interleaved.interleaved(pp, 2 * pp, r, 2) for r in range(pp)]), 2 * pp)
+        with pytest.raises(pipeline.ScheduleError, match="deadlock: rank 0 waits to"):
+            pipeline.validate(pipeline.Schedule([short(pp, 2 * pp, r, 2) for r in range(pp)]), 2 * pp)
+    with pytest.raises(pipeline.ScheduleError, match="message 4 is"):  # pp = 2: each waits for another message
+        pipeline.validate(pipeline.Schedule([short(2, 4, r, 2) for r in range(2)]), 4)
+
+
 def test_forward_step_k_runs_chunk_k_mod_pp_v_div_pp_on_microbatch_k_div_pp_v_times_pp_plus_k_mod_pp():
     pp, v, m = 4, 3, 8
-    for r, acts in enumerate(lists(pp, m, v)):
+    for r, acts in enumerate(lists(pp, m, v).lists):
         forwards = [a for a in acts if a.kind == "F"]
         backwards = [a for a in acts if a.kind == "B"]
         for k, a in enumerate(forwards):

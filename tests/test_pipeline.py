@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import exchange, PIPELINE_CFG, TOL, load, pipeline_batch, pipeline_train, run_script
+from plumbing.charts import pipeline_timeline
 from plumbing.trace import write_timelines
 
 tensor_parallel = load("01_tensor_parallel")
@@ -24,7 +25,7 @@ CFG = PIPELINE_CFG
 
 
 def lists(name, pp, m):
-    return [pipeline.SCHEDULES[name](pp, m, s) for s in range(pp)]
+    return pipeline.Schedule([pipeline.SCHEDULES[name](pp, m, s) for s in range(pp)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -35,7 +36,7 @@ def test_the_validator_accepts_gpipe_and_1f1b_for_every_pp_up_to_8_and_m_up_to_3
     for name in pipeline.SCHEDULES:
         for pp in range(1, 9):
             for m in range(1, 33):
-                pipeline.validate(lists(name, pp, m), pp, m)
+                pipeline.validate(lists(name, pp, m), m)
 
 
 BROKEN = {
@@ -53,13 +54,13 @@ BROKEN = {
 def test_the_validator_rejects_hand_broken_lists(case):
     schedule, message = BROKEN[case]
     with pytest.raises(pipeline.ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        pipeline.validate(schedule, 2, 2)
+        pipeline.validate(pipeline.Schedule(schedule), 2)
 
 
 def test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards():
     for pp in range(1, 9):
         for m in range(1, 17):
-            for s, acts in enumerate(lists("1f1b", pp, m)):
+            for s, acts in enumerate(lists("1f1b", pp, m).lists):
                 first_b = next(i for i, a in enumerate(acts) if a.kind == "B")
                 assert first_b == min(pp - s - 1, m) + (1 if pp - s - 1 < m else 0)
                 assert acts[:first_b] == [F(i) for i in range(first_b)]
@@ -70,7 +71,7 @@ def test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards():
 def test_the_simulated_bubble_is_exactly_pp_minus_1_over_m_for_uniform_times(name, t_f, t_b):
     for pp in range(1, 9):
         for m in range(1, 33):
-            sim = pipeline.simulate(lists(name, pp, m), pp, t_f, t_b)
+            sim = pipeline.simulate(lists(name, pp, m), t_f, t_b)
             assert sim.bubble == Fraction(pp - 1, m), (pp, m)
             assert sim.step_time == (m + pp - 1) * (t_f + t_b)
 
@@ -78,19 +79,19 @@ def test_the_simulated_bubble_is_exactly_pp_minus_1_over_m_for_uniform_times(nam
 def test_1f1b_keeps_at_most_pp_minus_stage_microbatches_in_flight_and_gpipe_keeps_m():
     for pp in range(1, 9):
         for m in range(1, 33):
-            assert pipeline.simulate(lists("1f1b", pp, m), pp).peak_in_flight == [min(pp - s, m) for s in range(pp)]
-            assert pipeline.simulate(lists("gpipe", pp, m), pp).peak_in_flight == [m] * pp
+            assert pipeline.simulate(lists("1f1b", pp, m)).peak_in_flight == [min(pp - s, m) for s in range(pp)]
+            assert pipeline.simulate(lists("gpipe", pp, m)).peak_in_flight == [m] * pp
 
 
 def test_communication_time_adds_to_the_step_but_not_to_the_busy_time():
-    sim = pipeline.simulate(lists("1f1b", 4, 8), 4, 1, 2, t_comm=1)
+    sim = pipeline.simulate(lists("1f1b", 4, 8), 1, 2, t_comm=1)
     assert sim.step_time > (8 + 3) * 3
     assert all(sim.step_time - idle == 8 * 3 for idle in sim.idle)
 
 
 def test_timelines_draw_and_trace(tmp_path):
-    sim = pipeline.simulate(lists("1f1b", 2, 3), 2)
-    text = pipeline.render(sim.timeline, width=40)
+    sim = pipeline.simulate(lists("1f1b", 2, 3))
+    text = pipeline_timeline(sim.timeline, width=40)
     assert text.splitlines()[0].startswith("rank 0 |F0") and "B2" in text.splitlines()[1]
     path = tmp_path / "t.json"
     write_timelines(path, {"1f1b": sim.timeline})
@@ -159,8 +160,8 @@ def _send_waits(env, name, m, background_sends):
         c.load_full_state_dict(tensor_parallel.init_state_dict(CFG, 5, dtype=torch.float64))
         c.register_forward_pre_hook(lambda module, args: log.append(("run",)))
     idx, targets = pipeline_batch(m)
-    pipeline.execute(lists(name, env.world_size, m)[env.rank], chunks, dist.group.WORLD,
-                     pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), exchange=exchange(background_sends))
+    pipeline.execute(lists(name, env.world_size, m), chunks, dist.group.WORLD, pipeline.split_batch(idx, targets, m),
+                     pipeline.Wire((2, 16, CFG.n_embd)), exchange=exchange(background_sends))
     return log, intact
 
 
@@ -192,9 +193,9 @@ def _memory(env, name, m, deallocate, background_sends):
     for c in chunks:
         c.load_full_state_dict(tensor_parallel.init_state_dict(CFG, 5, dtype=torch.float64))
     idx, targets = pipeline_batch(m)
-    res = pipeline.execute(lists(name, env.world_size, m)[env.rank], chunks, torch.distributed.group.WORLD,
-                           pipeline.split_batch(idx, targets, m), (2, 16, CFG.n_embd), deallocate=deallocate,
-                           exchange=exchange(background_sends))
+    res = pipeline.execute(lists(name, env.world_size, m), chunks, torch.distributed.group.WORLD,
+                           pipeline.split_batch(idx, targets, m), pipeline.Wire((2, 16, CFG.n_embd)),
+                           deallocate=deallocate, exchange=exchange(background_sends))
     return res.peak_activation_bytes
 
 

@@ -368,10 +368,10 @@ def test_the_1f1b_replay_shortcut_equals_replaying_every_microbatch():
     for _ in range(40):
         pp, t_f, t_b = rng.randint(1, 6), rng.uniform(0.1, 3), rng.uniform(0.1, 6)
         m, t_comm = rng.randint(1, 5 * pp), rng.choice([0.0, rng.uniform(0, 0.3), rng.uniform(0, 20 * t_f)])
-        full = pipeline.simulate([pipeline.one_f_one_b(pp, m, r) for r in range(pp)], pp, t_f, t_b, t_comm)
+        full = pipeline.simulate(pipeline.Schedule([pipeline.one_f_one_b(pp, m, r) for r in range(pp)]), t_f, t_b, t_comm)
         assert planner.pipeline_seconds(pp, m, 1, t_f, t_b, t_comm) == pytest.approx(full.step_time, rel=1e-9)
     # Interleaved 1F1B is replayed whole: the same lists 03 builds, the same step time.
-    full = pipeline.simulate([interleaved.interleaved(4, 24, r, 2) for r in range(4)], 4, 1.0, 2.5, 0.3)
+    full = pipeline.simulate(pipeline.Schedule([interleaved.interleaved(4, 24, r, 2) for r in range(4)]), 1.0, 2.5, 0.3)
     assert planner.pipeline_seconds(4, 24, 2, 1.0, 2.5, 0.3) == full.step_time
 
 

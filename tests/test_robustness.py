@@ -122,8 +122,9 @@ def _ignored_microbatch(env):
     targets = idx.roll(-1, 1)
     targets[2:4] = -100  # microbatch 1 of 4 has nothing to score
     serial(idx, targets)[1].backward()
-    schedule = pipeline.one_f_one_b(pp, 4, env.rank)
-    res = pipeline.execute(schedule, chunks, dist.group.WORLD, pipeline.split_batch(idx, targets, 4), (2, 16, 16))
+    schedule = pipeline.Schedule([pipeline.one_f_one_b(pp, 4, r) for r in range(pp)])
+    res = pipeline.execute(schedule, chunks, dist.group.WORLD, pipeline.split_batch(idx, targets, 4),
+                           pipeline.Wire((2, 16, 16)))
     pipeline.sync_tied_embeddings(chunks, dist.new_group([0, pp - 1]))
     ref = dict(serial.named_parameters())
     worst = max(tensor_parallel.max_rel_diff(p.grad, ref[n].grad) for n, p in chunks[0].named_parameters())
@@ -285,8 +286,8 @@ def _read_backs(env):
     valid = [int((t != -100).sum()) for t in targets.chunk(2)]  # on the host, as 05 does
     micro = pipeline.split_batch(idx, targets, 2)
     with ReadBacks() as counted:
-        pipeline.execute(pipeline.one_f_one_b(2, 2, env.rank), chunks, dist.group.WORLD, micro, (2, 16, 16),
-                         valid=valid)
+        pipeline.execute(pipeline.Schedule([pipeline.one_f_one_b(2, 2, r) for r in range(2)]), chunks,
+                         dist.group.WORLD, micro, pipeline.Wire((2, 16, 16)), valid=valid)
     return counted.seen
 
 
@@ -363,8 +364,8 @@ def _p2p_groups(env):
     pp_group = dist.new_group([0, 1])
     chunks = pipeline.build_chunks(PIPELINE_CFG, 2, env.rank)
     idx = torch.randint(97, (4, 16), generator=torch.Generator().manual_seed(0))
-    pipeline.execute(pipeline.one_f_one_b(2, 2, env.rank), chunks, pp_group, pipeline.split_batch(idx, idx, 2),
-                     (2, 16, 16))
+    pipeline.execute(pipeline.Schedule([pipeline.one_f_one_b(2, 2, r) for r in range(2)]), chunks, pp_group,
+                     pipeline.split_batch(idx, idx, 2), pipeline.Wire((2, 16, 16)))
     return bool(groups) and all(g is pp_group for g in groups)
 
 

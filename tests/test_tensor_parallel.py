@@ -460,7 +460,7 @@ def test_the_demo_runs_f_and_g_and_with_sp_its_operators_and_the_overlapped_line
     L = 2  # the demo's n_layer
     counts = run_ranks(_functions_run, 2, sp, False)[0]
     columns = 2 * L + 1  # c_attn and c_fc in each block, and the output layer
-    if sp:  # g-bar into each column-parallel layer, sp's g out of each row-parallel one, the split after
+    if sp:  # sp's g into each column-parallel layer, its g-bar out of each row-parallel one, the split after
         # the embeddings; f (CopyToTP) on each replicated parameter used on T/tp tokens: 2 LayerNorm
         # parameters x (2 L + 1) LayerNorms, and each row-parallel bias
         want = {"GatherFromSP.forward": columns, "GatherFromSP.backward": columns,
@@ -474,5 +474,16 @@ def test_the_demo_runs_f_and_g_and_with_sp_its_operators_and_the_overlapped_line
     want.update({"_VocabParallelCrossEntropy.forward": 1, "_VocabParallelCrossEntropy.backward": 1})
     assert counts == want
     optimized = run_ranks(_functions_run, 2, sp, True)[0]
-    assert optimized["OverlappedColumnLinear.forward"] == columns  # asked for: it replaces f (or g-bar)
+    assert optimized["OverlappedColumnLinear.forward"] == columns  # asked for: it replaces f (or sp's g)
     assert "CopyToTP.forward" not in optimized or sp
+
+
+def test_sequence_parallelism_names_its_all_gather_g_and_its_reduce_scatter_g_bar_as_korthikantis_figure_5():
+    # Korthikanti et al. 2022, Figure 5: "g is all-gather in the forward pass and reduce-scatter in the
+    # backward pass; g-bar is reduce-scatter in the forward pass and all-gather in the backward pass".
+    from plumbing.demos import PAPER_NAMES
+    assert PAPER_NAMES["GatherFromSP"] == "g" and PAPER_NAMES["ReduceScatterToSP"] == "g-bar"
+    assert "all-gather T in forward; reduce-scatter T in backward" in tensor_parallel.GatherFromSP.__doc__
+    assert tensor_parallel.GatherFromSP.__doc__.startswith("Sequence parallelism's g ")
+    assert "reduce-scatter T in forward; all-gather T in backward" in tensor_parallel.ReduceScatterToSP.__doc__
+    assert tensor_parallel.ReduceScatterToSP.__doc__.startswith("Sequence parallelism's g-bar ")

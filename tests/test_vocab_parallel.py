@@ -42,9 +42,9 @@ def test_the_passes_validate_and_1f1b_holds_pp_minus_r_plus_one_microbatch_per_b
             for pp in range(1, 7):
                 for m in range(1, 13):
                     pipe = vp.vocab_schedule(name, pp, m, barriers)
-                    pipeline.validate(pipe.lists, pp, m, pipe.placement, pipe.lockstep, pipe.grad_from)
+                    vp.validate(pipe, m)
                     if name == "1f1b":
-                        assert [pipeline.peak_in_flight(a) for a in pipe.lists] == \
+                        assert [pipeline.peak_in_flight(a, pipe.kinds) for a in pipe.lists] == \
                                [min(pp - r + barriers, m) for r in range(pp)], (pp, m, barriers)
 
 
@@ -52,22 +52,21 @@ def test_the_last_stage_runs_s_after_its_forward_and_its_backward_after_every_ba
     for name in NAMES:
         for barriers, gate in ((2, "ST"), (1, "S")):
             pipe = vp.vocab_schedule(name, 4, 8, barriers)
-            rank, chunk = pipeline.stage_map(4, pipeline.n_chunks(pipe.lists[0]), pipe.placement)[7 if name == "zb-v"
-                                                                                                    else 3]
+            rank, chunk = pipe.where[pipe.S - 1]
             at = {a: i for i, a in enumerate(pipe.lists[rank])}
             back = "I" if name != "1f1b" else "B"
             for i in range(8):
                 assert at[Action("F", i, chunk)] < at[Action("S", i)] < at[Action("T", i)]
                 assert all(at[Action(k, i)] < at[Action(back, i, chunk)] for k in gate)
-            assert pipe.grad_from == gate[-1]
+            # the last stage's backward waits for every rank's last pass: its all-reduce brings X's gradient
+            assert pipe.kinds[back].waits(Action(back, 0, chunk), rank, pipe) == [(q, Action(gate[-1], 0)) for q in range(4)]
             order = [[a for a in acts if a.kind in "ST"] for acts in pipe.lists]
             assert all(o == order[0] for o in order)  # one order of collectives on every rank
 
 
 def _steps(name, pp, m, s, t, base=False):
     pipe = zb.pipeline_schedule(name, pp, m) if base else vp.vocab_schedule(name, pp, m, 2)
-    return pipeline.simulate(pipe.lists, pp, 1, 2, times={"I": 1, "W": 1, "S": s, "T": t},
-                             placement=pipe.placement, grad_from=pipe.grad_from).step_time
+    return pipeline.simulate(pipe, 1, 2, times={"I": 1, "W": 1, "S": s, "T": t}).step_time
 
 
 @pytest.mark.parametrize("name,fewest", [("1f1b", lambda pp: 1), ("zb-h1", lambda pp: pp + 2)])
@@ -104,7 +103,7 @@ def test_the_validator_refuses_passes_out_of_order_or_waiting_on_each_other(case
     schedule, message = BROKEN[case]
     m = 1 + max(a.mb for a in schedule[0])
     with pytest.raises(pipeline.ScheduleError, match=message):
-        pipeline.validate(schedule, 2, m, grad_from="T")
+        vp.validate(vp.VocabSchedule(schedule, kinds=vp.vocab_kinds(pipeline.KINDS, "T")), m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,12 +122,11 @@ def _train(env, cases, steps=10):
         full = tensor_parallel.init_state_dict(cfg, 5, dtype=torch.float64, random_all=True)
         serial = tensor_parallel.GPT(cfg, init=False, dtype=torch.float64)
         serial.load_full_state_dict(full)
-        chunks = pipeline.build_chunks(cfg, pp, rank, pipeline.n_chunks(pipe.lists[rank]), groups.tp, pipe.placement,
-                                       sequence_parallel=sp, init=False, dtype=torch.float64)
-        vocab = pipe.vocab(cfg, chunks, groups, pipe)
+        chunks = pipeline.build_chunks(cfg, pp, rank, pipe.v, groups.tp, pipe.placement, sequence_parallel=sp,
+                                       init=False, dtype=torch.float64)
         for c in chunks:
             c.load_full_state_dict(full)
-        split = pipe.split(chunks) if pipe.split else None
+        pipe.prepare(chunks, groups, full)
         params = [p for c in chunks for p in c.parameters()]
         opt, ref_opt = (torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in (params, serial.parameters()))
         worst = 0.0
@@ -137,9 +135,8 @@ def _train(env, cases, steps=10):
             idx, targets = idx % V, targets.where(targets < 0, targets % V)  # V = 5: ids 0 to 4
             ref_loss = serial(idx, targets)[1]
             ref_loss.backward()
-            res = pipeline.execute(pipe.lists[rank], chunks, groups.pp, pipeline.split_batch(idx, targets, m),
-                                   (2, 16 // (tp if sp else 1), cfg.n_embd), placement=pipe.placement, split=split,
-                                   schedule=pipe.lists if pipe.lockstep else None, vocab=vocab)
+            res = pipeline.execute(pipe, chunks, groups.pp, pipeline.split_batch(idx, targets, m),
+                                   pipeline.Wire((2, 16 // (tp if sp else 1), cfg.n_embd)))
             ref = dict(serial.named_parameters())
             worst = max([worst] + [tensor_parallel.max_rel_diff(g, ref[n].grad) for c in chunks
                                    for n, g in c.full_grads().items()]

@@ -83,7 +83,7 @@ def test_zb_h1_is_1f1b_with_b_split_and_w_deferred_by_the_rank():
 
 def test_the_v_places_chunk_0_of_rank_r_on_stage_r_and_chunk_1_on_2pp_minus_1_minus_r():
     assert [zb.v_shape(4, c, r) for c in range(2) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
-    assert pipeline.stage_map(4, 2, zb.v_shape)[7] == (0, 1)  # the last stage beside the first
+    assert zb.pipeline_schedule("zb-v", 4, 8).where[7] == (0, 1)  # the last stage beside the first
     chunks = pipeline.build_chunks(PIPELINE_CFG, 2, 0, 2, placement=zb.v_shape, device="meta")
     assert [list(c.transformer.h) for c in chunks] == [["0"], ["3"]]
     assert chunks[0].pre_process and chunks[1].post_process
@@ -98,11 +98,8 @@ def test_both_schedules_validate_for_every_pp_up_to_8_and_m_up_to_24():
         for m in range(1, 25):
             for name in ("zb-h1", "zb-v"):
                 pipe = zb.pipeline_schedule(name, pp, m)
-                pipeline.validate(pipe.lists, pp, m, pipe.placement, pipe.lockstep)
-                forwards = [[Action("F", a.mb, a.chunk) for a in acts if a.kind == "F"] for acts in pipe.lists]
-                pipeline._check_channels_and_progress(  # 05's forward-only eval lists
-                    [pipeline.rank_plan(acts, r, pp, pipe.placement, forwards if pipe.lockstep else None)
-                     for r, acts in enumerate(forwards)], pp)
+                pipeline.validate(pipe, m)
+                pipeline.check_plans(pipe.forward_only())  # 05's forward-only eval lists
 
 
 def test_zb_v_needs_its_receives_in_lockstep_with_their_senders():
@@ -110,25 +107,27 @@ def test_zb_v_needs_its_receives_in_lockstep_with_their_senders():
     # chunk 0's activations and chunk 1's gradients both go from rank 0 to rank 1: in the order
     # rank 1 needs them they do not match the order rank 0 sends them
     with pytest.raises(pipeline.ScheduleError, match="rank 0 -> rank 1: message 2 is"):
-        pipeline.validate(pipe.lists, 2, 4, zb.v_shape)
-    pipeline.validate(pipe.lists, 2, 4, zb.v_shape, lockstep=True)
+        pipeline.validate(replace(pipe, lockstep=False), 4)
+    pipeline.validate(pipe, 4)
 
 
 def test_a_w_before_its_i_and_a_missing_w_are_refused():
     with pytest.raises(pipeline.ScheduleError, match="rank 0 runs W0 before I0"):
-        pipeline.validate([[Action("F", 0), Action("W", 0), Action("I", 0)]], 1, 1)
+        pipeline.validate(zb.ZeroBubbleSchedule([[Action("F", 0), Action("W", 0), Action("I", 0)]]), 1)
     with pytest.raises(pipeline.ScheduleError, match="rank 0 never runs W0"):
-        pipeline.validate([[Action("F", 0), Action("I", 0)]], 1, 1)
+        pipeline.validate(zb.ZeroBubbleSchedule([[Action("F", 0), Action("I", 0)]]), 1)
 
 
 # ----------------------------------------------------------------------------------------------
 # The simulator: the paper's formulas, exactly
 
 
-def simulate(name, pp, m, t_f, t_i, t_w, w_share=0):
-    pipe = zb.pipeline_schedule(name, pp, m)
-    return pipeline.simulate(pipe.lists, pp, t_f, t_i + t_w, times={"I": t_i, "W": t_w}, placement=pipe.placement,
-                             w_share=w_share)
+def simulate(name, pp, m, t_f, t_i, t_w):
+    return pipeline.simulate(zb.pipeline_schedule(name, pp, m), t_f, t_i + t_w, times={"I": t_i, "W": t_w})
+
+
+def peak_memory(name, pp, m, w_share):
+    return [zb.peak_memory(acts, w_share) for acts in lists(name, pp, m)]
 
 
 TIMES = [(1, 1, 1), (2, 3, 1), (3, 2, 2), (Fraction(1, 3), Fraction(5, 7), Fraction(2, 7))]  # t_W <= t_F, t_I
@@ -159,7 +158,7 @@ def test_the_zb_h1_formula_holds_only_while_w_fits_beside_f_and_i():
 def test_zb_h1_peaks_at_pp_minus_r_m_b_plus_r_m_w_on_rank_r_at_most_pp_m_b(w_share):
     for pp in range(1, 9):
         for m in range(pp, 25):
-            peak = simulate("zb-h1", pp, m, 1, 1, 1, w_share).peak_memory
+            peak = peak_memory("zb-h1", pp, m, w_share)
             assert peak == [(pp - r) + r * w_share for r in range(pp)] and max(peak) == pp, (pp, m)
 
 
@@ -168,8 +167,8 @@ def test_zb_v_at_equal_chunk_times_idles_nowhere_inside_a_ranks_span_and_holds_2
     t = Fraction(1, 2)  # a chunk is half a stage
     for pp in range(1, 9):
         for m in range(2 * pp - 1, 25):
-            sim = simulate("zb-v", pp, m, t, t, t, w_share)
-            assert sim.span_idle == [0] * pp and sim.peak_memory == [2 * pp] * pp, (pp, m)
+            sim = simulate("zb-v", pp, m, t, t, t)
+            assert sim.span_idle == [0] * pp and peak_memory("zb-v", pp, m, w_share) == [2 * pp] * pp, (pp, m)
         for m in range(1, 2 * pp - 1):  # torch builds for 2pp - 1 and drops the microbatches beyond m:
             assert max(simulate("zb-v", pp, m, t, t, t).span_idle) == 2 * (2 * pp - 1 - m) * t  # the V never fills
 
@@ -218,9 +217,9 @@ def _activation_peaks(env, orders):
     chunks[0].load_full_state_dict(tensor_parallel.init_state_dict(PIPELINE_CFG, 5, dtype=torch.float64))
     split, out = zb.BackwardSplit(chunks), []
     for order in orders:
-        acts = [Action(order[i], int(order[i + 1])) for i in range(0, len(order), 2)]
-        out.append(pipeline.execute(acts, chunks, dist.group.WORLD, pipeline.split_batch(*pipeline_batch(3), 3),
-                                    (2, 16, 16), split=split).peak_activation_bytes)
+        pipe = zb.ZeroBubbleSchedule([[Action(order[i], int(order[i + 1])) for i in range(0, len(order), 2)]], split=split)
+        out.append(pipeline.execute(pipe, chunks, dist.group.WORLD, pipeline.split_batch(*pipeline_batch(3), 3),
+                                    pipeline.Wire((2, 16, 16))).peak_activation_bytes)
     return out, sum(split.held((0, 0)).values())  # the last order left microbatch 0's W unrun
 
 
@@ -237,15 +236,14 @@ def test_the_activation_meter_counts_what_w_still_needs_from_i_to_w(run_ranks):
 def _train(env, name, m, steps, background):
     pp, cfg = env.world_size, replace(PIPELINE_CFG, n_layer=2 * max(env.world_size, 2))
     pipe = zb.pipeline_schedule(name, pp, m)
-    embed_group = dist.new_group([0, pp - 1]) if pipe.last else None  # ZB-V: both copies on rank 0
+    embed_group = dist.new_group([0, pp - 1]) if pipe.where[pipe.S - 1][0] else None  # ZB-V: both copies on rank 0
     full = tensor_parallel.init_state_dict(cfg, 5, dtype=torch.float64, random_all=True)
     serial = tensor_parallel.GPT(cfg, init=False, dtype=torch.float64)
     serial.load_full_state_dict(full)
-    chunks = pipeline.build_chunks(cfg, pp, env.rank, pipeline.n_chunks(pipe.lists[env.rank]), placement=pipe.placement,
-                                   init=False, dtype=torch.float64)
+    chunks = pipeline.build_chunks(cfg, pp, env.rank, pipe.v, placement=pipe.placement, init=False, dtype=torch.float64)
     for c in chunks:
         c.load_full_state_dict(full)
-    split = pipe.split(chunks)
+    pipe.prepare(chunks)
     fired, empty = Counter(), []
 
     def hook(name, p):
@@ -262,10 +260,8 @@ def _train(env, name, m, steps, background):
         idx, targets = pipeline_batch(m, seed=step)
         ref_loss = serial(idx, targets)[1]
         ref_loss.backward()
-        res = pipeline.execute(pipe.lists[env.rank], chunks, dist.group.WORLD, pipeline.split_batch(idx, targets, m),
-                               (2, 16, cfg.n_embd), placement=pipe.placement, split=split,
-                               schedule=pipe.lists if pipe.lockstep else None,
-                               exchange=pipeline.BackgroundSends() if background else None)
+        res = pipeline.execute(pipe, chunks, dist.group.WORLD, pipeline.split_batch(idx, targets, m),
+                               pipeline.Wire((2, 16, cfg.n_embd)), exchange=pipeline.BackgroundSends() if background else None)
         pipeline.sync_tied_embeddings(chunks, embed_group)
         counts |= set(fired.values())
         fired.clear()
