@@ -245,14 +245,15 @@ class Executor:
     """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire is how
     a boundary tensor travels; deallocate frees each sent output once its send completed (Megatron's
     trick: backward needs its graph, not its values). An action of kind K runs as run_K(action,
-    stage): F and B here. Gradients accumulate in the chunks' parameters; clock and t0 time the
-    events (05's --trace sets its own)."""
+    stage): F and B here. Gradients accumulate in the chunks' parameters."""
+
+    clock, t0 = time.perf_counter, None  # what the events are timed by, and from (05's --trace sets its own)
 
     def __init__(self, schedule, chunks, pp_group, wire, exchange=None, deallocate=True):
         self.schedule, self.chunks, self.pp_group, self.wire, self.deallocate = schedule, chunks, pp_group, wire, deallocate
         self.plan, self.last = schedule.plan(dist.get_rank(pp_group)), schedule.S - 1
         self.remote = {m for kind, *s in self.plan if kind == "post" for side, _, m in s[0] if side == "send"}
-        self.exchange, self.clock, self.t0 = exchange or Exchange(), time.perf_counter, None
+        self.exchange = exchange or Exchange()
 
     def run(self, microbatches, valid=None, ignore_index=-100):
         """Run the plan on microbatches [(idx, targets)]. The loss of microbatch i is weighted by its
@@ -261,7 +262,7 @@ class Executor:
         self.micro, self.valid = microbatches, valid or [int((t != ignore_index).sum()) for _, t in microbatches]
         self.n_valid = max(sum(self.valid), 1)  # a microbatch with no valid target weighs 0: adds nothing
         self.box, self.inputs, self.outputs, self.sending = {}, {}, {}, {}  # box: messages, by key
-        self.meter, self.t0 = ActivationMeter(self.chunks, self.outputs), self.clock() if self.t0 is None else self.t0
+        self.meter, self.origin = ActivationMeter(self.chunks, self.outputs), self.clock() if self.t0 is None else self.t0
         self.events, self.waits, self.loss, self.n_msgs, self.n_bytes = [], [], None, 0, 0
         for kind, *step in self.plan:
             {"run": self.act, "post": self.post, "wait": self.wait}[kind](*step)
@@ -301,9 +302,9 @@ class Executor:
         return None  # the last stage's output is the loss: its backward starts from 1
 
     def act(self, a, k):
-        start = self.clock() - self.t0
+        start = self.clock() - self.origin
         getattr(self, "run_" + a.kind)(a, k)
-        self.events.append((start, self.clock() - self.t0, a))
+        self.events.append((start, self.clock() - self.origin, a))
         self.meter.measure()
 
     def post(self, ops):
@@ -321,13 +322,13 @@ class Executor:
         self.p2p, self.works = p2p, self.exchange.post(p2p)
 
     def wait(self, ops):
-        start = self.clock() - self.t0
+        start = self.clock() - self.origin
         for msg in self.exchange.wait(self.works, self.p2p, [msg for side, _, msg in ops if side == "send"]):
             self.sent(msg)
         for side, _, msg in ops:
             if side == "recv":
                 self.box[msg] = self.wire.unpack(self.box[msg])
-        self.waits.append((start, self.clock() - self.t0, len(ops)))
+        self.waits.append((start, self.clock() - self.origin, len(ops)))
         self.meter.measure()
 
     def sent(self, msg):  # its send completed: the tensor may change or be freed now

@@ -51,12 +51,12 @@ import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
 from plumbing import cli, report, sample, selfcheck, watch
-from plumbing.checkpoint import Saver, load_checkpoint, newest_checkpoint
+from plumbing.checkpoint import newest_checkpoint, resume
 from plumbing.checks import acceleration, check_action, check_fields, check_model_flags, check_plan_flags, preflight
 from plumbing.data import check_tokens, replica_batch
 from plumbing.gpt2 import export_checkpoint, import_gpt2
 from plumbing.launch import launcher_ranks, printer, run_main, side_channel
-from plumbing.trace import StepTrace, trace_comm
+from plumbing.operations import Operations
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 pipeline = importlib.import_module("02_pipeline_1f1b")
@@ -334,54 +334,37 @@ def finite_step(loss, norm):
     return math.isfinite(loss) and math.isfinite(norm)
 
 
-def train_step(run, idx, targets, lr, trace=None):
-    """One iteration: the pipeline over this replica's microbatches (each chunk's last backward
-    reducing its buckets), tied-embedding sync, the rest of the data-parallel reduction, clipping,
-    AdamW. Returns (loss, grad norm, StepResult).
-    A non-finite loss or norm (the same on every rank: both are all-reduced) skips the update on
-    every rank, as Megatron does; finite_step(loss, norm) says whether it ran. trace, a
-    plumbing.trace.StepTrace, records the step's timeline."""
+def train_step(run, idx, targets, lr):
+    """One iteration of PTD-P: the pipeline over this replica's microbatches (each chunk's last
+    backward reducing its buckets), the tied embedding's sync, the rest of the data-parallel reduction,
+    clipping, AdamW. A non-finite loss or norm (the same on every rank: both are all-reduced) skips the
+    update everywhere, as Megatron does. Returns (loss, gradient norm, 02's StepResult)."""
     tc, groups = run.tc, run.groups
-    span = trace.span if trace else (lambda name, category: contextlib.nullcontext())
-    # Checked and counted here, on the host, on every rank: a bad id stops every stage at once (not
-    # the first stage alone, the others left waiting), and the executor reads nothing back.
+    # Checked and counted on the host, on every rank: a bad id stops every stage at once (not the
+    # first stage alone, the others left waiting), and the executor reads nothing back.
     check_tokens(idx, run.cfg, tc.tp if tc.sequence_parallel else 1)
     valid = [int((t != -100).sum()) for t in targets.chunk(tc.microbatches)]
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
-    run.ddp.clock = trace.clock if trace else time.perf_counter  # the buckets' events on the trace's clock
-    with trace_comm(*run.chunks, clock=trace.clock, groups=[groups.tp]) if trace else contextlib.nullcontext() \
-            as collectives:  # the tp group's collectives, named by the layers that ran them
-        res = run.forward_backward(run, micro, valid, trace)
-    with span("tied-embedding all-reduce", "collective"):  # beside the buckets still in flight
-        pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)
-    with span("data-parallel gradient reduction", "collective"):
-        run.ddp.finish()
-    if trace:
-        trace.add_pipeline(res, collectives, run.ddp.events)
-    with span("global gradient norm and clipping", "collective"):
-        norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
-    with span("loss all-reduce", "collective"):
-        loss = shared_loss(res.loss, run)
+    res = run.forward_backward(run, micro, valid)
+    pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)  # beside the buckets
+    run.ddp.finish()
+    norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
+    loss = shared_loss(res.loss, run)
     if finite_step(loss, norm):
-        with span("AdamW" + (" and ZeRO-1 all-gather" if tc.zero1 else ""), "optimizer"):
-            for g in run.opt.optimizer.param_groups:
-                g["lr"] = lr
-            run.opt.step()
+        for g in run.opt.optimizer.param_groups:
+            g["lr"] = lr
+        run.opt.step()
     run.ddp.zero_grad()
     return loss, norm, res
 
 
-def forward_backward(run, micro, valid, trace=None, chunks=None, plain=False):
+def forward_backward(run, micro, valid, chunks=None, plain=False):
     """This replica's microbatches through the pipeline: 02's executor runs this rank's list, with
-    scatter/gather on the wire and (background_sends) 02's BackgroundSends. trace: the executor's
-    events go on its timeline. chunks, plain (kernels/graphs.py): run these chunks instead, with
-    nothing left in flight and no output freed (a graph owns them)."""
+    scatter/gather on the wire and (background_sends) 02's BackgroundSends. chunks, plain
+    (kernels/graphs.py): run these chunks instead, nothing left in flight, no output freed."""
     exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
-    step = run.pipe.executor(chunks or run.chunks, run.groups.pp, run.wire or pipeline.Wire(run.act_shape), exchange,
-                             deallocate=not plain)
-    if trace:
-        step.clock, step.t0 = trace.clock, trace.t0
-    return step.run(micro, valid)
+    wire = run.wire or pipeline.Wire(run.act_shape)
+    return run.pipe.executor(chunks or run.chunks, run.groups.pp, wire, exchange, not plain).run(micro, valid)
 
 
 def forward_only(run, idx, targets, chunks=None):
@@ -502,95 +485,42 @@ MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd
 
 
 def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
-    """Train on this rank; returns the per-step losses and gradient norms and the final figures.
-    schedule_of(tc): the PipelineSchedule to run (06 passes its own)."""
+    """Train on this rank, as nanoGPT's loop: a batch, a step, a log line, an eval, a save. What a run
+    needs around it (the watch, rehearsed faults, skipped steps, the trace, saves) is plumbing's
+    Operations, called at each point of the loop. schedule_of(tc): the PipelineSchedule to run (06's
+    and 07's own). Returns the losses, gradient norms and evals, and the final figures."""
     say = printer(env, quiet)  # everything that can be refused is, before the first collective:
     train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
                                                        writer=env.rank == 0)
     if acceleration(tc, env.device)[0]:
         kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
     pipe = schedule_of(tc)
-    groups = new_groups(env, pipe.grid(env.world_size, tc.tp, tc.dp), tc.timeout_s)
-    run = build(env, cfg, tc, groups, pipe)
+    run = build(env, cfg, tc, new_groups(env, pipe.grid(env.world_size, tc.tp, tc.dp), tc.timeout_s), pipe)
     spec = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
-    flops = planner.flops_per_iteration(spec, tc.batch_size, tc.recompute)
+    flops = planner.flops_per_iteration(spec, tc.batch_size, tc.recompute)  # Narayanan's eq. 3
     report.summary(run, spec, flops, len(train_tokens), len(eval_tokens), say)
-    if path:
-        load_checkpoint(run, path, say)
-        say(f"resumed from {path}: {start} steps done")
-    elif tc.resume:
-        say(f"no complete checkpoint in {tc.resume}: starting from step 0")
+    resume(run, path, say)  # --resume: the newest complete checkpoint, in any layout
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
-    saver = Saver(tc.save, tc.keep, tc.save_timeout_s, tc.async_save) if tc.save else None
-    snapshots = Saver(tc.snapshot_dir, 2, tc.save_timeout_s, tc.async_save) if tc.snapshot_every else None
-    recorder = watch.Recorder(env.rank, lambda r: watch.coords(r, tc))
-    faults = watch.parse_faults(tc.rehearse_fault, env.world_size)
-    beats = watch.start(env, side_channel(), recorder.install(), watch.hang_seconds(tc), launcher_ranks()) \
-        if tc.watch else None
-    traced = min(start + 1, tc.steps - 1)  # not the first step: it allocates, compiles, captures
-    losses, norms, evals, skipped, in_a_row, t_start, busy = [], [], [], [], 0, time.perf_counter(), None
+    ops, dp_rank, t_start = Operations(run, progress, start), dist.get_rank(run.groups.dp), time.perf_counter()
+    losses, norms, evals = [], [], []
     for step in progress:
-        trace = StepTrace(env.device).start() if tc.trace and step == traced else None
-        recorder.begin_step(step)
-        watch.rehearse(faults, env.rank, step, recorder)
-        t0, lr = time.perf_counter(), lr_at(step, tc)
-        loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dist.get_rank(groups.dp)), lr, trace)
-        recorder.end_step()
-        record = dict(step=step, loss=loss, lr=lr, grad_norm=norm, time_s=time.perf_counter() - t0)
-        in_a_row = 0 if finite_step(loss, norm) else in_a_row + 1  # the same on every rank
-        if in_a_row:  # the update was skipped everywhere; so many in a row stop every rank together
-            skipped.append(step)
-            record["skipped"] = True
-            progress.note(f"step {step} skipped: loss {loss}, gradient norm {norm} ({in_a_row} in a row)")
-            if in_a_row >= tc.max_skipped_steps:
-                raise FloatingPointError(f"{in_a_row} steps in a row ({step - in_a_row + 1} to {step}) had a "
-                                         f"non-finite loss or gradient norm; stopping (--max-skipped-steps "
-                                         f"{tc.max_skipped_steps}). Saved checkpoints hold only finite values.")
-        if trace:  # one track per rank, named by its place in the grid (tp fastest, then dp, pp)
-            trace.write(tc.trace, f"step {step}", [f"rank {r}: tp {r % tc.tp}, dp {r // tc.tp % tc.dp}, pp "
-                                                   f"{r // (tc.tp * tc.dp)}" for r in range(env.world_size)])
-            progress.note(f"trace of step {step}, one track per rank: {tc.trace} (open it in "
-                          f"chrome://tracing or ui.perfetto.dev)")
+        lr = lr_at(step, tc)
+        with ops.step(step):  # the watch's record, a rehearsed fault, the traced step
+            loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dp_rank), lr)
+        record = ops.record(dict(step=step, loss=loss, lr=lr, grad_norm=norm))  # too many skipped stop it
         losses.append(loss)
         norms.append(norm)
         if tc.eval_every and ((step + 1) % tc.eval_every == 0 or step == tc.steps - 1):
-            recorder.set_phase("eval")
+            ops.phase("eval")
             record["eval_loss"] = evaluate(run, eval_tokens)
             evals.append((step, record["eval_loss"]))
-        if tc.watch and tc.straggler_every and (step + 1 - start) % tc.straggler_every == 0:
-            record["busy_ms"] = watch.report_stragglers(env, tc, recorder, tc.straggler_every, progress.note)
-        if tc.watch and step == tc.steps - 1:  # the whole run's, per rank: the end report's, and this line's
-            busy = record["busy_ms_run"] = watch.gather_busy(env, recorder, len(recorder.busy_ms))
-        if step == start and run.ops:  # what the dispatcher chose
-            progress.note(f"kernel paths: {kernels.build.report()}")
-        saving = saver and ((tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps)
-        progress.log(record, durable=saving)  # on disk before the checkpoint: a crash between loses no line
-        if saving:
-            run.opt.wait_gather()  # ZeRO-1's gathers may still be in flight; the checkpoint reads every weight
-            recorder.set_phase("save")  # it waits under its own timeout, not the watchdog's
-            saver.save(run, step + 1, progress.note)
-        if snapshots and (step + 1) % tc.snapshot_every == 0 and step + 1 < tc.steps:
-            run.opt.wait_gather()
-            recorder.set_phase("save snapshot")
-            snapshots.save(run, step + 1, lambda text: None)  # quietly: one a step, perhaps
-    for s in (saver, snapshots):
-        if s:
-            recorder.set_phase("save")
-            s.wait()  # the run's end waits for a save still being written
-    progress.close()
-    if busy:
-        watch.report_stragglers(env, tc, recorder, len(recorder.busy_ms), say, final=True, busy=busy)
-    watch.stop(beats, recorder)
+        ops.end(step, record)  # the log line, then a checkpoint or a snapshot when one is due
+    busy = ops.finish(say)
     run.opt.wait_gather()  # the last step's: the report and the caller read the weights
-    if not losses:
-        say(f"nothing to do: {start} of {tc.steps} steps were already done")
-        return dict(losses=[], norms=[], evals=[], start=start)
-    out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=skipped, busy_ms=busy,
-               bytes_per_message=res.bytes_sent / max(res.messages, 1),
-               peak_activation_bytes=res.peak_activation_bytes)
-    if not tc.data and cfg.vocab_size >= 128:  # the built-in corpus: what did it learn?
-        out["sums"] = report.sum_probe(run, forward_only)
-    report.report(run, out, time.perf_counter() - t_start, say)
+    out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=ops.skipped, busy_ms=busy)
+    if losses:  # the last step's pipeline figures
+        out.update(bytes_per_message=res.bytes_sent / max(res.messages, 1), peak_activation_bytes=res.peak_activation_bytes)
+    report.report(run, out, time.perf_counter() - t_start, say, forward_only)
     return out
 
 

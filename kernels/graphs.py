@@ -33,7 +33,6 @@ is off at tp = 1 precisely so that nothing swaps generator states inside a captu
 dropout kernel reads its seed through a pointer from a tensor drawn inside the graph, for the
 same reason.
 """
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -112,7 +111,7 @@ class StageGraphs:
 
 
 class Graphed:
-    """05's forward_backward(run, micro, valid, trace), replayed from CUDA graphs captured at the
+    """05's forward_backward(run, micro, valid), replayed from CUDA graphs captured at the
     first step, when real batches give the shapes (the one seam 05 has for graphs). mode "stage":
     StageGraphs' chunks through 02's executor, nothing left in flight (a graph rewrites its outputs at
     its next replay); "step": the whole step as one StepGraph, for tp = pp = dp = 1."""
@@ -120,20 +119,18 @@ class Graphed:
     def __init__(self, mode, eager, result):
         self.mode, self.eager, self.result, self.graph = mode, eager, result, None
 
-    def __call__(self, run, micro, valid, trace=None):
-        span = trace.span if trace else (lambda name, category: contextlib.nullcontext())
+    def __call__(self, run, micro, valid):
         if self.mode == "step":
             run.ddp.sync = False  # the hooks ran at capture: the buckets are reduced after it, in finish()
             self.graph = self.graph or StepGraph(run.chunks[0], micro, run.ddp)
-            with span("forward + backward (one CUDA graph)", "compute"):
-                return self.result(self.graph.replay(micro), [], 0, 0, 0)
+            return self.result(self.graph.replay(micro), [], 0, 0, 0)
         if self.graph is None:
             pp_rank, v = dist.get_rank(run.groups.pp), len(run.chunks)
             samples = {c: (micro[0][0] if c == 0 and pp_rank == 0 else torch.randn(
                 run.act_shape, dtype=run.dtype, device=run.env.device, requires_grad=True), micro[0][1])
                 for c in range(v)}
             self.graph = StageGraphs(run.chunks, run.schedule, v - 1 if pp_rank == run.tc.pp - 1 else None, samples)
-        return self.eager(run, micro, valid, trace, chunks=self.graph.chunks, plain=True)
+        return self.eager(run, micro, valid, chunks=self.graph.chunks, plain=True)
 
 
 class StepGraph:

@@ -587,6 +587,14 @@ def read_checkpoint(path, cfg=None, tc=None):
     return manifest, full, full_state
 
 
+def resume(run, path, say=print):
+    """05's --resume: load `path` (preflight's newest complete checkpoint) if there is one, and say so."""
+    if path:
+        say(f"resumed from {path}: {load_checkpoint(run, path, say)} steps done")
+    elif run.tc.resume:
+        say(f"no complete checkpoint in {run.tc.resume}: starting from step 0")
+
+
 def load_checkpoint(run, path, say=print):
     """Load path into this run, whatever layout wrote it; returns the number of steps done. In the
     layout that wrote it, each rank reads only its own shard (and, for the weights a replica does

@@ -140,9 +140,15 @@ def summary(run, spec, flops, n_train, n_eval, say):
         f"{sim.bubble} (simulated, t_b = 2 t_f)")
 
 
-def report(run, out, wall, say):
-    """The end of training: throughput, the loss chart, the message size, the sum probe."""
+def report(run, out, wall, say, forward_only):
+    """The end of training: throughput, the loss chart, the message size, and on the built-in corpus
+    the sum probe (through 05's forward_only), its counts put in out["sums"]."""
     tc, cfg, losses, evals = run.tc, run.cfg, out["losses"], out["evals"]
+    if not losses:
+        say(f"nothing to do: {out['start']} of {tc.steps} steps were already done")
+        return
+    if not tc.data and cfg.vocab_size >= 128:  # the built-in corpus: what did it learn?
+        out["sums"] = sum_probe(run, forward_only)
     tokens = len(losses) * tc.batch_size * tc.seq_len
     say(f"\ndone: {len(losses)} steps in {wall:.1f} s ({tokens / wall:,.0f} tokens/s); loss "
         f"{losses[0]:.3f} -> {losses[-1]:.3f}" + (f"; eval loss {evals[-1][1]:.3f}" if evals else ""))

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +181,9 @@ def write_timelines(path, timelines, seconds_per_unit=1e-6):
                               for name, per_rank in timelines.items()])
 
 
+_ABSENT = object()  # an attribute observe() found on the class, not the object: deleted again after
+
+
 class StepTrace:
     """Spans of one step on this rank, timed from `t0` (set after a barrier, so ranks line up).
     On a GPU each reading of the clock records a CUDA event on the current stream and returns its
@@ -228,6 +231,53 @@ class StepTrace:
         self.spans += [(s, e, f"p2p exchange ({n} ops)", "p2p wait") for s, e, n in result.waits]
         self.spans += [(c.start - self.t0, c.end - self.t0, f"{c.op} {c.operator} {c.where}", "tp collective")
                        for c in collectives]
+
+    @contextmanager
+    def observe(self, run, trainer):
+        """One train_step of 05's `run` (its module `trainer`), timed from outside: 02's executor on this
+        clock (its actions and exchanges), 01's tp collectives named by layer (trace_comm), 04's bucket
+        reductions, and a span for each of the tied-embedding sync, the rest of the data-parallel
+        reduction, clipping, the loss all-reduce and the optimizer step. Nothing in the step takes the
+        trace: its functions are wrapped while it runs, and put back after."""
+        pipeline, ddp, opt, collectives = trainer.pipeline, run.ddp, run.opt, []
+        zero = " and ZeRO-1 all-gather" if run.tc.zero1 else ""
+
+        def spanned(fn, name, category, after=lambda: None):
+            def wrapped(*args, **kwargs):
+                with self.span(name, category):
+                    out = fn(*args, **kwargs)
+                after()
+                return out
+            return wrapped
+
+        def forward_backward(*args, **kwargs):
+            with trace_comm(*run.chunks, clock=self.clock, groups=[run.groups.tp]) as log:
+                graph = getattr(run.forward_backward, "mode", None) == "step"
+                with self.span("forward + backward (one CUDA graph)", "compute") if graph else nullcontext():
+                    self.result = eager(*args, **kwargs)
+            collectives.extend(log)
+            return self.result
+
+        eager, ddp.clock = run.forward_backward, self.clock  # the buckets' events on this clock
+        patches = [(pipeline.Executor, "clock", self.clock), (pipeline.Executor, "t0", self.t0),
+                   (run, "forward_backward", forward_backward),
+                   (pipeline, "sync_tied_embeddings", spanned(pipeline.sync_tied_embeddings,
+                                                              "tied-embedding all-reduce", "collective")),
+                   (ddp, "finish", spanned(ddp.finish, "data-parallel gradient reduction", "collective",
+                                           lambda: self.add_pipeline(self.result, collectives, ddp.events))),
+                   (trainer, "clip_gradients", spanned(trainer.clip_gradients, "global gradient norm and clipping",
+                                                       "collective")),
+                   (trainer, "shared_loss", spanned(trainer.shared_loss, "loss all-reduce", "collective")),
+                   (opt, "step", spanned(opt.step, "AdamW" + zero, "optimizer"))]
+        saved = [(obj, name, obj.__dict__.get(name, _ABSENT)) for obj, name, _ in patches]
+        try:
+            for obj, name, value in patches:
+                setattr(obj, name, value)
+            yield
+        finally:
+            for obj, name, value in reversed(saved):
+                delattr(obj, name) if value is _ABSENT else setattr(obj, name, value)
+            ddp.clock = time.perf_counter
 
     def write(self, path, title, track_names, group=None):
         """Gather every rank's spans (a collective: every rank calls it); rank 0 writes the file."""
