@@ -6,17 +6,17 @@ function (pp, m, stage) -> that stage's ordered list of actions, "F3" = forward 
 "B3" = its backward. Everything else only reads those lists:
   - Schedule.plan() derives the point-to-point messages around each action, batched per boundary;
   - Executor runs one rank's plan over real batched isend/irecv; pipeline_step() is one training
-    step's forward and backward on a rank: build its chunks, execute its list, sync the tied embedding;
-  - simulate() replays the lists with per-action times: step time, idle time, bubble, peak
-    microbatches in flight (Section 2.2.1: bubble = (pp - 1) / m for GPipe and 1F1B alike).
-After the concept: validate(), the proof that every microbatch runs once each way, backward after
-forward, and that the messages match without deadlock even if every send waits for its receive;
-and one optimization, BackgroundSends, which 05's trainer turns on.
+    step's forward and backward on a rank: build its chunks, execute its list, sync the tied embedding.
+After the concept: simulate(), which replays the lists with per-action times (step time, idle
+time, bubble, microbatches in flight: Section 2.2.1's bubble (pp - 1) / m for GPipe and 1F1B alike),
+and one optimization, BackgroundSends, which 05's trainer turns on. The demo first runs validate()
+(plumbing/validate.py), the proof that every microbatch runs once each way, in order, and that the
+messages match without deadlock even if every send waits for its receive.
 GPipe (Huang et al. 2019: all forwards, then all backwards) keeps all m microbatches' activations
 alive; 1F1B (PipeDream-Flush: Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN
 Training") starts backwards as soon as possible and keeps at most pp - stage alive.
-This file knows two kinds of action, F and B (KINDS). A later file adds its own kinds by giving its
-Schedule a larger table and its Executor a method for each (06: I and W; 07: S and T).
+This file knows two kinds of action, F and B (KINDS). A later file adds kinds of its own by giving
+its Schedule a larger table and its Executor a method for each (06: I and W; 07: S and T).
 
 Run it:
     python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules
@@ -30,8 +30,7 @@ Layer split: n_layer must be divisible by the number of stages; uneven splits ar
 """
 import importlib
 import time
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from fractions import Fraction
 from typing import Literal
@@ -44,6 +43,7 @@ from plumbing.launch import printer, run_main
 from plumbing.meter import ActivationMeter  # what the executor counts of activation memory
 from plumbing.reference import pipeline_reference
 from plumbing.trace import write_timelines
+from plumbing.validate import ScheduleError, check_lists, check_plans, validate  # noqa: F401 (02's, re-exported)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
@@ -57,9 +57,7 @@ class Action:
     kind: str  # "F" forward or "B" backward (KINDS)
     mb: int  # microbatch
     chunk: int = 0  # which of this rank's model chunks (03's virtual stages); always 0 here
-    # 03: a steady-state forward runs with the backward after it as one pair, with no boundary in
-    # between (see run_groups). A property of the position in a list: it takes no part in equality.
-    steady: bool = field(default=False, compare=False)
+    steady: bool = field(default=False, compare=False)  # 03: runs paired with the next action
 
     def __str__(self):
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
@@ -72,9 +70,8 @@ def gpipe(pp, m, stage):
 
 def one_f_one_b(pp, m, stage):
     """PipeDream-Flush: warm up, then alternate one forward and one backward, then drain."""
-    # Stage s runs pp - s - 1 forwards before the steady state: that is how long the first
-    # microbatch takes to reach the last stage and come back. The steady state's first F makes
-    # pp - s in flight when B0 arrives, so the last stage (s = pp - 1) alternates from the start.
+    # Stage s runs pp - s - 1 forwards before the steady state: how long microbatch 0 takes to reach
+    # the last stage and come back. The steady state's first F makes pp - s in flight when B0 arrives.
     warmup = min(pp - stage - 1, m)
     acts = [Action("F", i) for i in range(warmup)]
     for i in range(m - warmup):  # steady state: the forward of a new microbatch, the oldest backward
@@ -85,10 +82,6 @@ def one_f_one_b(pp, m, stage):
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
-class ScheduleError(ValueError):
-    """A list of actions that cannot run: something missing, out of order, or deadlocking."""
-
-
 # ----------------------------------------------------------------------------------------------
 # Messages. Chunk c of rank r is virtual stage placement(pp, c, r) of S = pp*v. The forward of
 # stage k sends its output to stage k+1 as message ("act", k+1, mb); the backward of stage k sends
@@ -97,9 +90,8 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Kind:
-    """What an action of one kind waits for and sends; Schedule.plan, simulate and validate read it."""
-    flow: str | None  # "act": takes its input from stage k-1, sends its output to k+1; "grad": takes
-    # its output's gradient from k+1, sends its input's to k-1; None: no messages
+    """What an action of one kind waits for and sends; plan, simulate and validate read it."""
+    flow: str | None  # "act": input from stage k-1, output to k+1; "grad": the reverse; None: no messages
     after: str = ""  # the kind that must have run before it on the same stage and microbatch
     waits: object = None  # (action, rank, schedule) -> [(rank, action)] of other ranks it waits for
 
@@ -121,10 +113,9 @@ class Schedule:
     kinds: dict = field(default_factory=lambda: KINDS)
 
     def __post_init__(self):
-        self.pp = len(self.lists)
-        self.v = 1 + max((a.chunk for acts in self.lists for a in acts), default=0)  # chunks per rank
-        self.S = self.pp * self.v  # virtual stages
-        self.where = {self.stage(r, c): (r, c) for r in range(self.pp) for c in range(self.v)}  # -> (rank, chunk)
+        self.pp, self.v = len(self.lists), 1 + max((a.chunk for acts in self.lists for a in acts), default=0)
+        self.S = self.pp * self.v  # virtual stages; where[k] = (rank, chunk) of stage k
+        self.where = {self.placement(self.pp, c, r): (r, c) for r in range(self.pp) for c in range(self.v)}
 
     def stage(self, rank, chunk):
         return self.placement(self.pp, chunk, rank)
@@ -132,70 +123,51 @@ class Schedule:
     def needs(self, a, k):
         """(the message action a on stage k waits for, the stage that sends it), or None."""
         flow = self.kinds[a.kind].flow
-        if flow == "act" and k > 0:
-            return ("act", k, a.mb), k - 1
-        if flow == "grad" and k < self.S - 1:
-            return ("grad", k, a.mb), k + 1
-        return None
+        return (("act", k, a.mb), k - 1) if flow == "act" and k > 0 else \
+            (("grad", k, a.mb), k + 1) if flow == "grad" and k < self.S - 1 else None
 
     def produces(self, a, k):
-        """The message action a on stage k sends, or None."""
+        """(the message action a on stage k sends, the stage it goes to), or None."""
         flow = self.kinds[a.kind].flow
-        if flow == "act" and k < self.S - 1:
-            return "act", k + 1, a.mb
-        if flow == "grad" and k > 0:
-            return "grad", k - 1, a.mb
-        return None
+        return (("act", k + 1, a.mb), k + 1) if flow == "act" and k < self.S - 1 else \
+            (("grad", k - 1, a.mb), k - 1) if flow == "grad" and k > 0 else None
+
+    def groups(self, rank):
+        """The actions of rank's list that run back to back, with no boundary between: one each here."""
+        return [[a] for a in self.lists[rank]]
 
     def plan(self, rank):
-        """This rank's steps: ("run", action, stage), and between them boundaries, ("post", ops) then
-        ("wait", ops), ops = [("send" | "recv", peer rank, message)]. A boundary is one batch: the sends
-        of the previous group's outputs and the receives of the next group's inputs, posted together so
-        that two ranks exchanging with each other both make progress (Megatron's
-        send_forward_recv_backward and friends). At v = 1 each action is its own group, or F would
-        wait for B's input. Messages between two ranks are matched in the order they are posted."""
-        groups = run_groups(self.lists[rank])
-        wanted = []  # (group, source rank, message): every receive, in the order needed
+        """This rank's steps: ("run", action, stage), and between groups a boundary ("post", ops),
+        ("wait", ops), ops = [("send" | "recv", peer rank, message)]: the previous group's sends and
+        the next group's receives, posted as one batch so that two ranks exchanging with each other
+        both make progress (Megatron's send_forward_recv_backward), then waited for. Messages between
+        two ranks are matched in the order they are posted (receives)."""
+        groups, steps, sends = self.groups(rank), [], []
+        receives = self.receives(rank, groups)
         for g, group in enumerate(groups):
-            for a in group:
-                got = self.needs(a, self.stage(rank, a.chunk))
-                if got and self.where[got[1]][0] != rank:  # from this rank itself it is a local hand-over
-                    wanted.append((g, self.where[got[1]][0], got[0]))
-        post, incoming = self.posted(rank, wanted), {}
-        for _, src, msg in sorted(wanted, key=lambda w: post[w[2]]):
-            incoming.setdefault(post[msg][0], []).append(("recv", src, msg))
-        steps, outgoing = [], []
-        for g, group in enumerate(groups):
-            ops, outgoing = outgoing + incoming.get(g, []), []
+            ops = sends + receives.get(g, [])
             steps += [("post", ops), ("wait", ops)] if ops else []
-            for a in group:
-                k = self.stage(rank, a.chunk)
-                steps.append(("run", a, k))
-                out = self.produces(a, k)
-                if out and self.where[out[1]][0] != rank:
-                    outgoing.append(("send", self.where[out[1]][0], out))
-        return steps + ([("post", outgoing), ("wait", outgoing)] if outgoing else [])
+            steps += [("run", a, self.stage(rank, a.chunk)) for a in group]
+            sends = self.remote(rank, group, self.produces, "send")
+        return steps + ([("post", sends), ("wait", sends)] if sends else [])
 
-    def posted(self, rank, wanted):
-        """{message: (group, order)}: the group at whose boundary its receive is posted, and its place
-        among that boundary's receives. Here: the boundary before the group that needs it, in the order
-        needed, which for 02's and 03's lists is the order its sender sends in (06 posts otherwise)."""
-        return {msg: (g, i) for i, (g, _, msg) in enumerate(wanted)}
+    def receives(self, rank, groups):
+        """{group: the receives posted at the boundary before it}: here the group's own inputs, in
+        the order it needs them, which for 02's and 03's lists is the order their senders send in."""
+        return {g: self.remote(rank, group, self.needs, "recv") for g, group in enumerate(groups)}
+
+    def remote(self, rank, group, messages, side):
+        """[(side, peer rank, message)]: the group's messages (needs or produces) from or to another rank."""
+        out = []
+        for a in group:
+            got = messages(a, self.stage(rank, a.chunk))
+            if got and self.where[got[1]][0] != rank:  # with this rank itself: a local hand-over
+                out.append((side, self.where[got[1]][0], got[0]))
+        return out
 
     def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
         """What runs this schedule's actions on a rank (06 and 07 return their own Executors)."""
         return Executor(self, chunks, pp_group, wire, exchange, deallocate)
-
-
-def run_groups(actions):
-    """Actions that run back to back: a steady forward and the backward after it (03), else one."""
-    groups, i = [], 0
-    while i < len(actions):
-        pair = actions[i].steady and actions[i].kind == "F" \
-            and i + 1 < len(actions) and actions[i + 1].steady and actions[i + 1].kind == "B"
-        groups.append(actions[i:i + 1 + pair])
-        i += 1 + pair
-    return groups
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,8 +187,8 @@ class Wire:
 
 
 class Exchange:
-    """A boundary's sends and receives: posted as one batch, then all waited for. wait() returns
-    the messages whose sends completed: their tensors may now change, or be freed."""
+    """A boundary's sends and receives, posted as one batch, then all waited for; wait returns the
+    messages whose sends completed (their tensors may now change, or be freed)."""
 
     def post(self, ops):
         return dist.batch_isend_irecv(ops)
@@ -226,8 +198,7 @@ class Exchange:
             work.wait()
         return sent
 
-    def flush(self):
-        """At the step's end: the messages whose sends are still in flight, once they completed."""
+    def flush(self):  # at the step's end: sends still in flight, once complete (BackgroundSends)
         return []
 
 
@@ -247,22 +218,22 @@ class Executor:
     trick: backward needs its graph, not its values). An action of kind K runs as run_K(action,
     stage): F and B here. Gradients accumulate in the chunks' parameters."""
 
-    clock, t0 = time.perf_counter, None  # what the events are timed by, and from (05's --trace sets its own)
+    clock, t0 = time.perf_counter, None  # what the events are timed by, and from (05's --trace sets them)
 
     def __init__(self, schedule, chunks, pp_group, wire, exchange=None, deallocate=True):
-        self.schedule, self.chunks, self.pp_group, self.wire, self.deallocate = schedule, chunks, pp_group, wire, deallocate
+        self.schedule, self.chunks, self.group, self.wire = schedule, chunks, pp_group, wire
+        self.exchange, self.deallocate = exchange or Exchange(), deallocate
         self.plan, self.last = schedule.plan(dist.get_rank(pp_group)), schedule.S - 1
-        self.remote = {m for kind, *s in self.plan if kind == "post" for side, _, m in s[0] if side == "send"}
-        self.exchange = exchange or Exchange()
+        self.meter = ActivationMeter(self)  # counts activation memory from outside (plumbing/meter.py)
 
     def run(self, microbatches, valid=None, ignore_index=-100):
-        """Run the plan on microbatches [(idx, targets)]. The loss of microbatch i is weighted by its
-        share valid[i] / sum(valid) of the tokens that count (not ignore_index), so the sum is the
-        serial model's mean loss. Pass valid, counted on the host, to keep device read-backs out."""
+        """Run the plan on microbatches [(idx, targets)]. Microbatch i's loss is weighted by its share
+        valid[i] / sum(valid) of the counted tokens, so the losses sum to the serial model's mean. Pass
+        valid, counted on the host, to keep device read-backs out of the step."""
         self.micro, self.valid = microbatches, valid or [int((t != ignore_index).sum()) for _, t in microbatches]
-        self.n_valid = max(sum(self.valid), 1)  # a microbatch with no valid target weighs 0: adds nothing
+        self.n_valid = max(sum(self.valid), 1)  # a microbatch with no counted target adds nothing
         self.box, self.inputs, self.outputs, self.sending = {}, {}, {}, {}  # box: messages, by key
-        self.meter, self.origin = ActivationMeter(self.chunks, self.outputs), self.clock() if self.t0 is None else self.t0
+        self.origin = self.clock() if self.t0 is None else self.t0
         self.events, self.waits, self.loss, self.n_msgs, self.n_bytes = [], [], None, 0, 0
         for kind, *step in self.plan:
             {"run": self.act, "post": self.post, "wait": self.wait}[kind](*step)
@@ -270,55 +241,47 @@ class Executor:
             self.sent(msg)
         return StepResult(self.loss, self.events, self.meter.peak, self.n_msgs, self.n_bytes, self.waits)
 
-    def run_F(self, a, k):  # receive -> forward -> send
-        x = self.input(a.mb) if k == 0 else self.box.pop(("act", k, a.mb)).requires_grad_()
-        with self.meter.forward((a.chunk, a.mb)):
-            y = self.chunks[a.chunk](x, self.micro[a.mb][1] if k == self.last else None)
-        if k == self.last:
-            y = self.output(a.mb, y)
-        else:  # to the next stage: sent from the box at the next boundary, or handed over on this rank
-            self.box[("act", k + 1, a.mb)] = y.detach()
-            if ("act", k + 1, a.mb) in self.remote:  # the meter counts an output once its send completed
-                self.meter.unsent.add((a.chunk, a.mb))
-        self.inputs[(a.chunk, a.mb)], self.outputs[(a.chunk, a.mb)] = x, y
-
-    def input(self, mb):
-        return self.micro[mb][0]  # the first stage's input: the token ids
-
-    def output(self, mb, y):
-        """The last stage's (logits, loss): the loss, weighted by its share of the valid tokens."""
-        loss = y[1] * (self.valid[mb] / self.n_valid)
-        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
-        return loss
-
-    def run_B(self, a, k):  # receive the output's gradient -> backward -> send the input's gradient
-        x, y = self.inputs.pop((a.chunk, a.mb)), self.outputs.pop((a.chunk, a.mb))
-        self.meter.saved.pop((a.chunk, a.mb))
-        torch.autograd.backward(y, self.box.pop(("grad", k, a.mb)) if k < self.last else self.output_grad(a.mb))
-        if k > 0:
-            self.box[("grad", k - 1, a.mb)] = x.grad
-
-    def output_grad(self, mb):
-        return None  # the last stage's output is the loss: its backward starts from 1
-
     def act(self, a, k):
         start = self.clock() - self.origin
         getattr(self, "run_" + a.kind)(a, k)
         self.events.append((start, self.clock() - self.origin, a))
-        self.meter.measure()
+
+    def run_F(self, a, k):  # receive -> forward -> send
+        x = self.input(a.mb) if k == 0 else self.box.pop(("act", k, a.mb)).requires_grad_()
+        y = self.chunks[a.chunk](x, self.micro[a.mb][1] if k == self.last else None)
+        if k == self.last:
+            y = self.output(a.mb, y)
+        else:  # for the next stage: sent from the box at the next boundary, or handed over here
+            self.box[("act", k + 1, a.mb)] = y.detach()
+        self.inputs[(a.chunk, a.mb)], self.outputs[(a.chunk, a.mb)] = x, y
+
+    def run_B(self, a, k):  # receive the output's gradient -> backward -> send the input's gradient
+        x, y = self.inputs.pop((a.chunk, a.mb)), self.outputs.pop((a.chunk, a.mb))
+        torch.autograd.backward(y, self.box.pop(("grad", k, a.mb)) if k < self.last else self.output_grad(a.mb))
+        if k > 0:
+            self.box[("grad", k - 1, a.mb)] = x.grad
+
+    def input(self, mb):  # the first stage's input: the token ids
+        return self.micro[mb][0]
+
+    def output(self, mb, y):  # the last stage's (logits, loss): the loss, weighted
+        loss = y[1] * (self.valid[mb] / self.n_valid)
+        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+        return loss
+
+    def output_grad(self, mb):  # the last stage's output is the loss: its backward starts from 1
+        return None
 
     def post(self, ops):
-        p2p, peer = [], lambda r: dist.get_global_rank(self.pp_group, r)  # noqa: E731
+        p2p, peer, like = [], lambda r: dist.get_global_rank(self.group, r), next(self.chunks[0].parameters())
         for side, r, msg in ops:
             if side == "send":
-                self.sending[msg] = self.box.pop(msg)  # kept until the send completed (sent())
+                self.sending[msg] = self.box.pop(msg)  # kept until its send completed (sent)
                 t = self.wire.pack(self.sending[msg])
                 self.n_msgs, self.n_bytes = self.n_msgs + 1, self.n_bytes + t.numel() * t.element_size()
-                p2p.append(dist.P2POp(dist.isend, t, peer(r), self.pp_group))
             else:  # poisoned, so a receive that never happened shows up as NaN
-                p = next(self.chunks[0].parameters())
-                self.box[msg] = torch.full(self.wire.shape, float("nan"), dtype=p.dtype, device=p.device)
-                p2p.append(dist.P2POp(dist.irecv, self.box[msg], peer(r), self.pp_group))
+                t = self.box[msg] = torch.full(self.wire.shape, float("nan"), dtype=like.dtype, device=like.device)
+            p2p.append(dist.P2POp(dist.isend if side == "send" else dist.irecv, t, peer(r), self.group))
         self.p2p, self.works = p2p, self.exchange.post(p2p)
 
     def wait(self, ops):
@@ -329,14 +292,11 @@ class Executor:
             if side == "recv":
                 self.box[msg] = self.wire.unpack(self.box[msg])
         self.waits.append((start, self.clock() - self.origin, len(ops)))
-        self.meter.measure()
 
     def sent(self, msg):  # its send completed: the tensor may change or be freed now
         t = self.sending.pop(msg)
-        if msg[0] == "act":  # a stage output: backward needs its graph, not its values
-            self.meter.unsent.discard((self.schedule.where[msg[1] - 1][1], msg[2]))
-            if self.deallocate:
-                t.untyped_storage().resize_(0)
+        if self.deallocate and msg[0] == "act":  # a stage output: backward needs its graph, not its values
+            t.untyped_storage().resize_(0)
 
 
 def execute(schedule, chunks, pp_group, microbatches, wire, valid=None, exchange=None, deallocate=True):
@@ -370,16 +330,6 @@ def build_chunks(cfg, pp, rank, v=1, group=None, placement=looped, **gpt_kwargs)
     return chunks
 
 
-def split_batch(idx, targets, m):
-    """Cut the global batch (B, T) into m microbatches of B/m rows."""
-    B = idx.shape[0]
-    if m < 1:
-        raise ValueError(f"the number of microbatches m={m} must be at least 1")
-    if B % m:
-        raise ValueError(f"the global batch of {B} sequences is not divisible by m={m} microbatches")
-    return list(zip(idx.chunk(m), targets.chunk(m)))
-
-
 def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
     """The output layer is tied to the token embedding. With pp > 1 the first and the last stage
     each hold a copy; summing their gradients over the embedding group (Megatron's) keeps the
@@ -399,8 +349,8 @@ def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
 def pipeline_step(cfg, schedule, pp_group, embed_group, full, microbatches, deallocate=True):
     """One forward and backward of the whole batch on this rank: its chunks built from the full
     weights, its list of actions run, the tied embedding's gradients summed. Returns (chunks, result)."""
-    pp, rank, dtype = schedule.pp, dist.get_rank(pp_group), full["transformer.wte.weight"].dtype
-    chunks = build_chunks(cfg, pp, rank, schedule.v, init=False, dtype=dtype, device=microbatches[0][0].device)
+    rank, dtype = dist.get_rank(pp_group), full["transformer.wte.weight"].dtype
+    chunks = build_chunks(cfg, schedule.pp, rank, schedule.v, init=False, dtype=dtype, device=microbatches[0][0].device)
     for c in chunks:
         c.load_full_state_dict(full)
     wire = Wire((*microbatches[0][0].shape, cfg.n_embd))  # a stage's output: (b, T, C)
@@ -410,8 +360,46 @@ def pipeline_step(cfg, schedule, pp_group, embed_group, full, microbatches, deal
 
 
 # ----------------------------------------------------------------------------------------------
-# The simulator: replay the lists with per-action times, t_f and t_b one for every rank or a list of
-# each rank's. Sends are buffered (a stage starts once its input has arrived); exact with ints.
+# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch. Printing the
+# figures is plumbing (plumbing/demos.py); the step and the comparison are here.
+
+
+def differences(chunks, result, ref_loss, ref_grads):
+    """The largest relative difference of this rank's loss (on the last stage) and gradients from serial."""
+    diffs = [tensor_parallel.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
+    return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
+
+
+def demo(env, cfg, args):
+    pp, m, say = args.pp, args.microbatches, printer(env)
+    check_world(pp, env.world_size)  # every check runs before the first collective
+    split_layers(cfg.n_layer, pp)
+    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device)
+    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
+    ok, measured = True, {}
+    for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
+        schedule = Schedule([SCHEDULES[name](pp, m, s) for s in range(pp)])
+        validate(schedule, m)
+        dist.barrier()  # the ranks start together, so their measured timelines line up
+        chunks, result = pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches)
+        kept = pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches, deallocate=False)[1]
+        worst = differences(chunks, result, ref_loss, ref_grads)
+        good, _, measured[name] = demos.report_pipeline(env, name, schedule.lists, simulate(schedule), worst,
+                                                        result, kept, say)
+        ok &= good
+    if args.trace and env.rank == 0:
+        write_timelines(args.trace, {n: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)
+        say(f"\nChrome trace of the measured steps ({', '.join(measured)}): {args.trace} "
+            f"(open it in chrome://tracing or ui.perfetto.dev)")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the simulator. It replays the lists with per-action times, t_f and t_b one for
+# every rank or a list of each rank's; sends are buffered (a stage starts once its input arrived).
+# Exact with ints and Fractions: the demo prints its bubble beside the paper's formula.
 
 
 @dataclass
@@ -471,95 +459,7 @@ def simulate(schedule, t_f=1, t_b=2, t_comm=0, times=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the validator. It proves a schedule can run before any rank starts: every
-# microbatch once each way and in order, and every plan's messages matched without deadlock.
-
-
-def validate(schedule, m):
-    """Raise ScheduleError unless the lists are complete and ordered (check_lists) and the plans
-    deadlock-free (check_plans)."""
-    check_lists(schedule, m)
-    check_plans(schedule)
-
-
-def check_lists(schedule, m):
-    """Every rank runs each kind of schedule.kinds once for each microbatch and chunk, each after
-    its Kind.after, and an action fed by another chunk of its own rank after that one."""
-    for r, acts in enumerate(schedule.lists):
-        want = Counter(Action(k, i, c) for k in schedule.kinds for i in range(m) for c in range(schedule.v))
-        have = Counter(acts)
-        for a in want - have:
-            raise ScheduleError(f"rank {r} never runs {a}")
-        for a in have - want:
-            raise ScheduleError(f"rank {r} runs {a} more often than once, or it does not exist")
-        at = {a: i for i, a in enumerate(acts)}
-        for a in acts:
-            after = schedule.kinds[a.kind].after
-            if after and at[a] < at[Action(after, a.mb, a.chunk)]:
-                raise ScheduleError(f"rank {r} runs {a} before {'its forward' if after == 'F' else after + str(a.mb)}")
-            got = schedule.needs(a, schedule.stage(r, a.chunk))
-            if got and schedule.where[got[1]][0] == r:  # fed by this rank itself: it must come earlier
-                dep = Action(a.kind, a.mb, schedule.where[got[1]][1])
-                if at[dep] > at[a]:
-                    raise ScheduleError(f"deadlock: rank {r} runs {a} before {dep}, which feeds it")
-
-
-def check_plans(schedule):
-    """Every channel's sends and receives match, and every rank gets through its plan when a send
-    completes only once its receive is posted (a large NCCL send does so) and an action waits for
-    the actions of other ranks its kind names (Kind.waits)."""
-    pp, plans = schedule.pp, [schedule.plan(r) for r in range(schedule.pp)]
-    posts, at = {}, {}  # (src, dst, side) -> [(message, step)]; (rank, action) -> its step
-    for r, plan in enumerate(plans):
-        for i, (kind, *what) in enumerate(plan):
-            for side, peer, msg in what[0] if kind == "post" else []:
-                posts.setdefault((r, peer, side) if side == "send" else (peer, r, side), []).append((msg, i))
-            at.update({(r, what[0]): i} if kind == "run" else {})
-    # Messages between two ranks are matched in the order they are posted: the sender's order and
-    # the receiver's must agree message by message, or data would land in the wrong buffer.
-    blocked = [[[] for _ in plan] for plan in plans]  # blocked[r][i]: [(rank, step it must have passed)]
-    for src, dst in {(s, d) for s, d, _ in posts}:
-        sends, recvs = posts.get((src, dst, "send"), []), posts.get((src, dst, "recv"), [])
-        for n, ((x, bs), (y, br)) in enumerate(zip(sends, recvs)):
-            if x != y:
-                raise ScheduleError(f"rank {src} -> rank {dst}: message {n} is {x} when sent but {y} when received")
-            blocked[src][_wait_of(plans[src], bs)].append((dst, br))  # each side's wait needs the other's post
-            blocked[dst][_wait_of(plans[dst], br)].append((src, bs))
-        if len(sends) != len(recvs):
-            raise ScheduleError(f"rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
-    for r, plan in enumerate(plans):
-        for i, (kind, *what) in enumerate(plan):
-            kind_of = schedule.kinds[what[0].kind] if kind == "run" else None
-            if kind_of and kind_of.waits:
-                blocked[r][i] += [(q, at[(q, b)]) for q, b in kind_of.waits(what[0], r, schedule)]
-    pos, moved = [0] * pp, True  # each rank's next step; a step can run once its peers passed theirs
-    while moved:
-        moved = False
-        for r in range(pp):
-            while pos[r] < len(plans[r]) and all(pos[q] > i for q, i in blocked[r][pos[r]]):
-                pos[r] += 1
-                moved = True
-    stuck = [r for r in range(pp) if pos[r] < len(plans[r])]
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(_waiting(r, plans[r][pos[r]], blocked[r][pos[r]], plans)
-                                                     for r in stuck))
-
-
-def _wait_of(plan, i):
-    """The index of the wait of the boundary posted at plan[i]."""
-    return next(j for j in range(i + 1, len(plan)) if plan[j][0] == "wait" and plan[j][1] is plan[i][1])
-
-
-def _waiting(r, step, blocked, plans):
-    kind, what = step[:2]
-    if kind == "wait":
-        return f"rank {r} waits to {' and '.join(f'{o[0]} {o[2]} with rank {o[1]}' for o in what)}"
-    return f"rank {r} waits to run {what} until " + " and ".join(
-        f"rank {q} has run {plans[q][i][1]}" for q, i in blocked if plans[q][i][0] == "run")
-
-
-# ----------------------------------------------------------------------------------------------
-# Optimization, after the concept: 05's trainer turns it on (--background-sends, the default).
+# After the concept: an optimization, which 05's trainer turns on (--background-sends, the default).
 
 
 class BackgroundSends(Exchange):
@@ -596,45 +496,22 @@ class BackgroundSends(Exchange):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch. Printing the
-# figures is plumbing (plumbing/demos.py); the step and the comparison are here.
-
-
-def differences(chunks, result, ref_loss, ref_grads):
-    """The largest relative difference of this rank's loss (on the last stage) and gradients from serial."""
-    diffs = [tensor_parallel.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
-    return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
-
-
-def demo(env, cfg, args):
-    pp, m, say = args.pp, args.microbatches, printer(env)
-    check_world(pp, env.world_size)  # every check runs before the first collective
-    split_layers(cfg.n_layer, pp)
-    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device)
-    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
-        f"world={env.world_size} ({dist.get_backend()})")
-    embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
-    ok, measured = True, {}
-    for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
-        schedule = Schedule([SCHEDULES[name](pp, m, s) for s in range(pp)])
-        validate(schedule, m)
-        dist.barrier()  # the ranks start together, so their measured timelines line up
-        chunks, result = pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches)
-        kept = pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches, deallocate=False)[1]
-        worst = differences(chunks, result, ref_loss, ref_grads)
-        good, _, measured[name] = demos.report_pipeline(env, name, schedule.lists, simulate(schedule), worst,
-                                                        result, kept, say)
-        ok &= good
-    if args.trace and env.rank == 0:
-        write_timelines(args.trace, {n: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)
-        say(f"\nChrome trace of the measured steps ({', '.join(measured)}): {args.trace} "
-            f"(open it in chrome://tracing or ui.perfetto.dev)")
-    return ok
+# After the concept: the demo's command line, and its checks.
 
 
 def check_world(pp, world_size):
     if pp != world_size:
         raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
+
+
+def split_batch(idx, targets, m):
+    """Cut the global batch (B, T) into m microbatches of B/m rows."""
+    B = idx.shape[0]
+    if m < 1:
+        raise ValueError(f"the number of microbatches m={m} must be at least 1")
+    if B % m:
+        raise ValueError(f"the global batch of {B} sequences is not divisible by m={m} microbatches")
+    return list(zip(idx.chunk(m), targets.chunk(m)))
 
 
 @dataclass

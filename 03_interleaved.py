@@ -78,6 +78,20 @@ def interleaved(pp, m, stage, v):
     return acts + [at(k, False) for k in range(total - warmup, total)]
 
 
+@dataclass
+class InterleavedSchedule(pipeline.Schedule):
+    """02's Schedule, whose steady forward and the backward after it run back to back, as one group
+    with no boundary between them: at v > 1 a boundary there could make two ranks wait on each other."""
+
+    def groups(self, rank):
+        groups, acts, i = [], self.lists[rank], 0
+        while i < len(acts):  # a steady F pairs with the steady B after it; any other action runs alone
+            pair = acts[i].steady and acts[i].kind == "F" and i + 1 < len(acts) and acts[i + 1].steady
+            groups.append(acts[i:i + 1 + pair])
+            i += 1 + pair
+        return groups
+
+
 def chunk_layers(n_layer, pp, v, rank):
     """The layer ranges of rank's chunks: chunk c is virtual stage c*pp + rank."""
     ranges = pipeline.split_layers(n_layer, pp * v)
@@ -102,7 +116,7 @@ def demo(env, cfg, args):
         for r in range(pp)))
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
     runs = {"1f1b": pipeline.Schedule([pipeline.one_f_one_b(pp, m, s) for s in range(pp)]),
-            "interleaved": pipeline.Schedule([interleaved(pp, m, s, v) for s in range(pp)])}
+            "interleaved": InterleavedSchedule([interleaved(pp, m, s, v) for s in range(pp)])}
     # The same work per rank: a whole stage costs t_f=1, t_b=2, a chunk of it 1/v of that.
     times = {"1f1b": (1, 2), "interleaved": (Fraction(1, v), Fraction(2, v))}
     end = max(pipeline.simulate(runs[n], *times[n]).step_time for n in runs)

@@ -229,8 +229,8 @@ class Run:
 
 
 @dataclass
-class PipelineSchedule(pipeline.Schedule):
-    """What the trainer runs: 02's Schedule, named for the summary. A later chapter's schedule is a
+class PipelineSchedule(interleaved.InterleavedSchedule):
+    """What the trainer runs: 02's Schedule (03's, whose steady pairs run as one), named for the summary. A later chapter's schedule is a
     subclass passed to train() as schedule_of(tc), and may override grid (the process groups it
     needs), prepare (what it does to the chunks) and forward_only (the eval's lists)."""
     name: str = "1F1B"  # for the summary: "1F1B", "interleaved 1F1B, v=2", ...

@@ -194,8 +194,8 @@ KINDS = {"F": pipeline.KINDS["F"], "I": pipeline.Kind("grad", "F"), "W": pipelin
 
 class SplitExecutor(pipeline.Executor):
     """02's Executor with I and W: I is B's backward inside the split's input() context (the weights'
-    gradients kept, not computed), W computes them. The activation meter counts what W still needs,
-    from I to W."""
+    gradients kept, not computed), W computes them. (02's activation meter counts what W still
+    needs, from I to W: BackwardSplit.held.)"""
 
     def __init__(self, split, *args):
         super().__init__(*args)
@@ -204,11 +204,9 @@ class SplitExecutor(pipeline.Executor):
     def run_I(self, a, k):  # receive the output's gradient -> input gradients -> send, as B does
         with self.split.input((a.chunk, a.mb)):
             self.run_B(a, k)
-        self.meter.saved[(a.chunk, a.mb)] = self.split.held((a.chunk, a.mb))
 
     def run_W(self, a, k):  # the weights' gradients I left: no messages
         self.split.weight((a.chunk, a.mb))
-        self.meter.saved.pop((a.chunk, a.mb))
 
 
 @dataclass
@@ -226,24 +224,29 @@ class ZeroBubbleSchedule(gpt3d.PipelineSchedule):
     def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
         return SplitExecutor(self.split, self, chunks, pp_group, wire, exchange, deallocate)
 
-    def posted(self, rank, wanted):
-        """02 posts a receive at the boundary before the action that needs it. In ZB-V, activations
+    def receives(self, rank, groups):
+        """02 posts a receive at the boundary before the group that needs it. In ZB-V, activations
         (chunk 0) and gradients (chunk 1) travel the same way between two ranks, and in that order a
         rank could wait for a message its peer sends after one this rank has not posted yet. With
         lockstep, a receive is posted at the boundary this rank has reached when its sender sends it
         (torch's pipelining lowers its schedules so too): receives are posted in the order sent, and
         every boundary's sends and receives meet their peers' at the same round."""
         if not self.lockstep:
-            return super().posted(rank, wanted)
+            return super().receives(rank, groups)
         sent, ran = lockstep_rounds(self)
-        return {msg: (next(g for g, t in enumerate(ran[rank]) if t > sent[msg][0]), sent[msg][1]) for _, _, msg in wanted}
+        posted = {}  # group -> [(the order its sender sent it in, the receive)]
+        for group in groups:
+            for recv in self.remote(rank, group, self.needs, "recv"):
+                at = next(g for g, t in enumerate(ran[rank]) if t > sent[recv[2]][0])
+                posted.setdefault(at, []).append((sent[recv[2]][1], recv))
+        return {g: [recv for _, recv in sorted(recvs)] for g, recvs in posted.items()}
 
 
 def lockstep_rounds(schedule):
-    """Every rank's list run in rounds: in each round each rank runs its next group of actions (02's
-    run_groups) if the messages they wait for were sent in an earlier round. Returns ({message:
+    """Every rank's list run in rounds: in each round each rank runs its next group of actions
+    (Schedule.groups) if the messages they wait for were sent in an earlier round. Returns ({message:
     (round, n)}, n counting the messages in the order sent; [the round each group ran in, per rank])."""
-    pp, groups = schedule.pp, [pipeline.run_groups(acts) for acts in schedule.lists]
+    pp, groups = schedule.pp, [schedule.groups(r) for r in range(schedule.pp)]
     sent, ran, t = {}, [[] for _ in range(pp)], 0
     while any(len(ran[r]) < len(groups[r]) for r in range(pp)):
         now, moved = {}, False
@@ -254,8 +257,8 @@ def lockstep_rounds(schedule):
                 ran[r].append(t)
                 moved = True
                 for a in group:
-                    out = schedule.produces(a, schedule.stage(r, a.chunk))
-                    now.update({out: (t, len(sent) + len(now))} if out else {})
+                    out = schedule.produces(a, schedule.stage(r, a.chunk))  # (message, its stage) or None
+                    now.update({out[0]: (t, len(sent) + len(now))} if out else {})
         if not moved:
             raise pipeline.ScheduleError("deadlock: in lockstep, no rank can run its next action")
         sent.update(now)

@@ -51,10 +51,10 @@ def lists_of(fn, pp, m, *extra, what):
     return out
 
 
-def validated(lists, pp, m, where):
-    """None if 02's validate() accepts the lists, else its reason."""
+def validated(lists, pp, m, where, schedule=pipeline.Schedule):
+    """None if 02's validate() accepts the lists (as a `schedule`: 03 passes its own), else its reason."""
     try:
-        pipeline.validate(pipeline.Schedule(lists), m)
+        pipeline.validate(schedule(lists), m)
     except pipeline.ScheduleError as e:
         return f"{where}: 02's validate() refuses the lists: {e}"
     return None

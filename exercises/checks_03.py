@@ -26,7 +26,7 @@ LEGAL = [(pp, v, m) for pp in range(1, 7) for v in range(1, 5) for m in range(pp
 def _run(env, lists, ref, layers_of):
     """Run this rank's list: through 02's pipeline_step (layers_of None: 02's own chunks), or with
     02's executor on chunks holding layers_of(n_layer, pp, v, rank)."""
-    schedule, cfg = pipeline.Schedule(lists), ref["cfg"]
+    schedule, cfg = interleaved.InterleavedSchedule(lists), ref["cfg"]
     pp, v = schedule.pp, schedule.v
     embed_group = new_group([0, pp - 1]) if pp > 1 else None
     micro = pipeline.split_batch(ref["idx"], ref["targets"], ref["m"])
@@ -109,9 +109,9 @@ def check_interleaved_lists(fn):
             continue
         bad = _order(lists, pp, v, m, where) or _warmups(lists, pp, v, m, where)
         if bad:
-            verdict = validated(lists, pp, m, where)
+            verdict = validated(lists, pp, m, where, interleaved.InterleavedSchedule)
             return [bad + (f" ({verdict.split(': ', 1)[1]})" if verdict else "")]
-        bad = validated(lists, pp, m, where)
+        bad = validated(lists, pp, m, where, interleaved.InterleavedSchedule)
         if bad:
             return [bad]
         sim = pipeline.simulate(pipeline.Schedule(lists), Fraction(1, v), Fraction(2, v))

@@ -601,7 +601,8 @@ def _memory(env, full, m, rows, v_interleaved):
         chunks = pipeline.build_chunks(cfg, pp, env.rank, v, init=False, dtype=torch.float64)
         for c in chunks:
             c.load_full_state_dict(full)
-        res = pipeline.execute(pipeline.Schedule([make(pp, m, r) for r in range(pp)]), chunks, dist.group.WORLD, micro,
+        res = pipeline.execute(interleaved.InterleavedSchedule([make(pp, m, r) for r in range(pp)]), chunks,
+                               dist.group.WORLD, micro,
                                pipeline.Wire((rows, cfg.block_size, cfg.n_embd)))
         out[name] = res.peak_activation_bytes
     return out

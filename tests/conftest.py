@@ -227,7 +227,7 @@ def pipeline_train(env, make_schedule, m, steps, v=1, cfg=PIPELINE_CFG):
         ref_loss = serial(idx, targets)[1]
         ref_loss.backward()
         schedule = [make_schedule(pp, m, s) for s in range(pp)]
-        res = pipeline.execute(pipeline.Schedule(schedule), chunks, torch.distributed.group.WORLD,
+        res = pipeline.execute(load("03_interleaved").InterleavedSchedule(schedule), chunks, torch.distributed.group.WORLD,
                                pipeline.split_batch(idx, targets, m), pipeline.Wire((2, 16, cfg.n_embd)))
         pipeline.sync_tied_embeddings(chunks, embed_group)
         orders.append([a for _, _, a in res.events] == schedule[env.rank])

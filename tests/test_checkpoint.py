@@ -15,6 +15,7 @@ import torch
 
 from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load
 from plumbing import checkpoint, gpt2
+from plumbing.checkpoint import Saver
 from plumbing.launch import RankFailure, launch
 from plumbing.reference import serial_train
 
@@ -72,13 +73,13 @@ def test_a_checkpoint_loads_in_another_layout_and_the_trajectory_continues(run_r
 
 
 def _gathers_in_flight_at_each_save(env, root):
-    real, seen = gpt3d.Saver.save, []
+    real, seen = Saver.save, []
 
     def save(saver, run, step, say=print):
         seen.append(len(run.opt.gathers))
         return real(saver, run, step, say)
 
-    gpt3d.Saver.save = save  # this forked rank's class only
+    Saver.save = save  # this forked rank's class only
     gpt3d.train(env, CFG, tc_for(1, 2, 2, zero1=True, save=root, save_every=2), quiet=True)
     return seen
 

@@ -105,7 +105,7 @@ def _graph_step(env, v, m, sched_name, graphed):
     chunks = pipeline.build_chunks(cfg, pp, rank, v, None, init=False, dtype=torch.float64)
     for c in chunks:
         c.load_full_state_dict(full)
-    schedule = pipeline.Schedule([interleaved.interleaved(pp, m, r, v) if sched_name == "interleaved" else
+    schedule = interleaved.InterleavedSchedule([interleaved.interleaved(pp, m, r, v) if sched_name == "interleaved" else
                                   pipeline.SCHEDULES[sched_name](pp, m, r) for r in range(pp)])
     actions = schedule.lists[rank]
     run_chunks, captured = chunks, None

@@ -23,7 +23,7 @@ def legal():
 
 
 def lists(pp, m, v):
-    return pipeline.Schedule([interleaved.interleaved(pp, m, s, v) for s in range(pp)])
+    return interleaved.InterleavedSchedule([interleaved.interleaved(pp, m, s, v) for s in range(pp)])
 
 
 def test_the_validator_accepts_every_interleaved_list_up_to_pp_8_v_4_m_32():
@@ -68,11 +68,11 @@ def test_with_one_round_trip_of_warmup_instead_of_two_the_validator_finds_a_dead
         return acts + backwards[m * v - warmup:]
 
     for pp in (3, 4):
-        pipeline.validate(pipeline.Schedule([interleaved.interleaved(pp, 2 * pp, r, 2) for r in range(pp)]), 2 * pp)
+        pipeline.validate(lists(pp, 2 * pp, 2), 2 * pp)
         with pytest.raises(pipeline.ScheduleError, match="deadlock: rank 0 waits to"):
-            pipeline.validate(pipeline.Schedule([short(pp, 2 * pp, r, 2) for r in range(pp)]), 2 * pp)
+            pipeline.validate(interleaved.InterleavedSchedule([short(pp, 2 * pp, r, 2) for r in range(pp)]), 2 * pp)
     with pytest.raises(pipeline.ScheduleError, match="message 4 is"):  # pp = 2: each waits for another message
-        pipeline.validate(pipeline.Schedule([short(2, 4, r, 2) for r in range(2)]), 4)
+        pipeline.validate(interleaved.InterleavedSchedule([short(2, 4, r, 2) for r in range(2)]), 4)
 
 
 def test_forward_step_k_runs_chunk_k_mod_pp_v_div_pp_on_microbatch_k_div_pp_v_times_pp_plus_k_mod_pp():

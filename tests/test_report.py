@@ -31,8 +31,9 @@ def end_report(device, monkeypatch, peaks):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", max_memory_allocated)
     monkeypatch.setattr(report, "gather_numbers", lambda values, device="cpu": [[p] for p in peaks])
     monkeypatch.setattr(report, "memory_estimate", lambda run, spec: ESTIMATE, raising=False)
+    monkeypatch.setattr(report, "sum_probe", lambda run, forward_only: None)  # no pipeline to probe here
     lines = []
-    report.report(run, OUT, 2.0, lines.append)
+    report.report(run, OUT, 2.0, lines.append, forward_only=None)
     return lines, asked
 
 
