@@ -1,12 +1,14 @@
-"""01 - Tensor parallelism on an exact GPT-2 (Shoeybi et al. 2019, "Megatron-LM", Section 3).
+"""01 - Tensor parallelism on an exact GPT-2 (Shoeybi et al. 2019, "Megatron-LM", Section 3), and
+sequence parallelism (Korthikanti et al. 2022, Section 4.2.2).
 
 What this file adds: the foundation. The two conjugate operators of the paper's Figure 3, f
 (identity forward, all-reduce backward) and g (all-reduce forward, identity backward), come first;
-then their sequence-parallel twins (Korthikanti et al. 2022, Section 4.2.2), column- and row-
-parallel linear layers, a vocab-parallel embedding and cross-entropy, the tp random-number tracker,
-and a GPT-2 built from them in which tp=1 *is* the serial model. Every later file imports this one.
-Two optimizations come last, after the concept, in a section of their own: the trainer (05) turns
-them on; the demo runs the paper's path.
+then column- and row-parallel linear layers, a vocab-parallel embedding and cross-entropy, and a
+GPT-2 built from them in which tp=1 *is* the serial model. Every later file imports this one. Read
+second: sequence parallelism, whose pair of operators (the paper's g and g-bar) takes f's and g's
+places under --sequence-parallel. After the concept, in sections of their own: the tp random-number
+tracker, the last dim gathered, and two optimizations, which the trainer (05) turns on; the demo
+runs the paper's path.
 
 Run it:
     python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
@@ -37,7 +39,8 @@ from einops import rearrange
 from plumbing import cli, demos
 from plumbing.data import check_tokens
 from plumbing.launch import launch, new_tp_group, printer, run_main  # the first two: for the README
-from plumbing.shards import gather_full, init_full, join_shards, load_full_state_dict, max_rel_diff, split_full
+from plumbing.shards import FullWeights, gather_full, init_full, join_shards, load_full_state_dict, max_rel_diff, \
+    split_full  # noqa: F401 (01 re-exports them: tensor_parallel.split_full and so on)
 from plumbing.trace import trace_comm
 
 
@@ -91,11 +94,6 @@ def tp_rank(group):
     return 0 if group is None else dist.get_rank(group)
 
 
-# ----------------------------------------------------------------------------------------------
-# The collectives under the operators. torch 2.13 renamed the tensor-in/tensor-out ones; 2.11 and
-# 2.12 have the old names.
-
-
 def all_reduce(x, group, op=dist.ReduceOp.SUM):
     """The sum (or max) of x over the group's ranks, in a new tensor: an input is never written."""
     if tp_size(group) == 1:
@@ -103,122 +101,6 @@ def all_reduce(x, group, op=dist.ReduceOp.SUM):
     x = x.clone()
     dist.all_reduce(x, op=op, group=group)
     return x
-
-
-def all_gather_single(out, x, group, async_op=False):
-    """Every rank's x, stacked along dim 0 in rank order, into out."""
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group, async_op=async_op)
-
-
-def reduce_scatter_single(out, x, group, async_op=False):
-    """The sum over the ranks of x, whose dim 0 holds tp blocks: block i of the sum to rank i's out."""
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group, async_op=async_op)
-
-
-def split(x, group, dim):
-    """This rank's slice of dim."""
-    return x.chunk(tp_size(group), dim)[tp_rank(group)].contiguous()
-
-
-def gather(x, group, dim):
-    """Every rank's x, concatenated along dim in rank order."""
-    if tp_size(group) == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((tp_size(group) * x.shape[0], *x.shape[1:]))  # stacked along dim 0
-    all_gather_single(out, x, group)
-    return torch.cat(out.chunk(tp_size(group)), dim)
-
-
-def reduce_scatter(x, group, dim):
-    """The sum over the ranks of x, of which this rank keeps its slice of dim."""
-    if tp_size(group) == 1:
-        return x
-    blocks = torch.cat(x.chunk(tp_size(group), dim))  # rank i's slice of dim moved to block i of dim 0
-    out = blocks.new_empty((blocks.shape[0] // tp_size(group), *blocks.shape[1:]))
-    reduce_scatter_single(out, blocks, group)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# The other conjugate pairs, one Function each as f and g are: the last dim split and gathered
-# (for logits), and sequence parallelism (Korthikanti et al. 2022, Section 4.2.2), which splits the
-# activations outside the tp regions along T. Its g (all-gather of T, into a tp region) and g-bar
-# (reduce-scatter of T, out of it), as the paper's Figure 5 names them, replace f and g: an
-# all-reduce is a reduce-scatter followed by an all-gather, so the pair moves the same bytes.
-
-SEQ = 1  # activations are (B, T, C): sequence parallelism splits dim 1
-
-
-class ScatterToTP(torch.autograd.Function):
-    """Keep this rank's slice of the last dim in forward; all-gather the last dim in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split(x, group, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather(grad, ctx.group, -1), None
-
-
-class GatherFromTP(torch.autograd.Function):
-    """All-gather the last dim in forward; keep this rank's slice of the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather(x, group, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.group, -1), None
-
-
-class ScatterToSP(torch.autograd.Function):
-    """Keep this rank's slice of T in forward; all-gather T in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split(x, group, SEQ)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather(grad, ctx.group, SEQ), None
-
-
-class GatherFromSP(torch.autograd.Function):
-    """Sequence parallelism's g (in f's place): all-gather T in forward; reduce-scatter T in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather(x, group, SEQ)
-
-    @staticmethod
-    def backward(ctx, grad):  # every rank used the whole sequence: each slice's gradient is a sum
-        return reduce_scatter(grad, ctx.group, SEQ), None
-
-
-class ReduceScatterToSP(torch.autograd.Function):
-    """Sequence parallelism's g-bar (in g's place): reduce-scatter T in forward; all-gather T in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # each rank keeps its slice of the sum
-        ctx.group = group
-        return reduce_scatter(x, group, SEQ)
-
-    @staticmethod
-    def backward(ctx, grad):  # each rank's partial output fed every slice
-        return gather(grad, ctx.group, SEQ), None
-
-
-# Their lower-case names, as f's and g's; at tp = 1 each is the identity (split, gather and
-# reduce_scatter return x there).
-scatter_to_tp, gather_from_tp = ScatterToTP.apply, GatherFromTP.apply
-scatter_to_sp, gather_from_sp, reduce_scatter_to_sp = ScatterToSP.apply, GatherFromSP.apply, ReduceScatterToSP.apply
 
 
 def enter_tp(x, group, sp):
@@ -237,7 +119,8 @@ def sp_param(p, group, sp):
 
 
 # ----------------------------------------------------------------------------------------------
-# The model's config, and the random numbers of its dropout
+# The model's config, and its layers. A split parameter carries .tp_dim (the dim it is split along),
+# .tp_full (its unpadded full size there) and .tp_fused (how many separately split blocks it stacks).
 
 
 @dataclass
@@ -250,43 +133,6 @@ class GPTConfig:
     dropout: float = 0.0  # on embeddings, attention probabilities and both residual branches
 
 
-# Random numbers: replicated activations draw identical dropout masks on every tp rank (from the
-# default generator, seeded alike); split activations draw different ones (a tracked generator
-# seeded by tp rank), as Megatron's RNG tracker does (Shoeybi et al. 2019, Appendix B.2: one global
-# generator, one per rank inside the model-parallel regions). With sequence parallelism the dropouts
-# outside those regions see T/tp rows each, so they draw from the tracker too (Korthikanti 4.2.2).
-
-
-class TPRandom:
-    """A tracked generator for tp-split activations; fork() swaps it in for the default one. At
-    tp=1 nothing is split (enabled=False): fork() does nothing and every mask is the default's."""
-
-    def __init__(self, seed, rank, device, enabled=True):
-        self.device, self.enabled = torch.device(device), enabled
-        # 2718: Megatron's offset between the default seed and the tensor-parallel seeds.
-        self.state = torch.Generator(device=self.device).manual_seed(seed + 2718 + rank).get_state()
-
-    @contextlib.contextmanager
-    def fork(self):
-        if not self.enabled:
-            yield
-            return
-        default = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
-            else torch.default_generator
-        saved = default.get_state()
-        default.set_state(self.state)
-        try:
-            yield
-        finally:
-            self.state = default.get_state()
-            default.set_state(saved)
-
-
-# ----------------------------------------------------------------------------------------------
-# Layers. A split parameter carries .tp_dim (the dim it is split along), .tp_full (its unpadded
-# full size there) and .tp_fused (how many separately split blocks it stacks, 3 for Q,K,V).
-
-
 def _mark_split(p, dim, full, fused=1):
     p.tp_dim, p.tp_full, p.tp_fused = dim, full, fused
     return p
@@ -296,23 +142,17 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by output columns: rank i computes f(X) A_i + b_i, its n_out/tp
     columns of Y, with no communication in forward (f is the identity there)."""
 
-    def __init__(self, n_in, n_out, group, sp=False, fused=1, gather_output=False, bias=True, **factory):
+    def __init__(self, n_in, n_out, group, sp=False, fused=1, bias=True, **factory):
         super().__init__()
         tp = tp_size(group)
         if n_out % (fused * tp):
             raise ValueError(f"output size {n_out} must be divisible by {fused} x tp={tp}")
-        self.group, self.sp, self.gather_output = group, sp, gather_output
+        self.group, self.sp = group, sp
         self.weight = _mark_split(nn.Parameter(torch.empty(n_out // tp, n_in, **factory)), 0, n_out, fused)
         self.bias = _mark_split(nn.Parameter(torch.empty(n_out // tp, **factory)), 0, n_out, fused) if bias else None
 
     def forward(self, x):  # (B, T, n_in), or (B, T/tp, n_in) with sequence parallelism
-        return self.output(F.linear(enter_tp(x, self.group, self.sp), self.weight, self.bias))  # (B, T, n_out/tp)
-
-    def output(self, y):  # with gather_output, every rank's columns, (B, T, n_out)
-        if not self.gather_output:
-            return y
-        y = gather_from_tp(y, self.group)  # blocks ordered rank-major: reorder them
-        return rearrange(y, "... (tp f c) -> ... (f tp c)", tp=tp_size(self.group), f=self.weight.tp_fused)
+        return F.linear(enter_tp(x, self.group, self.sp), self.weight, self.bias)  # (B, T, n_out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -352,29 +192,24 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, n_vocab, n_padded, n_embd, group, **factory):
         super().__init__()
-        self.group = group
-        self.per_rank = n_padded // tp_size(group)
-        self.start = tp_rank(group) * self.per_rank
+        self.group, self.per_rank = group, n_padded // tp_size(group)
+        self.start = tp_rank(group) * self.per_rank  # this rank's rows: [start, start + per_rank)
         self.weight = _mark_split(nn.Parameter(torch.empty(self.per_rank, n_embd, **factory)), 0, n_vocab)
 
     def forward(self, idx):  # (B, T) -> (B, T, C)
         return reduce_from_tp(self.lookup(idx), self.group)
 
-    def lookup(self, idx):
-        """This rank's rows for its own ids, zeros for the others: (B, T) -> (B, T, C), before g.
-        (07 reduces these partial sums to the first stage instead.)"""
+    def lookup(self, idx):  # this rank's rows for its own ids, zeros for the others (07 calls it alone)
         local = idx - self.start
         other = (local < 0) | (local >= self.per_rank)
         return F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(other[..., None], 0)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Shoeybi et al. 2019, Section 3: the output GEMM is fused with the cross-entropy, so each
-    all-reduce carries B T numbers instead of B T V logits.
-    Mean cross-entropy of vocab-split logits without gathering them: an all-reduce (MAX) of the
-    rows' maxima, then the sums over the ranks of the target logits and of the sums of exponentials
-    (sums(group, a, b): an all-reduce each). Both sums are of logits shifted by the max (so that
-    exp() cannot overflow on any rank): the max must have arrived first."""
+    """Shoeybi et al. 2019, Section 3: the mean cross-entropy of vocab-split logits, never gathered,
+    so each all-reduce carries B T numbers, not B T V: the rows' maximum (MAX), then the sums over
+    the ranks (sums: one all-reduce each) of the target's logit and of the exponentials, both of
+    logits less that maximum, so that exp() cannot overflow on any rank."""
 
     @staticmethod
     def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
@@ -411,16 +246,10 @@ def sum_each(group, *xs):
 
 def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, sums=sum_each):
     """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp)."""
-    Vl = logits.shape[-1]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), target.reshape(-1), group,
-                                            n_vocab, ignore_index, sums)
-
-
-def padded_vocab_size(n_vocab, tp, divisible_by=1):
-    """Megatron's make-vocab-size-divisible-by: round V up to a multiple of divisible_by * tp."""
-    return -(-n_vocab // (divisible_by * tp)) * divisible_by * tp
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index,
+                                            sums)
 
 
 class ParallelMLP(nn.Module):
@@ -441,6 +270,9 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg, group, rng, sp=False, **factory):
         super().__init__()
         C = cfg.n_embd
+        # GPT-2's c_attn stacks Q, K and V (3C outputs); rank i holds its heads of each, [Q_i; K_i; V_i]
+        # (fused=3), its shard of the full (3C, C) weight being rearrange(w, "(three tp c) C -> tp (three
+        # c) C", three=3, tp=tp)[i] (plumbing/shards.split_full): its output's thirds are its q, k, v.
         self.c_attn = ColumnParallelLinear(C, 3 * C, group, sp, fused=3, **factory)
         self.c_proj = RowParallelLinear(C, C, group, sp, **factory)
         self.hs, self.p, self.rng = C // cfg.n_head, cfg.dropout, rng
@@ -484,27 +316,21 @@ class Block(nn.Module):
 # GPT-2. With group=None (tp=1) this is the plain serial GPT-2: the same class, not a twin.
 
 
-class GPT(nn.Module):
+class GPT(FullWeights, nn.Module):
     """GPT-2 over a tp group. A pipeline chunk (02) is the same class cut to some `layers`, with
-    pre_process (the embeddings) on the first chunk and post_process (ln_f, head, loss) on the last;
-    02's chunks share one tracked random stream (rng)."""
+    pre_process (the embeddings) on the first chunk and post_process (ln_f, head, loss) on the last.
+    FullWeights (plumbing/shards.py): load_full_state_dict, full_state_dict, full_grads, full_logits."""
 
     def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True, dtype=torch.float32,
                  device="cpu", vocab_divisible_by=1, layers=None, pre_process=True, post_process=True,
                  rng=None, check_inputs=True):
         super().__init__()
-        layers = range(cfg.n_layer) if layers is None else layers
-        tp = tp_size(group)
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
-        if cfg.n_head % tp:
-            raise ValueError(f"n_head={cfg.n_head} must be divisible by tp={tp}")
+        tp = check_heads(cfg, tp_size(group))
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and tp > 1
-        self.pre_process, self.post_process = pre_process, post_process
+        self.pre_process, self.post_process, self.check_inputs = pre_process, post_process, check_inputs
         factory = dict(dtype=dtype, device=device)
         # One tracked stream per process (Megatron's tracker): a rank's pipeline chunks share it.
         self.rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
-        self.check_inputs = check_inputs  # False: the caller checked the batch once, on the host
         self.loss_sums = sum_each  # how the cross-entropy's sums travel (merged_sums, at the end)
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
         tr = self.transformer = nn.ModuleDict()
@@ -513,20 +339,19 @@ class GPT(nn.Module):
         if pre_process:
             tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
         # Keyed by global layer index, so a chunk's parameter names are the serial model's names.
-        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, **factory) for i in layers})
+        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, **factory)
+                                 for i in (range(cfg.n_layer) if layers is None else layers)})
         if post_process:
             tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)
-            # The output layer is tied to the token embedding: column-parallel over the same vocab
-            # rows, with wte's weight as its own (made on "meta", then replaced: no copy is kept).
+            # The output layer is tied to wte: column-parallel over the same rows, with wte's weight.
             self.lm_head = ColumnParallelLinear(cfg.n_embd, V_pad, group, self.sp, bias=False, dtype=dtype, device="meta")
             self.lm_head.weight = tr["wte"].weight
         if init and device != "meta":
             self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
 
     def forward(self, x, targets=None, ignore_index=-100):
-        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss;
-        a chunk without pre_process takes, and one without post_process returns, the hidden state
-        (B, T, C), or (B, T/tp, C) with sequence parallelism."""
+        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss; a chunk
+        without pre_process takes, one without post_process returns, (B, T, C) ((B, T/tp, C) with sp)."""
         if self.pre_process:
             x = self.embed(x)
         for block in self.transformer.h.values():
@@ -534,13 +359,12 @@ class GPT(nn.Module):
         return self.head(x, targets, ignore_index) if self.post_process else x
 
     def embed(self, idx):
-        if self.check_inputs and not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
-            check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)  # reads values back
+        if self.check_inputs:  # False: the caller checked the batch once, on the host
+            check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)
         return self.embed_positions(self.transformer.wte(idx))
 
     def embed_positions(self, x):
-        """Token embeddings (B, T, C) plus the position table, then the sequence split and the dropout:
-        the first stage's input. (07 looks the tokens up on every rank and feeds their sum here.)"""
+        """Token embeddings (B, T, C) plus the position table, then (sp) the split of T and the dropout."""
         x = x + self.transformer.wpe(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
         if self.sp:
             x = scatter_to_sp(x, self.group)  # (B, T/tp, C)
@@ -555,25 +379,180 @@ class GPT(nn.Module):
         return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size,
                                                     ignore_index, self.loss_sums)
 
-    def load_full_state_dict(self, full):
-        """Load this model's part (its layers, its shards) of a full serial state dict."""
-        own = dict(self.named_parameters())
-        load_full_state_dict(self, {k: v for k, v in full.items() if k in own}, self.group)
 
-    def full_state_dict(self):  # every parameter, gathered to its serial shape
-        return gather_full(self, self.group)
+# ----------------------------------------------------------------------------------------------
+# Demo: serial against tensor-parallel, float64, same weights, same batch.
 
-    def full_grads(self):  # every gradient, likewise
-        return gather_full(self, self.group, grads=True)
 
-    def full_logits(self, logits):
-        """Gather vocab-split logits (B, T, V_pad/tp) into (B, T, V)."""
-        return gather_from_tp(logits, self.group)[..., : self.cfg.vocab_size]
+def demo(env, cfg, args):
+    group, say, dt = new_tp_group(env, args.tp), printer(env), torch.float64
+    say(f"{cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} B={args.batch_size} "
+        f"T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
+    full = init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
+    serial, model = (GPT(cfg, g, sequence_parallel=args.sequence_parallel, init=False, dtype=dt, device=env.device)
+                     for g in (None, group))  # the serial model, and this rank's part of the tp one
+    for m in (serial, model):
+        m.load_full_state_dict(full)
+    ref_logits, ref_loss = serial(idx, targets)
+    ref_loss.backward()
+    with trace_comm(model) as log:  # every collective of one forward + backward, named by its layer
+        logits, loss = model(idx, targets)
+        loss.backward()
+    diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),
+             "logits": max_rel_diff(model.full_logits(logits.detach()), ref_logits.detach())}
+    diffs.update({"grad " + n: max_rel_diff(g, serial.get_parameter(n).grad) for n, g in model.full_grads().items()})
+    demos.report_tp(say, diffs, (ref_loss.item(), loss.item()), serial, model, (idx, targets), log, full, env.device)
+    worst = max(diffs.values())
+    say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} (tolerance 1e-10)")
+    return worst <= 1e-10
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: sequence parallelism (Korthikanti et al. 2022, Section 4.2.2), what --sequence-parallel
+# runs in place of f and g. Outside the tp regions (LayerNorm, dropout) each rank keeps T/tp of the
+# activations. Into a region goes the paper's g (all-gather of T), out of it its g-bar (reduce-scatter
+# of T), as its Figure 5 names them: an all-reduce is a reduce-scatter then an all-gather, so the pair
+# moves the same bytes as f and g. One Function each, as f and g are, over three collectives.
+
+SEQ = 1  # activations are (B, T, C): sequence parallelism splits dim 1
+
+
+def split(x, group, dim):
+    """This rank's slice of dim."""
+    return x.chunk(tp_size(group), dim)[tp_rank(group)].contiguous()
+
+
+def gather(x, group, dim):
+    """Every rank's x, concatenated along dim in rank order."""
+    if tp_size(group) == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((tp_size(group) * x.shape[0], *x.shape[1:]))  # stacked along dim 0
+    all_gather_single(out, x, group)
+    return torch.cat(out.chunk(tp_size(group)), dim)
+
+
+def reduce_scatter(x, group, dim):
+    """The sum over the ranks of x, of which this rank keeps its slice of dim."""
+    if tp_size(group) == 1:
+        return x
+    blocks = torch.cat(x.chunk(tp_size(group), dim))  # rank i's slice of dim moved to block i of dim 0
+    out = blocks.new_empty((blocks.shape[0] // tp_size(group), *blocks.shape[1:]))
+    reduce_scatter_single(out, blocks, group)
+    return out
+
+
+class ScatterToSP(torch.autograd.Function):
+    """Keep this rank's slice of T in forward; all-gather T in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather(grad, ctx.group, SEQ), None
+
+
+class GatherFromSP(torch.autograd.Function):
+    """Sequence parallelism's g (in f's place): all-gather T in forward; reduce-scatter T in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):  # every rank used the whole sequence: each slice's gradient is a sum
+        return reduce_scatter(grad, ctx.group, SEQ), None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    """Sequence parallelism's g-bar (in g's place): reduce-scatter T in forward; all-gather T in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # each rank keeps its slice of the sum
+        ctx.group = group
+        return reduce_scatter(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):  # each rank's partial output fed every slice
+        return gather(grad, ctx.group, SEQ), None
+
+
+# Their lower-case names, as f's and g's; at tp = 1 each is the identity (split, gather and
+# reduce_scatter return x there).
+scatter_to_sp, gather_from_sp, reduce_scatter_to_sp = ScatterToSP.apply, GatherFromSP.apply, ReduceScatterToSP.apply
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the tensor-in, tensor-out collectives (torch 2.13 renamed them; 2.11 and 2.12
+# have the old names), two checks, the vocabulary's padding and the full weights' initialisation.
+
+
+def all_gather_single(out, x, group, async_op=False):
+    """Every rank's x, stacked along dim 0 in rank order, into out."""
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out, x, group, async_op=False):
+    """The sum over the ranks of x, whose dim 0 holds tp blocks: block i of the sum to rank i's out."""
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group, async_op=async_op)
 
 
 def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
     """The full GPT-2 weights from a seed (plumbing.shards.init_full: GPT-2's initialisation)."""
     return init_full(GPT(cfg, device="meta").named_parameters(), cfg.n_layer, seed, dtype, random_all)
+
+
+def check_heads(cfg, tp):
+    """Refuse a model whose heads do not split: over C (hs = C / nh) or over the tp ranks. Returns tp."""
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+    if cfg.n_head % tp:
+        raise ValueError(f"n_head={cfg.n_head} must be divisible by tp={tp}")
+    return tp
+
+
+def padded_vocab_size(n_vocab, tp, divisible_by=1):
+    """Megatron's make-vocab-size-divisible-by: round V up to a multiple of divisible_by * tp."""
+    return -(-n_vocab // (divisible_by * tp)) * divisible_by * tp
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the random numbers of dropout. Replicated activations draw identical masks on
+# every tp rank (from the default generator, seeded alike); split activations draw different ones (a
+# tracked generator seeded by tp rank), as Megatron's RNG tracker does (Shoeybi et al. 2019, Appendix
+# B.2: one global generator, one per rank inside the model-parallel regions). With sequence
+# parallelism the dropouts outside those regions see T/tp rows each, so they draw from the tracker too.
+
+
+class TPRandom:
+    """A tracked generator for tp-split activations; fork() swaps it in for the default one. At
+    tp=1 nothing is split (enabled=False): fork() does nothing and every mask is the default's."""
+
+    def __init__(self, seed, rank, device, enabled=True):
+        self.device, self.enabled = torch.device(device), enabled
+        # 2718: Megatron's offset between the default seed and the tensor-parallel seeds.
+        self.state = torch.Generator(device=self.device).manual_seed(seed + 2718 + rank).get_state()
+
+    @contextlib.contextmanager
+    def fork(self):
+        if not self.enabled:
+            yield
+            return
+        default = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
+            else torch.default_generator
+        saved = default.get_state()
+        default.set_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = default.get_state()
+            default.set_state(saved)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -617,7 +596,7 @@ class OverlappedColumnLinear(torch.autograd.Function):
 
 def overlapped_forward(linear, x):
     """A ColumnParallelLinear's forward through OverlappedColumnLinear (optimize() installs it)."""
-    return linear.output(OverlappedColumnLinear.apply(x, linear.weight, linear.bias, linear.group, linear.sp))
+    return OverlappedColumnLinear.apply(x, linear.weight, linear.bias, linear.group, linear.sp)
 
 
 def merged_sums(group, *xs):
@@ -638,36 +617,7 @@ def optimize(model, overlap_input_grad=True, merge_loss_reductions=True):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: serial against tensor-parallel, float64, same weights, same batch.
-
-
-def demo(env, cfg, args):
-    group, say, dt = new_tp_group(env, args.tp), printer(env), torch.float64
-    say(f"{cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} B={args.batch_size} "
-        f"T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
-    full = init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
-    serial = GPT(cfg, None, init=False, dtype=dt, device=env.device)
-    model = GPT(cfg, group, sequence_parallel=args.sequence_parallel, init=False, dtype=dt, device=env.device)
-    serial.load_full_state_dict(full)
-    model.load_full_state_dict(full)
-    ref_logits, ref_loss = serial(idx, targets)
-    ref_loss.backward()
-    with trace_comm(model) as log:  # every collective of one forward + backward, named by its layer
-        logits, loss = model(idx, targets)
-        loss.backward()
-    diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),
-             "logits": max_rel_diff(model.full_logits(logits.detach()), ref_logits.detach())}
-    ref_grads = {n: p.grad for n, p in serial.named_parameters()}
-    diffs.update({"grad " + n: max_rel_diff(g, ref_grads[n]) for n, g in model.full_grads().items()})
-    worst = max(diffs.values())
-    times = {name: demos.median_seconds(lambda: m(idx, targets)[1].backward())  # warm: after the first
-             for name, m in (("serial", serial), ("tp", model))}
-    demos.report_tp(say, diffs, ref_loss.item(), loss.item(), log, model.sp, sum(p.numel() for p in model.parameters()),
-                    sum(t.numel() for t in full.values()), times, env.device.type == "cpu")
-    say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} (tolerance 1e-10)")
-    return worst <= 1e-10
+# After the concept: the demo's command line.
 
 
 @dataclass

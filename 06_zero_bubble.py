@@ -100,7 +100,7 @@ class BackwardSplit:
         return DeferredWeightGrad.apply(x, linear.weight.detach(), bias, linear, self)
 
     def _column(self, linear, x):  # 01's ColumnParallelLinear.forward, with the split linear
-        return linear.output(self._linear(linear, tensor_parallel.enter_tp(x, linear.group, linear.sp), linear.bias))
+        return self._linear(linear, tensor_parallel.enter_tp(x, linear.group, linear.sp), linear.bias)
 
     def _row(self, linear, x):  # 01's RowParallelLinear.forward, likewise
         y = tensor_parallel.exit_tp(self._linear(linear, x, None), linear.group, linear.sp)

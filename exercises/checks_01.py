@@ -169,14 +169,14 @@ def check_f_and_g(impl):
 
 
 # ----------------------------------------------------------------------------------------------
-# 01.2 The linears: the student's forward for layers without sp or gather_output, 01's for the rest
+# 01.2 The linears: the student's forward for layers without sp, 01's for the rest
 
 
 def linear_forwards(impl):
     own_col, own_row = REFERENCE["column_parallel_forward"], REFERENCE["row_parallel_forward"]
 
     def column(self, x):
-        return own_col(self, x) if self.sp or self.gather_output else impl["column_parallel_forward"](self, x)
+        return own_col(self, x) if self.sp else impl["column_parallel_forward"](self, x)
 
     def row(self, x):
         return own_row(self, x) if self.sp else impl["row_parallel_forward"](self, x)

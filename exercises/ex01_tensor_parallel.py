@@ -78,7 +78,7 @@ class ReduceFromTP(torch.autograd.Function):
 # 01.2 The column- and row-parallel linear layers (Shoeybi et al. 2019, Section 3, the MLP: A split
 # by columns, B by rows, so that the GeLU between them needs no communication)
 #
-# These are the layers' forward methods, without sequence parallelism or gather_output (the
+# These are the layers' forward methods, without sequence parallelism (the
 # autograder keeps 01's own forward for layers built with those). Use 01's f and g:
 # tensor_parallel.copy_to_tp(x, group) and tensor_parallel.reduce_from_tp(y, group).
 

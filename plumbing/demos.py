@@ -33,12 +33,16 @@ from plumbing.launch import gather_numbers
 
 # The paper's name of each operator class of 01 that issues a collective, for the demo's list.
 PAPER_NAMES = {"CopyToTP": "f", "ReduceFromTP": "g", "GatherFromSP": "g", "ReduceScatterToSP": "g-bar",
-               "ScatterToSP": "split", "GatherFromTP": "gather", "ScatterToTP": "split",
+               "ScatterToSP": "split",
                "_VocabParallelCrossEntropy": "loss", "OverlappedColumnLinear": "f (overlapped)"}
 
 
-def report_tp(say, diffs, ref_loss, loss, log, sp, n_local, n_full, times, cpu):
-    """01's demo output: the loss, every difference, every collective, and what they mean."""
+def report_tp(say, diffs, losses, serial, model, batch, log, full, device):
+    """01's demo output: the two losses, every difference, every collective, and what they mean;
+    then each model's forward and backward on batch (idx, targets) timed, the median of a few, warm."""
+    (ref_loss, loss), sp, cpu = losses, model.sp, device.type == "cpu"
+    n_local, n_full = sum(p.numel() for p in model.parameters()), sum(t.numel() for t in full.values())
+    times = {name: median_seconds(lambda: m(*batch)[1].backward()) for name, m in (("serial", serial), ("tp", model))}
     say(f"\nloss: serial {ref_loss:.12f}  tp {loss:.12f}")
     say(f"max relative difference against serial ({len(diffs)} tensors):")
     say("\n".join(f"  {d:9.2e}  {name}" for name, d in diffs.items()))

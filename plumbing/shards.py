@@ -96,3 +96,28 @@ def init_full(named_params, n_layer, seed, dtype=torch.float32, random_all=False
 def max_rel_diff(a, b):
     """max |a - b| / max |b|: relative to the tensor's scale, so tiny entries do not blow it up."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+class FullWeights:
+    """A mixin for a module of 01's layers over its tp group (self.group): its full (serial) weights
+    in and out. 01's GPT takes it, so that its chunks and the tests speak in full tensors."""
+
+    def load_full_state_dict(self, full):
+        """Load this module's part (its layers, its shards) of a full serial state dict."""
+        own = dict(self.named_parameters())
+        load_full_state_dict(self, {k: v for k, v in full.items() if k in own}, self.group)
+
+    def full_state_dict(self):  # every parameter, gathered to its serial shape
+        return gather_full(self, self.group)
+
+    def full_grads(self):  # every gradient, likewise
+        return gather_full(self, self.group, grads=True)
+
+    def full_logits(self, logits):
+        """This rank's vocabulary slice of the logits (B, T, V_pad/tp), gathered over the tp group
+        (a collective) into (B, T, V): padded columns dropped."""
+        n = _size_rank(self.group)[0]
+        parts = [logits] if n == 1 else [torch.empty_like(logits) for _ in range(n)]
+        if n > 1:
+            dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, -1)[..., : self.cfg.vocab_size]

@@ -43,14 +43,13 @@ def randomize(module, seed):
 # ----------------------------------------------------------------------------------------------
 # The blocks, each against a serial twin built from the same class with group=None.
 # Each entry: (make(group, sp), input layout, output layout). Layouts: "full" replicated,
-# "T" split along the sequence when sp is on (else full), "C" split along the last dim.
+# "T" split along the sequence when sp is on (else full), "C" split along the last dim, "QKV" its three
+# thirds each split along the last dim, this rank's slices of Q, K and V side by side (01's c_attn).
 
 BLOCKS = {
     "ColumnParallelLinear": (lambda g, sp: tensor_parallel.ColumnParallelLinear(32, 48, g, sp, dtype=F64), "T", "C"),
-    "ColumnParallelLinear(gather_output)": (
-        lambda g, sp: tensor_parallel.ColumnParallelLinear(32, 48, g, sp, gather_output=True, dtype=F64), "T", "full"),
     "ColumnParallelLinear(fused=3)": (
-        lambda g, sp: tensor_parallel.ColumnParallelLinear(32, 96, g, sp, fused=3, gather_output=True, dtype=F64), "T", "full"),
+        lambda g, sp: tensor_parallel.ColumnParallelLinear(32, 96, g, sp, fused=3, dtype=F64), "T", "QKV"),
     "RowParallelLinear": (lambda g, sp: tensor_parallel.RowParallelLinear(48, 32, g, sp, dtype=F64), "C", "T"),
     "LayerNorm": (lambda g, sp: tensor_parallel.LayerNorm(32, g, sp, dtype=F64), "T", "T"),
     "ParallelMLP": (lambda g, sp: tensor_parallel.ParallelMLP(CFG, g, sp, dtype=F64), "T", "T"),
@@ -63,6 +62,8 @@ BLOCKS = {
 def _local(t, layout, sp, tp, rank):
     if layout == "C":
         return t.chunk(tp, -1)[rank]
+    if layout == "QKV":
+        return torch.cat([third.chunk(tp, -1)[rank] for third in t.chunk(3, -1)], -1)
     if layout == "T" and sp:
         return t.chunk(tp, 1)[rank]
     return t
@@ -117,7 +118,7 @@ def _conjugates(env):
     group, tp, r = env_group(env)
     x = randn(2, 4, 8, seed=1)
     out = {}
-    for name in ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
+    for name in ("copy_to_tp", "reduce_from_tp",
                  "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp"):
         xi = (x * (r + 1)).requires_grad_()  # and so does each rank's input
         y = getattr(tensor_parallel, name)(xi, group)
@@ -142,11 +143,6 @@ def test_conjugate_operators_do_what_their_contracts_say(run_ranks):
         assert torch.equal(y, xs[r]) and rel(g, total("copy_to_tp")) <= TOL
         y, g = res[r]["reduce_from_tp"]  # g: all-reduce forward, identity backward
         assert rel(y, total_x) <= TOL and torch.equal(g, gs["reduce_from_tp"][r])
-        y, g = res[r]["scatter_to_tp"]  # split last dim forward, all-gather backward
-        assert torch.equal(y, xs[r].chunk(tp, -1)[r])
-        assert torch.equal(g, torch.cat(gs["scatter_to_tp"], -1))
-        y, g = res[r]["gather_from_tp"]  # all-gather last dim forward, split backward
-        assert torch.equal(y, torch.cat(xs, -1)) and torch.equal(g, gs["gather_from_tp"][r].chunk(tp, -1)[r])
         y, g = res[r]["scatter_to_sp"]  # split T forward, all-gather T backward
         assert torch.equal(y, xs[r].chunk(tp, 1)[r]) and torch.equal(g, torch.cat(gs["scatter_to_sp"], 1))
         y, g = res[r]["gather_from_sp"]  # all-gather T forward, reduce-scatter T backward
@@ -436,7 +432,7 @@ def _functions_run(env, sp, optimized):
     group, tp, r = env_group(env)
     counts = {}
     functions = [tensor_parallel.CopyToTP, tensor_parallel.ReduceFromTP, tensor_parallel.ScatterToSP,
-                 tensor_parallel.GatherFromSP, tensor_parallel.ReduceScatterToSP, tensor_parallel.GatherFromTP,
+                 tensor_parallel.GatherFromSP, tensor_parallel.ReduceScatterToSP,
                  tensor_parallel.OverlappedColumnLinear, tensor_parallel._VocabParallelCrossEntropy]
     for fn in functions:  # counted in this forked rank only
         for step in ("forward", "backward"):
