@@ -29,7 +29,6 @@ formula and each stage's peak stored activation bytes, with and without Megatron
 Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
 """
 import importlib
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from fractions import Fraction
@@ -40,7 +39,7 @@ import torch.distributed as dist
 
 from plumbing import cli, demos
 from plumbing.launch import printer, run_main
-from plumbing.meter import ActivationMeter  # what the executor counts of activation memory
+from plumbing.meter import ActivationMeter, StepRecord, StepResult  # noqa: F401 (the step's figures, re-exported)
 from plumbing.reference import pipeline_reference
 from plumbing.trace import write_timelines
 from plumbing.validate import ScheduleError, check_lists, check_plans, validate  # noqa: F401 (02's, re-exported)
@@ -174,18 +173,6 @@ class Schedule:
 # The executor: runs exactly one rank's plan. Receive -> compute -> send, for each action.
 
 
-@dataclass
-class Wire:
-    """A boundary tensor travels as itself, in buffers of `shape` (05's ScatterGather sends 1/tp)."""
-    shape: tuple
-
-    def pack(self, t):
-        return t
-
-    def unpack(self, buf):
-        return buf
-
-
 class Exchange:
     """A boundary's sends and receives, posted as one batch, then all waited for; wait returns the
     messages whose sends completed (their tensors may now change, or be freed)."""
@@ -202,29 +189,18 @@ class Exchange:
         return []
 
 
-@dataclass
-class StepResult:
-    loss: object  # the global mean loss on the rank holding the last stage, else None
-    events: list  # [(start_s, end_s, action)] in the order they ran
-    peak_activation_bytes: int  # most bytes saved for backward (plus kept outputs) at a boundary
-    messages: int
-    bytes_sent: int
-    waits: list = field(default_factory=list)  # [(start_s, end_s, n_ops)]: each batched exchange
-
-
 class Executor:
-    """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire is how
-    a boundary tensor travels; deallocate frees each sent output once its send completed (Megatron's
-    trick: backward needs its graph, not its values). An action of kind K runs as run_K(action,
-    stage): F and B here. Gradients accumulate in the chunks' parameters."""
-
-    clock, t0 = time.perf_counter, None  # what the events are timed by, and from (05's --trace sets them)
+    """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire is how a
+    boundary tensor travels (Wire: as itself; 05's ScatterGather: 1/tp of it); deallocate frees each
+    sent output once its send completed (Megatron's trick: backward needs its graph, not its values).
+    An action of kind K runs as run_K(action, stage): F and B here. Gradients accumulate in the
+    chunks' parameters."""
 
     def __init__(self, schedule, chunks, pp_group, wire, exchange=None, deallocate=True):
         self.schedule, self.chunks, self.group, self.wire = schedule, chunks, pp_group, wire
         self.exchange, self.deallocate = exchange or Exchange(), deallocate
         self.plan, self.last = schedule.plan(dist.get_rank(pp_group)), schedule.S - 1
-        self.meter = ActivationMeter(self)  # counts activation memory from outside (plumbing/meter.py)
+        self.record = StepRecord(self)  # the step's timeline, messages and memory, from outside
 
     def run(self, microbatches, valid=None, ignore_index=-100):
         """Run the plan on microbatches [(idx, targets)]. Microbatch i's loss is weighted by its share
@@ -232,19 +208,15 @@ class Executor:
         valid, counted on the host, to keep device read-backs out of the step."""
         self.micro, self.valid = microbatches, valid or [int((t != ignore_index).sum()) for _, t in microbatches]
         self.n_valid = max(sum(self.valid), 1)  # a microbatch with no counted target adds nothing
-        self.box, self.inputs, self.outputs, self.sending = {}, {}, {}, {}  # box: messages, by key
-        self.origin = self.clock() if self.t0 is None else self.t0
-        self.events, self.waits, self.loss, self.n_msgs, self.n_bytes = [], [], None, 0, 0
+        self.box, self.inputs, self.outputs, self.sending, self.loss = {}, {}, {}, {}, None  # box: messages
         for kind, *step in self.plan:
             {"run": self.act, "post": self.post, "wait": self.wait}[kind](*step)
         for msg in self.exchange.flush():  # nothing is left in flight when the caller goes on
             self.sent(msg)
-        return StepResult(self.loss, self.events, self.meter.peak, self.n_msgs, self.n_bytes, self.waits)
+        return self.record.result(self.loss)
 
     def act(self, a, k):
-        start = self.clock() - self.origin
         getattr(self, "run_" + a.kind)(a, k)
-        self.events.append((start, self.clock() - self.origin, a))
 
     def run_F(self, a, k):  # receive -> forward -> send
         x = self.input(a.mb) if k == 0 else self.box.pop(("act", k, a.mb)).requires_grad_()
@@ -278,20 +250,17 @@ class Executor:
             if side == "send":
                 self.sending[msg] = self.box.pop(msg)  # kept until its send completed (sent)
                 t = self.wire.pack(self.sending[msg])
-                self.n_msgs, self.n_bytes = self.n_msgs + 1, self.n_bytes + t.numel() * t.element_size()
             else:  # poisoned, so a receive that never happened shows up as NaN
                 t = self.box[msg] = torch.full(self.wire.shape, float("nan"), dtype=like.dtype, device=like.device)
             p2p.append(dist.P2POp(dist.isend if side == "send" else dist.irecv, t, peer(r), self.group))
         self.p2p, self.works = p2p, self.exchange.post(p2p)
 
     def wait(self, ops):
-        start = self.clock() - self.origin
         for msg in self.exchange.wait(self.works, self.p2p, [msg for side, _, msg in ops if side == "send"]):
             self.sent(msg)
         for side, _, msg in ops:
             if side == "recv":
                 self.box[msg] = self.wire.unpack(self.box[msg])
-        self.waits.append((start, self.clock() - self.origin, len(ops)))
 
     def sent(self, msg):  # its send completed: the tensor may change or be freed now
         t = self.sending.pop(msg)
@@ -459,7 +428,20 @@ def simulate(schedule, t_f=1, t_b=2, t_comm=0, times=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: an optimization, which 05's trainer turns on (--background-sends, the default).
+# After the concept: the seam 05's scatter/gather plugs into, and an optimization, which 05's trainer
+# turns on (--background-sends, the default).
+
+
+@dataclass
+class Wire:
+    """A boundary tensor travels as itself, in buffers of `shape` (05's ScatterGather sends 1/tp)."""
+    shape: tuple
+
+    def pack(self, t):
+        return t
+
+    def unpack(self, buf):
+        return buf
 
 
 class BackgroundSends(Exchange):

@@ -282,6 +282,15 @@ class OverlappedGather(FlatAdamW):
         buckets = {i for p in params for i in self.ddp.buckets_of[p]}  # found once, not at every forward
         module.register_forward_pre_hook(lambda *_: self.wait_gather(buckets))
 
+    def wait_in_forward(self, chunks):
+        """wait_before_forward on 01's GPT chunks: each block for its own weights; each chunk, first, for
+        the rest; and each module outside the blocks for its own (07 calls its embedding on its own)."""
+        for c in chunks:
+            rest = [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")]
+            self.wait_before_forward(c, rest)
+            for m in [*(m for n, m in c.transformer.items() if n != "h"), *c.transformer.h.values()]:
+                self.wait_before_forward(m, list(m.parameters()))
+
 
 # ----------------------------------------------------------------------------------------------
 # Demo: three ways of training on dp replicas, each against serial training on the whole batch.

@@ -36,11 +36,10 @@ import dataclasses
 import functools
 import importlib
 import math
-import os
 import time
-from types import SimpleNamespace
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -50,12 +49,12 @@ from torch.utils.checkpoint import checkpoint
 import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
-from plumbing import cli, report, sample, selfcheck, watch
-from plumbing.checkpoint import newest_checkpoint, resume
-from plumbing.checks import acceleration, check_action, check_fields, check_model_flags, check_plan_flags, preflight
+from plumbing import command, report
+from plumbing.checkpoint import resume
+from plumbing.checks import acceleration, preflight
 from plumbing.data import check_tokens, replica_batch
-from plumbing.gpt2 import export_checkpoint, import_gpt2
-from plumbing.launch import launcher_ranks, printer, run_main, side_channel
+from plumbing.gpt2 import import_gpt2
+from plumbing.launch import printer, run_main
 from plumbing.operations import Operations
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -128,8 +127,171 @@ class ScatterGather(pipeline.Wire):
 
 
 # ----------------------------------------------------------------------------------------------
-# Activation recomputation (Korthikanti Section 5): keep each layer's input, or the attention core's
-# q, k and v, and rerun the rest during backward.
+# The global gradient norm: each element of the model counted exactly once, whatever the layout.
+
+
+def counts_in_norm(p, chunk, tp_group):
+    """Split parameters count on every tp rank (each holds a different slice); replicated ones
+    (LayerNorms, row-parallel biases, wpe) only on tp rank 0; the tied output layer's copy on the
+    last stage not at all (it is the first stage's embedding again)."""
+    tied_copy = hasattr(chunk, "lm_head") and not chunk.pre_process and p is chunk.lm_head.weight
+    return not tied_copy and (hasattr(p, "tp_dim") or dist.get_rank(tp_group) == 0)
+
+
+def clip_gradients(opt, chunks, groups, max_norm, zero1):
+    """Compute the global norm of every gradient, scale them by max_norm / norm if it is larger
+    (as torch.nn.utils.clip_grad_norm_), and return the norm before clipping."""
+    owner = {id(p): c for c in chunks for p in c.parameters()}
+    grad0 = opt.pieces[0].grad
+    dtype = torch.float64 if grad0.dtype == torch.float64 else torch.float32
+    sq = torch.zeros((), dtype=dtype, device=grad0.device)
+    for piece in opt.pieces:  # this rank's elements: all of them, or with ZeRO-1 its 1/dp
+        if counts_in_norm(piece.param, owner[id(piece.param)], groups.tp):
+            sq += piece.grad.to(dtype).pow(2).sum()
+    for group in [groups.tp, groups.pp] + ([groups.dp] if zero1 else []):  # replicas: same gradients
+        dist.all_reduce(sq, group=group)
+    norm = float(sq.sqrt())
+    if math.isfinite(norm):  # inf: the step is skipped (train_step), and inf * 0 would be NaN
+        coef = min(max_norm / (norm + 1e-6), 1.0)
+        for piece in opt.pieces:
+            piece.grad.mul_(coef)
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------
+# Building one rank's part of the trainer: 01's layers inside 02/03's chunks, 04's DDP and AdamW
+
+
+def build(env, cfg, tc, groups, pipe=None):
+    """This rank's chunks (TP inside, loaded from the full weights), its DDP and optimizer. pipe: the
+    PipelineSchedule (None: interleaved_schedule(tc))."""
+    pipe, pp_rank = pipe or interleaved_schedule(tc), dist.get_rank(groups.pp)
+    dtype = resolve_dtype(tc, env.device)
+    torch.manual_seed(tc.seed + 100 * pp_rank)  # dropout: alike across tp and dp, not across stages
+    # Megatron's CPU initialisation: the full model from the seed (or imported GPT-2 weights),
+    # then this rank's part of it.
+    full = import_gpt2(tc.init_from)[1] if tc.init_from else tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dtype)
+    chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, pipe.v, groups.tp, pipe.placement,
+                                   sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
+                                   init=False, dtype=dtype, device=env.device,
+                                   # Megatron's padding: V_pad a multiple of 128 tp, so the output
+                                   # layer's GEMM has aligned sizes (50257 -> 50304 at tp = 1)
+                                   vocab_divisible_by=VOCAB_DIVISIBLE_BY,
+                                   check_inputs=False)  # train_step checks each batch on the host
+    fused, graph_mode = acceleration(tc, env.device)
+    ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else None
+    for c in chunks:
+        c.load_full_state_dict(full)
+        tensor_parallel.optimize(c, tc.overlap_input_grad, tc.merge_loss_reductions)
+        if ops:
+            kernels.fuse(c, ops, tc.overlap_input_grad)
+        recompute_layers(c, tc.recompute)
+    pipe.prepare(chunks, groups, full)  # what the schedule does to the chunks (06, 07), last
+    params = [p for c in chunks for p in c.parameters()]
+    # Gradients are reduced in fp32 when the weights are bf16; the optimizer keeps fp32 masters. A
+    # gradient is final at the last of its chunk's m backwards, when its bucket's reduction can start,
+    # except the tied embedding's buckets: they wait for train_step to add the other stage's copy in.
+    grad_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    wte = [c.transformer.wte.weight for c in chunks if "wte" in c.transformer]
+    ddp = data_parallel.PipelineDDP(params, groups.dp, tc.bucket_numel, tc.microbatches, hold=wte, zero=tc.zero1,
+                                    grad_dtype=grad_dtype, overlap=tc.overlap_grad_reduce)
+    overlap_gather = tc.zero1 and tc.overlap_param_gather and graph_mode is None  # a graph's replay runs no hooks
+    opt = (data_parallel.OverlappedGather if overlap_gather else data_parallel.FlatAdamW)(
+        ddp, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, no_decay=no_decay(params))
+    if overlap_gather:
+        opt.wait_in_forward(chunks)  # each of their modules waits for its own weights' gathers
+    b = tc.batch_size // (tc.dp * tc.microbatches)
+    act_shape = (b, tc.seq_len // (tc.tp if tc.sequence_parallel else 1), cfg.n_embd)
+    sg = tc.scatter_gather and tc.tp > 1 and not tc.sequence_parallel  # with sp it is split already
+    wire = ScatterGather(act_shape, groups.tp) if sg else None
+    step = cuda_graphs.Graphed(graph_mode, forward_backward, pipeline.StepResult) if graph_mode else forward_backward
+    return Run(env, cfg, tc, groups, chunks, pipe.lists[pp_rank], pipe, act_shape, wire, ddp, opt, dtype, ops, step)
+
+
+# ----------------------------------------------------------------------------------------------
+# One step of PTD-P
+
+
+def train_step(run, idx, targets, lr):
+    """One iteration of PTD-P: the pipeline over this replica's microbatches (each chunk's last
+    backward reducing its buckets), the tied embedding's sync, the rest of the data-parallel reduction,
+    clipping, AdamW. A non-finite loss or norm (the same on every rank: both are all-reduced) skips the
+    update everywhere, as Megatron does. Returns (loss, gradient norm, 02's StepResult)."""
+    tc, groups = run.tc, run.groups
+    # Checked and counted on the host, on every rank: a bad id stops every stage at once (not the
+    # first stage alone, the others left waiting), and the executor reads nothing back.
+    check_tokens(idx, run.cfg, tc.tp if tc.sequence_parallel else 1)
+    valid = [int((t != -100).sum()) for t in targets.chunk(tc.microbatches)]
+    micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
+    res = run.forward_backward(run, micro, valid)
+    pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)  # beside the buckets
+    run.ddp.finish()
+    norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
+    loss = shared_loss(res.loss, run)
+    if finite_step(loss, norm):
+        for g in run.opt.optimizer.param_groups:
+            g["lr"] = lr
+        run.opt.step()
+    run.ddp.zero_grad()
+    return loss, norm, res
+
+
+def forward_backward(run, micro, valid, chunks=None, plain=False):
+    """This replica's microbatches through the pipeline: 02's executor runs this rank's list, with
+    scatter/gather on the wire and (background_sends) 02's BackgroundSends. chunks, plain
+    (kernels/graphs.py): run these chunks instead, nothing left in flight, no output freed."""
+    exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
+    wire = run.wire or pipeline.Wire(run.act_shape)
+    return run.pipe.executor(chunks or run.chunks, run.groups.pp, wire, exchange, not plain).run(micro, valid)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: the loop
+
+
+def train(env, cfg, tc, quiet=False, schedule_of=None):
+    """Train on this rank, as nanoGPT's loop: a batch, a step, a log line, an eval, a save. What a run
+    needs around it (the watch, rehearsed faults, skipped steps, the trace, saves) is plumbing's
+    Operations, called at each point of the loop. schedule_of(tc): the PipelineSchedule to run (06's
+    and 07's own). Returns the losses, gradient norms and evals, and the final figures."""
+    say = printer(env, quiet)  # everything that can be refused is, before the first collective:
+    train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
+                                                       writer=env.rank == 0)
+    if acceleration(tc, env.device)[0]:
+        kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
+    pipe = (schedule_of or interleaved_schedule)(tc)
+    run = build(env, cfg, tc, new_groups(env, pipe.grid(env.world_size, tc.tp, tc.dp), tc.timeout_s), pipe)
+    spec = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
+    flops = planner.flops_per_iteration(spec, tc.batch_size, tc.recompute)  # Narayanan's eq. 3
+    report.summary(run, spec, flops, len(train_tokens), len(eval_tokens), say)
+    resume(run, path, say)  # --resume: the newest complete checkpoint, in any layout
+    progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
+    ops, dp_rank, t_start = Operations(run, progress, start), dist.get_rank(run.groups.dp), time.perf_counter()
+    losses, norms, evals = [], [], []
+    for step in progress:
+        lr = lr_at(step, tc)
+        with ops.step(step):  # the watch's record, a rehearsed fault, the traced step
+            loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dp_rank), lr)
+        record = ops.record(dict(step=step, loss=loss, lr=lr, grad_norm=norm))  # too many skipped stop it
+        losses.append(loss)
+        norms.append(norm)
+        if tc.eval_every and ((step + 1) % tc.eval_every == 0 or step == tc.steps - 1):
+            ops.phase("eval")
+            record["eval_loss"] = evaluate(run, eval_tokens)
+            evals.append((step, record["eval_loss"]))
+        ops.end(step, record)  # the log line, then a checkpoint or a snapshot when one is due
+    busy = ops.finish(say)
+    run.opt.wait_gather()  # the last step's: the report and the caller read the weights
+    out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=ops.skipped, busy_ms=busy)
+    if losses:  # the last step's pipeline figures
+        out.update(bytes_per_message=res.bytes_sent / max(res.messages, 1), peak_activation_bytes=res.peak_activation_bytes)
+    report.report(run, out, time.perf_counter() - t_start, say, forward_only)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: activation recomputation (Korthikanti Section 5; --recompute): keep each
+# layer's input, or the attention core's q, k and v, and rerun the rest during backward.
 
 
 def recompute_layers(chunk, mode):
@@ -161,52 +323,8 @@ def _recomputed(forward, rng, x):
 
 
 # ----------------------------------------------------------------------------------------------
-# The global gradient norm: each element of the model counted exactly once, whatever the layout.
-
-
-def counts_in_norm(p, chunk, tp_group):
-    """Split parameters count on every tp rank (each holds a different slice); replicated ones
-    (LayerNorms, row-parallel biases, wpe) only on tp rank 0; the tied output layer's copy on the
-    last stage not at all (it is the first stage's embedding again)."""
-    tied_copy = hasattr(chunk, "lm_head") and not chunk.pre_process and p is chunk.lm_head.weight  # 07: none
-    return not tied_copy and (hasattr(p, "tp_dim") or dist.get_rank(tp_group) == 0)
-
-
-def clip_gradients(opt, chunks, groups, max_norm, zero1):
-    """Compute the global norm of every gradient, scale them by max_norm / norm if it is larger
-    (as torch.nn.utils.clip_grad_norm_), and return the norm before clipping."""
-    owner = {id(p): c for c in chunks for p in c.parameters()}
-    grad0 = opt.pieces[0].grad
-    dtype = torch.float64 if grad0.dtype == torch.float64 else torch.float32
-    sq = torch.zeros((), dtype=dtype, device=grad0.device)
-    for piece in opt.pieces:  # this rank's elements: all of them, or with ZeRO-1 its 1/dp
-        if counts_in_norm(piece.param, owner[id(piece.param)], groups.tp):
-            sq += piece.grad.to(dtype).pow(2).sum()
-    for group in [groups.tp, groups.pp] + ([groups.dp] if zero1 else []):  # replicas: same gradients
-        dist.all_reduce(sq, group=group)
-    norm = float(sq.sqrt())
-    if math.isfinite(norm):  # inf: the step is skipped (train_step), and inf * 0 would be NaN
-        coef = min(max_norm / (norm + 1e-6), 1.0)
-        for piece in opt.pieces:
-            piece.grad.mul_(coef)
-    return norm
-
-
-def lr_at(step, tc):
-    """Linear warmup, then cosine decay to min_lr at the last step."""
-    if step < tc.warmup_steps:
-        return tc.lr * (step + 1) / (tc.warmup_steps + 1)
-    ratio = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
-    return tc.min_lr + 0.5 * (1 + math.cos(math.pi * min(ratio, 1.0))) * (tc.lr - tc.min_lr)
-
-
-def no_decay(params):
-    """Biases and LayerNorm weights (the 1-D parameters) take no weight decay."""
-    return [p for p in params if p.dim() < 2]
-
-
-# ----------------------------------------------------------------------------------------------
-# Building one rank's part of the trainer
+# After the concept: what build() and train() read. Run, what one rank trains with; the schedule it
+# runs (PipelineSchedule, a later file's seam); the loop's helpers; the eval, forward only.
 
 
 @dataclass
@@ -266,57 +384,17 @@ def resolve_dtype(tc, device):
     return getattr(torch, tc.dtype)
 
 
-def build(env, cfg, tc, groups, pipe=None):
-    """This rank's chunks (TP inside, loaded from the full weights), its DDP and optimizer. pipe: the
-    PipelineSchedule (None: interleaved_schedule(tc))."""
-    pipe, pp_rank = pipe or interleaved_schedule(tc), dist.get_rank(groups.pp)
-    dtype = resolve_dtype(tc, env.device)
-    torch.manual_seed(tc.seed + 100 * pp_rank)  # dropout: alike across tp and dp, not across stages
-    # Megatron's CPU initialisation: the full model from the seed (or imported GPT-2 weights),
-    # then this rank's part of it.
-    full = import_gpt2(tc.init_from)[1] if tc.init_from else tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dtype)
-    chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, pipe.v, groups.tp, pipe.placement,
-                                   sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
-                                   init=False, dtype=dtype, device=env.device,
-                                   # Megatron's padding: V_pad a multiple of 128 tp, so the output
-                                   # layer's GEMM has aligned sizes (50257 -> 50304 at tp = 1)
-                                   vocab_divisible_by=VOCAB_DIVISIBLE_BY,
-                                   check_inputs=False)  # train_step checks each batch on the host
-    fused, graph_mode = acceleration(tc, env.device)
-    ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else None
-    for c in chunks:
-        c.load_full_state_dict(full)
-        tensor_parallel.optimize(c, tc.overlap_input_grad, tc.merge_loss_reductions)
-        if ops:
-            kernels.fuse(c, ops, tc.overlap_input_grad)
-        recompute_layers(c, tc.recompute)
-    pipe.prepare(chunks, groups, full)  # what the schedule does to the chunks (06, 07), last
-    params = [p for c in chunks for p in c.parameters()]
-    # Gradients are reduced in fp32 when the weights are bf16; the optimizer keeps fp32 masters. A
-    # gradient is final at the last of its chunk's m backwards, when its bucket's reduction can start,
-    # except the tied embedding's buckets: they wait for train_step to add the other stage's copy in.
-    grad_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
-    wte = [c.transformer.wte.weight for c in chunks if "wte" in c.transformer]
-    ddp = data_parallel.PipelineDDP(params, groups.dp, tc.bucket_numel, tc.microbatches, hold=wte, zero=tc.zero1,
-                                    grad_dtype=grad_dtype, overlap=tc.overlap_grad_reduce)
-    overlap_gather = tc.zero1 and tc.overlap_param_gather and graph_mode is None  # a graph's replay runs no hooks
-    opt = (data_parallel.OverlappedGather if overlap_gather else data_parallel.FlatAdamW)(
-        ddp, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, no_decay=no_decay(params))
-    if overlap_gather:  # each block waits for its own weights; the chunk, first, for the rest, and
-        for c in chunks:  # each module outside the blocks for its own (07 calls wte's on its own)
-            opt.wait_before_forward(c, [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")])
-            for m in [*(m for n, m in c.transformer.items() if n != "h"), *c.transformer.h.values()]:
-                opt.wait_before_forward(m, list(m.parameters()))
-    b = tc.batch_size // (tc.dp * tc.microbatches)
-    act_shape = (b, tc.seq_len // (tc.tp if tc.sequence_parallel else 1), cfg.n_embd)
-    sg = tc.scatter_gather and tc.tp > 1 and not tc.sequence_parallel  # with sp it is split already
-    wire = ScatterGather(act_shape, groups.tp) if sg else None
-    step = cuda_graphs.Graphed(graph_mode, forward_backward, pipeline.StepResult) if graph_mode else forward_backward
-    return Run(env, cfg, tc, groups, chunks, pipe.lists[pp_rank], pipe, act_shape, wire, ddp, opt, dtype, ops, step)
+def lr_at(step, tc):
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / (tc.warmup_steps + 1)
+    ratio = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    return tc.min_lr + 0.5 * (1 + math.cos(math.pi * min(ratio, 1.0))) * (tc.lr - tc.min_lr)
 
 
-# ----------------------------------------------------------------------------------------------
-# One step, and the forward-only passes of the eval
+def no_decay(params):
+    """Biases and LayerNorm weights (the 1-D parameters) take no weight decay."""
+    return [p for p in params if p.dim() < 2]
 
 
 def shared_loss(loss, run):
@@ -332,39 +410,6 @@ def shared_loss(loss, run):
 def finite_step(loss, norm):
     """Whether a step updates the weights: its loss and gradient norm are both finite."""
     return math.isfinite(loss) and math.isfinite(norm)
-
-
-def train_step(run, idx, targets, lr):
-    """One iteration of PTD-P: the pipeline over this replica's microbatches (each chunk's last
-    backward reducing its buckets), the tied embedding's sync, the rest of the data-parallel reduction,
-    clipping, AdamW. A non-finite loss or norm (the same on every rank: both are all-reduced) skips the
-    update everywhere, as Megatron does. Returns (loss, gradient norm, 02's StepResult)."""
-    tc, groups = run.tc, run.groups
-    # Checked and counted on the host, on every rank: a bad id stops every stage at once (not the
-    # first stage alone, the others left waiting), and the executor reads nothing back.
-    check_tokens(idx, run.cfg, tc.tp if tc.sequence_parallel else 1)
-    valid = [int((t != -100).sum()) for t in targets.chunk(tc.microbatches)]
-    micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
-    res = run.forward_backward(run, micro, valid)
-    pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)  # beside the buckets
-    run.ddp.finish()
-    norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
-    loss = shared_loss(res.loss, run)
-    if finite_step(loss, norm):
-        for g in run.opt.optimizer.param_groups:
-            g["lr"] = lr
-        run.opt.step()
-    run.ddp.zero_grad()
-    return loss, norm, res
-
-
-def forward_backward(run, micro, valid, chunks=None, plain=False):
-    """This replica's microbatches through the pipeline: 02's executor runs this rank's list, with
-    scatter/gather on the wire and (background_sends) 02's BackgroundSends. chunks, plain
-    (kernels/graphs.py): run these chunks instead, nothing left in flight, no output freed."""
-    exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
-    wire = run.wire or pipeline.Wire(run.act_shape)
-    return run.pipe.executor(chunks or run.chunks, run.groups.pp, wire, exchange, not plain).run(micro, valid)
 
 
 def forward_only(run, idx, targets, chunks=None):
@@ -392,7 +437,8 @@ def evaluate(run, tokens):
 
 
 # ----------------------------------------------------------------------------------------------
-# The trainer's flags: one flat config (tc.tp, tc.lr, ...) made of groups, which --help prints apart
+# After the concept: the trainer's flags, one flat config (tc.tp, tc.lr, ...) made of groups, which
+# --help prints apart
 
 
 @dataclass
@@ -445,7 +491,7 @@ class Loop:
     max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
     hang_s: float | None = None  # no rank progressing this long while one waits: name the rank it waits for, stop (0: off; unset: half of --timeout-s)
     straggler_every: int = 0  # compare every rank's busy time with its stage's every N steps (0: only at the end)
-    rehearse_fault: list[str] = dataclasses.field(default_factory=list)  # KIND:RANK:ARG: slow:R:MS, hang:R:STEP, kill:R:STEP, stop:R:STEP
+    rehearse_fault: list[str] = field(default_factory=list)  # KIND:RANK:ARG: slow:R:MS, hang:R:STEP, kill:R:STEP, stop:R:STEP
     watch: bool = True  # each rank's record on the side channel: the hang report, the straggler report (off: neither)
 
 
@@ -481,114 +527,17 @@ MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd
 
 
 # ----------------------------------------------------------------------------------------------
-# Training
-
-
-def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
-    """Train on this rank, as nanoGPT's loop: a batch, a step, a log line, an eval, a save. What a run
-    needs around it (the watch, rehearsed faults, skipped steps, the trace, saves) is plumbing's
-    Operations, called at each point of the loop. schedule_of(tc): the PipelineSchedule to run (06's
-    and 07's own). Returns the losses, gradient norms and evals, and the final figures."""
-    say = printer(env, quiet)  # everything that can be refused is, before the first collective:
-    train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
-                                                       writer=env.rank == 0)
-    if acceleration(tc, env.device)[0]:
-        kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
-    pipe = schedule_of(tc)
-    run = build(env, cfg, tc, new_groups(env, pipe.grid(env.world_size, tc.tp, tc.dp), tc.timeout_s), pipe)
-    spec = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
-    flops = planner.flops_per_iteration(spec, tc.batch_size, tc.recompute)  # Narayanan's eq. 3
-    report.summary(run, spec, flops, len(train_tokens), len(eval_tokens), say)
-    resume(run, path, say)  # --resume: the newest complete checkpoint, in any layout
-    progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
-    ops, dp_rank, t_start = Operations(run, progress, start), dist.get_rank(run.groups.dp), time.perf_counter()
-    losses, norms, evals = [], [], []
-    for step in progress:
-        lr = lr_at(step, tc)
-        with ops.step(step):  # the watch's record, a rehearsed fault, the traced step
-            loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dp_rank), lr)
-        record = ops.record(dict(step=step, loss=loss, lr=lr, grad_norm=norm))  # too many skipped stop it
-        losses.append(loss)
-        norms.append(norm)
-        if tc.eval_every and ((step + 1) % tc.eval_every == 0 or step == tc.steps - 1):
-            ops.phase("eval")
-            record["eval_loss"] = evaluate(run, eval_tokens)
-            evals.append((step, record["eval_loss"]))
-        ops.end(step, record)  # the log line, then a checkpoint or a snapshot when one is due
-    busy = ops.finish(say)
-    run.opt.wait_gather()  # the last step's: the report and the caller read the weights
-    out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=ops.skipped, busy_ms=busy)
-    if losses:  # the last step's pipeline figures
-        out.update(bytes_per_message=res.bytes_sent / max(res.messages, 1), peak_activation_bytes=res.peak_activation_bytes)
-    report.report(run, out, time.perf_counter() - t_start, say, forward_only)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
 # Main
 
 
 def parser():
-    """Every flag of the trainer: its config dataclasses, the actions, and the planner's."""
-    p = cli.make_parser(__doc__)
-    actions = p.add_argument_group("actions instead of training (each prints and exits)")
-    actions.add_argument("--print-layout", action="store_true", help="print the rank grid and exit")
-    actions.add_argument("--self-check", action="store_true", help="try every rank (a timed matmul), every tp "
-                         "and dp group (an all-reduce) and every pair of neighbouring stages (a ping-pong), "
-                         "each under a short timeout; print a table, name what is out of line, and exit")
-    actions.add_argument("--export-hf", metavar="DIR", help="write --resume's newest checkpoint as a "
-                         "Hugging Face GPT-2 directory and exit")
-    actions.add_argument("--export-state-dict", metavar="FILE", help="write --resume's newest checkpoint "
-                         "as a plain serial state dict (.pt) and exit")
-    cli.add_dataclass_args(p, tensor_parallel.GPTConfig, "model", **MODEL_DEFAULTS)
-    for group, title in GROUPS:
-        cli.add_dataclass_args(p, group, title)
-    cli.add_dataclass_args(p, sample.SampleConfig, "sampling (with --resume or --init-from)")
-    planner.add_plan_args(p)
-    return p
+    """Every flag of the trainer: its config groups, the actions, sampling, the planner's (plumbing/command.py)."""
+    return command.parser(__doc__, GROUPS, MODEL_DEFAULTS)
 
 
-def main(parser=parser, config=TrainConfig, schedule_of=interleaved_schedule):
-    """The trainer's command line; 06 runs it with its own flags (config, parser) and schedules."""
-    p = parser()
-    args = p.parse_args()
-    if args.plan:  # the planner checks its own flags, and refuses any other
-        check_plan_flags(cli.given(p), [name for _, name in planner.MODEL_FLAGS])
-        print(planner.plan_from_args(args))
-        return True
-    tc, cfg, sc = (cli.from_args(c, args) for c in (config, tensor_parallel.GPTConfig, sample.SampleConfig))
-    check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
-    given = cli.given(p)  # the flags on the command line: no action may ignore one
-    action = check_action(args, given)
-    if action == "print_layout":
-        report.print_layout(tc, lambda world, tp, dp, pp: schedule_of(tc).grid(world, tp, dp))
-    elif action == "self_check":
-        selfcheck.run(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
-    elif action == "sample":
-        sample.from_weights(cfg, tc, sc, given)
-    elif action == "export":
-        export_checkpoint(tc.resume, args.export_hf, args.export_state_dict, tc.overwrite)
-    else:
-        if tc.init_from:  # the imported weights decide the model's shape
-            imported = import_gpt2(tc.init_from, cfg)[0]
-            if imported:
-                check_model_flags(given, cfg, imported, tc.init_from)
-                cfg = dataclasses.replace(imported, dropout=cfg.dropout)
-                print(f"model from {tc.init_from}: {cfg}")
-        ranks = launcher_ranks()  # (rank, world, local rank) under torchrun, else None
-        if ranks and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # torchrun --max-restarts
-            tc = dataclasses.replace(tc, resume=newest_checkpoint(tc.snapshot_dir, tc.save) or tc.resume,
-                                     rehearse_fault=[])
-        world = ranks[1] if ranks else tc.tp * tc.pp * tc.dp
-        device = torch.device("cuda" if ranks and torch.cuda.is_available() else "cpu")  # as launch decides
-        preflight(cfg, tc, world, device, ranks_here=1 if ranks else world,  # again on every rank
-                  writer=not ranks or ranks[0] == 0)
-        # Under a fault, --restarts N starts again from the newest snapshot (plumbing/watch.py).
-        return watch.with_restarts(lambda tc: tensor_parallel.launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, False,
-                                                                     schedule_of, timeout_s=tc.timeout_s,
-                                                                     watch=watch.launcher_watch(tc)),
-                                   tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
-    return True
+def main(parser=parser, config=TrainConfig, schedule_of=None):
+    """The trainer's command line (plumbing/command.py); 06 and 07 run it with their flags and schedules."""
+    return command.main(parser(), config, train, schedule_of or interleaved_schedule, rank_grid)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,7 @@ class StepTrace:
             return self.result
 
         eager, ddp.clock = run.forward_backward, self.clock  # the buckets' events on this clock
-        patches = [(pipeline.Executor, "clock", self.clock), (pipeline.Executor, "t0", self.t0),
+        patches = [(pipeline.StepRecord, "clock", self.clock), (pipeline.StepRecord, "t0", self.t0),
                    (run, "forward_backward", forward_backward),
                    (pipeline, "sync_tied_embeddings", spanned(pipeline.sync_tied_embeddings,
                                                               "tied-embedding all-reduce", "collective")),

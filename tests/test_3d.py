@@ -232,7 +232,7 @@ def _step_timeline(env, tc):
     seen, execute, finish = {}, gpt3d.pipeline.Executor.run, run.ddp.finish
 
     def timed_execute(self, *args, **kwargs):  # t0=0: the actions' times are perf_counter's, as the events'
-        self.t0 = 0.0
+        self.record.t0 = 0.0
         res = execute(self, *args, **kwargs)
         seen["actions"], seen["flushed"] = res.events, time.perf_counter()
         return res

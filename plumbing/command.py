@@ -1,0 +1,82 @@
+"""05's command line, which 06 and 07 run with their own flags and schedules: the parser (the config
+groups, the actions, the planner's flags) and main, which checks every flag, then either does one of
+the actions instead of training (--plan, --print-layout, --self-check, --sample, the exports) or
+launches the trainer on its ranks, under --restarts. None of it is the concept; 05's train() is.
+"""
+import dataclasses
+import importlib
+import os
+
+import torch
+
+import planner
+from plumbing import cli, report, sample, selfcheck, watch
+from plumbing.checkpoint import newest_checkpoint
+from plumbing.checks import check_action, check_fields, check_model_flags, check_plan_flags, preflight
+from plumbing.gpt2 import export_checkpoint, import_gpt2
+from plumbing.launch import launch, launcher_ranks
+
+
+def parser(doc, groups, model_defaults):
+    """Every flag of the trainer: its config dataclasses ([(dataclass, title)]), the actions, the
+    sampling and the planner's flags; --help prints each group apart."""
+    tensor_parallel = importlib.import_module("01_tensor_parallel")
+    p = cli.make_parser(doc)
+    actions = p.add_argument_group("actions instead of training (each prints and exits)")
+    actions.add_argument("--print-layout", action="store_true", help="print the rank grid and exit")
+    actions.add_argument("--self-check", action="store_true", help="try every rank (a timed matmul), every tp "
+                         "and dp group (an all-reduce) and every pair of neighbouring stages (a ping-pong), "
+                         "each under a short timeout; print a table, name what is out of line, and exit")
+    actions.add_argument("--export-hf", metavar="DIR", help="write --resume's newest checkpoint as a "
+                         "Hugging Face GPT-2 directory and exit")
+    actions.add_argument("--export-state-dict", metavar="FILE", help="write --resume's newest checkpoint "
+                         "as a plain serial state dict (.pt) and exit")
+    cli.add_dataclass_args(p, tensor_parallel.GPTConfig, "model", **model_defaults)
+    for group, title in groups:
+        cli.add_dataclass_args(p, group, title)
+    cli.add_dataclass_args(p, sample.SampleConfig, "sampling (with --resume or --init-from)")
+    planner.add_plan_args(p)
+    return p
+
+
+def main(p, config, train, schedule_of, rank_grid):
+    """Parse p's flags into `config` (05's TrainConfig, or a later file's) and act on them. train(env,
+    cfg, tc, quiet, schedule_of) runs on every rank; rank_grid is 05's. Returns whether it succeeded."""
+    tensor_parallel = importlib.import_module("01_tensor_parallel")
+    args = p.parse_args()
+    if args.plan:  # the planner checks its own flags, and refuses any other
+        check_plan_flags(cli.given(p), [name for _, name in planner.MODEL_FLAGS])
+        print(planner.plan_from_args(args))
+        return True
+    tc, cfg, sc = (cli.from_args(c, args) for c in (config, tensor_parallel.GPTConfig, sample.SampleConfig))
+    check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
+    given = cli.given(p)  # the flags on the command line: no action may ignore one
+    action = check_action(args, given)
+    if action == "print_layout":
+        report.print_layout(tc, lambda world, tp, dp, pp: schedule_of(tc).grid(world, tp, dp))
+    elif action == "self_check":
+        selfcheck.run(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
+    elif action == "sample":
+        sample.from_weights(cfg, tc, sc, given)
+    elif action == "export":
+        export_checkpoint(tc.resume, args.export_hf, args.export_state_dict, tc.overwrite)
+    else:
+        if tc.init_from:  # the imported weights decide the model's shape
+            imported = import_gpt2(tc.init_from, cfg)[0]
+            if imported:
+                check_model_flags(given, cfg, imported, tc.init_from)
+                cfg = dataclasses.replace(imported, dropout=cfg.dropout)
+                print(f"model from {tc.init_from}: {cfg}")
+        ranks = launcher_ranks()  # (rank, world, local rank) under torchrun, else None
+        if ranks and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # torchrun --max-restarts
+            tc = dataclasses.replace(tc, resume=newest_checkpoint(tc.snapshot_dir, tc.save) or tc.resume,
+                                     rehearse_fault=[])
+        world = ranks[1] if ranks else tc.tp * tc.pp * tc.dp
+        device = torch.device("cuda" if ranks and torch.cuda.is_available() else "cpu")  # as launch decides
+        preflight(cfg, tc, world, device, ranks_here=1 if ranks else world,  # again on every rank
+                  writer=not ranks or ranks[0] == 0)
+        # Under a fault, --restarts N starts again from the newest snapshot (plumbing/watch.py).
+        return watch.with_restarts(lambda tc: launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, False, schedule_of,
+                                                     timeout_s=tc.timeout_s, watch=watch.launcher_watch(tc)),
+                                   tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
+    return True
