@@ -39,17 +39,7 @@ pipeline = importlib.import_module("02_pipeline_1f1b")
 
 
 # ----------------------------------------------------------------------------------------------
-# The interleaved schedule as data
-
-
-def check_interleaving(pp, m, v):
-    if v < 1:
-        raise ValueError(f"the number of virtual stages v={v} must be at least 1")
-    if m < 1:
-        raise ValueError(f"the number of microbatches m={m} must be at least 1")
-    if v > 1 and m % pp:
-        raise ValueError(f"interleaving sends microbatches through the chunks in groups of pp: "
-                         f"m={m} must be divisible by pp={pp}")
+# The interleaved schedule as data, and how its lists run
 
 
 def interleaved(pp, m, stage, v):
@@ -138,6 +128,20 @@ def demo(env, cfg, args):
             f"(open it in chrome://tracing or ui.perfetto.dev)")
     say(f"\n{'PASS' if ok else 'FAIL'}")
     return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the schedule's checks, and the demo's command line.
+
+
+def check_interleaving(pp, m, v):
+    if v < 1:
+        raise ValueError(f"the number of virtual stages v={v} must be at least 1")
+    if m < 1:
+        raise ValueError(f"the number of microbatches m={m} must be at least 1")
+    if v > 1 and m % pp:
+        raise ValueError(f"interleaving sends microbatches through the chunks in groups of pp: "
+                         f"m={m} must be divisible by pp={pp}")
 
 
 @dataclass

@@ -27,7 +27,6 @@ training on the whole batch in float64 (loss and every parameter, <= 1e-10), and
 bucket's reduction launched, every replica's checksum and the optimizer state per rank.
 """
 import importlib
-import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plumbing import charts, cli, demos
+from plumbing import cli, demos
 from plumbing.launch import gather_numbers, printer, run_main
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -228,15 +227,63 @@ class FlatAdamW:
         for i in (self.gathers.keys() if buckets is None else buckets) & self.gathers.keys():
             self.gathers.pop(i)[0].wait()
 
-    def state_bytes(self):
-        masters = sum(p.master.numel() * p.master.element_size() for p in self.pieces if p.master is not p.weights)
-        return optimizer_state_bytes(self.optimizer) + masters
+
+# ----------------------------------------------------------------------------------------------
+# Demo: three ways of training on dp replicas, each against serial training on the whole batch.
 
 
-def optimizer_state_bytes(optimizer):
-    """Bytes of every state tensor (AdamW's two moments; the step counters are scalars)."""
-    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
-               if torch.is_tensor(t) and t.dim() > 0)
+def train_replica(env, cfg, args, mode, group, full, batches):
+    """`args.steps` AdamW steps of this replica in `mode`; returns its figures."""
+    dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
+    model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    model.load_full_state_dict(full)
+    adamw = dict(lr=args.lr, weight_decay=0.1)
+    ddp = None if mode == "naive" else BucketedDDP(model.parameters(), group, args.bucket_numel, zero=mode == "zero1")
+    opt = FlatAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
+    losses, timeline = [], None
+    for idx, targets in batches:
+        idx, targets = shard_batch(idx, targets, dp, dp_rank)
+        micro = list(zip(idx.chunk(args.microbatches), targets.chunk(args.microbatches)))
+        total = torch.zeros((), dtype=torch.float64, device=env.device)  # NCCL reduces device tensors only
+        for i, (x, y) in enumerate(micro):
+            if ddp:
+                ddp.sync = i == len(micro) - 1  # accumulate; reduce only on the last microbatch
+            loss = model(x.to(env.device), y.to(env.device))[1] / len(micro)
+            start = time.perf_counter()
+            loss.backward()
+            end = time.perf_counter()
+            total += loss.detach()
+        if ddp:
+            ddp.finish()
+            timeline = (start, end, ddp.events, len(ddp.buckets))
+        else:
+            allreduce_gradients(model.parameters(), group)
+        opt.step()
+        ddp.zero_grad() if ddp else opt.zero_grad()
+        losses.append(float(tensor_parallel.all_reduce(total, group) / dp))
+    state = demos.optimizer_state_bytes(opt)
+    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}, timeline, state, demos.checksum(model)
+
+
+def demo(env, cfg, args):
+    dp, say = args.dp, printer(env)
+    check_world(env.world_size, dp, args.batch_size, args.microbatches)  # before the first collective
+    group = dist.new_group(list(range(dp)), timeout=timedelta(seconds=60))
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    batches = [tuple(torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen))
+               for _ in range(args.steps)]
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    ref_losses, ref_params = serial_training(cfg, args, full, batches)
+    say(f"{cfg}\ndp={dp} steps={args.steps} global batch B={args.batch_size} (m={args.microbatches} "
+        f"microbatches per replica) T={args.seq_len} bucket={args.bucket_numel} elements, float64")
+    runs = {}
+    for mode in ("naive", "bucketed", "zero1"):
+        losses, params, timeline, state, digest = train_replica(env, cfg, args, mode, group, full, batches)
+        worst = max([tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
+                    + [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
+        digests = [f"{int(d[0]):012x}" for d in gather_numbers([digest], group, env.device)]  # every replica's
+        runs[mode] = demos.DataParallelRun(losses, worst, digests, timeline, state)
+    return demos.report_dp(say, cfg, args, ref_losses, runs)  # True if every mode equals serial training
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,40 +340,14 @@ class OverlappedGather(FlatAdamW):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: three ways of training on dp replicas, each against serial training on the whole batch.
+# After the concept: the demo's checks, its reference and its command line.
 
 
-def train_replica(env, cfg, args, mode, group, full, batches):
-    """`args.steps` AdamW steps of this replica in `mode`; returns its figures."""
-    dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
-    model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
-    model.load_full_state_dict(full)
-    adamw = dict(lr=args.lr, weight_decay=0.1)
-    ddp = None if mode == "naive" else BucketedDDP(model.parameters(), group, args.bucket_numel, zero=mode == "zero1")
-    opt = FlatAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
-    losses, timeline = [], None
-    for idx, targets in batches:
-        idx, targets = shard_batch(idx, targets, dp, dp_rank)
-        micro = list(zip(idx.chunk(args.microbatches), targets.chunk(args.microbatches)))
-        total = torch.zeros((), dtype=torch.float64, device=env.device)  # NCCL reduces device tensors only
-        for i, (x, y) in enumerate(micro):
-            if ddp:
-                ddp.sync = i == len(micro) - 1  # accumulate; reduce only on the last microbatch
-            loss = model(x.to(env.device), y.to(env.device))[1] / len(micro)
-            start = time.perf_counter()
-            loss.backward()
-            end = time.perf_counter()
-            total += loss.detach()
-        if ddp:
-            ddp.finish()
-            timeline = (start, end, ddp.events, len(ddp.buckets))
-        else:
-            allreduce_gradients(model.parameters(), group)
-        opt.step()
-        ddp.zero_grad() if ddp else opt.zero_grad()
-        losses.append(float(tensor_parallel.all_reduce(total, group) / dp))
-    state = opt.state_bytes() if mode == "zero1" else optimizer_state_bytes(opt)
-    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}, timeline, state, demos.checksum(model)
+def check_world(world, dp, batch_size, m):
+    if world != dp:
+        raise ValueError(f"the world size {world} does not match dp={dp} (one replica per rank)")
+    if batch_size % (dp * m):
+        raise ValueError(f"the global batch of {batch_size} sequences is not divisible by dp x m = {dp} x {m}")
 
 
 def serial_training(cfg, args, full, batches):
@@ -342,48 +363,6 @@ def serial_training(cfg, args, full, batches):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, dict(model.named_parameters())
-
-
-def demo(env, cfg, args):
-    dp = args.dp
-    if env.world_size != dp:  # every check runs before the first collective
-        raise ValueError(f"the world size {env.world_size} does not match dp={dp} (one replica per rank)")
-    if args.batch_size % (dp * args.microbatches):
-        raise ValueError(f"the global batch of {args.batch_size} sequences is not divisible by "
-                         f"dp x m = {dp} x {args.microbatches}")
-    group = dist.new_group(list(range(dp)), timeout=timedelta(seconds=60))
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    batches = [tuple(torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen))
-               for _ in range(args.steps)]
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    ref_losses, ref_params = serial_training(cfg, args, full, batches)
-    say = printer(env)
-    say(f"{cfg}\ndp={dp} steps={args.steps} global batch B={args.batch_size} (m={args.microbatches} "
-        f"microbatches per replica) T={args.seq_len} bucket={args.bucket_numel} elements, float64")
-    ok, state = True, {}
-    for mode in ("naive", "bucketed", "zero1"):
-        losses, params, timeline, state[mode], digest = train_replica(env, cfg, args, mode, group, full, batches)
-        worst = max([tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
-                    + [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
-        digests = [f"{int(d[0]):012x}" for d in gather_numbers([digest], group, env.device)]
-        good = worst <= 1e-10 and len(set(digests)) == 1
-        ok &= good
-        say(f"\n=== {mode} ===\nlosses: {' '.join(f'{x:.6f}' for x in losses)}  (serial: "
-            f"{' '.join(f'{x:.6f}' for x in ref_losses)})")
-        say(f"replica checksums: {digests}")
-        say(f"max relative difference of the losses and every parameter after {args.steps} steps: "
-            f"{worst:.2e} {'PASS' if good else 'FAIL'} (tolerance 1e-10)")
-        if timeline:  # (start, end, events, number of buckets) of the last backward
-            say(f"the last backward ('|': a gradient arrived) and each bucket's reduction (L: launched), "
-                f"in ms:\n{charts.bucket_timeline(*timeline)}")
-    say(f"\nthe losses stay near ln V = {math.log(cfg.vocab_size):.3f} and drift up: every step draws "
-        f"new random tokens,\nwhich no model predicts better than uniformly, so fitting earlier "
-        f"batches only costs on the next.\nThe demo checks that each mode follows serial training "
-        f"exactly, not that it learns.")
-    say(f"\noptimizer state per rank: plain AdamW {state['bucketed']:,} bytes, ZeRO-1 "
-        f"{state['zero1']:,} bytes ({state['zero1'] / state['bucketed']:.3f}, 1/dp = {1 / dp:.3f})")
-    say(f"\n{'PASS' if ok else 'FAIL'}")
-    return ok
 
 
 @dataclass

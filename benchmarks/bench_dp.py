@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import harness
 from harness import data_parallel, tensor_parallel
+from plumbing import demos
 
 # The same function, in float32: only the reduction differs (other bucket boundaries; ZeRO-1
 # reduce-scatters where DDP all-reduces), so gloo sums an element's dp contributions in another
@@ -119,8 +120,8 @@ def run_part(env, cfg, args, full, part):
     result = {"diffs": diffs, "losses": losses, "same": harness.within(diffs, TOLERANCES)}
     # Optimizer state after the check steps; ZeroRedundancyOptimizer holds this rank's AdamW in .optim.
     result["state_bytes"] = {
-        "ours": ours.optimizer.state_bytes() if zero else data_parallel.optimizer_state_bytes(ours.optimizer),
-        "peer": data_parallel.optimizer_state_bytes(peer.optimizer.optim if zero else peer.optimizer)}
+        "ours": demos.optimizer_state_bytes(ours.optimizer),
+        "peer": demos.optimizer_state_bytes(peer.optimizer.optim if zero else peer.optimizer)}
     if not result["same"]:
         return result
 

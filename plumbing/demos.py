@@ -3,6 +3,7 @@ what the figures are and what they mean. Running each step and comparing it with
 stay in each file.
 
     report_tp(say, ...)            01: the differences, every collective, what layer 0's count means
+    report_dp(say, ...)            04: each mode's losses, checksums, bucket timeline; the state per rank
     median_seconds(fn)             01: the median time of a few calls, a demo's rough figure
     checksum(module)               04: a hash of the weights' bytes, to show replicas bit-identical
     report_pipeline(env, ...)      02, 03: one schedule's step, printed: its timelines, bubble,
@@ -16,6 +17,7 @@ what a function needs of 02 it takes as an argument.
 """
 import ctypes
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -64,6 +66,53 @@ def report_tp(say, diffs, losses, serial, model, batch, log, full, device):
     if cpu and times["tp"] > times["serial"]:
         say("  tp is slower here: its ranks share this machine's cores and every collective copies\n"
             "  through loopback; on GPUs each rank has a device and NVLink (BENCHMARKS.md compares)")
+
+
+@dataclass
+class DataParallelRun:
+    """One mode of 04's demo on this rank: its losses, its worst difference from serial training,
+    every replica's checksum, the last backward's bucket timeline, the optimizer state in bytes."""
+    losses: list
+    worst: float
+    digests: list
+    timeline: tuple  # (start, end, BucketedDDP.events, number of buckets), or None (naive)
+    state: int
+
+
+def report_dp(say, cfg, args, ref_losses, runs):
+    """04's demo output, mode by mode, then the losses' drift and the optimizer state per rank: True if
+    every mode equals serial training (1e-10) with bit-identical replicas."""
+    ok = True
+    for mode, run in runs.items():
+        good = run.worst <= 1e-10 and len(set(run.digests)) == 1
+        ok &= good
+        say(f"\n=== {mode} ===\nlosses: {' '.join(f'{x:.6f}' for x in run.losses)}  (serial: "
+            f"{' '.join(f'{x:.6f}' for x in ref_losses)})")
+        say(f"replica checksums: {run.digests}")
+        say(f"max relative difference of the losses and every parameter after {args.steps} steps: "
+            f"{run.worst:.2e} {'PASS' if good else 'FAIL'} (tolerance 1e-10)")
+        if run.timeline:  # (start, end, events, number of buckets) of the last backward
+            say(f"the last backward ('|': a gradient arrived) and each bucket's reduction (L: launched), "
+                f"in ms:\n{charts.bucket_timeline(*run.timeline)}")
+    say(f"\nthe losses stay near ln V = {math.log(cfg.vocab_size):.3f} and drift up: every step draws "
+        f"new random tokens,\nwhich no model predicts better than uniformly, so fitting earlier "
+        f"batches only costs on the next.\nThe demo checks that each mode follows serial training "
+        f"exactly, not that it learns.")
+    plain, zero = runs["bucketed"].state, runs["zero1"].state
+    say(f"\noptimizer state per rank: plain AdamW {plain:,} bytes, ZeRO-1 {zero:,} bytes ({zero / plain:.3f}, "
+        f"1/dp = {1 / args.dp:.3f})")
+    say(f"\n{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def optimizer_state_bytes(opt):
+    """Bytes of every state tensor of a torch optimizer (AdamW's two moments; the step counters are
+    scalars) or of 04's FlatAdamW (its AdamW's, and its fp32 masters of low-precision weights)."""
+    if hasattr(opt, "pieces"):
+        masters = sum(p.master.numel() * p.master.element_size() for p in opt.pieces if p.master is not p.weights)
+        return optimizer_state_bytes(opt.optimizer) + masters
+    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0)
 
 
 def median_seconds(fn, n=5):

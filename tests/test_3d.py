@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load, run_script
 from plumbing import checks, data
+from plumbing.gpt2 import export_checkpoint
 from plumbing.reference import serial_train
 
 tensor_parallel = load("01_tensor_parallel")
@@ -483,7 +484,7 @@ def test_the_vocabulary_is_padded_to_a_multiple_of_128_tp_and_the_padding_is_nev
     for key in ("losses", "norms"):
         assert tensor_parallel.max_rel_diff(torch.tensor(out[key]), torch.tensor(ref[key])) <= TOL, key
     exported = tmp_path / "model.pt"
-    gpt3d.export_checkpoint(str(tmp_path / "ckpt"), None, str(exported))
+    export_checkpoint(str(tmp_path / "ckpt"), None, str(exported))
     wte = torch.load(exported)["transformer.wte.weight"]
     assert wte.shape == (300, CFG.n_embd) and bool(wte.abs().max() < 1e3)  # the real rows only
     assert tensor_parallel.padded_vocab_size(50257, 1, gpt3d.VOCAB_DIVISIBLE_BY) == 50304  # GPT-2's, as Megatron's
