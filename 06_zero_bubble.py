@@ -35,7 +35,6 @@ measured timelines and activation bytes, and exits 1 on a mismatch or a formula 
 import contextlib
 import functools
 import importlib
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plumbing import cli, demos
+from plumbing import cli, command, demos
 from plumbing.charts import pipeline_timeline
 from plumbing.launch import printer, run_main
 from plumbing.reference import pipeline_reference
@@ -279,6 +278,10 @@ def pipeline_schedule(name, pp, m):
                               times={"I": 1, "W": 1}, lockstep=True)
 
 
+# ----------------------------------------------------------------------------------------------
+# Demo: the three schedules simulated against their formulas, then run against the serial model.
+
+
 def peak_memory(actions, w_share):
     """The most microbatches' activations (x chunks) held at once, when I frees all but w_share of a
     microbatch's and W the rest (1F1B's peak_in_flight at w_share = 0)."""
@@ -295,10 +298,6 @@ def simulate(pipe, t=1):
     t = Fraction(t, pipe.v)
     sim = pipeline.simulate(pipe, t, 2 * t, times={"I": t, "W": t})
     return sim, [peak_memory(acts, Fraction(1, 2)) for acts in pipe.lists]
-
-
-# ----------------------------------------------------------------------------------------------
-# Demo: the three schedules simulated against their formulas, then run against the serial model.
 
 
 def run_schedule(env, cfg, pipe, ref, embed_group):
@@ -382,6 +381,11 @@ def demo(env, cfg, args):
     return ok
 
 
+# ----------------------------------------------------------------------------------------------
+# After the concept: the demo's flags, the trainer's (--train: 05's loop, with --schedule), the
+# command line.
+
+
 @dataclass
 class DemoConfig(pipeline.PipelineDemoConfig):
     pp: int = 4  # pipeline ranks: CPU ranks started here, or torchrun's world
@@ -405,12 +409,6 @@ def parser():
     return p
 
 
-def train_parser():
-    p = gpt3d.parser()
-    cli.add_dataclass_args(p, ZeroBubble, "zero bubble (06)")
-    return p
-
-
 def schedule_of(tc):
     """The trainer's seam (05's train and main): --schedule's PipelineSchedule."""
     return pipeline_schedule(tc.schedule, tc.pp, tc.microbatches)
@@ -421,16 +419,15 @@ def train(env, cfg, tc, quiet=False):
     return gpt3d.train(env, cfg, tc, quiet, schedule_of)
 
 
-def main():
-    if "--train" in sys.argv[1:]:
-        sys.argv.remove("--train")
-        return gpt3d.main(train_parser, TrainConfig, schedule_of)
-    cfg, args = cli.demo_args(parser(), train_parser=train_parser(),
-                              batch_size=lambda a: 2 * a.microbatches if a.batch_size is None else a.batch_size)
+def start_demo(cfg, args):
     if cfg.n_layer % (2 * args.pp):  # refused before any rank starts, as every other flag is
         raise ValueError(f"--n-layer {cfg.n_layer}: ZB-V cuts the model into 2 x pp = {2 * args.pp} stages, and "
                          f"n_layer is not divisible by them")
     return all(tensor_parallel.launch(demo, args.pp, cfg, args))
+
+
+def main():
+    return command.later_chapter(parser, ZeroBubble, "zero bubble (06)", TrainConfig, schedule_of, start_demo)
 
 
 if __name__ == "__main__":

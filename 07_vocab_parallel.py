@@ -46,7 +46,6 @@ import importlib
 import itertools
 import math
 import queue
-import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -58,8 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 
-from plumbing import cli
-from plumbing.charts import pipeline_timeline
+from plumbing import cli, command, demos
 from plumbing.launch import gather_numbers, printer, run_main
 from plumbing.reference import pipeline_reference
 
@@ -74,7 +72,7 @@ Action = pipeline.Action
 # Where the weights live: one slice of the vocabulary per rank, input and output layer alike
 
 
-def spread_vocabulary(cfg, chunks, vocab_group):
+def spread_vocabulary(cfg, chunks, vocab_group, divisible_by=1):
     """Take the vocabulary layers out of 02's chunks and give this rank its rows of wte, in chunk 0
     under wte's own name (so that 04's buckets and the checkpoints see it as before). The first
     stage's chunk then takes token embeddings, not ids; the last one's forward ends at ln_f."""
@@ -89,7 +87,7 @@ def spread_vocabulary(cfg, chunks, vocab_group):
             c.head = functools.partial(_final_norm, c)
     n = dist.get_world_size(vocab_group)  # pp x tp; its rank i = r tp + t (05's grid: tp fastest)
     shard = tensor_parallel.VocabParallelEmbedding(cfg.vocab_size, tensor_parallel.padded_vocab_size(
-        cfg.vocab_size, n), cfg.n_embd, vocab_group, dtype=like.dtype, device=like.device)
+        cfg.vocab_size, n, divisible_by), cfg.n_embd, vocab_group, dtype=like.dtype, device=like.device)
     shard.weight.split_group = vocab_group  # split over pp x tp, not its chunk's tp (plumbing/shards)
     shard.forward = shard.lookup  # 01's lookup without its g: the sums go to the first stage
     chunks[0].transformer["wte"] = shard
@@ -98,29 +96,6 @@ def spread_vocabulary(cfg, chunks, vocab_group):
 
 def _final_norm(chunk, x, targets=None, ignore_index=-100):
     return chunk.transformer.ln_f(x)  # X, the output layer's input: (b, T, C), T/tp with sp
-
-
-class Stream:
-    """One thread running the vocabulary group's collectives one at a time, in the order they are
-    submitted (gloo and NCCL match collectives by order): the CPU's stand-in for the second CUDA
-    stream of the paper's Figure 5. submit(fn, *args) returns a Future."""
-
-    def __init__(self):
-        self.jobs = queue.SimpleQueue()
-        threading.Thread(target=self._work, daemon=True, name="vocabulary collectives").start()
-
-    def submit(self, fn, *args):
-        future = concurrent.futures.Future()
-        self.jobs.put((future, fn, args))
-        return future
-
-    def _work(self):
-        while True:
-            future, fn, args = self.jobs.get()
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # raised again where the result is wanted
-                future.set_exception(e)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,7 +116,7 @@ class VocabularyPasses:
         self.sp, self.pp = chunks[0].sp, dist.get_world_size(groups.pp)
         rows = torch.arange(shard.start, shard.start + shard.per_rank, device=shard.weight.device)
         self.padding = rows >= shard.weight.tp_full  # padded rows: never a token
-        self.stream = Stream()
+        self.stream = Stream(shard.weight.device)
 
     def start(self, microbatches, valid):
         """The input layer: every microbatch's tokens looked up in this rank's rows, the sums
@@ -208,7 +183,7 @@ class VocabularyPasses:
         top_all, total = self.stats[mb].result()[:2]  # waits for every rank's S
         w = self.weights[mb]
         grad = exp.mul_(((top - top_all).exp() / total * w)[:, None])  # the softmax, weighted, in place
-        grad[torch.arange(len(local)), local] -= mine * w  # minus the one-hot target
+        grad[torch.arange(len(local), device=grad.device), local] -= mine * w  # minus the one-hot target
         torch.autograd.backward(logits, grad.to(logits.dtype))
         if self.barriers == 2:
             self.grads[mb] = self.stream.submit(tensor_parallel.all_reduce, x.grad, self.group)
@@ -244,7 +219,8 @@ class VocabularyPasses:
 
 
 # ----------------------------------------------------------------------------------------------
-# The schedules as data: S and T inserted into a schedule's lists (the paper's Figure 10, for 1F1B)
+# The schedules as data: S and T inserted into a schedule's lists (the paper's Figure 10, for 1F1B),
+# and how 02 runs them
 
 
 def warm_up(acts, n):
@@ -351,6 +327,7 @@ class VocabSchedule(zero_bubble.ZeroBubbleSchedule):
     """06's schedule (1F1B, ZB-H1 or ZB-V) with S and T: its own groups (grid), the vocabulary spread
     over the chunks (prepare), its executor, and plans whose passes run during a boundary (plan)."""
     barriers: int = 2
+    divisible_by: int = 1  # V_pad a multiple of it times pp tp (05's trainer: 128, Megatron's, for aligned GEMMs)
     passes: object = field(default=None, repr=False)  # this rank's VocabularyPasses, once prepared
 
     def grid(self, world, tp, dp):
@@ -363,7 +340,7 @@ class VocabSchedule(zero_bubble.ZeroBubbleSchedule):
         return grid
 
     def prepare(self, chunks, groups, full):
-        shard = spread_vocabulary(chunks[0].cfg, chunks, groups.vocab)
+        shard = spread_vocabulary(chunks[0].cfg, chunks, groups.vocab, self.divisible_by)
         tensor_parallel.load_full_state_dict(shard, {"weight": full["transformer.wte.weight"]}, groups.vocab)
         self.passes = VocabularyPasses(shard, chunks, groups, self, self.barriers)
         if "I" in self.kinds:  # 06's split, for ZB-H1 and ZB-V
@@ -424,15 +401,16 @@ def validate(pipe, m):
     pipeline.check_plans(pipe)
 
 
-def vocab_schedule(name, pp, m, barriers):
+def vocab_schedule(name, pp, m, barriers, divisible_by=1):
     """05's PipelineSchedule of 06's "1f1b", "zb-h1" or "zb-v" with the vocabulary passes: Algorithm 1
-    (barriers=2: X's gradient after T) or 2 (barriers=1: after S)."""
+    (barriers=2: X's gradient after T) or 2 (barriers=1: after S); V padded to a multiple of
+    divisible_by times pp tp."""
     base = zero_bubble.pipeline_schedule(name, pp, m)
     return VocabSchedule(insert_passes(base, m, barriers), base.placement,
                          vocab_kinds(base.kinds, "T" if barriers == 2 else "S"),
                          name=f"{base.name} + vocabulary parallelism, Algorithm {3 - barriers}", bubble=base.bubble,
                          times={**base.times, "S": 0, "T": 0}, lockstep=getattr(base, "lockstep", False),
-                         barriers=barriers)
+                         barriers=barriers, divisible_by=divisible_by)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,31 +447,6 @@ def logits_held(acts):
     return max(itertools.accumulate((a.kind == "S") - (a.kind == "T") for a in acts))
 
 
-def report(cfg, args, V, say):
-    fig = balance(cfg, args.pp, args.tp, args.microbatches, args.batch_size // args.microbatches, args.seq_len, V)
-    plain, vp = fig["sims"]
-    say(f"\n=== V = {V:,} (C = {cfg.n_embd}, {cfg.n_layer} layers, pp = {args.pp}, tp = {args.tp}, m = "
-        f"{args.microbatches}; Algorithm 1): without | with vocabulary parallelism ===")
-    say("stage   parameters (float32 MiB)   compute per microbatch (a layer's forward = 1)   microbatches in flight   "
-        "logits held")
-    for r in range(args.pp):
-        (p0, p1), (c0, c1) = fig["params"][r], fig["compute"][r]
-        say(f"  {r}      {4 * p0 / 2**20:8.3f} | {4 * p1 / 2**20:8.3f}                  {c0:8.2f} | {c1:8.2f}"
-            f"                      {plain.peak_in_flight[r]:3d} | {vp.peak_in_flight[r]:3d}          "
-            f"{fig['logits'][0][r]:>9,} | {fig['logits'][1][r]:,}")
-    spread = lambda xs: max(xs) / min(xs)  # noqa: E731
-    say(f"imbalance (fullest / emptiest stage): parameters {spread([p[0] for p in fig['params']]):.2f}x -> "
-        f"{spread([p[1] for p in fig['params']]):.2f}x, compute {spread([c[0] for c in fig['compute']]):.2f}x -> "
-        f"{spread([c[1] for c in fig['compute']]):.2f}x")
-    say(f"simulated 1F1B step, in one layer's forward: {plain.step_time:.1f} -> {vp.step_time:.1f} "
-        f"({plain.step_time / vp.step_time:.2f}x faster); in flight on rank r: pp - r -> pp - r + 2 (at most m), "
-        f"one more microbatch per barrier")
-    if V == cfg.vocab_size:
-        say(f"simulated with vocabulary parallelism (S and T, every rank; one layer's forward = "
-            f"{100 / vp.step_time:.2f} columns):\n{pipeline_timeline(vp.timeline, 100)}")
-    return plain.step_time, vp.step_time
-
-
 def run_step(env, cfg, pipe, groups, ref):
     """One forward and backward of pipe on this rank, float64: the worst difference from serial."""
     microbatches, full, ref_loss, ref_grads = ref
@@ -516,7 +469,9 @@ def demo(env, cfg, args):
     say(f"{cfg}\npp={pp} tp={tp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     if env.rank == 0:
-        steps = [report(cfg, args, V, say) for V in (cfg.vocab_size, args.large_vocab)]
+        b, T = args.batch_size // args.microbatches, args.seq_len
+        steps = [demos.report_balance(say, cfg, args, V, balance(cfg, args.pp, args.tp, args.microbatches, b, T, V))
+                 for V in (cfg.vocab_size, args.large_vocab)]
         say(f"\nV {cfg.vocab_size:,} -> {args.large_vocab:,}: the simulated step grows {steps[1][0] / steps[0][0]:.2f}x "
             f"without vocabulary parallelism, where every stage waits for the last one's output layer,\nand "
             f"{steps[1][1] / steps[0][1]:.2f}x with it, where every rank does 1/{pp * tp} of it (Table 4: the "
@@ -541,6 +496,65 @@ def demo(env, cfg, args):
         f"pp + 2, at most m = {m})")
     say(f"\n{'PASS' if ok else 'FAIL'}")
     return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the paper's second stream (Figure 5), on which the barriers' collectives run
+# while the pipeline goes on
+
+
+class Stream:
+    """The paper's second stream (Figure 5): the vocabulary group's collectives, run one at a time in
+    the order submitted, which is the order the passes run, the same on every rank (validate checks
+    it). submit(fn, *args) returns a Future; a pass waits only when it reads a result. On a GPU, fn
+    runs on this thread, on a CUDA stream of its own: NCCL enqueues its collectives without blocking
+    the host, and every rank issues them, and its pipeline's sends and receives, in one order, its
+    plan's (two threads enqueueing onto one device could interleave them differently on two ranks,
+    each waiting for the other). On a CPU gloo blocks the host in a collective, so fn runs on a
+    thread of its own (gloo matches each group's collectives by order; its groups wait on no other)."""
+
+    def __init__(self, device):
+        self.cuda = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if not self.cuda:
+            self.jobs = queue.SimpleQueue()
+            threading.Thread(target=self._work, daemon=True, name="vocabulary collectives").start()
+
+    def submit(self, fn, *args):
+        future = concurrent.futures.Future()
+        if not self.cuda:
+            self.jobs.put((future, fn, args))
+            return future
+        self.cuda.wait_stream(torch.cuda.current_stream())  # its inputs, computed on the compute stream
+        with torch.cuda.stream(self.cuda):
+            out = fn(*args)  # enqueued; the collectives' results are ready when this stream gets there
+        return _OnStream(out, self.cuda)
+
+    def _work(self):
+        while True:
+            future, fn, args = self.jobs.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # raised again where the result is wanted
+                future.set_exception(e)
+
+
+class _OnStream:
+    """A result computed on another CUDA stream: result() makes the current stream wait for it."""
+
+    def __init__(self, out, stream):
+        self.out, self.stream = out, stream
+
+    def result(self):
+        current = torch.cuda.current_stream()
+        current.wait_stream(self.stream)
+        for t in (self.out if isinstance(self.out, tuple) else (self.out,)):
+            t.record_stream(current)  # made on the other stream, read on this one: not freed early
+        return self.out
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the demo's flags, the trainer's (--train: 05's loop, with --vocab-barriers and
+# --schedule), the command line.
 
 
 @dataclass
@@ -573,15 +587,9 @@ def parser():
     return p
 
 
-def train_parser():
-    p = gpt3d.parser()
-    cli.add_dataclass_args(p, VocabParallel, "vocabulary parallelism (07)")
-    return p
-
-
 def schedule_of(tc):
     """The trainer's seam (05's train and main): the schedule with the vocabulary passes."""
-    return vocab_schedule(tc.schedule, tc.pp, tc.microbatches, tc.vocab_barriers)
+    return vocab_schedule(tc.schedule, tc.pp, tc.microbatches, tc.vocab_barriers, gpt3d.VOCAB_DIVISIBLE_BY)
 
 
 def train(env, cfg, tc, quiet=False):
@@ -589,16 +597,16 @@ def train(env, cfg, tc, quiet=False):
     return gpt3d.train(env, cfg, tc, quiet, schedule_of)
 
 
-def main():
-    if "--train" in sys.argv[1:]:
-        sys.argv.remove("--train")
-        return gpt3d.main(train_parser, TrainConfig, schedule_of)
-    cfg, args = cli.demo_args(parser(), train_parser=train_parser(),
-                              batch_size=lambda a: 2 * a.microbatches if a.batch_size is None else a.batch_size)
+def start_demo(cfg, args):
     if cfg.n_layer % (2 * args.pp):  # refused before any rank starts, as every other flag is
         raise ValueError(f"--n-layer {cfg.n_layer}: the demo runs ZB-V, which cuts the model into 2 x pp = "
                          f"{2 * args.pp} stages, and n_layer is not divisible by them")
     return all(tensor_parallel.launch(demo, args.pp * args.tp, cfg, args))
+
+
+def main():
+    return command.later_chapter(parser, VocabParallel, "vocabulary parallelism (07)", TrainConfig, schedule_of,
+                                 start_demo)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ launches the trainer on its ranks, under --restarts. None of it is the concept; 
 import dataclasses
 import importlib
 import os
+import sys
 
 import torch
 
@@ -80,3 +81,24 @@ def main(p, config, train, schedule_of, rank_grid):
                                                      timeout_s=tc.timeout_s, watch=watch.launcher_watch(tc)),
                                    tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
     return True
+
+
+def later_chapter(demo_parser, flags, title, train_config, schedule_of, start_demo):
+    """The command line of a chapter after 05 (06, 07, ...): with --train, 05's trainer with the
+    chapter's flags added (the dataclass `flags`, its --help group `title`; train_config: 05's
+    TrainConfig with them) and its schedules, schedule_of(tc); without, its demo: the demo's flags
+    parsed and checked (one of training's given without --train is named as such), then
+    start_demo(cfg, args). A demo's unset --batch-size is 2 m."""
+    gpt3d = importlib.import_module("05_3d_gpt")
+
+    def train_parser():
+        p = gpt3d.parser()
+        cli.add_dataclass_args(p, flags, title)
+        return p
+
+    if "--train" in sys.argv[1:]:
+        sys.argv.remove("--train")
+        return gpt3d.main(train_parser, train_config, schedule_of)
+    cfg, args = cli.demo_args(demo_parser(), train_parser=train_parser(),
+                              batch_size=lambda a: 2 * a.microbatches if a.batch_size is None else a.batch_size)
+    return start_demo(cfg, args)

@@ -9,6 +9,7 @@ stay in each file.
     report_pipeline(env, ...)      02, 03: one schedule's step, printed: its timelines, bubble,
                                    memory, traffic and difference from serial (02 ran and compared it)
     report_interleaving(say, ...)  03: the two schedules side by side: bubbles, messages, memory
+    report_balance(say, ...)       07: each stage's parameters, compute and memory, without and with it
     fed_simulator(pipeline, ..)    bench_pipeline, bench_zero_bubble: 02's simulator fed a run's own
                                    measured times
 
@@ -212,6 +213,33 @@ def report_interleaving(say, pp, v, m, one, inter):
         f"{s2.peak_in_flight[0] / (v * s1.peak_in_flight[0]):.3f}\n  (measured on rank 0: "
         f"{r2[0].peak_bytes / r1[0].peak_bytes:.3f}); the smaller bubble costs 1 + (pp-1)/(pp v) "
         f"times the activation memory (Korthikanti 4.2.3)")
+
+
+def report_balance(say, cfg, args, V, fig):
+    """07's figures for one vocabulary V, printed: each stage's parameters, compute and memory without
+    and with vocabulary parallelism (fig: 07's balance()), the imbalance and the simulated steps; the
+    timeline with vocabulary parallelism for the model's own V. Returns (step without, step with)."""
+    plain, vp = fig["sims"]
+    say(f"\n=== V = {V:,} (C = {cfg.n_embd}, {cfg.n_layer} layers, pp = {args.pp}, tp = {args.tp}, m = "
+        f"{args.microbatches}; Algorithm 1): without | with vocabulary parallelism ===")
+    say("stage   parameters (float32 MiB)   compute per microbatch (a layer's forward = 1)   microbatches in flight   "
+        "logits held")
+    for r in range(args.pp):
+        (p0, p1), (c0, c1) = fig["params"][r], fig["compute"][r]
+        say(f"  {r}      {4 * p0 / 2**20:8.3f} | {4 * p1 / 2**20:8.3f}                  {c0:8.2f} | {c1:8.2f}"
+            f"                      {plain.peak_in_flight[r]:3d} | {vp.peak_in_flight[r]:3d}          "
+            f"{fig['logits'][0][r]:>9,} | {fig['logits'][1][r]:,}")
+    spread = lambda xs: max(xs) / min(xs)  # noqa: E731
+    say(f"imbalance (fullest / emptiest stage): parameters {spread([p[0] for p in fig['params']]):.2f}x -> "
+        f"{spread([p[1] for p in fig['params']]):.2f}x, compute {spread([c[0] for c in fig['compute']]):.2f}x -> "
+        f"{spread([c[1] for c in fig['compute']]):.2f}x")
+    say(f"simulated 1F1B step, in one layer's forward: {plain.step_time:.1f} -> {vp.step_time:.1f} "
+        f"({plain.step_time / vp.step_time:.2f}x faster); in flight on rank r: pp - r -> pp - r + 2 (at most m), "
+        f"one more microbatch per barrier")
+    if V == cfg.vocab_size:
+        say(f"simulated with vocabulary parallelism (S and T, every rank; one layer's forward = "
+            f"{100 / vp.step_time:.2f} columns):\n{charts.pipeline_timeline(vp.timeline, 100)}")
+    return plain.step_time, vp.step_time
 
 
 def fed_simulator(pipeline, env, events, schedule, shape, rounds=21):
