@@ -556,7 +556,7 @@ class TPRandom:
 
 
 # ----------------------------------------------------------------------------------------------
-# Optimizations, after the concept. Each computes the same function as the code above (tests/
+# After the concept: optimizations. Each computes the same function as the code above (tests/
 # test_tensor_parallel.py holds them equal in float64 over 10 AdamW steps) and only changes when
 # the same sums travel. 05's trainer turns both on, through optimize(); 01's demo runs the above.
 

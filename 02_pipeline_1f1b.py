@@ -173,28 +173,11 @@ class Schedule:
 # The executor: runs exactly one rank's plan. Receive -> compute -> send, for each action.
 
 
-class Exchange:
-    """A boundary's sends and receives, posted as one batch, then all waited for; wait returns the
-    messages whose sends completed (their tensors may now change, or be freed)."""
-
-    def post(self, ops):
-        return dist.batch_isend_irecv(ops)
-
-    def wait(self, works, ops, sent):
-        for work in works:
-            work.wait()
-        return sent
-
-    def flush(self):  # at the step's end: sends still in flight, once complete (BackgroundSends)
-        return []
-
-
 class Executor:
     """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire is how a
-    boundary tensor travels (Wire: as itself; 05's ScatterGather: 1/tp of it); deallocate frees each
-    sent output once its send completed (Megatron's trick: backward needs its graph, not its values).
-    An action of kind K runs as run_K(action, stage): F and B here. Gradients accumulate in the
-    chunks' parameters."""
+    boundary tensor travels (Wire: as itself); exchange posts a boundary's messages as one batch, then
+    waits for them (Exchange); deallocate frees each sent output once its send completed (Megatron's
+    trick: backward needs its graph, not its values). An action of kind K runs as run_K: F and B."""
 
     def __init__(self, schedule, chunks, pp_group, wire, exchange=None, deallocate=True):
         self.schedule, self.chunks, self.group, self.wire = schedule, chunks, pp_group, wire
@@ -428,8 +411,25 @@ def simulate(schedule, t_f=1, t_b=2, t_comm=0, times=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the seam 05's scatter/gather plugs into, and an optimization, which 05's trainer
-# turns on (--background-sends, the default).
+# After the concept: how a boundary tensor travels (Wire; 05's scatter/gather plugs in here) and how
+# a boundary's messages are posted and waited for (Exchange), and an optimization of it, which 05's
+# trainer turns on (--background-sends, the default).
+
+
+class Exchange:
+    """A boundary's sends and receives, posted as one batch, then all waited for; wait returns the
+    messages whose sends completed (their tensors may now change, or be freed)."""
+
+    def post(self, ops):
+        return dist.batch_isend_irecv(ops)
+
+    def wait(self, works, ops, sent):
+        for work in works:
+            work.wait()
+        return sent
+
+    def flush(self):  # at the step's end: sends still in flight, once complete (BackgroundSends)
+        return []
 
 
 @dataclass

@@ -287,7 +287,7 @@ def demo(env, cfg, args):
 
 
 # ----------------------------------------------------------------------------------------------
-# For a pipeline, after the concept: 05's trainer uses both (--overlap-grad-reduce, and
+# After the concept, for a pipeline: 05's trainer uses both (--overlap-grad-reduce, and
 # --overlap-param-gather with ZeRO-1, the defaults). MegaScale (Jiang et al. 2024, Section 3.3)
 # overlaps the data-parallel reduce-scatter with the last microbatch's backward and the all-gather
 # with the first microbatch's forward so.

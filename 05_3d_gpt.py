@@ -527,7 +527,7 @@ MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd
 
 
 # ----------------------------------------------------------------------------------------------
-# Main
+# After the concept: the command line (plumbing/command.py)
 
 
 def parser():

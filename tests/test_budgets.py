@@ -1,0 +1,148 @@
+"""What a reader is asked to read, measured from the README, so that it cannot creep back.
+
+README.md's "Reading order" names, for each numbered file, the code to read first (and, for 01, to
+read second), and its table "Reading budgets" caps, per file, the lines of that code and of the
+whole file. The read-first code is measured as the issue that set the budgets measured it: each
+name of the list resolved in the file by `ast` (a whole function or class, a method with its class,
+a top-level assignment), decorators included, and the lines of their union counted. Names that are
+not the file's own top-level names (a method named beside its class, `F.linear`, a field, another
+file's name in prose) add nothing. The lists are held honest by the sections they draw from: every function and class in a
+concept section of a numbered file (any section whose heading does not start "After the concept"
+or "Read second") is on its read-first list, and every one in a "Read second" section on that list.
+"""
+import ast
+import re
+
+import pytest
+
+from conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+FILES = {p.name[:2]: p for p in ROOT.glob("0[1-9]_*.py")}
+RULE = "# " + "-" * 94
+
+
+def chapter_lists(readme=README):
+    """{chapter: {"Read first": [names], "Read second": [...]}} from the README's reading order."""
+    out = {}
+    parts = re.split(r"\n\*\*`(0\d)_[a-z0-9_]+\.py`\*\*", readme)
+    for ch, body in zip(parts[1::2], parts[2::2]):
+        lists = {}
+        for kind in ("Read first", "Read second"):
+            m = re.search(rf"\n- {kind}[^:]*:(.*?)(?=\n- |\n\n)", body, re.S)
+            if m:
+                lists[kind] = re.findall(r"`([A-Za-z_][\w.]*)`", m.group(1))
+        out[ch] = lists
+    return out
+
+
+def budgets(readme=README):
+    """{chapter: (read-first cap, whole-file cap)} and the 01-05 total cap, from the README's table."""
+    table = readme[readme.index("| file | read first, at most | whole file, at most |"):]
+    caps, total = {}, None
+    for row in table.splitlines()[2:]:
+        if not row.startswith("|"):
+            break
+        cells = [c.strip().strip("`") for c in row.strip("|").split("|")]
+        numbers = [int(c.replace(",", "")) if c.replace(",", "").isdigit() else None for c in cells[1:]]
+        if cells[0].startswith("01-05"):
+            total = numbers[0]
+        else:
+            caps[cells[0][:2]] = tuple(numbers)
+    return caps, total
+
+
+def spans(path):
+    """{top-level name: (first line, last line)}; a method's name maps to its class's span too."""
+    out = {}
+    for n in ast.parse(path.read_text()).body:
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            span = (min([n.lineno] + [d.lineno for d in n.decorator_list]), n.end_lineno)
+            out[n.name] = span
+            for m in n.body if isinstance(n, ast.ClassDef) else []:
+                if isinstance(m, ast.FunctionDef):
+                    out[f"{n.name}.{m.name}"] = span
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            for target in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        out.setdefault(name.id, (n.lineno, n.end_lineno))
+    return out
+
+
+def measure(ch, kind="Read first"):
+    """The lines of the union of the list's names' spans in chapter ch's file."""
+    where, lines = spans(FILES[ch]), set()
+    for name in chapter_lists()[ch].get(kind, []):
+        if name in where:
+            a, b = where[name]
+            lines |= set(range(a, b + 1))
+    return len(lines)
+
+
+def sections(path):
+    """[(heading's first line, [top-level function and class names])] in file order."""
+    src = path.read_text().splitlines()
+    starts = [i for i, line in enumerate(src) if line.startswith(RULE)]
+    out = []
+    for a, b in zip(starts, starts[1:] + [len(src)]):
+        heading = src[a + 1].lstrip("# ") if a + 1 < len(src) else ""
+        names = re.findall(r"^(?:def|class) (\w+)", "\n".join(src[a:b]), re.M)
+        out.append((heading, names))
+    return out
+
+
+CAPS, TOTAL = budgets()
+
+
+def test_the_readme_states_a_budget_for_each_of_01_to_05_and_their_total():
+    assert set(CAPS) >= {"01", "02", "03", "04", "05"} and TOTAL is not None
+
+
+@pytest.mark.parametrize("ch", sorted(CAPS))
+def test_each_files_read_first_code_and_whole_file_are_within_the_readmes_budget(ch):
+    first, whole = CAPS[ch]
+    if first is not None:
+        assert measure(ch) <= first, f"{FILES[ch].name}: its read-first code is {measure(ch)} lines, over {first}"
+    if whole is not None:
+        n = len(FILES[ch].read_text().splitlines())
+        assert n <= whole, f"{FILES[ch].name} is {n} lines, over {whole}"
+
+
+def test_01_to_05s_read_first_code_together_is_within_the_total():
+    assert sum(measure(ch) for ch in ("01", "02", "03", "04", "05")) <= TOTAL
+
+
+@pytest.mark.parametrize("ch", sorted(FILES))
+def test_every_function_and_class_of_a_concept_section_is_on_its_reading_list(ch):
+    lists = chapter_lists()[ch]
+    for heading, names in sections(FILES[ch]):
+        if heading.startswith("After the concept"):
+            continue
+        kind = "Read second" if heading.startswith("Read second") else "Read first"
+        missing = [n for n in names if n not in lists.get(kind, [])]
+        assert not missing, f"{FILES[ch].name}, section '{heading[:50]}': {missing} not under {kind} in README.md"
+
+
+def test_every_name_on_a_reading_list_is_in_its_file():
+    every = {name.split(".")[0] for path in FILES.values() for name in spans(path)}  # another file's, named in prose
+    for ch, lists in chapter_lists().items():
+        where = spans(FILES[ch])
+        for kind, names in lists.items():
+            unknown = [n for n in names if n.split(".")[0] not in every and not _a_method_or_field(n, where)]
+            assert not unknown, f"README.md's {kind} list of {FILES[ch].name} names {unknown}, in no numbered file"
+
+
+def _a_method_or_field(name, where):
+    """A name the lists may use beside its class: a method of a listed class, an attribute, F.linear."""
+    return any(k.endswith("." + name) for k in where) or name.startswith("F.") or name in KNOWN_WORDS
+
+
+KNOWN_WORDS = {"lm_head", "wte", "c_attn", "at", "group", "steady"}  # attributes and a nested helper, named in prose
+
+
+def test_the_measure_counts_a_class_with_its_methods_and_an_assignment(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("X = 1\n\n\n@dec\nclass A:\n    def m(self):\n        return 1\n\n\ndef f():\n    pass\n")
+    where = spans(planted)
+    assert where["X"] == (1, 1) and where["A"] == (4, 7) and where["A.m"] == (4, 7) and where["f"] == (10, 11)
