@@ -28,7 +28,7 @@ is not.
 Static gradients. Each captured backward writes every parameter's gradient into its own output
 buffer before autograd adds it into .grad, so a stage holds one gradient-sized buffer per slot
 (Megatron accumulates into the main gradient inside the capture instead): pp copies on the first
-stage of 1F1B. docs/GPU_CHECKLIST.md (G12) measures what that costs.
+stage of 1F1B. The GPU check's stage-v4 item (scripts/gpu_check.py) measures what that costs.
 
 Random numbers. Dropout draws from the default CUDA generator, which PyTorch registers with every
 capture: each replay advances its Philox offset, so every replay draws fresh masks (01's TPRandom
