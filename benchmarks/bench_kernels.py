@@ -312,7 +312,7 @@ def trainer_run(args, cuda, tmp, run):
         print(f"FAIL ({label}, {variant}):\n{failed or 'no metrics written'}")
         return None
     for line in proc.stdout.splitlines():  # what the trainer says it ran
-        if line.startswith(("model ", "device ", "compute ", "kernel paths:")):
+        if line.startswith(("model ", "device ", "compute ", "kernel paths:", "CUDA graphs: capturing")):
             print(f"  {line}")
     return [json.loads(s)["time_s"] for s in metrics.read_text().splitlines()][skip:]
 

@@ -14,6 +14,7 @@ compiles at first use and dispatches; graphs.py captures CUDA graphs.
 fuse() plugs them into a GPT of 01 (its one seam: 01's layers are written with plain PyTorch ops):
     model = kernels.fuse(GPT(cfg, group), kernels.FusedOps("auto"))
 """
+import concurrent.futures
 import contextlib
 import functools
 import importlib
@@ -35,12 +36,20 @@ def families():
 def prebuild(mode="auto"):
     """Compile every family now, rather than at its first use inside the first forward: a cold
     build takes minutes, and meanwhile the other pipeline stages would sit in posted receives
-    under the collective timeout. Nothing to do for mode "reference" or without CUDA. Returns the
-    families built."""
+    under the collective timeout. The four build at once, each in a thread of its own (each
+    compile is a process of torch's ninja: the threads only wait), on this thread's device.
+    Nothing to do for mode "reference" or without CUDA. Returns the families built."""
     if mode == "reference" or not torch.cuda.is_available():
         return []
-    return [name for name, family in zip(FAMILY_NAMES, families())
-            if build.built(mode, name, family.BINDING, family.FUNCTIONS)]
+    device = torch.cuda.current_device()
+
+    def one(name, family):
+        torch.cuda.set_device(device)  # a new thread starts on device 0; the probe runs on this one
+        return build.built(mode, name, family.BINDING, family.FUNCTIONS)
+
+    with concurrent.futures.ThreadPoolExecutor(len(FAMILY_NAMES)) as pool:
+        built = list(pool.map(one, FAMILY_NAMES, families()))
+    return [name for name, ext in zip(FAMILY_NAMES, built) if ext]
 
 
 class FusedOps:

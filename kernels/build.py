@@ -4,16 +4,23 @@ Each family kernels/<name>.py pairs kernels/<name>.cu (plain CUDA C++: kernels a
 take raw pointers and a stream) with a thin torch binding, a few lines of C++ kept in the .py.
 They are compiled together by torch.utils.cpp_extension the first time the kernel is used on a
 CUDA tensor, and cached by torch (under TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by
-default) under a name that hashes the sources, so an edit rebuilds and nothing else does. A lock
-file left there by a build that was killed is refused, naming the file to delete, rather than
-waited on forever (wait_for_build_lock).
+default) under a name that holds the GPU's compute capability and a hash of the sources, the flags
+and the architectures built for: an edit rebuilds, and nodes of two GPU generations sharing the
+directory each keep their own build. The ranks of a node build one at a time (a file lock beside
+the build: the first builds, the others then load it); a lock file left by a build that was killed
+is refused, naming the file to delete, rather than waited on forever (wait_for_build_lock). Once
+loaded, an empty kernel is launched (probe): a build that left out this GPU's architecture fails
+there, at start, with "no kernel image is available", and mode "auto" falls back to the reference.
 
 Dispatch, per call: mode "auto" runs the kernel for CUDA tensors of a supported dtype (fp32,
 fp16, bf16) and shape and the reference otherwise; "cuda" runs the kernel or raises, saying why
 it cannot; "reference" always runs the reference. `calls` counts which path each family took.
 """
 import collections
+import contextlib
+import fcntl
 import hashlib
+import inspect
 import os
 import re
 import shutil
@@ -29,6 +36,10 @@ KERNELS_DIR = Path(__file__).resolve().parent
 MODES = ("auto", "cuda", "reference")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # common.cuh's enum DType
 ARCHS = ("80", "90")  # A100 and H100/H200: what the compile check targets
+# What the build passes nvcc besides torch's own flags (cpp_extension.COMMON_NVCC_FLAGS, the arch
+# flags, -fPIC); nvcc_check passes all of them too. The C++ standard is named: torch's default for
+# nvcc has changed between versions.
+CUDA_CFLAGS = ("-O3", "-std=c++20")
 
 # Every binding starts with this: torch, a device guard, and the one way a launcher's error becomes
 # a Python error. The stream each binding is given is the current one of its tensors' device.
@@ -41,6 +52,9 @@ static void check(const char* error, const char* launcher) {
   TORCH_CHECK(error == nullptr, launcher, ": ", error ? error : "");
 }
 static void* as_stream(int64_t stream) { return reinterpret_cast<void*>(stream); }
+// common.cuh's empty kernel, launched once after loading (build.probe).
+extern "C" const char* kernels_probe(void* stream);
+void probe(int64_t stream) { check(kernels_probe(as_stream(stream)), "kernels_probe"); }
 """
 
 calls = collections.defaultdict(collections.Counter)  # family -> {"cuda": n, "reference": n}
@@ -48,7 +62,8 @@ _extensions, _failed = {}, {}
 
 
 def extension(family, binding, functions):
-    """The compiled module for kernels/<family>.cu and its binding: built on first use, cached."""
+    """The compiled module for kernels/<family>.cu and its binding: built on first use, cached,
+    and probed (one empty kernel launched) before it is handed out."""
     if family not in _extensions:
         from torch.utils import cpp_extension
 
@@ -58,21 +73,58 @@ def extension(family, binding, functions):
             cpp_extension.CUDA_HOME = root
         name = extension_name(family, binding)
         directory = build_directory(name)
-        wait_for_build_lock(family, directory)
         os.makedirs(directory, exist_ok=True)
-        print(f"kernels: building {family}.cu (first use; cached afterwards)", flush=True)
-        _extensions[family] = cpp_extension.load_inline(
-            name=name, cpp_sources=[PRELUDE + binding], cuda_sources=[(KERNELS_DIR / f"{family}.cu").read_text()],
-            functions=list(functions), extra_include_paths=[str(KERNELS_DIR)], extra_cuda_cflags=["-O3"],
-            build_directory=directory, verbose=False)
+        with one_build_at_a_time(family, directory):
+            wait_for_build_lock(family, directory)
+            print(f"kernels: building {family}.cu (first use; cached afterwards)", flush=True)
+            # The .cu needs no torch header (common.cuh: plain CUDA C++), so none is put before it
+            # where torch allows: it is then compiled exactly as nvcc_check compiles it, and sooner.
+            headers = {"no_implicit_headers": True} if "no_implicit_headers" in _LOAD_INLINE_ARGS else {}
+            ext = cpp_extension.load_inline(
+                name=name, cpp_sources=[PRELUDE + binding], cuda_sources=[(KERNELS_DIR / f"{family}.cu").read_text()],
+                functions=[*functions, "probe"], extra_include_paths=[str(KERNELS_DIR)],
+                extra_cuda_cflags=list(CUDA_CFLAGS), build_directory=directory, verbose=False, **headers)
+        probe(family, ext)
+        _extensions[family] = ext
     return _extensions[family]
 
 
+def _load_inline_args():
+    from torch.utils import cpp_extension
+
+    return set(inspect.signature(cpp_extension.load_inline).parameters)
+
+
+_LOAD_INLINE_ARGS = _load_inline_args()
+
+
 def extension_name(family, binding):
-    """The extension's name: the family and a hash of its sources, so an edit rebuilds."""
-    cu = (KERNELS_DIR / f"{family}.cu").read_text()
-    digest = hashlib.sha1((cu + (KERNELS_DIR / "common.cuh").read_text() + binding).encode()).hexdigest()
-    return f"megatron_ref_{family}_{digest[:12]}"
+    """The extension's name: the family, this GPU's compute capability, and a hash of the sources,
+    the flags and the architectures built for. So an edit rebuilds; and two generations of GPU
+    sharing one build directory (nodes of a mixed cluster) each build and keep their own, rather
+    than rebuilding under each other or loading a build made for the other."""
+    sources = [(KERNELS_DIR / f"{family}.cu").read_text(), (KERNELS_DIR / "common.cuh").read_text(), PRELUDE, binding]
+    digest = hashlib.sha1("\0".join([*sources, *CUDA_CFLAGS, arch_list()]).encode()).hexdigest()
+    return f"megatron_ref_{family}_{capability()}_{digest[:12]}"
+
+
+def capability():
+    """This GPU's compute capability, as 'sm90' ('nogpu' without one)."""
+    if not torch.cuda.is_available():
+        return "nogpu"
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
+
+
+def arch_list():
+    """What torch's build targets: TORCH_CUDA_ARCH_LIST as given, else (torch's default) the compute
+    capabilities of the GPUs in view."""
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if given and given != "native":
+        return f"TORCH_CUDA_ARCH_LIST={given!r}"
+    in_view = sorted({torch.cuda.get_device_capability(d) for d in range(torch.cuda.device_count())}) \
+        if torch.cuda.is_available() else []
+    return "the GPUs in view: " + (";".join(f"{a}.{b}" for a, b in in_view) or "none")
 
 
 def build_directory(name):
@@ -87,6 +139,31 @@ def build_directory(name):
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
         root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
     return os.path.join(root, name)
+
+
+class CannotRun(RuntimeError):
+    """An extension built and loaded whose kernels cannot run on this GPU (probe)."""
+
+
+def probe(family, ext):
+    """Launch the extension's empty kernel once on the current device and wait for it. A build for
+    other architectures than this GPU's (TORCH_CUDA_ARCH_LIST without it) compiles and loads, and
+    then every launch fails with "no kernel image is available for execution on the device": here,
+    at start, rather than inside the first training step. Not during a graph capture (the first use
+    of a family is normally before any: kernels.prebuild)."""
+    if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+        return
+    stream = torch.cuda.current_stream()
+    try:
+        ext.probe(stream.cuda_stream)
+        stream.synchronize()
+    except RuntimeError as e:
+        major, minor = torch.cuda.get_device_capability()
+        raise CannotRun(
+            f"kernels: {family}.cu was built, but its kernels cannot run on this GPU ({torch.cuda.get_device_name()}, "
+            f"compute capability {major}.{minor}): {str(e).strip().splitlines()[0]}. The build targeted {arch_list()}: "
+            f"set TORCH_CUDA_ARCH_LIST to include {major}.{minor} (or unset it, to build for the GPUs in view) "
+            f"and run again") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,6 +215,63 @@ def wait_for_build_lock(family, directory):
         time.sleep(LOCK_POLL_S)
 
 
+# ----------------------------------------------------------------------------------------------
+# One build at a time. The ranks of a node start together, and each would call load_inline on the
+# same cold directory at once: torch writes the sources there before taking its lock, so one rank
+# may rewrite a file another's compiler is reading. So each process first takes a lock of its own,
+# <build directory>.lock, beside the directory (inside it, it would count as a live build's change):
+# the first builds, the others then find the build done and only load it. It is an flock: the
+# kernel releases it when its holder exits, killed or not, so it is never left stale. The wait is
+# bounded: by STALE_LOCK_S without any change in the build directory (a build that hangs), and by
+# BUILD_WAIT_S in all.
+
+BUILD_WAIT_S = 3600.0
+
+
+class BuildWaitTimeout(ValueError):
+    """Another process has held the build's lock too long; the sentence names the lock file."""
+
+
+@contextlib.contextmanager
+def one_build_at_a_time(family, directory):
+    path, said, t0 = directory.rstrip(os.sep) + ".lock", False, time.monotonic()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:  # a read-only cache, say: build as before, unserialised
+        print(f"kernels: cannot open {path} ({e.strerror}); building {family}.cu without waiting for the "
+              f"other ranks of this node", flush=True)
+        yield
+        return
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            except OSError as e:  # a filesystem without flock (some parallel ones): as above
+                print(f"kernels: cannot lock {path} ({e.strerror}); building {family}.cu without waiting for "
+                      f"the other ranks of this node", flush=True)
+                break
+            waited, idle = time.monotonic() - t0, _last_change(directory)
+            if idle > STALE_LOCK_S or waited > BUILD_WAIT_S:
+                why = (f"nothing in {directory} has changed for {idle:.0f} s (kernels.build.STALE_LOCK_S = "
+                       f"{STALE_LOCK_S:g} s)" if idle > STALE_LOCK_S else
+                       f"that is longer than kernels.build.BUILD_WAIT_S = {BUILD_WAIT_S:g} s")
+                raise BuildWaitTimeout(
+                    f"kernels: waited {waited:.0f} s for another process's build of {family}.cu, which holds the "
+                    f"lock {path}, and {why}: that build seems stuck. Stop it (`fuser -v {path}` names it) and "
+                    f"run again")
+            if not said:
+                print(f"kernels: waiting for another process's build of {family}.cu (it holds {path}); "
+                      f"then loading it", flush=True)
+                said = True
+            time.sleep(LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def unsupported(*tensors):
     """Why the kernels cannot take these tensors, or None if they can."""
     if not torch.cuda.is_available():
@@ -175,8 +309,14 @@ def built(mode, family, binding, functions):
         return None
     try:
         return extension(family, binding, functions)
-    except StaleBuildLock:  # not a machine without a toolkit: a file to delete, said in every mode
+    except (StaleBuildLock, BuildWaitTimeout):  # not a machine without a toolkit: said in every mode
         raise
+    except CannotRun as e:  # built for other GPUs: the sentence says which, and what to set
+        if mode == "cuda":
+            raise
+        _failed[family] = str(e)
+        warnings.warn(f"{e}; using the PyTorch reference")
+        return None
     except Exception as e:
         if mode == "cuda":
             raise
@@ -212,11 +352,15 @@ def cu_files():
 
 
 def nvcc_check(cu, archs=ARCHS, extra=()):
-    """Compile one .cu for each arch with nvcc alone (no torch); returns (ok, compiler output)."""
+    """Compile one .cu for each arch with nvcc alone, with the flags the real build gives it (torch's
+    own, cpp_extension.COMMON_NVCC_FLAGS, which forbid half and bfloat16's operators and implicit
+    conversions, and CUDA_CFLAGS), every warning an error; returns (ok, compiler output)."""
+    from torch.utils import cpp_extension
+
     nvcc = shutil.which("nvcc")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    cmd = [nvcc, "-std=c++17", "-O3", "--Werror", "all-warnings", "-I", str(KERNELS_DIR), *gencode, *extra,
-           "-c", str(cu), "-o", os.devnull]
+    cmd = [nvcc, *cpp_extension.COMMON_NVCC_FLAGS, *CUDA_CFLAGS, "--compiler-options", "-fPIC", "--Werror",
+           "all-warnings", "-I", str(KERNELS_DIR), *gencode, *extra, "-c", str(cu), "-o", os.devnull]
     out = subprocess.run(cmd, capture_output=True, text=True)
     return out.returncode == 0, out.stdout + out.stderr
 

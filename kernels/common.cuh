@@ -83,6 +83,25 @@ static inline const char* launch_status() {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
+// What a launcher returns for a runtime call of its own (an attribute query or setting): nullptr if
+// it succeeded, else CUDA's message. The runtime records a failed call's error as the last error
+// too, so it is taken here: left pending, the next launch check would report it as its own.
+static inline const char* call_status(cudaError_t err) {
+  if (err == cudaSuccess) return nullptr;
+  cudaGetLastError();
+  return cudaGetErrorString(err);
+}
+
+// One empty kernel, launched once after an extension is loaded (kernels/build.py's probe): built
+// without this GPU's architecture, it fails to launch with "no kernel image is available for
+// execution on the device", at start rather than inside a training step. Each .cu is one
+// extension and includes this header once, so the definition is made once per extension.
+static __global__ void probe_kernel() {}
+extern "C" const char* kernels_probe(void* stream) {
+  probe_kernel<<<1, 32, 0, (cudaStream_t)stream>>>();
+  return launch_status();
+}
+
 // Run `body` with T bound to the element type of dtype code `code`.
 #define DISPATCH_DTYPE(code, T, ...)                 \
   switch (code) {                                    \

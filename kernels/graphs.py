@@ -11,7 +11,10 @@ Transformer Engine's make_graphed_callables). Two ways of using them here:
                communication is inside a graph. With tp > 1 a chunk's forward contains the
                tensor-parallel all-reduces, so it is not captured here.
   StepGraph    the whole forward + backward of a step as one graph, when tp = pp = dp = 1.
-  Graphed      05's seam: its forward_backward, replayed through either of them.
+  Graphed      05's seam: its forward_backward, replayed through either of them. A capture that
+               fails (an operation that cannot be captured, as torch's embedding backward above
+               3,072 token ids per microbatch: pytorch issue 82886) is said in one sentence, and
+               that rank trains eagerly from then on.
 
 Static buffers. A graph reads its input from, and writes its output and everything autograd saves
 for backward to, fixed addresses. A microbatch holds those until its backward ran, so microbatches
@@ -25,7 +28,7 @@ is not.
 Static gradients. Each captured backward writes every parameter's gradient into its own output
 buffer before autograd adds it into .grad, so a stage holds one gradient-sized buffer per slot
 (Megatron accumulates into the main gradient inside the capture instead): pp copies on the first
-stage of 1F1B. docs/GPU_CHECKLIST.md (G12) measures what that costs.
+stage of 1F1B. The GPU check's stage-v4 item (scripts/gpu_check.py) measures what that costs.
 
 Random numbers. Dropout draws from the default CUDA generator, which PyTorch registers with every
 capture: each replay advances its Philox offset, so every replay draws fresh masks (01's TPRandom
@@ -120,17 +123,46 @@ class Graphed:
         self.mode, self.eager, self.result, self.graph = mode, eager, result, None
 
     def __call__(self, run, micro, valid):
+        if self.mode is None:  # a capture failed: eager from then on
+            return self.eager(run, micro, valid)
+        if self.graph is None:
+            try:
+                self.graph = self.capture(run, micro)
+            except Exception as e:  # noqa: BLE001 (whatever the capture raised, training goes on eagerly)
+                return self.fall_back(run, micro, valid, e)
+        if self.mode == "step":
+            return self.result(self.graph.replay(micro), [], 0, 0, 0)
+        return self.eager(run, micro, valid, chunks=self.graph.chunks, plain=True)
+
+    def capture(self, run, micro):
         if self.mode == "step":
             run.ddp.sync = False  # the hooks ran at capture: the buckets are reduced after it, in finish()
-            self.graph = self.graph or StepGraph(run.chunks[0], micro, run.ddp)
-            return self.result(self.graph.replay(micro), [], 0, 0, 0)
-        if self.graph is None:
-            pp_rank, v = dist.get_rank(run.groups.pp), len(run.chunks)
-            samples = {c: (micro[0][0] if c == 0 and pp_rank == 0 else torch.randn(
-                run.act_shape, dtype=run.dtype, device=run.env.device, requires_grad=True), micro[0][1])
-                for c in range(v)}
-            self.graph = StageGraphs(run.chunks, run.schedule, v - 1 if pp_rank == run.tc.pp - 1 else None, samples)
-        return self.eager(run, micro, valid, chunks=self.graph.chunks, plain=True)
+            return StepGraph(run.chunks[0], micro, run.ddp)
+        pp_rank, v = dist.get_rank(run.groups.pp), len(run.chunks)
+        samples = {c: (micro[0][0] if c == 0 and pp_rank == 0 else torch.randn(
+            run.act_shape, dtype=run.dtype, device=run.env.device, requires_grad=True), micro[0][1])
+            for c in range(v)}
+        return StageGraphs(run.chunks, run.schedule, v - 1 if pp_rank == run.tc.pp - 1 else None, samples)
+
+    def fall_back(self, run, micro, valid, error):
+        """Some operations cannot be captured: above 3,072 token ids per microbatch, for one, torch's
+        embedding backward sorts them and synchronises inside (pytorch issue 82886). This rank then
+        trains eagerly, as with --no-cuda-graphs, from this very step. What the failed capture left
+        behind is undone first: its warm-up ran the gradient hooks (the step graph's with sync off),
+        so their bookkeeping is reset, and side-stream work is waited for."""
+        what = "the whole step" if self.mode == "step" else "the stage's chunks"
+        while error.__cause__ or error.__context__:  # the first failure: capture_end's error follows it
+            error = error.__cause__ or error.__context__
+        # The first line: torch's CUDA errors add lines of advice (CUDA_LAUNCH_BLOCKING=1, ...) below.
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"CUDA graphs: capturing {what} failed on rank {dist.get_rank()} ({reason}); this rank trains "
+              f"without graphs from this step on, as with --no-cuda-graphs", flush=True)
+        if run.env.device.type == "cuda":
+            torch.cuda.synchronize(run.env.device)
+        self.mode, self.graph = None, None
+        run.ddp.sync = True
+        run.ddp.zero_grad()
+        return self.eager(run, micro, valid)
 
 
 class StepGraph:

@@ -104,12 +104,12 @@ template <typename Kernel, typename... Args>
 static const char* launch(Kernel kernel, int blocks, int threads, int bytes, cudaStream_t stream,
                           Args... args) {
   cudaFuncAttributes attributes;
-  const cudaError_t query = cudaFuncGetAttributes(&attributes, kernel);
-  if (query != cudaSuccess) return cudaGetErrorString(query);
+  const char* error = call_status(cudaFuncGetAttributes(&attributes, kernel));
+  if (error) return error;
   const size_t static_bytes = attributes.sharedSizeBytes;
   if (bytes + static_bytes > DEFAULT_SMEM_BYTES) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return cudaGetErrorString(err);
+    error = call_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    if (error) return error;
   }
   kernel<<<blocks, threads, bytes, stream>>>(args...);
   return launch_status();

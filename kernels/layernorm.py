@@ -12,14 +12,34 @@ backward recomputes xhat = (x - mean) * rstd from them. With gy = g * w:
     dw = sum_rows(g * xhat),  db = sum_rows(g)
 The kernel's dw and db arrive as per-block partial sums, (2, G, C) fp32, which torch adds up.
 """
+import functools
+
 import torch
 
 from . import build
 
-# Backward keeps 2 C fp32 sums per block in shared memory: 128 KiB at C = 16384, inside the
-# opt-in limit of A100 (163 KiB) and H100 (227 KiB); forward needs half of that.
-MAX_C = 16384
+# Shared memory per block: the forward keeps a row of C fp32, the backward two (its dw and db sums),
+# and each kernel has STATIC_SMEM_BYTES of its own (scratch[32] of fp32; ptxas -v reports it, and
+# tests/test_kernel_layernorm.py checks it). Up to 48 KiB a launch needs nothing; beyond, the
+# launcher opts in, up to what the device allows one block: 99 KiB on sm_86 and sm_89, 163 KiB on
+# an A100, 227 KiB on an H100 or H200. So the longest row is the device's (max_columns): 29,040 on
+# an H100, which takes the paper's largest hidden sizes, 20,480 and 25,600; 20,848 on an A100.
+STATIC_SMEM_BYTES = 32 * 4
+DEFAULT_SMEM_BYTES = 48 * 1024  # what any block may use: assumed if torch does not report the opt-in limit
 BACKWARD_BLOCKS_PER_SM = 2
+
+
+def max_columns(block_smem_bytes):
+    """The longest row both kernels take when a block may use `block_smem_bytes` of shared memory:
+    the backward's 2 C fp32 and its static bytes must fit (the forward needs less)."""
+    return (block_smem_bytes - STATIC_SMEM_BYTES) // (2 * 4)
+
+
+@functools.lru_cache(maxsize=None)
+def block_smem_limit(device_index):
+    """(shared memory one block may use on this GPU with the opt-in, in bytes; the GPU's name)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_BYTES), props.name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,15 +98,21 @@ FUNCTIONS = ("forward", "backward")
 
 def unsupported(x, w, b):
     """Why the kernel cannot take these tensors, or None. The shape checks come first: they hold
-    on any device, so they can be tested without a GPU."""
+    on any device, so they can be tested without a GPU; the row length's limit is the GPU's."""
     if x.dim() == 0 or x.numel() == 0:
         return "x has no rows to normalise"
     C = x.shape[-1]
     if w.shape != (C,) or b.shape != (C,):
         return f"w and b must have shape ({C},), got {tuple(w.shape)} and {tuple(b.shape)}"
-    if C > MAX_C:
-        return f"rows of {C} elements exceed the kernel's shared-memory limit of {MAX_C}"
-    return build.unsupported(x, w, b)
+    reason = build.unsupported(x, w, b)
+    if reason:
+        return reason
+    limit, name = block_smem_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    if C > max_columns(limit):
+        return (f"rows of {C} elements need {2 * 4 * C + STATIC_SMEM_BYTES:,} bytes of shared memory per block "
+                f"(the backward's), more than this GPU ({name}) allows one block, {limit:,}: rows of up to "
+                f"{max_columns(limit):,} elements")
+    return None
 
 
 def backward_blocks(rows, device):

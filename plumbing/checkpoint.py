@@ -86,11 +86,18 @@ def _fsync_dir(path):
 
 def _finite(run):
     """Names of this rank's parameters or optimizer state holding inf or NaN (none, normally). One
-    read-back from the device when all is finite; the names are looked for only when it is not."""
+    read-back per device when all is finite; the names are looked for only when it is not.
+
+    The tensors are on more than one device on a GPU: AdamW keeps its `step` counters on the CPU
+    (unless fused or capturable) beside the GPU's parameters and moments, and torch.stack refuses
+    tensors of two devices. So each device's flags are stacked and reduced on that device."""
     params = [(n, p) for c in run.chunks for n, p in c.named_parameters()]
     state = [t for st in run.opt.optimizer.state.values() for t in st.values()
              if torch.is_tensor(t) and t.is_floating_point()]
-    if bool(torch.stack([torch.isfinite(t).all() for t in [p for _, p in params] + state]).all()):
+    flags = {}  # device -> every tensor's "all finite" there, not yet read back
+    for t in [p for _, p in params] + state:
+        flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(f).all()) for f in flags.values()):
         return []
     bad = [n for n, p in params if not torch.isfinite(p).all()]
     return bad + (["the optimizer state"] if not all(torch.isfinite(t).all() for t in state) else [])

@@ -154,7 +154,8 @@ def sum_probe(seq_len, batch_size, ignore_index=-100):
 
     Returns a list of global batches (idx, targets, pairs): idx and targets (B, T); pairs[i] is
     row i's (x, y), or None for a row that only pads the last batch."""
-    filler = "alice walks to the garden with bob. they count 3 coins and 4 coins: 7. " * 8
+    sentence = "alice walks to the garden with bob. they count 3 coins and 4 coins: 7. "
+    filler = sentence * (seq_len // len(sentence) + 2)  # longer than any window: every row seq_len long
     rows = []
     for x in range(10):
         for y in range(10):

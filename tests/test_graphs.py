@@ -7,7 +7,9 @@ replays the very kernels eager ran, so 1e-6 relative on the loss (in practice eq
 kernels' fp32 results differ from PyTorch's by ~1e-6 per op (other summation orders, tanhf/expf),
 which AdamW carries through 6 steps to ~1e-5, so 1e-4 relative on the loss trajectory.
 """
+import contextlib
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -164,6 +166,70 @@ def _train_graphed(env, graphed, steps=3):
 def test_a_layout_with_shared_slots_trains_to_the_same_losses_with_and_without_stage_graphs(run_ranks):
     eager, graphed = (run_ranks(_train_graphed, 2, g)[0] for g in (False, True))
     assert tensor_parallel.max_rel_diff(torch.tensor(graphed), torch.tensor(eager)) <= 1e-12, (eager, graphed)
+
+
+# ----------------------------------------------------------------------------------------------
+# A capture that fails. On a GPU, torch's embedding backward above 3,072 token ids per microbatch
+# sorts them and synchronises inside, which capture refuses (pytorch issue 82886). The rank says so
+# in one sentence and trains eagerly, undoing what the failed capture left: the step graph's warm-up
+# ran the gradient hooks (with sync off), so the buffer holds gradients and the hooks' counts.
+
+CAPTURE_ERROR = ("unique_by_key: failed to synchronize: cudaErrorStreamCaptureUnsupported: operation not "
+                 "permitted when stream is capturing")
+
+
+class StepCaptureFailsHalfway:
+    """StepGraph as it fails on a GPU: a warm-up forward and backward ran (the hooks wrote the first
+    microbatch's gradients into the flat buffer), then the capture raised."""
+
+    def __init__(self, chunk, micro, ddp):
+        chunk(*micro[0])[1].backward()
+        try:  # as torch raises it: the capture's own error, then capture_end's, with advice below each
+            raise RuntimeError(f"{CAPTURE_ERROR}\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1")
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture\n"
+                               "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.")
+
+
+def capture_fails_on_token_ids(module, sample_args):
+    """make_graphed_callables failing for the chunk that takes token ids (the embedding's), faithful
+    for the others."""
+    if not sample_args[0].is_floating_point():
+        raise RuntimeError(CAPTURE_ERROR)
+    return faithful_make_graphed_callables(module, sample_args)
+
+
+def _train_capture_fails(env, mode, steps=3):
+    """05's trainer, eager (mode None) or with graphs whose capture fails (mode "step": tp = pp = dp
+    = 1; "stage": pp = 2, v = 2): the losses of `steps` steps, what the rank printed, and whether its
+    buckets are reduced during backward again (the step graph turns that off: its hooks ran at capture)."""
+    gpt3d = load("05_3d_gpt")
+    pp = env.world_size
+    tc = gpt3d.TrainConfig(tp=1, pp=pp, dp=1, virtual_stages=pp, batch_size=8, microbatches=4, seq_len=16,
+                           steps=steps, lr=1e-2, dtype="float64", eval_every=0, bucket_numel=500, timeout_s=30)
+    groups = gpt3d.new_groups(env, gpt3d.rank_grid(pp, 1, 1, pp))
+    run = gpt3d.build(env, CFG, tc, groups)
+    if mode:
+        run.forward_backward = graphs.Graphed(mode, gpt3d.forward_backward, pipeline.StepResult)
+    graphs.StepGraph = StepCaptureFailsHalfway  # this forked rank only
+    torch.cuda.make_graphed_callables = capture_fails_on_token_ids
+    gen, out = torch.Generator().manual_seed(1), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = [gpt3d.train_step(run, *torch.randint(97, (2, 8, 16), generator=gen), 1e-2)[0] for _ in range(steps)]
+    return losses, out.getvalue(), run.ddp.sync
+
+
+@pytest.mark.parametrize("mode,ranks", [("step", 1), ("stage", 2)])
+def test_a_failed_capture_is_said_once_and_the_rank_trains_as_without_graphs(run_ranks, mode, ranks):
+    eager = run_ranks(_train_capture_fails, ranks, None)
+    failed = run_ranks(_train_capture_fails, ranks, mode)
+    assert tensor_parallel.max_rel_diff(torch.tensor(failed[0][0]), torch.tensor(eager[0][0])) <= 1e-12
+    what = "the whole step" if mode == "step" else "the stage's chunks"
+    said = (f"CUDA graphs: capturing {what} failed on rank 0 ({CAPTURE_ERROR}); this rank trains without graphs "
+            f"from this step on, as with --no-cuda-graphs\n")
+    assert failed[0][1] == said  # rank 0 holds the embedding: once, at the first step
+    assert all(printed == "" for _, printed, _ in failed[1:])  # stage 1's chunks take activations: captured
+    assert all(sync for _, _, sync in failed)
 
 
 # ----------------------------------------------------------------------------------------------

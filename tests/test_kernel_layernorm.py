@@ -4,7 +4,7 @@ falls back on what the kernel does not take; on a GPU the kernel matches the flo
 Tolerances. CPU, float64: the reference and F.layer_norm compute the same statistics in a
 different order (torch may use Welford), a few ulps apart (~1e-16 relative); CPU_TOL = 1e-12
 catches any wrong term. GPU: max|kernel - ref| / max|ref| against the reference in float64 on the
-same (rounded) inputs. fp32 keeps ~7 digits through sums of up to 16384 terms: 1e-5. bf16 and
+same (rounded) inputs. fp32 keeps ~7 digits through sums of up to 29040 terms: 1e-5. bf16 and
 fp16 lose most of theirs in the final rounding of y, dx, dw, db (half an ulp: up to 2^-8 and
 2^-11 relative), the fp32 arithmetic before it adds ~1e-6: 1e-2 for bf16, 1e-3 for fp16. The saved
 mean and rstd are fp32 for every dtype, so they meet the fp32 bound.
@@ -102,11 +102,41 @@ def test_forcing_the_kernel_on_cpu_tensors_names_the_reason():
         layernorm.layer_norm(*inputs((4,), 6, seed=0), mode="cuda")
 
 
-def test_rows_longer_than_the_shared_memory_limit_fall_back():
-    C = layernorm.MAX_C + 1
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """A GPU of the given opt-in shared memory per block, as unsupported() sees it: the device checks
+    pass (build.unsupported) and the limit is the one given (the GPU's properties)."""
+    def gpu(block_smem_bytes, name):
+        monkeypatch.setattr(build, "unsupported", lambda *tensors: None)
+        monkeypatch.setattr(layernorm, "block_smem_limit", lambda device_index: (block_smem_bytes, name))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return gpu
+
+
+@pytest.mark.parametrize("gpu,longest", [("H100", 29040), ("A100", 20848), ("RTX 3090", 12656)])
+def test_the_longest_row_is_the_gpus_shared_memory_limit(on_gpu, gpu, longest):
+    """The paper's largest hidden sizes, 20480 and 25600 (its 530B and 1T models), fit an H100's
+    227 KiB: they take the kernel there, not the unfused reference. The limits are CUDA's opt-in
+    shared memory per block (Programming Guide, technical specifications per compute capability)."""
+    opt_in = {"H100": 227 * 1024, "A100": 163 * 1024, "RTX 3090": 99 * 1024}[gpu]
+    on_gpu(opt_in, f"NVIDIA {gpu}")
+    assert layernorm.max_columns(opt_in) == longest
+    for C in (1024, 12288, 20480, 25600, longest, longest + 1):
+        x, w, b = inputs((2,), C, seed=0)
+        reason = layernorm.unsupported(x, w, b)
+        if C <= longest:
+            assert reason is None, (C, reason)
+        else:
+            assert reason == (f"rows of {C} elements need {8 * C + 128:,} bytes of shared memory per block (the "
+                              f"backward's), more than this GPU (NVIDIA {gpu}) allows one block, {opt_in:,}: rows "
+                              f"of up to {longest:,} elements")
+
+
+def test_rows_longer_than_the_shared_memory_limit_fall_back(on_gpu):
+    on_gpu(163 * 1024, "NVIDIA A100")
+    C = 25600
     x, w, b = inputs((2,), C, seed=0)
-    assert str(layernorm.MAX_C) in layernorm.unsupported(x, w, b)
-    with pytest.raises(ValueError, match=f"forced.*{layernorm.MAX_C}"):
+    with pytest.raises(ValueError, match="forced.*rows of up to 20,848 elements"):
         layernorm.layer_norm(x, w, b, mode="cuda")
     build.calls.clear()
     assert torch.equal(layernorm.layer_norm(x, w, b), layernorm.reference_forward(x, w, b, EPS)[0])
@@ -127,7 +157,8 @@ def test_weights_of_the_wrong_shape_and_empty_inputs_are_refused():
 # the opt-in, up to 163 KiB on A100 and 227 KiB on H100 (CUDA C++ Programming Guide, the table of
 # technical specifications per compute capability).
 DEFAULT_SMEM_BYTES = 48 * 1024
-A100_OPT_IN_SMEM_BYTES = 163 * 1024
+OPT_IN_SMEM_BYTES = {"A100": 163 * 1024, "H100": 227 * 1024}
+LONGEST_ROW = layernorm.max_columns(max(OPT_IN_SMEM_BYTES.values()))  # the longest on any GPU listed
 CU = build.KERNELS_DIR / "layernorm.cu"
 
 
@@ -163,7 +194,7 @@ def smem():
     """(static shared memory per kernel as ptxas reports it for sm_80 and sm_90, the source's
     opt-in guard, its dynamic-bytes expression per kernel): one nvcc run, about 2 s."""
     src = CU.read_text()
-    guard = re.search(r"if \(([^{;\n]*)\)\s*\{\s*const cudaError_t \w+ = cudaFuncSetAttribute", src)
+    guard = re.search(r"if \(([^{;\n]*)\)\s*\{[^;}]*cudaFuncSetAttribute\(", src)
     assert guard, f"{CU.name}: no `if (...) {{ ... cudaFuncSetAttribute` guard around the opt-in"
     default = re.search(r"DEFAULT_SMEM_BYTES = ([^;]+);", src)[1]
     dynamic = {}
@@ -174,8 +205,9 @@ def smem():
 
 
 @needs_nvcc
-def test_every_row_length_up_to_max_c_fits_the_default_shared_memory_or_the_launch_opts_in(smem):
-    """What this proves, without a GPU: for every C <= MAX_C and both kernels, either the block's
+def test_every_row_length_up_to_the_longest_fits_the_default_shared_memory_or_the_launch_opts_in(smem):
+    """What this proves, without a GPU: for every C up to the longest row any GPU listed takes (an
+    H100's, layernorm.max_columns) and both kernels, either the block's
     whole shared memory (the launcher's dynamic bytes, read from its source, plus the kernel's
     static bytes as ptxas reports them) fits CUDA's default 48 KiB, or the launcher's opt-in guard,
     evaluated as the source writes it with the static bytes the compiled kernel reports, is true.
@@ -185,7 +217,7 @@ def test_every_row_length_up_to_max_c_fits_the_default_shared_memory_or_the_laun
     assert set(dynamic) == {"layernorm_forward_kernel", "layernorm_backward_kernel"} <= set(static), (dynamic, static)
     failing = {}
     for kernel, expression in dynamic.items():
-        for C in range(1, layernorm.MAX_C + 1):
+        for C in range(1, LONGEST_ROW + 1):
             request = c_expression(expression, C=C)
             fits = request + static[kernel] <= DEFAULT_SMEM_BYTES
             opts_in = c_expression(guard, bytes=request, static_bytes=static[kernel], DEFAULT_SMEM_BYTES=default)
@@ -197,11 +229,16 @@ def test_every_row_length_up_to_max_c_fits_the_default_shared_memory_or_the_laun
 
 
 @needs_nvcc
-def test_the_longest_row_fits_the_a100s_opt_in_shared_memory(smem):
+@pytest.mark.parametrize("gpu", OPT_IN_SMEM_BYTES)
+def test_the_longest_row_a_gpu_takes_fits_its_opt_in_shared_memory_and_one_more_would_not(smem, gpu):
+    """layernorm.max_columns assumes STATIC_SMEM_BYTES of static shared memory per kernel and the
+    launchers' dynamic bytes: both checked here against ptxas and the source."""
     static, _, _, dynamic = smem
-    for kernel, expression in dynamic.items():
-        total = c_expression(expression, C=layernorm.MAX_C) + static[kernel]
-        assert total <= A100_OPT_IN_SMEM_BYTES, (kernel, total)
+    assert max(static[k] for k in dynamic) == layernorm.STATIC_SMEM_BYTES, static
+    longest = layernorm.max_columns(OPT_IN_SMEM_BYTES[gpu])
+    totals = {k: [c_expression(e, C=C) + static[k] for C in (longest, longest + 1)] for k, e in dynamic.items()}
+    assert all(fits <= OPT_IN_SMEM_BYTES[gpu] for fits, _ in totals.values()), totals
+    assert any(over > OPT_IN_SMEM_BYTES[gpu] for _, over in totals.values()), totals
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,11 +248,17 @@ def test_the_longest_row_fits_the_a100s_opt_in_shared_memory(smem):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # 6144 and 12288 (the paper's 18.4B and 145.6B models): the backward's and the forward's dynamic
-# shared memory is exactly 48 KiB there, which with the static 128 B needs the opt-in.
-@pytest.mark.parametrize("C", [1, 7, 768, 1000, 1024, 4096, 4097, 6144, 12288, 12289, layernorm.MAX_C])
+# shared memory is exactly 48 KiB there, which with the static 128 B needs the opt-in. 20480 and
+# 25600 (its 530B and 1T models), and "longest", this GPU's longest row (layernorm.max_columns).
+@pytest.mark.parametrize("C", [1, 7, 768, 1000, 1024, 4096, 4097, 6144, 12288, 12289, 16384, 20480, 25600,
+                               "longest"])
 @pytest.mark.parametrize("rows", [1, 3, 777])
 def test_kernel_matches_the_float64_reference(rows, C, dtype):
     ext = build.extension("layernorm", layernorm.BINDING, layernorm.FUNCTIONS)
+    longest = layernorm.max_columns(layernorm.block_smem_limit(torch.cuda.current_device())[0])
+    C = longest if C == "longest" else C
+    if C > longest:
+        pytest.skip(f"rows of {C} exceed this GPU's longest, {longest}")
     x, w, b = inputs((rows,), C, seed=C + rows, dtype=dtype, device="cuda")
     g = randn(rows, C, seed=7, dtype=dtype, device="cuda")
     nan = float("nan")  # every output poisoned: a value the kernel forgets to write stays NaN

@@ -8,16 +8,20 @@ tanh/exp chains and catches any wrong term (O(1e-3) or more). GPU: the issue's b
 fp32 and 1e-2 in bf16, as max|kernel - ref| / max|ref| against the reference in float64 on the
 same (rounded) inputs: fp32 keeps ~7 digits through a few transcendental ops, bf16 ~3 digits.
 """
+import multiprocessing
 import os
 import re
+import subprocess
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 from conftest import GPU_TOL, check_against_unfused, load, needs_cuda, needs_nvcc, randn, rel
 from kernels import bias_gelu, build
 
@@ -66,6 +70,199 @@ def test_the_toolkit_is_found_whatever_torch_guessed(torchs_guess, tmp_path, mon
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # not the user's cache
     build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
     assert seen == [root]
+
+
+def test_the_compile_check_gives_nvcc_every_flag_the_real_build_gives_it(tmp_path, monkeypatch):
+    """torch's build adds its own flags (cpp_extension.COMMON_NVCC_FLAGS: no half or bfloat16
+    operators or implicit conversions) to ours: a .cu the check passes must build."""
+    from torch.utils import cpp_extension
+
+    given = []
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda **kw: given.append(kw["extra_cuda_cflags"]))
+    monkeypatch.setattr(build, "_extensions", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    commands = []
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))
+    build.nvcc_check(build.cu_files()[0])
+    missing = [f for f in [*cpp_extension.COMMON_NVCC_FLAGS, *given[0]] if f not in commands[0]]
+    assert not missing, (missing, commands[0])
+
+
+@needs_nvcc
+def test_the_compile_check_refuses_what_torchs_build_refuses(tmp_path):
+    cu = tmp_path / "half_operator.cu"  # legal CUDA, refused under torch's -D__CUDA_NO_HALF_OPERATORS__
+    cu.write_text('#include <cuda_fp16.h>\n__global__ void add(__half* a) { a[0] = a[0] + a[1]; }\n')
+    ok, out = build.nvcc_check(cu, archs=("90",))
+    assert not ok and "__half" in out, out
+
+
+# ----------------------------------------------------------------------------------------------
+# The name and the probe: no GPU here, so torch.cuda answers as a GPU would (fake_gpu), and
+# torch's load_inline is stubbed: it returns an extension whose probe launch succeeds or fails.
+
+
+class FakeExtension:
+    def __init__(self, probe_error=None):
+        self.probe_error, self.probed = probe_error, 0
+
+    def probe(self, stream):
+        self.probed += 1
+        if self.probe_error:
+            raise RuntimeError(self.probe_error)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """fake_gpu(capability, extension): torch.cuda reports one GPU of that compute capability, and
+    load_inline returns `extension`; returns the list of load_inline's keyword arguments per call."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(build, "cuda_toolkit", lambda: None)
+    calls = []
+
+    def gpu(capability, extension=None):
+        name = {(8, 0): "NVIDIA A100-SXM4-80GB", (9, 0): "NVIDIA H100 80GB HBM3"}[capability]
+        for attribute, value in [("is_available", lambda: True), ("device_count", lambda: 1),
+                                 ("get_device_capability", lambda device=None: capability),
+                                 ("get_device_name", lambda device=None: name),
+                                 ("is_current_stream_capturing", lambda: False),
+                                 ("current_stream", lambda device=None: types.SimpleNamespace(
+                                     cuda_stream=0, synchronize=lambda: None))]:
+            monkeypatch.setattr(torch.cuda, attribute, value)
+        monkeypatch.setattr(build, "_extensions", {})
+        monkeypatch.setattr(build, "_failed", {})
+        ext = extension or FakeExtension()
+        monkeypatch.setattr(cpp_extension, "load_inline", lambda **kw: calls.append(kw) or ext)
+        return calls
+
+    return gpu
+
+
+def test_two_gpu_generations_sharing_a_build_directory_each_build_and_keep_their_own(fake_gpu, monkeypatch):
+    """An A100 node and an H100 node with one shared TORCH_EXTENSIONS_DIR: each has its own build
+    (named with its compute capability), so neither rebuilds over the other's nor loads it; a
+    different TORCH_CUDA_ARCH_LIST is another build too."""
+    directories = []
+    for capability, arch_list in [((8, 0), None), ((9, 0), None), ((8, 0), None), ((9, 0), "8.0;9.0")]:
+        if arch_list:
+            monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+        calls = fake_gpu(capability)
+        build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+        directories.append(calls[-1]["build_directory"])
+    a100, h100, a100_again, h100_both = directories
+    assert a100 == a100_again and len({a100, h100, h100_both}) == 3, directories
+    assert "_sm80_" in a100 and "_sm90_" in h100
+
+
+def test_every_extension_is_probed_with_one_launch_before_it_is_used(fake_gpu):
+    ext = FakeExtension()
+    fake_gpu((9, 0), ext)
+    assert build.built("auto", "bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS) is ext
+    build.built("auto", "bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    assert ext.probed == 1  # once, at load
+
+
+NO_IMAGE = "kernels_probe: no kernel image is available for execution on the device"
+
+
+def test_a_build_without_this_gpus_architecture_falls_back_in_auto_saying_what_to_set(fake_gpu, monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")  # an A100's build, on an H100
+    fake_gpu((9, 0), FakeExtension(probe_error=NO_IMAGE))
+    said = (r"kernels: bias_gelu.cu was built, but its kernels cannot run on this GPU \(NVIDIA H100 80GB HBM3, "
+            r"compute capability 9.0\): kernels_probe: no kernel image is available for execution on the device. "
+            r"The build targeted TORCH_CUDA_ARCH_LIST='8.0': set TORCH_CUDA_ARCH_LIST to include 9.0 \(or unset it, "
+            r"to build for the GPUs in view\) and run again")
+    with pytest.raises(build.CannotRun, match=said + "$"):
+        build.built("cuda", "bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    build.calls.clear()
+    with pytest.warns(UserWarning, match=said + "; using the PyTorch reference$"):
+        assert build.use_kernel("auto", "bias_gelu", None, bias_gelu.BINDING, bias_gelu.FUNCTIONS) is None
+    assert build.use_kernel("auto", "bias_gelu", None, bias_gelu.BINDING, bias_gelu.FUNCTIONS) is None  # said once
+    assert build.report() == {"bias_gelu": "reference"}
+
+
+def test_prebuild_builds_the_four_families_at_once_on_the_callers_device(monkeypatch):
+    """A cold build is minutes a family: the four at once (threads waiting on torch's compiler
+    processes), each probed on the device of the rank that asked (a new thread starts on device 0)."""
+    device_of, runs = {}, []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: device_of.__setitem__(threading.get_ident(), d))
+
+    def slow_build(mode, family, binding, functions):
+        start = time.monotonic()
+        time.sleep(0.3)
+        runs.append((family, start, time.monotonic(), device_of.get(threading.get_ident())))
+        return object()
+
+    monkeypatch.setattr(build, "built", slow_build)
+    assert kernels.prebuild("auto") == list(kernels.FAMILY_NAMES)
+    assert sorted(r[0] for r in runs) == sorted(kernels.FAMILY_NAMES) and {r[3] for r in runs} == {3}
+    assert max(r[1] for r in runs) < min(r[2] for r in runs), runs  # all four running at one moment
+
+
+# ----------------------------------------------------------------------------------------------
+# One build at a time per node: the ranks' processes, forked, with torch's load_inline stubbed by a
+# build that takes a moment and records when it ran.
+
+
+def _build_in_a_fork(log, delay):
+    from torch.utils import cpp_extension
+
+    def slow_build(**kw):
+        start = time.monotonic()
+        time.sleep(delay)
+        with open(log, "a") as f:
+            f.write(f"{start} {time.monotonic()}\n")
+
+    cpp_extension.load_inline = slow_build
+    build._extensions.clear()
+    build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+
+
+def test_the_ranks_of_a_node_build_one_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setattr(build, "LOCK_POLL_S", 0.02)
+    log, ranks = tmp_path / "builds.log", 4
+    procs = [multiprocessing.get_context("fork").Process(target=_build_in_a_fork, args=(log, 0.3)) for _ in range(ranks)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0] * ranks
+    spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+    assert len(spans) == ranks
+    overlaps = [(a, b) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+    assert not overlaps, spans
+
+
+def test_a_build_that_holds_the_nodes_lock_without_progress_is_not_waited_for_forever(tmp_path, monkeypatch):
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_extensions", {})
+    monkeypatch.setattr(build, "LOCK_POLL_S", 0.05)
+    monkeypatch.setattr(build, "STALE_LOCK_S", 0.5)
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda **kw: calls.append(kw))
+    directory = build.build_directory(build.extension_name("bias_gelu", bias_gelu.BINDING))
+    os.makedirs(directory)
+    lock = directory + ".lock"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)  # another rank's build, stuck
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(build.BuildWaitTimeout, match=f"which holds the lock {lock}, and nothing in {directory} "
+                                                         f"has changed for .*`fuser -v {lock}` names it"):
+            build.extension("bias_gelu", bias_gelu.BINDING, bias_gelu.FUNCTIONS)
+    finally:
+        os.close(holder)
+    assert calls == []
 
 
 # The build lock: torch's load_inline is stubbed (no compiler runs); the lock file is put where
@@ -132,6 +329,41 @@ def test_every_launcher_takes_its_launch_error_rather_than_peeking_at_it():
     for name, text in code.items():
         if "<<<" in text:  # it launches: its launchers must say how the launch went
             assert "return launch_status();" in text, name
+
+
+def test_every_runtime_error_a_launcher_returns_is_taken_too():
+    """A failed runtime call (cudaFuncSetAttribute, say) is also recorded as the last error: a
+    launcher that returns its message must take it as well (common.cuh's call_status), or the next
+    launch check reports it again. A source check: only common.cuh's helpers, which take the error
+    first, turn an error into its message."""
+    files = [*build.cu_files(), build.KERNELS_DIR / "common.cuh"]
+    code = {f.name: re.sub(r"//[^\n]*", "", f.read_text()) for f in files}
+    assert not [name for name, text in code.items() if name != "common.cuh" and "cudaGetErrorString" in text]
+    helpers = re.findall(r"static inline const char\* \w+\([^)]*\) \{(.*?)\n\}", code["common.cuh"], re.S)
+    assert len(helpers) == 2 and all("cudaGetLastError()" in body for body in helpers), helpers
+    assert code["common.cuh"].count("cudaGetErrorString") == 2
+
+
+@needs_cuda
+def test_a_failed_opt_in_is_reported_once_by_its_launcher_and_not_by_the_next_cuda_op():
+    from kernels import layernorm
+
+    ext = build.extension("layernorm", layernorm.BINDING, layernorm.FUNCTIONS)
+    C = layernorm.max_columns(layernorm.block_smem_limit(torch.cuda.current_device())[0]) * 2 + 64  # past the limit
+    x = randn(2, C, seed=0, dtype=torch.float32, device="cuda")
+    w, stats = torch.ones(C, device="cuda"), torch.empty(2, device="cuda")
+    with pytest.raises(RuntimeError, match="layernorm_forward: invalid argument"):  # cudaFuncSetAttribute's
+        layernorm.kernel_forward(ext, x, w, w, 1e-5, torch.empty_like(x), stats, stats.clone())
+    assert torch.equal(x * 2, x + x)  # torch's launch check finds no error pending
+    torch.cuda.synchronize()
+
+
+@needs_cuda
+def test_every_extension_loads_and_its_probe_runs_on_this_gpu():
+    for family in kernels.families():
+        ext = build.extension(family.__name__.split(".")[-1], family.BINDING, family.FUNCTIONS)
+        ext.probe(torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
 
 
 @needs_cuda
