@@ -262,9 +262,14 @@ def _lost_peer(error, side, rank, world, timeout_s):
                 step = json.loads(side.get(key)).get("step") if one and side.check([key]) else None
             except Exception:
                 step = None
-        cause = f"a collective failed because a peer rank is gone (its process or node died, or it failed) or " \
-                f"did not answer within the {timeout_s:g} s timeout; the first rank to fail, in the launcher's log, " \
-                f"has the cause." if not gone else "a collective failed because a peer rank is gone."
+        if not gone:
+            cause = (f"a collective failed because a peer rank is gone (its process or node died, or it failed) or "
+                     f"did not answer within the {timeout_s:g} s timeout; the first rank to fail, in the launcher's "
+                     f"log, has the cause.")
+        elif " is stopped " in gone:
+            cause = f"a collective failed because a peer rank did not answer within the {timeout_s:g} s timeout."
+        else:
+            cause = "a collective failed because a peer rank is gone."
         failure = RankFailure((f"{gone}{'' if step is None else f' at step {step}'}; " if gone else "")
                               + f"rank {rank} of {world} stopped{' as its consequence' if gone else ''}: {cause}\n"
                               + _where(error))
