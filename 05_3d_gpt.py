@@ -489,7 +489,7 @@ class Loop:
     seed: int = 1337  # weights, data order, dropout and sampling
     timeout_s: float = 120.0  # every collective's timeout, in seconds (at most 3600)
     max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
-    hang_s: float | None = None  # no rank progressing this long while one waits: name the rank it waits for, stop (0: off; unset: half of --timeout-s)
+    hang_s: float | None = None  # no rank progressing this long while one waits: name the rank it waits for, stop (0: off; unset: half of --timeout-s, at least 1)
     straggler_every: int = 0  # compare every rank's busy time with its stage's every N steps (0: only at the end)
     rehearse_fault: list[str] = field(default_factory=list)  # KIND:RANK:ARG: slow:R:MS, hang:R:STEP, kill:R:STEP, stop:R:STEP
     watch: bool = True  # each rank's record on the side channel: the hang report, the straggler report (off: neither)
@@ -505,7 +505,7 @@ class Files:
     async_save: bool = False  # save in two stages: a snapshot in host memory (the only pause), then written in the background
     snapshot_every: int = 0  # steps between snapshots to --snapshot-dir, for --restarts (0: none)
     snapshot_dir: str = ""  # where snapshots go: node-local and fast, e.g. /dev/shm/snapshots
-    restarts: int = 0  # when a rank dies or hangs, restart this many times from the newest snapshot or checkpoint
+    restarts: int = 0  # when a rank dies or hangs, restart this many times from the newest snapshot or checkpoint (under torchrun: its --max-restarts)
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)

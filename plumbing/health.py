@@ -17,6 +17,8 @@ A record is one rank's view of itself, a dict (JSON-able, as the side channel ca
     waiting_for         [peer, ...]: the ranks a point-to-point exchange it is inside waits on
     state               "running" (it answers), "dead: <exit code or signal>", or "silent" (it was
                         alive but wrote no record within the deadline: stopped, or stuck in C code)
+    quiet_s             (optional) how long since it last made progress, as the watchdog saw: of
+                        several ranks that wait for no one, the others wait for the quietest
 """
 import statistics
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ class Diagnosis:
     step: int | None = None  # the culprit's step, as it last said
     waiting: list = field(default_factory=list)  # the ranks stuck waiting, directly or not, on them
     why: str = ""  # a sentence for the report
+    stacks: list | None = None  # the ranks whose Python stacks were written (plumbing/watch.py), if asked
 
 
 def members(group):
@@ -79,6 +82,8 @@ def diagnose(records, world):
     while r not in path and edges.get(r):
         path.append(r)
         r = min(edges[r])
+    if r not in path:  # an end: of several, the one quiet longest, when the records say (quiet_s)
+        r = _longest_quiet(records, edges, stuck, r)
     waiting = sorted(q for q in stuck if _reaches(edges, q, r))
     if r in path:  # a cycle
         cycle = path[path.index(r):]
@@ -90,6 +95,18 @@ def diagnose(records, world):
     group, op = _inside(records[path[-1]])  # what the last victim before the culprit waits in
     direct = {q: _inside(records[q]) for q in waiting if r in edges[q]}  # those waiting on it themselves
     return _blame(records, [r], waiting, group, op, direct)
+
+
+def _longest_quiet(records, edges, stuck, end):
+    """Of the ranks waited for (directly or in turn) that wait for no one, the dead or silent one, else
+    the one that made no progress for the longest (a record's quiet_s, the watchdog's measure); end
+    when the records do not say. A rank that is slow for long while another computes briefly before
+    its next collective: the one the others have waited for since."""
+    ends = {q for p in stuck for q in edges[p] if not edges.get(q)}
+    if len(ends) < 2 or any("quiet_s" not in (records[q] or {}) for q in ends):
+        return end
+    return max(sorted(ends), key=lambda q: (not records[q].get("state", "running").startswith("running"),
+                                             records[q]["quiet_s"]))
 
 
 def _reaches(edges, start, target):

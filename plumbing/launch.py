@@ -14,10 +14,13 @@
     gather_json(obj)           every rank's JSON-able object, as UTF-8 bytes in a tensor
 
 Nothing hangs: every collective has a timeout, and when a local rank raises or dies the others are
-stopped at once and RankFailure carries that rank's traceback. Under torchrun the elastic agent
-does the stopping on its node; a rank whose peer on another node is gone (the node died, or its
-ranks failed) fails its next collective, at once if the peer's connection closed and after the
-timeout if it went silent, and says so; a rank dies with its own agent, as it would with its node.
+stopped at once and RankFailure carries that rank's traceback; a rank still running when every
+other rank's collective has timed out is named first, as the one they waited for, and once a rank
+has returned the others must within timeout_s. Under torchrun the elastic agent does the stopping
+on its node; a rank whose peer is gone fails its next collective, at once if the peer's connection
+closed and after the timeout if it went silent, and says so, naming the peer first where its
+process is seen to have ended (on this host, or by a peer on its host, through the side channel);
+a rank dies with its own agent, as it would with its node.
 """
 import ctypes
 import json
@@ -152,6 +155,7 @@ def _run_launched_rank(worker, args, rank, world, local_rank, timeout_s):
         # group (a kill of the agent) would otherwise leave this rank training on, headless.
         _die_with_parent()
     env = _join_launcher_group(rank, world, local_rank, timeout_s)
+    side = _announce(rank)
     try:
         try:
             result = worker(env, *args)
@@ -165,15 +169,118 @@ def _run_launched_rank(worker, args, rank, world, local_rank, timeout_s):
                 dist.barrier()
         except Exception as e:
             if _peer_lost(e):
-                raise RankFailure(
-                    f"rank {rank} of {world} stopped: a collective failed because a peer rank is gone "
-                    f"(its process or node died, or it failed) or did not answer within the "
-                    f"{timeout_s:g} s timeout; the first rank to fail, in the launcher's log, has the "
-                    f"cause.\n{_where(e)}") from e
+                raise _lost_peer(e, side, rank, world, timeout_s) from e
             raise
     finally:
         dist.destroy_process_group()
     return result
+
+
+# Where each rank's process is, on the side channel, so that a rank whose collective lost a peer can
+# name the peer that is gone: one key per host, "rank:pid:start time;" appended by each of its ranks.
+HOST_KEY, VICTIMS_KEY, GONE_KEY = "launch/host/{}", "launch/victims", "launch/gone"
+
+
+def _announce(rank):
+    """Say on the side channel where this rank's process is; returns the side channel (or None)."""
+    try:
+        side = side_channel()
+        side.append(HOST_KEY.format(socket.gethostname()), f"{rank}:{os.getpid()}:{_process(os.getpid())[2]};")
+        return side
+    except Exception:  # no side channel: a lost peer is then said without its name
+        return None
+
+
+def _process(pid):
+    """(state, exit status or None, start time) of a process from /proc; state "gone" when there is
+    no such process, None for all three without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is stat's field 3, the state
+    except FileNotFoundError:
+        return "gone", None, None
+    except OSError:
+        return None, None, None
+    code = int(fields[49]) if fields[0] in "ZX" and len(fields) > 49 else None  # field 52, exit_code
+    return fields[0], code, fields[19]  # field 22, starttime: a pid used again is another process
+
+
+def _gone_peer(side, rank, wait_s=2.0):
+    """The first peer found gone, as "rank R <what became of it>": a rank on this host whose process
+    ended (or stopped), else one a peer on another host found so, within wait_s; None if none."""
+    deadline = time.monotonic() + wait_s
+    side.append(VICTIMS_KEY, f"{rank};")  # not a cause: its peers that look at its process skip it
+    while True:
+        if side.check([GONE_KEY]):
+            return side.get(GONE_KEY).decode()
+        victims = set(side.get(VICTIMS_KEY).decode().split(";"))
+        key = HOST_KEY.format(socket.gethostname())
+        for entry in side.get(key).decode().split(";") if side.check([key]) else []:
+            r, pid, started = entry.split(":") if entry.count(":") == 2 else (None, None, None)
+            if r is None or r in victims or int(r) == rank:
+                continue
+            state, code, now = _process(int(pid))
+            if state is None:  # no /proc here
+                return None
+            how = _ended(None, None) if state == "gone" or now != started else _ended(state, code) \
+                if state in "ZX" else "is stopped (SIGSTOP, or a debugger holds it)" if state in "tT" else None
+            if how:
+                side.compare_set(GONE_KEY, "", f"rank {r} {how}")  # the first finder's answer is everyone's
+                return side.get(GONE_KEY).decode()
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _ended(state, code):
+    if code is None:
+        return "died (its process is gone)"
+    return f"died (killed by {signal.Signals(code & 0x7F).name})" if code & 0x7F else f"died (exit code {code >> 8})"
+
+
+def _lost_peer(error, side, rank, world, timeout_s):
+    """The RankFailure of a rank whose collective lost a peer: the peer that is gone named first, with
+    its last step, when it can be found (its process ended or stopped: seen from its host). torchrun's
+    agent stops the surviving ranks meanwhile (SIGTERM, a tenth of a second after a death): the
+    sentence is printed here, with SIGTERM held off while the peer is looked for."""
+    caught = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda *a: caught.append(1))
+    except ValueError:  # not the main thread: looked for all the same
+        previous = None
+    try:
+        try:
+            gone = _gone_peer(side, rank) if side is not None else None
+        except Exception:  # the side channel went away with the job: said without the peer's name
+            gone = None
+        step = None
+        if gone:
+            from plumbing.watch import KEY  # the peer's last record, when the run is watched
+            one = gone.split()[1] if gone.startswith("rank ") else None  # "rank 3 died ...", not "ranks [...]"
+            try:
+                key = KEY.format(one)
+                step = json.loads(side.get(key)).get("step") if one and side.check([key]) else None
+            except Exception:
+                step = None
+        if not gone:
+            cause = (f"a collective failed because a peer rank is gone (its process or node died, or it failed) or "
+                     f"did not answer within the {timeout_s:g} s timeout; the first rank to fail, in the launcher's "
+                     f"log, has the cause.")
+        elif " is stopped " in gone:
+            cause = f"a collective failed because a peer rank did not answer within the {timeout_s:g} s timeout."
+        else:
+            cause = "a collective failed because a peer rank is gone."
+        failure = RankFailure((f"{gone}{'' if step is None else f' at step {step}'}; " if gone else "")
+                              + f"rank {rank} of {world} stopped{' as its consequence' if gone else ''}: {cause}\n"
+                              + _where(error))
+        print(f"\nerror: {failure}", file=sys.stderr, flush=True)  # before the agent's SIGTERM can end this rank
+        failure.said = True
+        return failure
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if caught:  # the agent asked this rank to stop: now it does
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _join_launcher_group(rank, world, local_rank, timeout_s):
@@ -198,7 +305,11 @@ def _join_launcher_group(rank, world, local_rank, timeout_s):
     if hosted_elsewhere and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         _wait_for_rendezvous(os.environ["MASTER_ADDR"].strip(), int(os.environ["MASTER_PORT"]), rank, world, timeout_s)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **bind)
+        # Under torchrun's agent store (its default), this attempt's keys under a prefix of their own
+        # (_attempt_store); else env://, rank 0 hosting a fresh store.
+        store = _attempt_store(timeout_s) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                **(dict(store=store) if store is not None else {}), **bind)
     except (RuntimeError, ValueError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
         lines = str(e).strip().splitlines()
         raise RankFailure(f"rank {rank} of {world} could not join the process group at {where} (MASTER_ADDR:"
@@ -206,6 +317,18 @@ def _join_launcher_group(rank, world, local_rank, timeout_s):
                           f"(or torchrun's agent) hosts it there: is it running, with the same MASTER_ADDR, "
                           f"MASTER_PORT and WORLD_SIZE?") from None
     return RankEnv(rank, world, local_rank, device)
+
+
+def _attempt_store(timeout_s=30.0):
+    """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT), its keys under this attempt's
+    own prefix. torchrun keeps one store for the whole job: after a restart (--max-restarts) it
+    still holds the previous attempt's keys, among them every rank's gloo address, and a new rank
+    that read a dead peer's address before the peer wrote its new one failed to connect
+    ("Connection refused"; a plain torch script fails the same way). The prefix is torchrun's
+    restart count (TORCHELASTIC_RESTART_COUNT)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"].strip(), int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore(f"megatron-scratch/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _wait_for_rendezvous(addr, port, rank, world, timeout_s, say_after_s=5.0):
@@ -295,7 +418,10 @@ class Watch:
 def side_channel(timeout_s=30.0):
     """A new client of the launcher's key-value store, which no training process group uses (the
     watch's heartbeats go there): the local launcher's TCPStore, or under torchrun the one at
-    MASTER_ADDR:MASTER_PORT. None when neither is known."""
+    MASTER_ADDR:MASTER_PORT (with torchrun's agent store, under this attempt's prefix: it outlives
+    restarts). None when neither is known."""
+    if _side is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
+        return _attempt_store(timeout_s)  # this attempt's keys only: the store outlives restarts
     host, port = _side or (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
     if not host or not port:
         return None
@@ -332,7 +458,7 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
     try:
         try:
             _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s, deaths=deaths, dog=dog,
-                     watch=watch)
+                     watch=watch, timeout_s=timeout_s)
         except KeyboardInterrupt:  # Ctrl-C here (the terminal sends it to the ranks too), or a kill -INT
             _on_interrupt(pipes, procs, results, failures, interrupted)
     finally:
@@ -370,13 +496,23 @@ def _death(rank, code, dog):
 
 def _failure_report(failures, deaths, stopped):
     """The cause first, then its victims. The cause is the earliest death, else the earliest error
-    that is not a lost peer, else the earliest report; the ranks whose collective failed because a
-    peer was gone follow on one line, as its consequences."""
+    that is not a lost peer, else, when every failure is a lost peer, the ranks that were still
+    running (the ones the others' collectives waited for), else the earliest report; the ranks whose
+    collective failed because a peer was gone follow on one line, as its consequences."""
     lost = {r for r, text in failures.items() if r not in deaths and _peer_lost_text(text)}
     order = list(failures)
     first = next((r for r in order if r in deaths), None)
-    first = first if first is not None else next((r for r in order if r not in lost), order[0])
+    first = first if first is not None else next((r for r in order if r not in lost), None)
     who = lambda r: r if isinstance(r, str) else f"rank {r}"  # noqa: E731
+    if first is None and stopped:  # a hang outside communication, seen only at the collective timeout
+        lines = [f"{_ranks_word(stopped)} hung: {'it was' if len(stopped) == 1 else 'they were'} still running, "
+                 f"in no collective that failed, when every other rank's collective had timed out waiting for a "
+                 f"peer or lost one; stopped after the failure"]
+        victims = sorted(lost)
+        lines.append(f"ranks {victims} failed as its consequences (a collective lost its peer): "
+                     f"{failures[victims[0]].strip().splitlines()[-1]}")
+        return "\n".join(lines)
+    first = order[0] if first is None else first
     # A death, or the hang report ("the run"), names itself in its first line: that line is the cause.
     lines = [failures[first].strip() if first in deaths or isinstance(first, str) else
              f"{who(first)} failed:\n{failures[first]}"]
@@ -391,25 +527,50 @@ def _failure_report(failures, deaths, stopped):
     return "\n".join(lines)
 
 
+LOST_GRACE_S = 2.0  # while every failure is a lost peer: the time the others get to report theirs
+
+
+def _ranks_word(ranks):
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
 def _peer_lost_text(text):
     last = text.strip().splitlines()[-1] if text.strip() else ""
     return any(phrase in last for phrase in PEER_LOST) or "DistError" in last or "DistNetworkError" in last
 
 
 def _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s, grace_s=1.0, deaths=None,
-             dog=None, watch=None):
+             dog=None, watch=None, timeout_s=None):
     """Read each rank's report ("ok", "error" or "interrupted") as it comes; after the first
-    failure wait grace_s for the others' own, then stop. With a watchdog (dog) and watch.hang_s,
-    look at the ranks' records a few times a second, and stop with the hang report when it has one.
-    deaths: the ranks that died are added to it."""
-    nprocs, hang_s = len(procs), dog and watch.hang_s
+    failure wait grace_s for the others' own (longer while every failure is a lost peer: a rank
+    that never fails is then the one they waited for), then stop. With a watchdog (dog) and
+    watch.hang_s, look at the ranks' records a few times a second, and stop with the hang report
+    when it has one. timeout_s: once a rank has returned, the others must return within it, as
+    their last collective would have (under torchrun the ranks' closing barrier has that timeout);
+    a rank still running then, outside any collective, is stopped and named. deaths: the ranks
+    that died are added to it."""
+    nprocs, hang_s, returned_at = len(procs), dog and watch.hang_s, None
     while len(results) + len(failures) + len(interrupted) < nprocs:
         if failures or interrupted:  # give the other ranks a moment to report their own, then stop them
-            wait_s = grace_s
+            only_lost = not interrupted and not (deaths or set()) & set(failures) and all(
+                isinstance(r, int) and _peer_lost_text(text) for r, text in failures.items())
+            wait_s = max(grace_s, LOST_GRACE_S) if only_lost else grace_s
         else:
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             if hang_s:
                 wait_s = 0.3 if wait_s is None else min(wait_s, 0.3)
+            if results and timeout_s is not None:
+                returned_at = returned_at or time.monotonic()
+                left = max(0.0, returned_at + timeout_s - time.monotonic())
+                if left == 0:
+                    running = [r for r in range(nprocs) if r not in results]
+                    first = min(results, key=lambda r: r)
+                    failures["the run"] = (f"{_ranks_word(running)} did not return within {timeout_s:g} s (the "
+                                           f"launch's timeout, which bounds every collective) of rank {first}'s "
+                                           f"return: still running outside any collective (an endless loop, or a "
+                                           f"wait on something else)\n")
+                    break
+                wait_s = left if wait_s is None else min(wait_s, left)
         waiting = [pipes[r] for r in range(nprocs) if r not in results and r not in failures and r not in interrupted]
         ready = connection.wait(waiting, timeout=wait_s)
         if not ready:
@@ -500,6 +661,10 @@ def run_main(main):
     try:
         ok = main()
     except (RankFailure, *SENTENCES) as e:  # a rank stopped mid-bar leaves its progress line open
+        if getattr(e, "said", False):  # a rank that lost its peer under torchrun: said at once, and
+            sys.stdout.flush()  # the watch's threads may be inside the store's C++ client, which an
+            sys.stderr.flush()  # interpreter's teardown then aborts ("terminate called"): no teardown
+            os._exit(1)
         print(f"{chr(10) if isinstance(e, RankFailure) else ''}error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:

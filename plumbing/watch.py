@@ -6,12 +6,15 @@ first. The ideas (who waits for whom; what makes a straggler) are pure functions
                   group the collectives it entered and left and the one it is in, the peers of the
                   point-to-point exchange it waits in, and its busy time (the step minus its waits).
                   It wraps torch.distributed's collectives while the run lasts; nothing in the
-                  numbered files calls it.
+                  numbered files calls it. On NCCL, whose collectives return before they complete,
+                  it watches them on the GPU (CUDA events around each), not on the host.
     Heartbeat     a thread writing the record to the side channel (a key-value store apart from
                   every training process group: the launcher's TCPStore, its own client) every BEAT_S,
                   and this rank's Python stacks to a file when the watchdog asks
     Watchdog      reads every record; when no rank has made progress for hang_s while some rank
-                  waits, diagnoses the hang (health.diagnose) and has every rank dump its stacks
+                  waits, diagnoses the hang (health.diagnose) and has every rank dump its stacks.
+                  The local launcher runs one; under torchrun rank 0 does, and the last rank stands
+                  in for it when rank 0 itself is silent
     Faults        --rehearse-fault KIND:RANK:ARG, to see all this at work: slow:R:MS sleeps MS every
                   step, hang:R:STEP stops entering collectives, kill:R:STEP and stop:R:STEP send
                   SIGKILL and SIGSTOP to the rank itself
@@ -21,17 +24,21 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from plumbing import health
 
 BEAT_S = 0.25  # how often a rank's record reaches the side channel
 SILENT_S = 2.0  # a rank whose heartbeat has not changed for this long is silent (stopped, or stuck in C)
+STALE_S = 4 * BEAT_S  # a record not rewritten for longer is not trusted for a diagnosis (until it is silent)
 KEY = "watch/rank/{}"  # the side channel's keys: each rank's record, and the watchdog's request
 DUMP_KEY = "watch/dump"
 _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
@@ -43,13 +50,23 @@ _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
 
 
 class Recorder:
-    """This rank's record, kept up to date by wrappers around torch.distributed's collectives."""
+    """This rank's record, kept up to date by wrappers around torch.distributed's collectives.
+
+    With gloo a collective returns when it has completed: the host waits inside the call, and the
+    wrapper times the wait. NCCL (and any backend in ASYNC_BACKENDS) returns at once, having queued
+    the collective on the device; the host waits later, wherever it first reads a result (the
+    gradient norm's float(), the loss's), outside any wrapped call. There the wrapper puts a marker
+    into the device's stream before and after each collective (a CUDA event): while the device has
+    reached the first and not the second, this rank waits in that collective, and the time between
+    the two is its wait. The heartbeat thread reads the markers, so the record says so while the
+    host is blocked anywhere."""
 
     def __init__(self, rank, where_is=str):
         self.rank, self.where_is, self.lock = rank, where_is, threading.Lock()
         self.step, self.phase, self.groups, self.waiting_for, self.progress = None, "start", {}, [], 0
         self.blocked_s, self.step_start, self.busy_ms = 0.0, None, []  # busy_ms: one entry per step
-        self.names, self.originals = {}, {}
+        self.names, self.originals, self.marker_of = {}, {}, {}
+        self.queued = []  # asynchronous backends: [_Queued], in the order the device runs them
 
     def install(self):
         for name in _COLLECTIVES:
@@ -67,8 +84,17 @@ class Recorder:
 
     def record(self):
         with self.lock:
-            return dict(step=self.step, phase=self.phase, groups={g: list(v) for g, v in self.groups.items()},
-                        waiting_for=list(self.waiting_for), state="running", progress=self.progress)
+            self._poll()
+            groups = {g: list(v) for g, v in self.groups.items()}
+            waiting_for = list(self.waiting_for)
+            head = self.queued[0] if self.queued else None
+            if head and head.before.done():  # the device has reached it: this rank waits in it
+                if head.peers is None:
+                    groups[head.group][2] = head.op
+                else:
+                    waiting_for = list(head.peers)
+            return dict(step=self.step, phase=self.phase, groups=groups, waiting_for=waiting_for, state="running",
+                        progress=self.progress)
 
     def set_phase(self, phase, step=None):
         with self.lock:
@@ -78,16 +104,19 @@ class Recorder:
 
     def begin_step(self, step):
         self.set_phase("training", step)
-        self.step_start, self.blocked_s = time.perf_counter(), 0.0
+        with self.lock:
+            self.step_start, self.blocked_s = time.perf_counter(), 0.0
         self.on_step()  # the heartbeat writes the record now: a rank dying in this step is seen in it
 
     def on_step(self):
         pass
 
     def end_step(self):
-        if self.step_start is not None:
-            self.busy_ms.append(1e3 * (time.perf_counter() - self.step_start - self.blocked_s))
-            self.step_start = None
+        with self.lock:
+            self._poll()
+            if self.step_start is not None:
+                self.busy_ms.append(1e3 * (time.perf_counter() - self.step_start - self.blocked_s))
+                self.step_start = None
 
     def _group(self, group):
         name = self.names.get(group)
@@ -95,6 +124,17 @@ class Recorder:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
             name = self.names[group] = ",".join(map(str, ranks))
         return name
+
+    def _markers(self, group):
+        """The marker factory of the group's backend when its collectives return before they complete
+        (ASYNC_BACKENDS), else None."""
+        if group not in self.marker_of:
+            try:
+                backend = str(dist.get_backend(group)).lower()
+            except Exception:  # not a group torch knows: treated as blocking
+                backend = ""
+            self.marker_of[group] = ASYNC_BACKENDS.get(backend)
+        return self.marker_of[group]
 
     def _enter(self, group, op):
         with self.lock:
@@ -111,11 +151,47 @@ class Recorder:
     def _leave(self, entry, started):
         with self.lock:
             entry[1], entry[2], self.progress = entry[1] + 1, None, self.progress + 1
-        self.blocked_s += time.perf_counter() - started
+            self.blocked_s += time.perf_counter() - started
+
+    def _queue(self, markers, call, group=None, op=None, peers=None):
+        """Run call() (which queues a collective, or the stream's wait for one, and returns at once)
+        between two markers, kept until the device has passed the second. A factory gives no marker
+        where none can be put (a CUDA graph being captured: its collectives run at replay, unwatched)."""
+        before = markers()
+        if before is None:
+            try:
+                return call()
+            finally:
+                with self.lock:
+                    if peers is None:
+                        self.groups[group][1] += 1
+                    self.progress += 1
+        try:
+            return call()
+        finally:
+            with self.lock:
+                self.queued.append(_Queued(before, markers(), group, op, peers))
+
+    def _poll(self):  # under the lock: what the device has completed, in its order
+        while self.queued and self.queued[0].after.done():
+            q = self.queued.pop(0)
+            if q.peers is None:
+                self.groups[q.group][1] += 1
+            self.progress += 1
+            self.blocked_s += q.before.seconds_to(q.after)
 
     def _wrap(self, name, fn):
         def collective(*args, **kwargs):
-            entry = self._enter(kwargs.get("group"), name)
+            group = kwargs.get("group")
+            entry = self._enter(group, name)
+            markers = self._markers(group)
+            if markers is not None:  # queued on the device: watched there
+                where = self._group(group)
+                if kwargs.get("async_op"):  # queued now; the stream waits for it at wait()
+                    def wait(work, *a):
+                        return self._queue(markers, lambda: work.wait(*a), where, name)
+                    return _Work(fn(*args, **kwargs), wait=wait)
+                return self._queue(markers, lambda: fn(*args, **kwargs), where, name)
             if kwargs.get("async_op"):
                 return _Work(fn(*args, **kwargs), lambda: self._block(entry, name), lambda t: self._leave(entry, t))
             started = self._block(entry, name)
@@ -128,6 +204,10 @@ class Recorder:
     def _wrap_p2p(self, fn):
         def batch(ops):
             works, peers = fn(ops), [op.peer for op in ops]
+            markers = self._markers(getattr(ops[0], "group", None)) if ops else None
+            if markers is not None:
+                return [_Work(w, wait=lambda w, *a, p=p: self._queue(markers, lambda: w.wait(*a), peers=[p]))
+                        for w, p in zip(works, peers)]
             return [_Work(w, lambda p=p: self._wait_on(p), self._waited) for w, p in zip(works, peers)]
         return batch
 
@@ -139,16 +219,53 @@ class Recorder:
     def _waited(self, started):
         with self.lock:
             self.waiting_for, self.progress = [], self.progress + 1
-        self.blocked_s += time.perf_counter() - started
+            self.blocked_s += time.perf_counter() - started
+
+
+@dataclasses.dataclass
+class _Queued:
+    """A collective (group, op), or a wait for point-to-point peers, between two device markers."""
+    before: object
+    after: object
+    group: str | None
+    op: str | None
+    peers: list | None
+
+
+class _CudaMarker:
+    """A point in the current CUDA stream's work: done once the device has passed it."""
+
+    def __init__(self):
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
+
+    def done(self):
+        return self.event.query()
+
+    def seconds_to(self, later):
+        return self.event.elapsed_time(later.event) / 1e3
+
+
+def _cuda_marker():
+    return None if torch.cuda.is_current_stream_capturing() else _CudaMarker()
+
+
+# Backends whose collectives return before they complete, and how to mark a point in the device's
+# work: a factory of objects with done() and seconds_to(later marker). A backend added here is
+# watched on the device (tests/test_watch.py adds a CPU one whose collectives return at once).
+ASYNC_BACKENDS = {"nccl": _cuda_marker}
 
 
 class _Work:
-    """An async collective's or a point-to-point op's work, whose wait() is recorded."""
+    """An async collective's or a point-to-point op's work, whose wait() is recorded: between
+    before() and after(started) (a blocking backend), or by wait(work, *args) itself."""
 
-    def __init__(self, work, before, after):
-        self.work, self.before, self.after = work, before, after
+    def __init__(self, work, before=None, after=None, wait=None):
+        self.work, self.before, self.after, self.waiting = work, before, after, wait
 
     def wait(self, *args):
+        if self.waiting is not None:
+            return self.waiting(self.work, *args)
         started = self.before()
         try:
             return self.work.wait(*args)
@@ -219,6 +336,7 @@ class Watchdog:
             if rec["progress"] != progress:
                 progress_at = now
             self.seen[r] = (rec["beat"], rec["progress"], beat_at, progress_at)
+            rec["quiet_s"] = now - progress_at
             if now - beat_at > SILENT_S:
                 rec["state"] = "silent"
             out[r] = rec
@@ -229,15 +347,20 @@ class Watchdog:
         key = KEY.format(rank)
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
-    def check(self):
+    def check(self, acting=None):
+        """The diagnosis of a hang, its stacks written; else None. acting(records): whether to report
+        one (a deputy reports only when the watchdog it stands in for is silent)."""
         records = self.records()
         if len(self.seen) < self.world or any(rec.get("phase", "").startswith("save") for rec in records.values()):
             return None  # some rank has not started yet, or a save is under way (it has its own timeout)
         now = time.monotonic()
         if min(now - progress_at for _, _, _, progress_at in self.seen.values()) < self.hang_s:
             return None
+        if any(STALE_S < now - beat_at <= SILENT_S for _, _, beat_at, _ in self.seen.values()):
+            return None  # a record not rewritten lately (its heartbeat starved of the CPU) may be old news:
+            # wait for it, or for the rank to turn silent
         diagnosis = health.diagnose(records, self.world)
-        if diagnosis.kind == "none":
+        if diagnosis.kind == "none" or (acting is not None and not acting(records)):
             return None  # every rank computing for long: slow, not stuck
         os.makedirs(self.dump_dir, exist_ok=True)
         self.store.set(DUMP_KEY, self.dump_dir)
@@ -246,26 +369,33 @@ class Watchdog:
         while time.monotonic() < deadline and not all(
                 os.path.exists(os.path.join(self.dump_dir, f"rank{r}.txt")) for r in alive):
             time.sleep(0.05)
+        written = [r for r in range(self.world) if os.path.exists(os.path.join(self.dump_dir, f"rank{r}.txt"))]
+        diagnosis.stacks = None if len(written) == self.world else written  # None: every rank's
         return diagnosis
 
 
 def describe(diagnosis, grid_of, hang_s, dump_dir):
     """The hang report's sentence: the culprit's coordinates first, then what the others wait in."""
     who = ", ".join(f"rank {r} ({grid_of(r)})" for r in diagnosis.culprits)
+    written = diagnosis.stacks  # None: every rank's
+    stacks = "Every rank's Python stack" if written is None else \
+        f"The Python stack{'' if len(written) == 1 else 's'} of {'rank' if len(written) == 1 else 'ranks'} " \
+        f"{', '.join(map(str, written))} (the others wrote none in time)" if written else None
     return (f"hang: no rank made progress for {hang_s:g} s. {who}: {diagnosis.why}"
             + (f", at step {diagnosis.step}" if diagnosis.step is not None and diagnosis.kind != "cycle" else "")
-            + f". Every rank's Python stack: {dump_dir}/rank<N>.txt")
+            + (f". {stacks}: {dump_dir}/rank<N>.txt" if stacks else ". No rank wrote its Python stack in time"))
 
 
 def start(env, store, recorder, hang_s, launched):
-    """This rank's heartbeat, when there is a side channel (store), and under torchrun (launched)
-    rank 0's watchdog thread, which reports a hang and ends the job itself (the local launcher runs
-    its own). Returns what stop() needs."""
+    """This rank's heartbeat, when there is a side channel (store), and under torchrun (launched) the
+    watchdog threads, which report a hang and end the job themselves (the local launcher runs its
+    own): rank 0's, and its deputy on the last rank, which reports only when rank 0 itself is silent
+    (stopped, or stuck in C code). Returns what stop() needs."""
     if store is None:
         return None
     threads = [Heartbeat(store, recorder)]
-    if launched and env.rank == 0 and hang_s:
-        threads.append(_WatchdogThread(env.world_size, hang_s, recorder.where_is))
+    if launched and hang_s and env.rank in (0, env.world_size - 1):
+        threads.append(_WatchdogThread(env.world_size, hang_s, recorder.where_is, deputy=env.rank != 0))
     for t in threads:
         t.start()
     return threads
@@ -280,22 +410,58 @@ def stop(threads, recorder):
 
 
 class _WatchdogThread(threading.Thread):
-    def __init__(self, world, hang_s, where_is):
+    def __init__(self, world, hang_s, where_is, deputy=False):
         from plumbing.launch import side_channel  # its own client: one per thread
         super().__init__(daemon=True, name="watchdog")
-        self.dog = Watchdog(side_channel(), world, hang_s, os.path.join(os.getcwd(), f"hang-{os.getpid()}"))
-        self.where_is, self.stopped = where_is, threading.Event()
+        # The stacks go where the local launcher's go: a temporary directory, not the working one
+        # (often a checkout).
+        self.dog = Watchdog(side_channel(), world, hang_s, os.path.join(
+            tempfile.gettempdir(), f"hang-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}-{int(time.time())}"))
+        self.where_is, self.stopped, self.deputy = where_is, threading.Event(), deputy
 
     def run(self):
+        acting = (lambda records: (records.get(0) or {}).get("state") == "silent") if self.deputy else None
         while not self.stopped.wait(0.5):
             try:
-                diagnosis = self.dog.check()
+                diagnosis = self.dog.check(acting)
             except Exception:
                 return
             if diagnosis:
-                print(f"error: {describe(diagnosis, self.where_is, self.dog.hang_s, self.dog.dump_dir)}",
+                print(f"\nerror: {describe(diagnosis, self.where_is, self.dog.hang_s, self.dog.dump_dir)}",
                       file=sys.stderr, flush=True)
+                _claim(self.dog.store, diagnosis)
+                _end_stopped(self.dog.store, diagnosis.culprits)
                 os._exit(1)  # torchrun's agent then stops every other rank
+
+
+def _claim(store, diagnosis):
+    """Say on the side channel that the hang's culprit is the cause: the ranks whose collective loses
+    this rank when it ends the job name the culprit first, not this rank."""
+    from plumbing.launch import GONE_KEY
+    culprits = diagnosis.culprits
+    who = f"rank {culprits[0]}" if len(culprits) == 1 else f"ranks {culprits}"
+    try:
+        store.compare_set(GONE_KEY, "", f"{who} hung (the hang report above)")
+    except Exception:
+        pass
+
+
+def _end_stopped(store, ranks):
+    """End the stopped ranks among these on this host (SIGTERM, then SIGCONT so that it is acted on),
+    as the local launcher does: torchrun's agent sends its SIGTERM too, but a stopped process acts on
+    it only when continued, and the agent waits 30 s before its SIGKILL."""
+    from plumbing.launch import HOST_KEY, _process
+    try:
+        key = HOST_KEY.format(socket.gethostname())
+        entries = [e.split(":") for e in store.get(key).decode().split(";") if e.count(":") == 2] \
+            if store.check([key]) else []
+        for r, pid, started in entries:
+            state, _, now = _process(int(pid))
+            if int(r) in ranks and now == started and state in ("T", "t"):
+                os.kill(int(pid), signal.SIGTERM)
+                os.kill(int(pid), signal.SIGCONT)
+    except Exception:  # the job ends all the same, its agent's SIGKILL the later
+        pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,8 +469,17 @@ class _WatchdogThread(threading.Thread):
 
 
 def hang_seconds(tc):
-    """--hang-s, or when unset half of --timeout-s: the report comes well before the timeout."""
-    return 0 if not tc.watch else tc.timeout_s / 2 if tc.hang_s is None else tc.hang_s
+    """--hang-s, or when unset half of --timeout-s: the report comes well before the timeout. Never
+    below 1 s, the least --hang-s itself may be (below it a healthy run's ordinary waits look hung):
+    1 s for a --timeout-s below 2 s, and off for --timeout-s 1, which it cannot come before."""
+    if not tc.watch:
+        return 0
+    if tc.hang_s is not None:
+        return tc.hang_s
+    return max(tc.timeout_s / 2, MIN_HANG_S) if tc.timeout_s > MIN_HANG_S else 0
+
+
+MIN_HANG_S = 1.0
 
 
 def coords(rank, tc):
@@ -349,6 +524,12 @@ def with_restarts(launch_run, tc, grid):
     from plumbing import selfcheck
     from plumbing.checkpoint import newest_checkpoint, read_manifest
     from plumbing.launch import RankFailure, launcher_ranks
+    ranks = launcher_ranks()
+    if tc.restarts and ranks:
+        raise ValueError(f"--restarts {tc.restarts} restarts the ranks this script starts itself; under torchrun "
+                         f"(this is rank {ranks[0]} of {ranks[1]}) torchrun starts them: give torchrun --max-restarts "
+                         f"{tc.restarts} instead (a restarted rank resumes from the newest of --snapshot-dir and "
+                         f"--save), or drop --restarts")
     for attempt in range(tc.restarts + 1):
         try:
             return bool(launch_run(tc))

@@ -950,6 +950,38 @@ def test_the_table_covers_a_hundred_cases_and_every_file():
     assert {script for script, _, _ in CASES.values()} == set(SCRIPTS)
 
 
+# ----------------------------------------------------------------------------------------------
+# The third hostile pass's flags that torchrun makes meaningless (issue 36, section 3): refused by
+# name before any rank joins a group, on the same promises as HOSTILE's cases.
+
+WATCH_HOSTILE = {
+    "--restarts under torchrun": ("05", [*ONE, "--restarts", "2"],
+        "--restarts 2 restarts the ranks this script starts itself; under torchrun (this is rank 0 of 1) torchrun "
+        "starts them: give torchrun --max-restarts 2 instead", None, LAUNCHER),
+    "--restarts under torchrun, rank 3 of 4": ("05", ["--tp", "2", "--pp", "2", "--dp", "1", "--restarts", "1"],
+        "--restarts 1 restarts the ranks this script starts itself; under torchrun (this is rank 3 of 4)", None,
+        {**LAUNCHER, "RANK": "3", "WORLD_SIZE": "4"}),
+}
+
+
+@pytest.mark.parametrize("case", list(WATCH_HOSTILE))
+def test_a_flag_torchrun_makes_meaningless_is_refused_by_name_and_every_file_is_left_as_it_was(case, tmp_path,
+                                                                                              checkpoint_dir):
+    script, args, message, setup, env = WATCH_HOSTILE[case]
+    tmp = str(tmp_path)
+    _hostile_files(tmp, checkpoint_dir)
+    before = _snapshot(tmp)
+    proc = run_script({**SCRIPTS, **SCRIPTS_HOSTILE}[script], *args, timeout=30, env=env)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert " ".join(message.split()) in " ".join(proc.stderr.split()), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.seconds < 10, f"{proc.seconds:.1f} s"
+    assert proc.leftover == []
+    after = _snapshot(tmp)
+    assert {p: v for p, v in after.items() if p in before} == before
+    assert [p for p, v in after.items() if p not in before and v != "directory"] == []
+
+
 zero_bubble, vocab_parallel = load("06_zero_bubble"), load("07_vocab_parallel")
 CONFIGS = [tensor_parallel.GPTConfig, gpt3d.TrainConfig, sample.SampleConfig, tensor_parallel.DemoConfig,
            pipeline.DemoConfig, interleaved.DemoConfig, data_parallel.DemoConfig, zero_bubble.DemoConfig,

@@ -86,3 +86,21 @@ def test_the_course_exercise_of_week_4_has_the_answer_it_implies():
     busy = {0: 101, 1: 99, 2: 100, 3: 96, 4: 210, 5: 205, 6: 298, 7: 201}
     assert stragglers(busy, {r: r // 4 for r in range(8)}) == [6]
     assert "week 4, second half" in (ROOT / "docs" / "COURSE.md").read_text().lower()
+
+
+def test_of_two_ranks_outside_communication_the_others_wait_for_the_one_quiet_longest():
+    # Issue 36: rank 0 sleeps (slowed) and rank 5 computes briefly before its next collective; with
+    # the watchdog's measure of how long each has made no progress, the blame goes to rank 0.
+    records = {
+        0: rec(groups={"0,1": [10, 10, None]}, phase="training"),
+        1: rec(groups={"0,1": [11, 10, "all_reduce"]}),
+        4: rec(groups={"4,5": [7, 6, "all_reduce"]}),
+        5: rec(groups={"4,5": [6, 6, None]}, phase="backward"),
+    }
+    world = {r: records.get(r, rec()) for r in range(8)}
+    assert diagnose(world, 8).culprits == [0]  # without the measure: the lowest rank waited for
+    quiet = {r: dict(world[r], quiet_s=1.5 if r == 0 else 0.2) for r in range(8)}
+    assert diagnose(quiet, 8).culprits == [0]
+    quiet = {r: dict(world[r], quiet_s=1.5 if r == 5 else 0.2) for r in range(8)}
+    d = diagnose(quiet, 8)
+    assert d.culprits == [5] and d.waiting == [4] and "rank 4 waits for it in all_reduce on group [4,5]" in d.why

@@ -404,6 +404,78 @@ def test_an_exported_gpt2_config_is_complete_and_consistent(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# Faults from outside and the watch's own figures (issue 36, section 6), each case as a user meets
+# it: a non-zero exit (or the run completing, where that is right), the culprit named first in one
+# sentence, no traceback, nothing left running. (tests/test_watch.py has the cases under torchrun.)
+
+WATCH_SMALL = ["--n-layer", "2", "--batch-size", "8", "--microbatches", "2", "--seq-len", "16", "--block-size", "16",
+               "--eval-every", "0"]
+
+
+def _first_error(text):
+    return next((line for line in text.replace("\r", "\n").splitlines() if line.startswith("error: ")), "")
+
+
+def test_an_unset_hang_s_is_never_below_a_second_and_off_when_the_timeout_leaves_no_room():
+    from plumbing import watch
+    hang = lambda **kw: watch.hang_seconds(replace(gpt3d.TrainConfig(), **kw))  # noqa: E731
+    # --hang-s itself must be at least 1 s: below it a healthy run's ordinary waits look hung.
+    assert hang(timeout_s=1.5) == 1 and hang(timeout_s=1.9) == 1 and hang(timeout_s=120) == 60
+    assert hang(timeout_s=1) == 0  # 1 s, the least --timeout-s, leaves the report no room before it
+    assert hang(timeout_s=1.5, hang_s=0) == 0 and hang(timeout_s=10, hang_s=3) == 3 and hang(watch=False) == 0
+
+
+def test_a_slowed_rank_under_a_short_timeout_is_the_one_named_and_its_stack_is_written():
+    # --timeout-s 1.5 made --hang-s 0.75 s, and the report once blamed rank 5, not the slowed rank 0,
+    # and promised stack files that were not written. Now: the run completes (rank 0's 1.1 s stalls
+    # are below the 1.5 s timeout, and at most just over the 1 s of --hang-s), or the report says 1 s,
+    # names rank 0 first, and every stack it says was written is there (a stall in the last step ends
+    # before any rank's heartbeat sees the request: then it says that none was).
+    proc = run_script("05_3d_gpt.py", *WATCH_SMALL, "--steps", "8", "--timeout-s", "1.5", "--rehearse-fault",
+                      "slow:0:1100", timeout=60)
+    assert proc.leftover == [] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if proc.returncode != 0:
+        line = _first_error(proc.stderr)
+        assert line.startswith("error: hang: no rank made progress for 1 s. rank 0 (tp 0, dp 0, pp 0): rank 0 is not in "
+                               "any collective"), proc.stderr[-3000:]
+        said = re.search(r"(Every rank's Python stack|The Python stacks? of ranks? ([\d, ]+) \(the others wrote none "
+                         r"in time\)): (\S+)/rank<N>\.txt$", line)
+        assert said or line.endswith("No rank wrote its Python stack in time"), line
+        for r in (range(8) if said and said[2] is None else map(int, said[2].split(", ")) if said else []):
+            assert os.path.exists(os.path.join(said[3], f"rank{r}.txt")), line
+
+
+def _returns_but_rank_1(env):
+    while env.rank == 1:  # an endless loop, in no collective
+        pass
+    return env.rank
+
+
+def test_the_librarys_launch_stops_a_rank_still_running_long_after_its_peers_returned():
+    from plumbing.launch import launch
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        launch(_returns_but_rank_1, 2, timeout_s=5)  # no deadline_s: the timeout bounds the ranks' ends too
+    assert time.monotonic() - t0 < 15
+    text = str(failure.value)
+    assert text.startswith("rank 1 did not return within 5 s (the launch's timeout, which bounds every collective) of "
+                           "rank 0's return: still running outside any collective"), text
+    assert "stopped ranks [1] after the failure" in text and "Traceback" not in text
+
+
+def test_a_rehearsed_hang_without_the_watch_names_the_hung_rank_first_at_the_timeout():
+    # --no-watch: no records, no hang report; the others' collectives time out, and the one rank still
+    # running, in no collective that failed, is the one they waited for.
+    proc = run_script("05_3d_gpt.py", *WATCH_SMALL, "--steps", "6", "--timeout-s", "2", "--no-watch",
+                      "--rehearse-fault", "hang:3:1", timeout=60)
+    assert proc.returncode == 1 and proc.leftover == [], proc.stderr[-3000:]
+    assert _first_error(proc.stderr).startswith("error: rank 3 hung: it was still running, in no collective that "
+                                                "failed, when every other rank's collective had timed out"), \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.seconds < 20, (proc.seconds, proc.stderr[-3000:])
+
+
+# ----------------------------------------------------------------------------------------------
 # 5. Ctrl-C, and what a run may write over (issue 28)
 
 

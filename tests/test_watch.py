@@ -1,12 +1,17 @@
 """When a rank is slow, stuck or dead, the run names it first (plumbing/watch.py, health.py, the
 launcher's report), rehearsed with --rehearse-fault on the default 8 CPU ranks as a user would."""
 import os
+import queue
 import re
+import statistics
+import sys
+import tempfile
+import threading
 import time
 
 import pytest
 
-from conftest import run_script
+from conftest import ROOT, run_script
 
 SMALL = ["--n-layer", "2", "--batch-size", "8", "--microbatches", "2", "--seq-len", "16", "--block-size", "16",
          "--eval-every", "0"]
@@ -108,3 +113,275 @@ def test_a_restart_runs_its_self_check_and_its_next_attempt_without_the_rehearse
                                       snapshot_dir=str(tmp_path), snapshot_every=1)
     assert watch.with_restarts(launch_run, tc, grid=None) is True
     assert attempts == [["hang:3:5", "slow:1:80"], []] and checked == [[]]
+
+
+class _Store:
+    """The side channel's calls the watchdog makes, on a dict."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+
+def test_a_record_its_heartbeat_has_not_rewritten_lately_is_not_diagnosed_until_it_is_silent(monkeypatch, tmp_path):
+    # Issue 36: a hang report blamed a rank whose record was old news (its heartbeat thread starved of
+    # the CPU on a loaded machine). Rank 0 waits for rank 1 in an all-reduce; rank 1's record, which
+    # says it is outside communication, is not rewritten: between STALE_S and SILENT_S it is not
+    # trusted, and after SILENT_S rank 1 is silent.
+    import json
+    from plumbing import watch
+    now = [100.0]
+    monkeypatch.setattr(watch.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(watch.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    store, beats = _Store(), {0: 0, 1: 0}
+
+    def beat(*ranks):
+        for r in ranks:
+            beats[r] += 1
+            groups = {"0,1": [2, 1, "all_reduce"]} if r == 0 else {"0,1": [1, 1, None]}
+            store.set(watch.KEY.format(r), json.dumps(dict(step=3, phase="training", groups=groups, waiting_for=[],
+                                                           state="running", progress=7, beat=beats[r])))
+
+    dog = watch.Watchdog(store, 2, 1.0, str(tmp_path / "stacks"))
+    beat(0, 1)
+    assert dog.check() is None  # nothing quiet yet
+    now[0] += 1.5
+    beat(0)  # rank 0's heartbeat goes on; rank 1's record is 1.5 s old
+    assert dog.check() is None
+    now[0] += 0.7
+    beat(0)
+    d = dog.check()  # rank 1's record is 2.2 s old: silent
+    assert d is not None and d.culprits == [1] and d.kind == "silent", d
+
+
+# ----------------------------------------------------------------------------------------------
+# An asynchronous backend (issue 35, item 3). NCCL returns from a collective at once, having queued
+# it on the device; the host waits later, where it first reads a result (the gradient norm's
+# float(), the loss's), outside any wrapped call. Here a CPU stand-in: a backend whose collectives
+# queue the real (gloo) one on a "stream" (a thread that runs its queue in order, as a device does)
+# and return at once, and a host that reads only after waiting for the stream, where NCCL blocks.
+
+
+class _Stream(threading.Thread):
+    """A device's stream: runs what is queued on it, in order, on its own thread."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.queue, self.error = queue.Queue(), None
+        self.start()
+
+    def run(self):
+        while True:
+            fn = self.queue.get()
+            try:
+                fn()
+            except BaseException as e:  # a timed-out collective: raised where the host waits
+                self.error = e
+            self.queue.task_done()
+
+    def synchronize(self):  # the host waits for the device (what float() of a CUDA tensor does)
+        self.queue.join()
+        if self.error:
+            raise self.error
+
+
+class _Mark:
+    """A point in the stream's work (a CUDA event's stand-in): done once the stream has passed it."""
+
+    def __init__(self, stream):
+        self.reached, self.at = threading.Event(), None
+        stream.queue.put(self._reach)
+
+    def _reach(self):
+        self.at = time.perf_counter()
+        self.reached.set()
+
+    def done(self):
+        return self.reached.is_set()
+
+    def seconds_to(self, later):
+        return later.at - self.at
+
+
+def _async_group(stream):
+    """A process group of every rank whose all_reduce queues gloo's on the stream and returns at once."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    class QueuedGroup(dist.ProcessGroup):
+        def __init__(self, inner, rank, world):
+            super().__init__(rank, world)
+            self.inner = inner
+
+        def allreduce(self, tensors, opts=None):
+            stream.queue.put(lambda: self.inner.allreduce(tensors).wait())
+            done = torch.futures.Future()
+            done.set_result(tensors)
+            return _create_work_from_future(done)  # its wait() returns at once, as NCCL's does on the host
+
+        def getBackendName(self):
+            return "queued"
+
+    dist.Backend.register_backend("queued", lambda store, rank, world, timeout: QueuedGroup(
+        dist.ProcessGroupGloo(store, rank, world, timeout), rank, world), devices=["cpu"])
+    return dist.new_group(list(range(dist.get_world_size())), backend="queued")
+
+
+def _async_steps(env, steps, device_ms, hang_at=None):
+    """Each step: device work (device_ms[rank] on the stream), an all-reduce that returns at once, and
+    the host's read of its result; rank 1's host stops for good at step hang_at, before its all-reduce."""
+    import torch
+    import torch.distributed as dist
+    from plumbing import watch
+    from plumbing.launch import side_channel
+    stream = _Stream()
+    group = _async_group(stream)
+    getattr(watch, "ASYNC_BACKENDS", {})["queued"] = lambda: _Mark(stream)  # how to mark the stream's work
+    recorder = watch.Recorder(env.rank).install()
+    beats = watch.start(env, side_channel(), recorder, 0, None)  # the heartbeat; the launcher watches
+    for step in range(steps):
+        recorder.begin_step(step)
+        while env.rank == 1 and step == hang_at:
+            time.sleep(0.1)  # alive, outside communication
+        stream.queue.put(lambda: time.sleep(device_ms[env.rank] / 1e3))  # the step's compute, on the device
+        x = torch.ones(1)
+        dist.all_reduce(x, group=group)
+        stream.synchronize()  # where the host first reads the result, and waits
+        assert float(x) == env.world_size
+        recorder.end_step()
+    watch.stop(beats, recorder)
+    return recorder.busy_ms
+
+
+def test_on_a_backend_whose_collectives_return_at_once_the_hang_is_seen_where_the_host_waits():
+    from plumbing.launch import RankFailure, Watch, launch
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        launch(_async_steps, 2, 6, {0: 5, 1: 5}, 3, timeout_s=30, deadline_s=60, watch=Watch(1.5, lambda r: f"r{r}"))
+    text = str(failure.value)
+    assert time.monotonic() - t0 < 20, text  # the hang report, not the collective timeout (30 s)
+    assert text.startswith("hang: no rank made progress for 1.5 s. rank 1 (r1): rank 1 is not in any collective "
+                           "(at step 3, training); rank 0 waits for it in all_reduce on group [0,1]"), text
+
+
+def test_on_a_backend_whose_collectives_return_at_once_busy_time_leaves_out_the_wait_on_the_device():
+    from plumbing import health
+    from plumbing.launch import launch
+    busy = launch(_async_steps, 2, 8, {0: 10, 1: 90}, timeout_s=30, deadline_s=60)
+    medians = {r: statistics.median(b[2:]) for r, b in enumerate(busy)}  # the first steps warm up
+    # Rank 0 computes 10 ms and waits ~80 ms on the device for rank 1, its host blocked meanwhile in
+    # the read; its busy time is its own 10 ms (plus the host's overhead), not the 90 ms step.
+    assert medians[0] < 45 and medians[1] > 80, medians
+    assert health.stragglers(medians, {0: 0, 1: 0}) == [1], medians
+
+
+# ----------------------------------------------------------------------------------------------
+# Under torchrun (issue 36, section 3 and 6): a dead, stopped or hung rank is named first, its
+# stacks go to a temporary directory, and torchrun's --max-restarts resumes. Four CPU ranks (tp 1,
+# pp 2, dp 2) of one torchrun agent; each job is found by a marker in its processes' environment,
+# since torchrun starts each rank in a session of its own.
+
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+TORCHRUN_FLAGS = ["--tp", "1", "--pp", "2", "--dp", "2", *SMALL, "--timeout-s", "60"]
+
+
+def torchrun(ranks, *args, launcher=(), timeout=120):
+    marker = f"WATCH_TEST_JOB={os.getpid()}-{time.monotonic_ns()}"
+    env = {"OMP_NUM_THREADS": "1", marker.split("=")[0]: marker.split("=")[1]}  # one thread a rank, as locally
+    proc = run_script(*TORCHRUN, str(ranks), *launcher, "05_3d_gpt.py", *args, fresh=True, timeout=timeout, env=env)
+    deadline = time.monotonic() + 5
+    while (left := _processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.leftover = left
+    return proc
+
+
+def _processes_with(marker):
+    """Live processes whose environment holds marker."""
+    found, needle = [], b"\0" + marker.encode() + b"\0"
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    environ = b"\0" + f.read()
+            except OSError:
+                continue
+            if state != "Z" and needle in environ:
+                found.append(int(entry))
+    return found
+
+
+def first_error(text):
+    return next((line for line in text.replace("\r", "\n").splitlines() if line.startswith("error: ")), None)
+
+
+def ours_raised(text):
+    """Whether any of our files appears in a traceback (torchrun's agent prints its own)."""
+    return f'File "{ROOT}' in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_under_torchrun_a_killed_rank_is_named_first_with_its_signal_and_step():
+    proc = torchrun(4, *TORCHRUN_FLAGS, "--steps", "10", "--rehearse-fault", "kill:3:4")
+    assert proc.returncode != 0 and not proc.leftover, proc.stderr[-3000:]
+    # Each surviving rank says it, before torchrun's agent stops it (SIGTERM is held off meanwhile).
+    assert re.fullmatch(r"error: rank 3 died \((killed by SIGKILL|its process is gone)\) at step 4; rank [012] of 4 "
+                        r"stopped as its consequence: a collective failed because a peer rank is gone\.",
+                        first_error(proc.stderr) or ""), proc.stderr[-3000:]
+    assert not ours_raised(proc.stderr)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_under_torchrun_a_stopped_rank_0_is_named_by_its_deputy_long_before_the_timeout():
+    before = set(os.listdir(ROOT))
+    proc = torchrun(4, *TORCHRUN_FLAGS, "--steps", "10", "--rehearse-fault", "stop:0:3", "--hang-s", "3")
+    assert proc.returncode != 0 and not proc.leftover, proc.stderr[-3000:]
+    assert proc.seconds < 60, proc.seconds  # the report, not the 60 s collective timeout (and no 30 s wait
+    # for the agent's SIGKILL of the stopped rank: the reporter ends it)
+    line = first_error(proc.stderr) or ""
+    assert line.startswith("error: hang: no rank made progress for 3 s. rank 0 (tp 0, dp 0, pp 0): rank 0 stopped "
+                           "answering"), proc.stderr[-3000:]
+    stacks = re.search(r"Python stacks?\b[^:]*: (\S+)/rank<N>\.txt", line)[1]
+    assert os.path.dirname(stacks) == tempfile.gettempdir() and os.path.exists(os.path.join(stacks, "rank1.txt"))
+    assert set(os.listdir(ROOT)) == before and not ours_raised(proc.stderr)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_under_torchrun_a_hung_ranks_stacks_go_to_a_temporary_directory_not_the_working_one():
+    before = set(os.listdir(ROOT))
+    proc = torchrun(4, *TORCHRUN_FLAGS, "--steps", "10", "--rehearse-fault", "hang:2:3", "--hang-s", "3")
+    assert proc.returncode != 0 and not proc.leftover, proc.stderr[-3000:]
+    line = first_error(proc.stderr) or ""
+    assert line.startswith("error: hang: no rank made progress for 3 s. rank 2 (tp 0, dp 0, pp 1): rank 2 is not in "
+                           "any collective (at step 3, rehearsed hang at step 3)"), proc.stderr[-3000:]
+    stacks = re.search(r"Python stacks?\b[^:]*: (\S+)/rank<N>\.txt", line)[1]
+    assert os.path.dirname(stacks) == tempfile.gettempdir()
+    assert "in rehearse" in open(os.path.join(stacks, "rank2.txt")).read()
+    assert set(os.listdir(ROOT)) == before  # no ./hang-<pid>/ in the checkout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_torchruns_max_restarts_resumes_a_killed_rank_and_every_loss_is_bit_identical(tmp_path):
+    # torchrun keeps one store for the job; the restarted ranks' keys go under a prefix of their own,
+    # or they read the dead attempt's gloo addresses ("Connection refused").
+    import json
+    common = ["--tp", "1", "--pp", "2", "--dp", "1", *SMALL, "--steps", "10", "--timeout-s", "60"]
+    proc = torchrun(2, *common, "--snapshot-every", "1", "--snapshot-dir", tmp_path / "snap", "--rehearse-fault",
+                    "kill:1:4", "--metrics", tmp_path / "restarted.jsonl", launcher=["--max-restarts", "1"])
+    assert proc.returncode == 0 and not proc.leftover, proc.stderr[-3000:]
+    assert "error: rank 1 died" in proc.stderr and "resumed from" in proc.stdout
+    whole = run_script("05_3d_gpt.py", *common, "--metrics", tmp_path / "whole.jsonl")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    losses = [[json.loads(line)["loss"] for line in open(tmp_path / name)] for name in ("restarted.jsonl", "whole.jsonl")]
+    assert len(losses[0]) == 10 and losses[0] == losses[1]  # bit for bit
