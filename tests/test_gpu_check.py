@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT, load
+from plumbing import checks, cli, sample
 
 sys.path.insert(0, str(ROOT / "scripts"))
 gpu_check = importlib.import_module("gpu_check")
@@ -122,10 +123,10 @@ def test_every_trainer_command_of_the_plan_passes_05s_own_checks():
             continue
         p = gpt3d.parser()
         args = p.parse_args(flags)
-        tc, cfg, sc = (gpt3d.cli.from_args(c, args) for c in (gpt3d.TrainConfig, gpt3d.tensor_parallel.GPTConfig,
-                                                             gpt3d.sample.SampleConfig))
-        gpt3d.check_fields(tc, cfg, sc)
-        assert gpt3d.check_action(args, gpt3d.cli.given(p, flags)) is None, command.name  # it trains
+        tc, cfg, sc = (cli.from_args(c, args) for c in (gpt3d.TrainConfig, gpt3d.tensor_parallel.GPTConfig,
+                                                       sample.SampleConfig))
+        checks.check_fields(tc, cfg, sc)
+        assert checks.check_action(args, cli.given(p, flags)) is None, command.name  # it trains
         checked += 1
     assert checked == 10
 
