@@ -504,6 +504,7 @@ class Files:
     snapshot_dir: str = ""  # where snapshots go: node-local and fast, e.g. /dev/shm/snapshots
     restarts: int = 0  # when a rank dies or hangs, restart this many times from the newest snapshot or checkpoint
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
+    data_changed_ok: bool = False  # with --resume: go on although --data is not the checkpoint's data (said, not refused)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
     trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
