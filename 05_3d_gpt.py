@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
-from plumbing import cli, report, sample, selfcheck, watch
+from plumbing import agreement, cli, report, sample, selfcheck, watch
 from plumbing.checkpoint import Saver, load_checkpoint, newest_checkpoint
 from plumbing.checks import acceleration, check_action, check_fields, check_model_flags, check_plan_flags, preflight
 from plumbing.data import check_tokens, replica_batch
@@ -534,6 +534,7 @@ def train(env, cfg, tc, quiet=False, schedule_of=interleaved_schedule):
     say = printer(env, quiet)  # everything that can be refused is, before the first collective:
     train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
                                                        writer=env.rank == 0)
+    agreement.check(env, cfg, tc, path, start)  # every rank the same flags, data and checkpoint, or none trains
     if acceleration(tc, env.device)[0]:
         kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
     pipe = schedule_of(tc)
