@@ -411,6 +411,11 @@ def sum_each(group, *xs):
 def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, sums=sum_each):
     """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp)."""
     Vl = logits.shape[-1]
+    if n_vocab > Vl * tp_size(group):  # as F.cross_entropy refuses them: its checks, without reading back
+        raise ValueError(f"n_vocab={n_vocab} is more than the logits' {Vl} columns x tp={tp_size(group)}")
+    if not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
+        torch._assert_async(((target == ignore_index) | (target >= 0) & (target < n_vocab)).all(),
+                            f"a target is outside [0, n_vocab={n_vocab}) and is not ignore_index={ignore_index}")
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), target.reshape(-1), group,
@@ -556,8 +561,7 @@ class GPT(nn.Module):
 
     def load_full_state_dict(self, full):
         """Load this model's part (its layers, its shards) of a full serial state dict."""
-        own = dict(self.named_parameters())
-        load_full_state_dict(self, {k: v for k, v in full.items() if k in own}, self.group)
+        load_full_state_dict(self, full, self.group, whole=lambda: GPT(self.cfg, device="meta"))
 
     def full_state_dict(self):  # every parameter, gathered to its serial shape
         return gather_full(self, self.group)
