@@ -19,7 +19,7 @@ or layouts (they run on the default group, before any other group exists): every
 digest of all of it (32 bytes), and only when the digests differ, every rank's items as JSON
 bytes (launch.gather_json: the lengths first, then the padded rows). Every rank then builds the
 same sentence from the same items and raises it. A rank that never comes is named, after the
-collective timeout, from the launcher's store, where each rank leaves a mark before it waits.
+collective timeout, from the default group's store, where each rank leaves a mark before it waits.
 """
 import dataclasses
 import hashlib
@@ -137,11 +137,12 @@ def _ranks(ranks):
 
 
 def _arrive(env):
-    """Leave this rank's mark in the launcher's store (the local launcher's, or torchrun's at
-    MASTER_ADDR:MASTER_PORT), so that a rank waiting for one that never comes can name it.
-    Returns (store, key prefix), or None where there is no store to reach."""
+    """Leave this rank's mark in the default group's own store (the local launcher's, or torchrun's
+    rendezvous store: already connected, so it costs one message; a new client of the launcher's
+    store can take seconds to connect), so that a rank waiting for one that never comes can name
+    it. Returns (store, key prefix), or None where there is no store to reach."""
     try:
-        store = side_channel()
+        store = getattr(dist.distributed_c10d, "_get_default_store", side_channel)()
         if store is None:
             return None
         run, attempt = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
