@@ -521,9 +521,10 @@ def _manifest_problems(m):
     out = m.get("outputs", {})
     if not isinstance(out, dict) or set(out) - set(OUTPUTS) or not all(isinstance(v, str) for v in out.values()):
         wrong.append(f"outputs {out!r} (an object: {' and '.join(OUTPUTS)}, each a path or \"\")")
-    data = m.get("data", {})
-    if not (isinstance(data, dict) and set(data) == {"bytes", "head_tail_sha256"} and _whole(data["bytes"], 0)
-            and isinstance(data["head_tail_sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", data["head_tail_sha256"])):
+    data = m.get("data")  # absent from a manifest written before it was kept: nothing to compare
+    if "data" in m and not (isinstance(data, dict) and set(data) == {"bytes", "head_tail_sha256"}
+                            and _whole(data["bytes"], 0) and isinstance(data["head_tail_sha256"], str)
+                            and re.fullmatch(r"[0-9a-f]{64}", data["head_tail_sha256"])):
         wrong.append(f"data {data!r} (an object: bytes, a whole number, and head_tail_sha256, 64 hex digits)")
     if "tokenizer" in m and m["tokenizer"] not in TOKENIZERS:
         wrong.append(f"tokenizer (one of {', '.join(TOKENIZERS)}; got {m['tokenizer']!r})")

@@ -1107,6 +1107,9 @@ THIRD = {
     "resume on a file where the built-in corpus was": ("05", [*T05, "--resume", "{ckpt}", "--data", "{txt}"],
         "--data {txt} is not the data the checkpoint {ckpt} was trained on (the built-in corpus: 1,143,984 bytes "
         "then, 2,002 now)", None, None),
+    "resume a manifest whose data record lies": ("05", [*T05, "--resume", "{ckpt}"],
+        "manifest.json is malformed: missing or wrong data {'bytes': -1} (an object: bytes, a whole number, and "
+        "head_tail_sha256, 64 hex digits)", _manifest(lambda m: m.update(data={"bytes": -1})), None),
     "data a /proc file of size 0": ("05", ["--data", "/proc/cpuinfo"],
         "--data /proc/cpuinfo: its size reads as 0 bytes, yet reading it gives data", None, None),
     "data a uint16 file named .BIN": ("05", ["--data", "{tmp}/ids.BIN"],
@@ -1173,6 +1176,15 @@ def test_a_resume_on_changed_data_goes_on_with_data_changed_ok_and_says_so(tmp_p
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (f"note: --data {subs['{txt}']} is not the data the checkpoint {subs['{ckpt}']} was trained on (2,002 "
             f"bytes then, 2,102 now); continuing on it (--data-changed-ok)") in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_checkpoint_from_before_the_data_was_recorded_resumes_on_any_data(tmp_path, checkpoint_dir):
+    subs = _hostile_files(str(tmp_path), checkpoint_dir)
+    _edit_manifest(subs["{ckpt}"], lambda m: m.pop("data"))
+    proc = run_script("05_3d_gpt.py", *T05, "--resume", subs["{ckpt}"], "--data", subs["{txt}"], "--steps", "3",
+                      "--eval-every", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"note: the checkpoint was trained with --data ''; this run continues with {subs['{txt}']!r}" in proc.stdout
 
 
 def test_the_manifest_records_what_the_data_was_when_the_run_loaded_it(checkpoint_dir):
