@@ -246,6 +246,7 @@ def sum_each(group, *xs):
 
 def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, sums=sum_each):
     """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp)."""
+    check_targets(logits, target, group, n_vocab, ignore_index)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index,
@@ -489,8 +490,7 @@ scatter_to_sp, gather_from_sp, reduce_scatter_to_sp = ScatterToSP.apply, GatherF
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the tensor-in, tensor-out collectives (torch 2.13 renamed them; 2.11 and 2.12
-# have the old names), two checks, the vocabulary's padding and the full weights' initialisation.
+# After the concept: the tensor-in, tensor-out collectives (2.13's names, or 2.11's), checks, padding.
 
 
 def all_gather_single(out, x, group, async_op=False):
@@ -517,17 +517,26 @@ def check_heads(cfg, tp):
     return tp
 
 
+def check_targets(logits, target, group, n_vocab, ignore_index):
+    """What F.cross_entropy refuses, without reading back: more vocabulary than logits, a target outside
+    [0, n_vocab) that is not ignore_index (not checked inside a CUDA graph's capture)."""
+    if n_vocab > logits.shape[-1] * tp_size(group):
+        raise ValueError(f"n_vocab={n_vocab} is more than the logits' {logits.shape[-1]} columns x tp={tp_size(group)}")
+    if not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
+        torch._assert_async(((target == ignore_index) | (target >= 0) & (target < n_vocab)).all(),
+                            f"a target is outside [0, n_vocab={n_vocab}) and is not ignore_index={ignore_index}")
+
+
 def padded_vocab_size(n_vocab, tp, divisible_by=1):
     """Megatron's make-vocab-size-divisible-by: round V up to a multiple of divisible_by * tp."""
     return -(-n_vocab // (divisible_by * tp)) * divisible_by * tp
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the random numbers of dropout. Replicated activations draw identical masks on
-# every tp rank (from the default generator, seeded alike); split activations draw different ones (a
-# tracked generator seeded by tp rank), as Megatron's RNG tracker does (Shoeybi et al. 2019, Appendix
-# B.2: one global generator, one per rank inside the model-parallel regions). With sequence
-# parallelism the dropouts outside those regions see T/tp rows each, so they draw from the tracker too.
+# After the concept: dropout's random numbers. Replicated activations draw identical masks on every tp
+# rank (the default generator, seeded alike), split ones different masks (a tracked generator seeded by
+# tp rank), as Megatron's RNG tracker (Shoeybi et al. 2019, Appendix B.2). With sequence parallelism
+# the dropouts outside the tp regions see T/tp rows each, so they draw from the tracker too.
 
 
 class TPRandom:
@@ -563,12 +572,10 @@ class TPRandom:
 
 class OverlappedColumnLinear(torch.autograd.Function):
     """F.linear(enter_tp(x), weight, bias) as one autograd node: Megatron's asynchronous input-gradient
-    all-reduce, one of the overlaps of tensor-parallel communication with compute that MegaScale
-    (Jiang et al. 2024, Section 3.3) describes. Before: the column-parallel layer is the node of f and the node of the linear; autograd runs the
-    linear's whole backward (dX, then dW) and only then f's, so dX's all-reduce waits for dW's GEMM and
-    nothing runs while it travels. Now: the backward launches dX's all-reduce (with sp its reduce-
-    scatter, Korthikanti 4.2.2) the moment dX is computed, and computes dW and db while it travels.
-    With sp it saves the gathered input (Megatron re-gathers it in backward, to save memory)."""
+    all-reduce (MegaScale, Jiang et al. 2024, Section 3.3). Before: autograd runs the linear's whole
+    backward (dX, then dW) and only then f's, so dX's all-reduce waits for dW's GEMM. Now: the backward
+    launches dX's all-reduce (with sp its reduce-scatter) the moment dX is computed, and computes dW
+    and db while it travels. With sp it keeps the gathered input (Megatron gathers it again instead)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sp):  # x: (B, T, n_in), or (B, T/tp, n_in) with sp

@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 import kernels  # a package beside the numbered files
 import planner
 from kernels import graphs as cuda_graphs
-from plumbing import command, report
+from plumbing import agreement, command, report
 from plumbing.checkpoint import resume
 from plumbing.checks import acceleration, preflight
 from plumbing.data import check_tokens, replica_batch
@@ -257,6 +257,7 @@ def train(env, cfg, tc, quiet=False, schedule_of=None):
     say = printer(env, quiet)  # everything that can be refused is, before the first collective:
     train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
                                                        writer=env.rank == 0)
+    agreement.check(env, cfg, tc, path, start)  # every rank the same flags, data and checkpoint, or none trains
     if acceleration(tc, env.device)[0]:
         kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
     pipe = (schedule_of or interleaved_schedule)(tc)
@@ -507,6 +508,7 @@ class Files:
     snapshot_dir: str = ""  # where snapshots go: node-local and fast, e.g. /dev/shm/snapshots
     restarts: int = 0  # when a rank dies or hangs, restart this many times from the newest snapshot or checkpoint (under torchrun: its --max-restarts)
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
+    data_changed_ok: bool = False  # with --resume: go on although --data is not the checkpoint's data (said, not refused)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
     trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)

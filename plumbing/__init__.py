@@ -11,6 +11,7 @@ first read; each module opens with what it does and how it is called.
                    token check
     tokenizer.py   GPT-2's BPE when tiktoken is installed; which tokenizer a data file names
     checks.py      05's config checked before any process group exists
+    agreement.py   every rank of a run started with the same flags, data and checkpoint, or none trains
     paths.py       what a run writes against what it reads: no output replaces an input, lies in a
                    checkpoint or replaces a file the run did not write (--overwrite); one run per
                    --save directory

@@ -5,14 +5,18 @@
                                             shard, then rank 0 the manifest, and one rename makes
                                             step_N visible; keeps the newest `keep` of its own saves.
                                             Its own group and timeout (a collective to construct).
+                                            A rank that cannot write (a full disk, a directory made
+                                            read-only, deleted or replaced) stops every rank, each
+                                            with a sentence, and nothing is committed.
                                             asynchronous: a snapshot in host memory, then the same
                                             protocol in a background writer; wait() for it
     latest_checkpoint(root)                 the newest complete step under root (or root itself)
     read_manifest(path, cfg, tc)            the manifest, checked field by field (types, ranges,
                                             known names), and refused if it is of another model or
-                                            batch
+                                            batch, or of other data (--data-changed-ok: said)
     check_shards(path, manifest)            every shard a whole archive; with tensors=True, every
-                                            tensor finite and of a float dtype, as loads check too
+                                            tensor finite, of a float dtype and of the shape its
+                                            layout gives it, as loads check too
     check_save_dir(root, start)             refuse a --save directory that holds later steps, or a
                                             step_N.tmp that is not an interrupted save of ours
     read_checkpoint(path)                   (manifest, full weights, full optimizer state), whatever
@@ -32,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 import zipfile
@@ -41,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from plumbing import checks, paths
+from plumbing.data import identity as data_identity
 from plumbing.launch import side_channel
 from plumbing.shards import split_of
 from plumbing.tokenizer import TOKENIZERS, tokenizer_of
@@ -61,19 +67,39 @@ _open = open  # tests put a full disk here
 
 def _write(path, write):
     """Write a file durably (write(f), flush, fsync); a full disk or any other OS error becomes a
-    plain sentence naming the file."""
+    plain sentence naming the file, also when torch.save reports it as its own RuntimeError (a
+    disk that fills in the middle of a shard: inline_container's "unexpected pos")."""
     try:
         with _open(path, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:
-        folder = os.path.dirname(path)
-        if e.errno == errno.ENOSPC:
-            free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
-            raise ValueError(f"no space left writing {path} ({free / 2**20:,.1f} MiB free on its disk); "
-                             f"the previous checkpoint is intact") from None
-        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+    except (OSError, RuntimeError) as e:
+        cause = _os_error(e)
+        if cause is None:  # torch failed for a reason of its own: its first line, not its traceback
+            raise ValueError(f"cannot write {path}: torch.save failed: {str(e).strip().splitlines()[0]}") from None
+        raise ValueError(_write_failed(path, cause)) from None
+
+
+def _os_error(error):
+    """The OSError behind an error (itself, or what it was raised from or during), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _write_failed(path, error):
+    """A failed write of a checkpoint's file, in a sentence naming it."""
+    folder = os.path.dirname(path)
+    if error.errno == errno.ENOSPC:
+        free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+        return (f"no space left writing {path} ({free / 2**20:,.1f} MiB free on its disk); the previous checkpoint "
+                f"is intact")
+    return f"cannot write {path}: {error.strerror or error}; the previous checkpoint is intact"
 
 
 def _fsync_dir(path):
@@ -126,6 +152,8 @@ class Saver:
         # side channel (no training group: the training goes on meanwhile).
         self.store = side_channel() if asynchronous else None
         self.writer, self.in_flight, self.failed = None, None, None
+        os.makedirs(root, exist_ok=True)  # (05's preflight made it already)
+        self.identity = _inode(root)  # a directory deleted or replaced mid-run is not saved into
 
     def _barrier(self, step, after):
         """Return once every rank has done `after`; raise, naming who had not, after timeout_s."""
@@ -134,6 +162,11 @@ class Saver:
         except RuntimeError as e:
             text, rank = str(e).strip().splitlines()[0], dist.get_rank()
             late = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
+            if not late and "timed out" not in text.lower():  # not a timeout: a rank failed or died meanwhile
+                who = "rank 0" if rank else "another rank"
+                raise RuntimeError(f"saving step {step} under {self.root} stopped: {who} failed or died during the "
+                                   f"save (its own error says why; the previous checkpoint is intact). torch: "
+                                   f"{text}") from e
             if late:  # rank 0: torch names every rank that did not arrive in time
                 who = f"rank(s) {late[1].strip()} had not finished {after}"
             elif rank:
@@ -146,9 +179,63 @@ class Saver:
                                f"save's own timeout, Saver's timeout_s; --timeout-s does not bound a save): "
                                f"{who}. torch: {text}") from e
 
+    def _settle(self, run, step, after, error, tmp):
+        """Every rank at the barrier (it names the late ones), then every rank told which failed
+        `after` (error: this rank's sentence, or None): a failure stops every rank together, each
+        with a sentence, instead of leaving the others waiting out the save's timeout. A failed
+        save's step_N.tmp is removed (rank 0): only the previous checkpoint remains."""
+        self._barrier(step, after)
+        failed = torch.zeros(run.env.world_size)
+        failed[run.env.rank] = error is not None
+        dist.all_reduce(failed, group=self.group)
+        culprits = [r for r, f in enumerate(failed.tolist()) if f]
+        if not culprits:
+            return
+        if run.env.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise ValueError(f"not saving step {step}: rank(s) {culprits} failed {after} (their own errors say why); "
+                         f"the previous checkpoint is intact")
+
+    def _gone(self, step):
+        """Why root cannot take step `step` (deleted, or replaced, since this run began), or None."""
+        now = _inode(self.root)
+        if now == self.identity:
+            return None
+        what = "is gone" if now is None else "is another directory now"
+        had = f" (with this run's {', '.join(os.path.basename(w) for w in self.written)})" if self.written else ""
+        return (f"not saving step {step}: {self.root}, where this run saves, {what}: deleted or moved while the run "
+                f"trained{had}; a run never writes into a directory it did not check and lock; the run stops here")
+
+    def _rotate(self, say):
+        """Remove this run's own saves beyond the newest `keep` (only those: never another run's). One
+        already gone is fine; one that cannot be removed stays, and is said."""
+        for old in self.written[:-self.keep]:
+            try:
+                shutil.rmtree(old)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                say(f"note: could not remove {old}, an older checkpoint of this run ({e.strerror or e}); it stays")
+        self.written = self.written[-self.keep:]
+
+    def _commit(self, tmp, final, manifest):
+        """Rank 0: the manifest, then the one rename that makes the step visible."""
+        _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(manifest))
+        try:
+            _fsync_dir(tmp)
+            os.replace(tmp, final)  # atomic: a crash before this line leaves the previous step intact
+            _fsync_dir(self.root)
+        except OSError as e:
+            raise ValueError(f"cannot make {final} from {tmp}: {e.strerror or e}; the previous checkpoint is "
+                             f"intact") from None
+
     def save(self, run, step, say=print):
         """Write step `step` (the number of steps done) under root/step_<step>. Rank 0 says where,
-        how many bytes and how long it took. Every rank agrees first that every value is finite.
+        how many bytes and how long it took. Every rank agrees first that every value is finite and
+        that root is still the directory the run began with, and after writing that every rank
+        wrote: a failure anywhere stops every rank, with a sentence each, and commits nothing.
         Asynchronous: returns after stage 1 (the snapshot); stage 2 writes in the background."""
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
@@ -161,15 +248,26 @@ class Saver:
             _check_interrupted(tmp, f"not saving step {step}")
             say(f"removing {tmp}: an interrupted save of this step, never completed")
             shutil.rmtree(tmp)
-        bad = _finite(run)
-        flag = torch.tensor([float(bool(bad))])  # on the CPU: the save's group is gloo
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # also: nobody writes before the removal above
-        if flag.item():
+        bad, gone = _finite(run), self._gone(step)
+        flags = torch.tensor([float(bool(bad)), float(gone is not None)])  # on the CPU: the save's group is gloo
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # also: nobody writes before the removal above
+        if flags[0].item():
             where = f"this rank holds non-finite values in {', '.join(bad[:3])}" if bad else "another rank does"
             raise FloatingPointError(f"not saving step {step}: {where}; the last checkpoint is left as it was")
-        os.makedirs(tmp, exist_ok=True)
+        if flags[1].item():
+            raise ValueError(gone or f"not saving step {step}: {self.root}, where this run saves, is gone or another "
+                                     f"directory now, as another rank found; the run stops here")
+        error = None
+        try:
+            os.mkdir(tmp)  # not makedirs: root is not made again behind the user's back
+        except FileExistsError:
+            pass  # another rank made it
+        except OSError as e:
+            error = ValueError(f"not saving step {step}: cannot make {tmp} ({e.strerror or e}); the previous "
+                               f"checkpoint is intact")
         shard = _shard(run, snapshot=self.store is not None)
         if self.store is not None:
+            self._settle(run, step, f"making {tmp}", error, tmp)  # before the writers: each fails alone there
             manifest = _manifest(run, step) if run.env.rank == 0 else None
             self.in_flight = step
             self.writer = threading.Thread(target=self._stage_2, daemon=True, name="checkpoint writer",
@@ -179,30 +277,34 @@ class Saver:
                 say(f"saving step {step} to {final} in the background; training paused "
                     f"{time.perf_counter() - t0:.3f} s for the snapshot")
             return
-        _write(os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"), lambda f: torch.save(shard, f))
-        self._barrier(step, f"writing its shard to {tmp}")  # every shard is on disk before the step becomes visible
+        try:
+            if error is None:
+                _write(os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"), lambda f: torch.save(shard, f))
+        except ValueError as e:
+            error = e
+        self._settle(run, step, f"writing its shard to {tmp}", error, tmp)  # every shard on disk, or none is used
+        error = None
         if run.env.rank == 0:
-            manifest = json.dumps(_manifest(run, step), indent=1).encode()
-            _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(manifest))
-            _fsync_dir(tmp)
-            os.replace(tmp, final)  # atomic: a crash before this line leaves the previous step intact
-            _fsync_dir(self.root)
-            size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
-            say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB in {time.perf_counter() - t0:.2f} s")
-            self.written.append(final)
-            for old in self.written[:-self.keep]:  # only this run's own saves are ever removed
-                shutil.rmtree(old)
-            self.written = self.written[-self.keep:]
-        self._barrier(step, f"the save (rank 0 last: the manifest, the rename to {final}, the rotation)")
+            try:
+                self._commit(tmp, final, json.dumps(_manifest(run, step), indent=1).encode())
+            except ValueError as e:
+                error = e
+            else:
+                size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
+                say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB in {time.perf_counter() - t0:.2f} s")
+                self.written.append(final)
+                self._rotate(say)  # only this run's own saves are ever removed
+        last = f"the save (rank 0 last: the manifest, the rename to {final}, the rotation)"
+        self._settle(run, step, last, error, tmp)
 
     # The asynchronous save, two stages as MegaScale's (Jiang et al. 2024, Section 4.4). Stage 1, in
     # save(): the finiteness agreement, then a snapshot of this rank's part in host memory (a copy
     # of every tensor), the only pause of training. Stage 2, here, in a thread per rank while
     # training goes on: the shard written and fsynced into step_N.tmp, then "done" on the side
-    # channel; rank 0 waits until every rank said so, then writes the manifest and renames.
-    # Why a crash cannot leave a partial or a wrong checkpoint: the rename is the only act that
-    # makes a step visible, and rank 0 does it only after every shard is on disk (fsynced) and the
-    # manifest too; a step_N.tmp is never resumed from, and is cleared by the next save of that
+    # channel (or "failed"); rank 0 waits until every rank said so, then writes the manifest and
+    # renames. Why a crash cannot leave a partial or a wrong checkpoint: the rename is the only act
+    # that makes a step visible, and rank 0 does it only after every shard is on disk (fsynced) and
+    # the manifest too; a step_N.tmp is never resumed from, and is cleared by the next save of that
     # step. The snapshot was taken after the step's optimizer update and copies every tensor, so
     # the training that goes on cannot change what is written. Rotation removes only this run's
     # own committed saves, after the new one is visible, as the blocking save does.
@@ -210,7 +312,11 @@ class Saver:
     def _stage_2(self, rank, world, step, tmp, final, shard, manifest, say, t0):
         key = f"save/{self.root}/{step}/{{}}"
         try:
-            _write(os.path.join(tmp, f"rank_{rank:05d}.pt"), lambda f: torch.save(shard, f))
+            try:
+                _write(os.path.join(tmp, f"rank_{rank:05d}.pt"), lambda f: torch.save(shard, f))
+            except ValueError:
+                self.store.set(key.format(rank), "failed")  # rank 0 need not wait out the timeout for it
+                raise
             self.store.set(key.format(rank), "done")
             if rank != 0:
                 return
@@ -218,22 +324,20 @@ class Saver:
             while missing and time.monotonic() < deadline:
                 missing = [r for r in missing if not self.store.check([key.format(r)])]
                 time.sleep(0.02 if missing else 0)
-            if missing:
+            failed = [r for r in range(world) if r not in missing and self.store.get(key.format(r)) == b"failed"]
+            if missing or failed:
                 newest = self.written[-1] if self.written else "none"
-                say(f"abandoned step {step}: rank(s) {missing} had not written their shards to {tmp} within "
-                    f"{self.timeout_s:g} s (--save-timeout-s); the newest checkpoint stays {newest}")
+                why = (f"rank(s) {failed} could not write their shards to {tmp} (their own errors say why)" if failed
+                       else f"rank(s) {missing} had not written their shards to {tmp} within {self.timeout_s:g} s "
+                            f"(--save-timeout-s)")
+                say(f"abandoned step {step}: {why}; the newest checkpoint stays {newest}")
                 return
-            _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-            _fsync_dir(tmp)
-            os.replace(tmp, final)  # atomic: the step is visible from here, complete
-            _fsync_dir(self.root)
+            self._commit(tmp, final, json.dumps(manifest, indent=1).encode())
             size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
             say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB, durable {time.perf_counter() - t0:.2f} s "
                 f"after the snapshot began")
             self.written.append(final)
-            for old in self.written[:-self.keep]:
-                shutil.rmtree(old)
-            self.written = self.written[-self.keep:]
+            self._rotate(say)
         except Exception as e:  # said when the next save or the run's end waits for it
             self.failed = e
 
@@ -250,6 +354,15 @@ class Saver:
         if self.failed is not None:
             failed, self.failed = self.failed, None
             raise failed
+
+
+def _inode(path):
+    """(device, inode) of the directory at path, or None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def _shard(run, snapshot=False):
@@ -291,7 +404,8 @@ def _manifest(run, step):
     outputs = {name: os.path.realpath(getattr(tc, name)) if getattr(tc, name, "") else "" for name in OUTPUTS}
     return dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size, layout=_layout(run),
                 train={k: getattr(tc, k) for k in KEPT_FIELDS}, noted={k: getattr(tc, k) for k in NOTED_FIELDS},
-                dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data), outputs=outputs)
+                dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data), outputs=outputs,
+                data=data_identity(tc.data))  # as it was loaded: a resume on other data is refused (read_manifest)
 
 
 OUTPUTS = ("metrics", "trace")  # the manifest's outputs: what the run that wrote it wrote besides checkpoints
@@ -414,6 +528,11 @@ def _manifest_problems(m):
     out = m.get("outputs", {})
     if not isinstance(out, dict) or set(out) - set(OUTPUTS) or not all(isinstance(v, str) for v in out.values()):
         wrong.append(f"outputs {out!r} (an object: {' and '.join(OUTPUTS)}, each a path or \"\")")
+    data = m.get("data")  # absent from a manifest written before it was kept: nothing to compare
+    if "data" in m and not (isinstance(data, dict) and set(data) == {"bytes", "head_tail_sha256"}
+                            and _whole(data["bytes"], 0) and isinstance(data["head_tail_sha256"], str)
+                            and re.fullmatch(r"[0-9a-f]{64}", data["head_tail_sha256"])):
+        wrong.append(f"data {data!r} (an object: bytes, a whole number, and head_tail_sha256, 64 hex digits)")
     if "tokenizer" in m and m["tokenizer"] not in TOKENIZERS:
         wrong.append(f"tokenizer (one of {', '.join(TOKENIZERS)}; got {m['tokenizer']!r})")
     return wrong
@@ -451,13 +570,39 @@ def read_manifest(path, cfg=None, tc=None, say=None):
         for k, v in manifest.get("noted", {}).items():
             if say and getattr(tc, k, v) != v:
                 say(f"note: the checkpoint was trained with --{k} {v!r}; this run continues with {getattr(tc, k)!r}")
+        _check_same_data(path, manifest, tc, say)
     return manifest
+
+
+def _check_same_data(path, manifest, tc, say):
+    """Refuse to resume on data other than the checkpoint's (its identity: size, head and tail,
+    plumbing/data.identity), appended to or replaced since, unless --data-changed-ok, which says it."""
+    then = manifest.get("data")
+    if then is None or not hasattr(tc, "data"):  # a manifest from before it was kept; a caller without data
+        return
+    now = data_identity(tc.data)
+    if now == then:
+        return
+    how = (f"{then['bytes']:,} bytes then, {now['bytes']:,} now" if now["bytes"] != then["bytes"] else
+           f"the same {now['bytes']:,} bytes, other contents at its head or tail")
+    trained = manifest.get("noted", {}).get("data")
+    was = f"{trained or 'the built-in corpus'}" if trained is not None else "its data"
+    where = f"--data {tc.data or '(the built-in corpus)'}"
+    if getattr(tc, "data_changed_ok", False):
+        if say:
+            say(f"note: {where} is not the data the checkpoint {path} was trained on ({how}); continuing on it "
+                f"(--data-changed-ok): other batches, and another held-out split")
+        return
+    raise ValueError(f"{where} is not the data the checkpoint {path} was trained on ({was}: {how}): a resumed run "
+                     f"would draw other batches and hold out another split; give --data-changed-ok to continue on it "
+                     f"all the same, or give --data the data it was trained on")
 
 
 def check_shards(path, manifest, tensors=False):
     """Every shard the manifest promises is there and is a whole archive (its end record, written
     last, is intact): checked before any process starts. tensors: also read every tensor (memory-
     mapped) and refuse a shard whose contents lie, as every load does (_check_shard)."""
+    meta = None
     for r in range(manifest["world"]):
         file = os.path.join(path, f"rank_{r:05d}.pt")
         what = paths.describe(file)
@@ -465,8 +610,36 @@ def check_shards(path, manifest, tensors=False):
             raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: "
                              f"{'it is ' + what if what else 'not a complete archive'}")
         if tensors and file not in _checked:  # a launcher's check is its forked ranks' too
-            _load_shard(file, mmap=True)
+            meta = meta or dict(tensor_parallel.GPT(tensor_parallel.GPTConfig(**manifest["model"]),
+                                                    device="meta").named_parameters())
+            _check_shapes(file, _load_shard(file, mmap=True), manifest["layout"]["tp"], meta)
             _checked.add(file)
+
+
+VOCABULARY = "transformer.wte.weight"  # the one split tensor whose shards may hold padding rows
+
+
+def _check_shapes(file, shard, tp, meta):
+    """Every weight of a shard shaped as its layout splits it: the full model's shape (meta: its
+    parameters on the meta device), a split dimension 1/count of it (count: tp, or the shard's own
+    group for 07's vocabulary shard), the vocabulary's rounded up by its padding. Refused naming the
+    shard and the tensor: a shard a few rows short would otherwise be zero-padded, or fail at copy."""
+    splits = shard.get("splits", {})
+    for chunk in shard["chunks"]:
+        for name, t in chunk.items():
+            if name not in meta:
+                raise ValueError(f"checkpoint shard {file} holds {name}, which the model of its manifest does not have")
+            p, want = meta[name], list(meta[name].shape)
+            if hasattr(p, "tp_dim"):
+                count = splits.get(name, (tp, 0))[0] if isinstance(splits, dict) else tp
+                want[p.tp_dim] = t.shape[p.tp_dim] if t.dim() == p.dim() else -1
+                rows = want[p.tp_dim] * count
+                if rows != p.tp_full and not (name == VOCABULARY and rows >= p.tp_full):
+                    want[p.tp_dim] = f"{p.tp_full}/{count}"
+            if list(t.shape) != want:
+                raise ValueError(f"checkpoint shard {file}: the weight {name} is {tuple(t.shape)}, where its layout "
+                                 f"holds ({', '.join(map(str, want))}); the shard does not fit its manifest, so it "
+                                 f"cannot be resumed, sampled or exported")
 
 
 _checked = set()  # the shards this process (or the one that forked it) has read through once
@@ -659,7 +832,12 @@ def _load_own_shards(run, path):
     with torch.no_grad():
         for c, chunk in enumerate(run.chunks):
             for n, p in chunk.named_parameters():
-                p.copy_(base["chunks"][c][n])
+                weight = base["chunks"][c].get(n)
+                if weight is None or weight.shape != p.shape:
+                    held = tuple(weight.shape) if weight is not None else "nothing"
+                    raise ValueError(f"checkpoint {path}: the shard of rank {first} holds {n} as {held}, not "
+                                     f"{tuple(p.shape)}: it does not fit its manifest")
+                p.copy_(weight)
     for key, piece in zip(keys, run.opt.pieces):
         if saved.get(key):
             run.opt.optimizer.state[piece.master] = _set_piece(piece, saved[key])

@@ -79,7 +79,7 @@ FIELDS = {
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
     "save_timeout_s": [(lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), _A_SECOND],
     "async_save": _ANY, "snapshot_every": _at_least(0), "snapshot_dir": _ANY, "restarts": _at_least(0),
-    "resume": _ANY, "init_from": _ANY, "overwrite": _ANY,
+    "resume": _ANY, "init_from": _ANY, "overwrite": _ANY, "data_changed_ok": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
     "graph_scope": _ANY,
     # sampling (plumbing/sample.py)
@@ -413,6 +413,25 @@ WHY = {"print_layout": "it prints the rank grid of --tp, --pp and --dp and start
        "export": "it writes --resume's newest checkpoint and trains nothing"}
 
 
+# Training flags that do nothing without another: (is the other on?, the other, why). Given
+# without it, each is refused rather than silently ignored (--save-every without --save: check_config).
+_SAVES = lambda a: bool(a.save or a.snapshot_every)  # noqa: E731  (checkpoints, or snapshots: a Saver each)
+_SAVING = "needs --save DIR (or --snapshot-every N), whose saves it {}; without either it would be ignored: drop it"
+_WATCH = "is the watch's, which --no-watch turns off ({}); it would be ignored: drop one of the two"
+DEPENDS = {
+    "keep": (lambda a: bool(a.save), "needs --save DIR: only --save's checkpoints are kept or removed; without it "
+                                     "it would be ignored: drop it, or add --save DIR"),
+    "async_save": (_SAVES, _SAVING.format("writes in the background")),
+    "save_timeout_s": (_SAVES, _SAVING.format("bounds")),
+    "snapshot_dir": (lambda a: bool(a.snapshot_every), "needs --snapshot-every N: without it no snapshot is taken, "
+                                                       "and it would be ignored: drop it, or add --snapshot-every N"),
+    "straggler_every": (lambda a: a.watch, _WATCH.format("the straggler report")),
+    "hang_s": (lambda a: a.watch, _WATCH.format("the hang report")),
+    "data_changed_ok": (lambda a: bool(a.resume), "needs --resume DIR: only a resumed checkpoint's data is compared "
+                                                  "with --data; without it it would be ignored: drop it"),
+}
+
+
 def check_action(args, given):
     """The action a command of 05 asks for ("print_layout", "sample", "export" or None: train),
     refusing two at once (--export-hf and --export-state-dict together are one: both are written),
@@ -432,6 +451,11 @@ def check_action(args, given):
         if ignored:
             raise ValueError(f"{', '.join(map(flag, ignored))}: {'it applies' if len(ignored) == 1 else 'they apply'} "
                              f"to --sample only, and this command trains; drop {'it' if len(ignored) == 1 else 'them'}")
+        for name, (on, why) in DEPENDS.items():
+            if name in given and not on(args):
+                value = getattr(args, name)
+                shown = "" if isinstance(value, bool) else f" {value:g}" if isinstance(value, float) else f" {value}"
+                raise ValueError(f"{flag(name)}{shown} {why}")
         return None
     ignored = sorted(given - USES[action] - set(ACTIONS) - {"plan"})
     if ignored:

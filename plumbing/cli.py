@@ -13,12 +13,16 @@ parser is built, so the help can never fall behind the config:
     parser = make_parser(__doc__)
     add_dataclass_args(parser, TrainConfig)
     tc = from_args(TrainConfig, parser.parse_args())
+
+make_parser also makes the process's own output safe (guard_streams): a stdout or stderr that is
+closed, full or whose reader went away never costs a run or its checkpoints.
 """
 import argparse
 import dataclasses
 import inspect
 import io
 import os
+import sys
 import tokenize
 import types
 import typing
@@ -42,12 +46,93 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def make_parser(doc, **kwargs):
     """A parser described by the script docstring's first line, with its "Run it:" paragraph (the
-    commands to try) as the epilog."""
+    commands to try) as the epilog. Every script makes one first: it guards the streams too."""
+    guard_streams()
     paragraphs = doc.strip().split("\n\n")
     run = [p for p in paragraphs if p.startswith("Run it")]
     return argparse.ArgumentParser(description=paragraphs[0].split("\n")[0],
                                    epilog=run[0] if run else None, formatter_class=HelpFormatter,
                                    **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command's own output: what a run prints is never worth the run.
+
+
+def guard_streams():
+    """Make stdout and stderr safe to write, whatever the shell gave: a descriptor closed at start
+    (`>&-`) is opened on /dev/null, so that no file or socket the run opens later takes its number
+    and receives its output; a write that fails later (a reader gone, `| head`; a full disk,
+    /dev/full) points the descriptor at /dev/null, says so once on stderr, and the run goes on.
+    Streams another program replaced (a test's capture) are left alone. Idempotent."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        closed = _closed(fd)
+        if closed:
+            null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if fd and getattr(sys, name) is None:  # closed when Python started: print() would say nothing...
+            at = fd if closed else os.open(os.devnull, os.O_WRONLY)  # ...but flush() would raise
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(at, "w", closefd=False), line_buffering=True))
+        stream = getattr(sys, name)
+        if fd and type(stream) is io.TextIOWrapper and _fileno(stream) == fd:  # Python's own, or as it makes them
+            setattr(sys, name, _Forgiving(stream, name))
+
+
+def _closed(fd):
+    try:
+        os.fstat(fd)
+        return False
+    except OSError:
+        return True
+
+
+def _fileno(stream):
+    try:
+        return stream.fileno()
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+class _Forgiving:
+    """sys.stdout or sys.stderr whose failure to write (EPIPE, ENOSPC, EBADF, EIO) costs nothing:
+    its descriptor is pointed at /dev/null, where what was buffered goes too, and stderr is told
+    once that stdout failed. Everything else is the stream's own."""
+
+    def __init__(self, stream, name):
+        self._stream, self._name, self._failed = stream, name, False
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self._fail(e)
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self._fail(e)
+
+    def _fail(self, error):
+        fd = _fileno(self._stream)
+        if fd is not None:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        try:
+            self._stream.flush()  # into /dev/null now; without a descriptor, the buffer is dropped below
+        except (OSError, ValueError):
+            pass
+        if not self._failed and self._name == "stdout":
+            print(f"note: stdout failed ({error.strerror or error}); the run goes on, printing nothing more there",
+                  file=sys.stderr, flush=True)
+        self._failed = True
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def field_comments(cls):

@@ -2,14 +2,20 @@
 
     --data ""            the built-in corpus below: byte-level, nothing to download
     --data book.txt      any file that does not end in .bin: its bytes are the tokens (V = 256)
-    --data train.bin     nanoGPT's format: token ids as uint16, little-endian, no header, memory-
-                         mapped; scripts/prepare_data.py writes one (byte-level, or GPT-2 BPE with
+    --data train.bin     nanoGPT's format: token ids as uint16, little-endian, no header, read as
+                         sampled; scripts/prepare_data.py writes one (byte-level, or GPT-2 BPE with
                          tiktoken) and a sidecar train.json naming its tokenizer
 
 The last 10% of the tokens are held out for the eval loss. Batch `step` is a function of (seed,
 step) alone, so a resumed run, in any layout, reads exactly the batches it would have read.
+
+A .bin is read window by window (TokenFile: os.pread, not a memory map), so a file truncated
+while a run trains on it is a sentence naming it, not a rank killed by SIGBUS. identity(path) is
+what a data file is for the checkpoints and for the ranks' agreement (plumbing/agreement.py): its
+size and a hash of its head and tail, taken when it is loaded.
 """
 import functools
+import hashlib
 import os
 
 import torch
@@ -66,10 +72,13 @@ def check_tokens(idx, cfg, sp_tp=1):
 
 
 def load_tokens(path, vocab_size, seq_len):
-    """All tokens of the data, as a 1-D tensor: a nanoGPT .bin (uint16, memory-mapped) or any other
-    file as bytes. Refuses, naming the file, what cannot train: missing, not a regular file (a FIFO
-    or a device: never a whole file), empty, too short, ids >= vocab_size, a .bin whose sidecar
-    lies (plumbing/tokenizer.read_sidecar) or names a vocabulary larger than --vocab-size."""
+    """All tokens of the data: a nanoGPT .bin as a TokenFile (uint16 ids, read as they are needed)
+    or any other file as bytes (a 1-D tensor). Refuses, naming the file, what cannot train: missing,
+    not a regular file (a FIFO or a device: never a whole file), empty, a file whose size reads as 0
+    but that holds data (made up as it is read, as under /proc), a .BIN in another case than .bin,
+    too short, too large for memory (text), ids >= vocab_size, a .bin whose sidecar lies
+    (plumbing/tokenizer.read_sidecar) or names a vocabulary larger than --vocab-size. Its identity
+    is recorded as it is loaded (identity())."""
     if not path:
         tokens = torch.frombuffer(bytearray(builtin_corpus().encode()), dtype=torch.uint8)
     else:
@@ -77,34 +86,45 @@ def load_tokens(path, vocab_size, seq_len):
             raise ValueError(f"--data {path}: it is a directory, not a data file")
         what = describe(path)
         if what:
-            raise ValueError(f"--data {path}: it is {what}, not a regular file: the trainer memory-maps a .bin "
-                             f"and reads any other file whole, which a pipe or a device cannot give; write it to "
+            raise ValueError(f"--data {path}: it is {what}, not a regular file: the trainer reads a .bin window by "
+                             f"window and any other file whole, which a pipe or a device cannot give; write it to "
                              f"a file first")
+        suffix = os.path.splitext(path)[1]
+        if suffix.lower() == ".bin" and suffix != ".bin":
+            raise ValueError(f"--data {path}: its suffix is {suffix}, not .bin: only a .bin (in lower case) is read "
+                             f"as uint16 token ids, and any other file as text, bytes as tokens; rename it to end in "
+                             f".bin if it holds token ids (scripts/prepare_data.py writes them so), or give a text "
+                             f"file another suffix")
         try:
             size = os.path.getsize(path)
             if size == 0:
+                with open(path, "rb") as f:
+                    made_up = f.read(1)
+                if made_up:
+                    raise ValueError(f"--data {path}: its size reads as 0 bytes, yet reading it gives data: a file "
+                                     f"the kernel makes up as it is read (as under /proc or /sys), which can differ "
+                                     f"between reads and between ranks; copy it to a regular file and train on that")
                 raise ValueError(f"the data file {path!r} is empty")
-            if path.endswith(".bin") and size % 2:
+            if is_bin(path) and size % 2:
                 raise ValueError(f"--data {path}: {size} bytes is not a whole number of 2-byte (uint16) "
                                  f"token ids; is it a .bin that scripts/prepare_data.py wrote?")
-            if path.endswith(".bin"):
+            _identities[path] = _identity_of_file(path, size)
+            if is_bin(path):
                 meta = read_sidecar(path)
                 if meta and meta.get("vocab_size", 0) > vocab_size:
                     raise ValueError(f"--data {path}: its sidecar {sidecar_of(path)} names the {meta['tokenizer']} "
                                      f"tokenizer, of {meta['vocab_size']} tokens, more than --vocab-size {vocab_size}; "
                                      f"train with --vocab-size {-(-meta['vocab_size'] // 64) * 64}")
-                # Memory-mapped, not read: windows are copied out (as int64) only when sampled.
-                tokens = torch.from_file(path, shared=False, size=size // 2, dtype=torch.uint16)
+                tokens = TokenFile(path, size // 2)  # read as sampled, not loaded: a .bin can be gigabytes
             else:
-                with open(path, "rb") as f:
-                    tokens = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+                tokens = _read_text(path, size)
         except OSError as e:
             raise ValueError(f"cannot read the data file {path!r}: {e.strerror or e}") from None
     if len(tokens) < seq_len + 1:
         raise ValueError(f"--data {path or '(the built-in corpus)'}: the data holds {len(tokens)} tokens, fewer than "
                          f"one sequence of seq_len + 1 = {seq_len + 1}")
     # In pieces: uint16 tensors have few operations, and a whole-file copy could be gigabytes.
-    for i, piece in enumerate(tokens.split(1 << 24)):
+    for i, piece in enumerate(_pieces(tokens, 1 << 24)):
         wide = piece.to(torch.int32)
         top = int(wide.max())
         if top >= vocab_size:
@@ -115,6 +135,116 @@ def load_tokens(path, vocab_size, seq_len):
     return tokens
 
 
+def is_bin(path):
+    """A nanoGPT .bin of uint16 token ids (by its name, as scripts/prepare_data.py writes it)."""
+    return path.endswith(".bin")
+
+
+def _read_text(path, size):
+    """A text file's bytes as a uint8 tensor, read into one buffer of its size (not read, then
+    copied); a file larger than the memory left is a sentence, not a MemoryError."""
+    try:
+        buf = bytearray(size)
+        with open(path, "rb") as f:
+            n = f.readinto(buf)
+    except MemoryError:
+        raise ValueError(f"--data {path}: {size / 2**20:,.1f} MiB of text does not fit in this process's memory (a "
+                         f"text file is read whole, and every local rank holds a copy); convert it to a .bin with "
+                         f"scripts/prepare_data.py, which is read window by window") from None
+    return torch.frombuffer(buf, dtype=torch.uint8)[:n] if n else torch.zeros(0, dtype=torch.uint8)
+
+
+class TokenFile:
+    """The uint16 token ids of a .bin, tokens [start, start + count), read with os.pread when a
+    window is asked for (tokens[a:b] gives a uint16 tensor; part(a, b) another TokenFile). Reads
+    need no shared state, so forked ranks share the open file; a read that comes back short (the
+    file truncated since it was opened) is a ValueError naming the file, where a memory map would
+    kill the rank with SIGBUS."""
+
+    def __init__(self, path, count, start=0, file=None):
+        self.path, self.count, self.start = path, count, start
+        self.file = file or _Descriptor(path)  # shared by its parts, closed with the last of them
+
+    def __len__(self):
+        return self.count
+
+    def part(self, lo, hi):
+        return TokenFile(self.path, hi - lo, self.start + lo, self.file)
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a TokenFile gives windows: tokens[a:b]")
+        lo, hi, _ = key.indices(self.count)
+        n = max(hi - lo, 0)
+        if not n:
+            return torch.zeros(0, dtype=torch.uint16)
+        data = os.pread(self.file.fd, 2 * n, 2 * (self.start + lo))
+        if len(data) < 2 * n:
+            size = os.fstat(self.file.fd).st_size
+            raise ValueError(f"--data {self.path}: the file is {size:,} bytes now, shorter than the "
+                             f"{2 * (self.start + hi):,} bytes this run reads tokens from: it was truncated while the "
+                             f"run trained on it; the run stops here (its checkpoints so far are intact); restore the "
+                             f"file, or give --data a copy that nothing writes to")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint16)
+
+
+class _Descriptor:
+    """An open file descriptor, closed when the last object holding it goes."""
+
+    def __init__(self, path):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError):
+            pass
+
+
+def _pieces(tokens, n):
+    """The tokens in consecutive pieces of at most n, as tensors."""
+    for lo in range(0, len(tokens), n):
+        yield tokens[lo: lo + n]
+
+
+# ----------------------------------------------------------------------------------------------
+# What a data file is: its identity, for the checkpoints (a resume on other data) and the ranks'
+# agreement (another file on another node).
+
+HEAD_TAIL = 1 << 20  # bytes hashed at each end: a file's size and ends, in a few milliseconds
+
+
+def _identity_of_file(path, size):
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(HEAD_TAIL))
+        if size > HEAD_TAIL:
+            f.seek(max(HEAD_TAIL, size - HEAD_TAIL))
+            h.update(f.read(HEAD_TAIL))
+    return dict(bytes=size, head_tail_sha256=h.hexdigest())
+
+
+_identities = {}  # --data path -> its identity when this process loaded it
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_identity():
+    text = builtin_corpus().encode()
+    return dict(bytes=len(text), head_tail_sha256=hashlib.sha256(str(len(text)).encode() + text).hexdigest())
+
+
+def identity(path):
+    """What --data PATH is: {"bytes": its size, "head_tail_sha256": a hash of its size, first MiB
+    and last MiB} (the built-in corpus: its own), as it was when this process loaded it (else now).
+    Two files of the same identity are the same data, wherever they lie; an edit in the middle of
+    a file larger than 2 MiB that keeps its size is not seen."""
+    if not path:
+        return _builtin_identity()
+    if path not in _identities:
+        _identities[path] = _identity_of_file(path, os.path.getsize(path))
+    return _identities[path]
+
+
 def split_tokens(tokens, seq_len, path=""):
     """90% to train on, the last 10% held out for the eval loss (each at least one sequence)."""
     n_eval = max(len(tokens) // 10, seq_len + 1)
@@ -122,7 +252,10 @@ def split_tokens(tokens, seq_len, path=""):
         raise ValueError(f"--data {path or '(the built-in corpus)'}: {len(tokens)} tokens cannot hold a sequence of "
                          f"seq_len + 1 = {seq_len + 1} to train on and another held out for the eval loss; need at "
                          f"least {2 * (seq_len + 1)}")
-    return tokens[:-n_eval], tokens[-n_eval:]
+    cut = len(tokens) - n_eval
+    if isinstance(tokens, TokenFile):
+        return tokens.part(0, cut), tokens.part(cut, len(tokens))
+    return tokens[:cut], tokens[cut:]
 
 
 def global_batch(tokens, step, tc, salt=0):

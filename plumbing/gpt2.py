@@ -20,6 +20,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 
 import torch
 
@@ -53,8 +54,30 @@ def config_from_hf(hf, file):
         if k in hf and hf[k] not in values and not n_inner:
             raise ValueError(f"{file}: {k}={hf[k]!r} is not supported (this GPT-2 implements "
                              f"{' or '.join(map(repr, values))}): its logits would differ")
-    return tensor_parallel.GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
-                                     n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=0.0)
+    cfg = tensor_parallel.GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+                                    n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=0.0)
+    too_large = _too_large(cfg, dict(block_size="n_positions"))
+    if too_large:
+        raise ValueError(f"{file}: {too_large}")
+    return cfg
+
+
+MAX_ELEMENTS = 2**60  # more elements than this, and a tensor's size in bytes overflows torch's int64
+
+
+def _too_large(cfg, names=None):
+    """Which size field makes one of cfg's tensors too large to exist, in words, or None: a model
+    torch cannot even describe (its storage size overflows) is refused by the field, not by torch.
+    names: the fields' names in the file (config.json's n_positions for block_size)."""
+    names = names or {}
+    C = cfg.n_embd
+    for field, what, numel in (("n_embd", "MLP weight of 4 n_embd x n_embd", 4 * C * C),
+                               ("vocab_size", "token embedding of vocab_size x n_embd", cfg.vocab_size * C),
+                               ("block_size", "position embedding of n_positions x n_embd", cfg.block_size * C)):
+        if numel > MAX_ELEMENTS:
+            return (f"{names.get(field, field)}={getattr(cfg, field)} makes its {what} hold {numel:,} elements, more "
+                    f"than any tensor can ({MAX_ELEMENTS:,}): not a GPT-2 that can exist")
+    return None
 
 
 def import_gpt2(path, cfg=None):
@@ -124,6 +147,10 @@ def _check_weight(file, name, value):
 def _misfits(cfg, full):
     """What in `full` does not fit cfg's GPT-2: (each parameter missing or of another shape, the
     names it has beyond them)."""
+    held = 1 + max((int(m[1]) for n in full if (m := re.match(r"transformer\.h\.(\d+)\.", n))), default=-1)
+    if cfg.n_layer > held:  # said before a model of n_layer blocks is built (2**31 of them would never finish)
+        return [f"n_layer={cfg.n_layer}, but the weights hold {held} layer{'s' if held != 1 else ''} "
+                f"(transformer.h.0 to h.{held - 1})" if held else f"n_layer={cfg.n_layer}, but the weights hold no layer"], []
     want = {n: p.shape for n, p in tensor_parallel.GPT(cfg, device="meta").named_parameters()}
     bad = [f"{n}: {tuple(full[n].shape) if torch.is_tensor(full.get(n)) else 'missing'} instead of {tuple(s)}"
            for n, s in want.items() if not torch.is_tensor(full.get(n)) or full[n].shape != s]
@@ -163,6 +190,8 @@ def _import_state_dict(path, flags_cfg=None):
                  if (p := checks.value_problem(tensor_parallel.GPTConfig, k, v))]
         if not wrong and config["n_embd"] % config["n_head"]:
             wrong = [f"n_embd={config['n_embd']} is not divisible by n_head={config['n_head']}"]
+        if not wrong and _too_large(tensor_parallel.GPTConfig(**config)):
+            wrong = [_too_large(tensor_parallel.GPTConfig(**config))]
         if wrong:
             raise ValueError(f"--init-from {path}: its _config is malformed: " + "; ".join(wrong))
         cfg = tensor_parallel.GPTConfig(**config)
@@ -193,7 +222,7 @@ def export_gpt2(cfg, full, out, overwrite=False):
     _check_finite(full, f"the export to {out}")
     names = ("config.json", "model.safetensors", "pytorch_model.bin")
     paths.check_outputs([("--export-hf", os.path.join(out, n)) for n in names], overwrite=overwrite)
-    os.makedirs(out, exist_ok=True)  # our names are GPT2LMHeadModel's; only Conv1D is transposed
+    make_dir(out, "--export-hf")  # our names are GPT2LMHeadModel's; only Conv1D is transposed
     hf = {k: (v.t() if k.endswith(CONV1D) else v).contiguous() for k, v in full.items()}
     hf["lm_head.weight"] = full["transformer.wte.weight"].clone()
     eos = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
@@ -215,6 +244,16 @@ def export_gpt2(cfg, full, out, overwrite=False):
         _replace(os.path.join(out, written), lambda f: torch.save(hf, f))
     if os.path.lexists(os.path.join(out, stale)):  # allowed above only with overwrite
         os.remove(os.path.join(out, stale))
+
+
+def make_dir(out, name):
+    """The directory an export writes into, made if missing; one that cannot be made (a parent that
+    is a file, or missing under /proc; no permission) is a sentence naming the flag."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{name} {out}: cannot make the directory ({e.strerror or e}"
+                         f"{': ' + e.filename if e.filename and e.filename != out else ''})") from None
 
 
 def export_state_dict(cfg, full, tokenizer, out, overwrite=False):
@@ -263,6 +302,8 @@ def export_checkpoint(root, hf_dir=None, state_dict_path=None, overwrite=False):
     outputs += [("--export-state-dict", state_dict_path)] if state_dict_path else []
     reads = [("--resume", os.path.join(path, n)) for n in sorted(os.listdir(path))]
     paths.check_outputs(outputs, reads, [("--resume", path, None)], overwrite)
+    if hf_dir:
+        make_dir(hf_dir, "--export-hf")  # before the shards are read, which may take minutes
     manifest, full, _ = read_checkpoint(path)
     cfg = tensor_parallel.GPTConfig(**manifest["model"])
     if hf_dir:

@@ -8,6 +8,7 @@
     sum_probe(run, forward)    how many single-digit sums greedy decoding gets right (built-in corpus)
     Progress                   the loop's progress bar, notes above it, and --metrics lines
 """
+import errno
 import importlib
 import json
 import math
@@ -29,6 +30,7 @@ from plumbing.data import sum_probe as probe_batches
 from plumbing.launch import Interrupted, gather_numbers
 
 pipeline = importlib.import_module("02_pipeline_1f1b")
+_open = open  # tests put a full disk here
 
 
 LISTED_WORLD = 4096  # --print-layout lists every rank and group up to this world; beyond, a summary
@@ -169,22 +171,29 @@ def report(run, out, wall, say, forward_only):
     if run.env.device.type == "cuda":  # the memory checklist's figure (G12); not counted on a CPU
         spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)  # as 05 builds it
         say(measured_peak(run.env, sum(memory_estimate(run, spec).values())))
-    if out.get("sums"):
+    if "sums" in out and out["sums"] is None and tc.seq_len < PROBE_T:
+        say(f"sums: not probed: a window of --seq-len {tc.seq_len} cannot hold \"9 plus 9 is 18.\" "
+            f"({PROBE_T} tokens)")
+    elif out.get("sums"):
         seen, of_seen, held, of_held = out["sums"]
         say(f"sums, greedy \"x plus y is\" for x, y < 10: {seen}/{of_seen} right of those in the "
             f"corpus, {held}/{of_held} of the held-out ones it never states")
+
+
+PROBE_T = len("9 plus 9 is 18.")  # the probe's longest prompt and answer: a window must hold them
 
 
 def sum_probe(run, forward_only):
     """How many of the 100 single-digit sums greedy decoding gets right, split into the sums the
     built-in corpus states and the held-out ones it never does: [right, of, right, of]. 05's
     forward_only(run, idx, targets, chunks) runs the pipeline; the last stage's chunk is wrapped to
-    read its logits, and the counts are summed over the world. None where the last stage has no
-    output layer of its own (07 spreads it over every rank): every rank asks, and all agree."""
+    read its logits, and the counts are summed over the world. None (on every rank alike) when a
+    window is too short to hold a whole prompt and its answer, or the last stage has no output layer of
+    its own (07 spreads it over every rank: every rank asks, and all agree)."""
     tc, dp_rank = run.tc, dist.get_rank(run.groups.dp)
     head = torch.tensor(float(all(hasattr(c, "lm_head") for c in run.chunks if c.post_process)), device=run.env.device)
     dist.all_reduce(head, op=dist.ReduceOp.MIN)
-    if not head:
+    if tc.seq_len < PROBE_T or not head:
         return None
     counts = torch.zeros(4, dtype=torch.float64, device=run.env.device)  # seen right/of, held right/of
     rows_per_mb = tc.batch_size // (tc.dp * tc.microbatches)
@@ -237,8 +246,9 @@ class Progress:
         peak = next((f for gpu, f in PEAK_BF16_FLOPS.items() if gpu in name), None)
         # MFU: eq. 3's FLOPs per iteration over the step time and every GPU's dense bf16 peak.
         self.mfu_seconds = flops / (env.world_size * peak) if peak and dtype == torch.bfloat16 else None
-        self.metrics = (open(tc.metrics, "a") if append else open(paths.fresh(tc.metrics), "w")) \
+        self.metrics = (_open(tc.metrics, "a") if append else _open(paths.fresh(tc.metrics), "w")) \
             if tc.metrics and env.rank == 0 else None
+        self.metrics_path = tc.metrics
         self.bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=not self.show,
                         desc="train", dynamic_ncols=True)
 
@@ -273,11 +283,30 @@ class Progress:
             shown["eval"] = f"{record['eval_loss']:.3f}"
         self.bar.set_postfix(shown)
         if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
-            if durable:
-                os.fsync(self.metrics.fileno())
+            try:
+                self.metrics.write(json.dumps(record) + "\n")
+                self.metrics.flush()
+                if durable:
+                    os.fsync(self.metrics.fileno())
+            except OSError as e:
+                self._metrics_failed(e, f"writing step {record['step']}'s line")
 
     def close(self):
         if self.metrics:
-            self.metrics.close()
+            try:
+                self.metrics.close()
+            except OSError as e:
+                self._metrics_failed(e, "closing it")
+
+    def _metrics_failed(self, error, doing):
+        """A --metrics file that cannot be written (a full disk, a removed mount) stops the run with
+        a sentence naming it; the checkpoints saved so far are untouched (a step's line is written
+        before its checkpoint)."""
+        try:
+            self.metrics.close()  # what is buffered is lost; closed, it is not flushed again at exit
+        except OSError:
+            pass
+        self.metrics = None
+        why = "no space left on its disk" if error.errno == errno.ENOSPC else (error.strerror or str(error))
+        raise ValueError(f"--metrics {self.metrics_path}: {why}, {doing}; the run stops here, and the checkpoints it "
+                         f"saved so far are intact")

@@ -4,10 +4,13 @@ imports and the parity tests need, not what tensor parallelism is. 01 re-exports
 
     split_full(t, p, tp, rank)                  this rank's shard, shaped like p, of the full tensor t
     join_shards(shards, p)                      the full tensor from every rank's shard, in rank order
-    load_full_state_dict(module, full, group)   master weight, then split: copy this rank's shards
+    load_full_state_dict(module, full, group, whole=None)   master weight, then split: copy this
+                                                rank's shards (whole: the model a part such as a
+                                                pipeline chunk is cut from, whose other keys it skips)
     gather_full(module, group, grads=False)     every parameter (or gradient) gathered to full shape
     init_full(named_params, n_layer, seed)      GPT-2's initialisation, full tensors (01's init_state_dict)
-    max_rel_diff(a, b)                          the parity tests' measure: max |a - b| / max |b|
+    max_rel_diff(a, b)                          the parity tests' measure: max |a - b| / max |b|, of two
+                                                tensors of one shape (never broadcast)
 
 A split parameter carries .tp_dim (the dim it is split along), .tp_full (its unpadded full size
 there) and .tp_fused (how many separately split blocks it stacks, 3 for Q, K, V); 01 marks them.
@@ -34,6 +37,9 @@ def split_full(t, p, tp, rank):
     """This tp rank's shard, shaped like p, of the full tensor t (p's split metadata decides)."""
     if not hasattr(p, "tp_dim"):
         return t
+    if t.dim() != p.dim() or t.shape[p.tp_dim] != p.tp_full:  # only the padding beyond tp_full (the vocabulary's)
+        raise ValueError(f"a full tensor of shape {tuple(t.shape)} where its parameter holds {p.tp_full} along dim "
+                         f"{p.tp_dim}, split over tp={tp} into {tuple(p.shape)}")
     t = t.movedim(p.tp_dim, 0)
     pad = p.shape[p.tp_dim] * tp - t.shape[0]  # padded vocabulary rows start as zeros
     t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
@@ -49,15 +55,23 @@ def join_shards(shards, p):
     return t[: p.tp_full].movedim(0, p.tp_dim)
 
 
-def load_full_state_dict(module, full, group):
-    """Master weight, then split: copy this rank's shard of every full (serial) tensor."""
+def load_full_state_dict(module, full, group, whole=None):
+    """Master weight, then split: copy this rank's shard of every full (serial) tensor. full holds
+    exactly module's parameters, or, with whole (a callable giving the model module is a part of,
+    e.g. on the meta device), any of whole's: a pipeline chunk skips the other chunks' keys. A key
+    neither has is refused, not dropped; so is a full tensor of another shape (only the vocabulary's
+    padding rows are made, as zeros)."""
     params = dict(module.named_parameters())
-    if set(params) != set(full):
-        raise KeyError(f"state dict mismatch: missing {sorted(set(params) - set(full))}, "
-                       f"unexpected {sorted(set(full) - set(params))}")
+    known = params if whole is None or set(full) <= set(params) else dict(whole().named_parameters())
+    missing, unknown = sorted(set(params) - set(full)), sorted(set(full) - set(known))
+    if missing or unknown:
+        raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unknown}")
     with torch.no_grad():
         for name, p in params.items():
-            t = split_full(full[name], p, *split_of(p, group))
+            try:
+                t = split_full(full[name], p, *split_of(p, group))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
             if t.shape != p.shape:
                 raise ValueError(f"{name}: full shape {tuple(full[name].shape)} does not fit shard {tuple(p.shape)}")
             p.copy_(t)
@@ -94,7 +108,11 @@ def init_full(named_params, n_layer, seed, dtype=torch.float32, random_all=False
 
 
 def max_rel_diff(a, b):
-    """max |a - b| / max |b|: relative to the tensor's scale, so tiny entries do not blow it up."""
+    """max |a - b| / max |b|: relative to the tensor's scale, so tiny entries do not blow it up. The
+    shapes must be equal: broadcasting would compare a (4, 1) gradient with a (4,) one and say 0."""
+    if a.shape != b.shape:
+        raise ValueError(f"max_rel_diff: shapes {tuple(a.shape)} and {tuple(b.shape)} differ; compare tensors of "
+                         f"one shape")
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
@@ -103,9 +121,9 @@ class FullWeights:
     in and out. 01's GPT takes it, so that its chunks and the tests speak in full tensors."""
 
     def load_full_state_dict(self, full):
-        """Load this module's part (its layers, its shards) of a full serial state dict."""
-        own = dict(self.named_parameters())
-        load_full_state_dict(self, {k: v for k, v in full.items() if k in own}, self.group)
+        """Load this module's part (its layers, its shards) of a full serial state dict: the whole
+        model's keys, of which a pipeline chunk takes its own; a key no part of the model has is refused."""
+        load_full_state_dict(self, full, self.group, whole=lambda: type(self)(self.cfg, device="meta"))
 
     def full_state_dict(self):  # every parameter, gathered to its serial shape
         return gather_full(self, self.group)

@@ -119,7 +119,7 @@ def _zero_state(env):
     model = tensor_parallel.GPT(cfg, None, seed=1, dtype=torch.float64)
     ddp = data_parallel.BucketedDDP(model.parameters(), group, 100, zero=True)
     opt = data_parallel.FlatAdamW(ddp, lr=1e-3)
-    idx, targets = _batches(1, 4)[0]
+    idx, targets = (t % cfg.vocab_size for t in _batches(1, 4)[0])  # ids of this model's vocabulary
     model(idx, targets)[1].backward()
     ddp.finish()
     opt.step()

@@ -248,3 +248,125 @@ def test_a_killed_node_stops_the_job_within_the_timeout_and_leaves_nothing_runni
         assert job.leftover() == [], job.outputs()
     finally:
         job.clean_up()
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks that disagree (issue 36): two torchrun agents on loopback, one rank each, each node given
+# its own command line, as two nodes of a cluster would be when their commands differ. Every rank
+# compares what it was given before the first training collective (plumbing/agreement.py), and a
+# difference is refused on both nodes in one sentence naming the flag, the values and the ranks
+# that hold each; nothing is trained and nothing written. A command that differs only in spelling
+# (a relative path, 3e-3 for 0.003, a default given explicitly) trains.
+
+AGREE_FLAGS = ["--tp", "1", "--pp", "2", "--dp", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+               "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--timeout-s", "30"]
+AGREE_TIMEOUT_S = 90  # two agents and two ranks, each importing torch afresh, on a loaded 2-core machine
+
+
+class Agents:
+    """Two torchrun agents on loopback with a static rendezvous (node 0 hosts it): node i runs 05
+    with flags[i], ranks numbered by node. Started at once, in tmp_path, not waited for."""
+
+    def __init__(self, tmp_path, flags):
+        self.id, port = f"agents-{os.getpid()}-{time.monotonic_ns()}", free_port()
+        env = {**os.environ, "AGENTS_ID": self.id, "OMP_NUM_THREADS": "1"}
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)
+        self.logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+        self.procs = []
+        for node, own in enumerate(flags):
+            with open(self.logs[node], "wb") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                     "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                     str(ROOT / "05_3d_gpt.py"), *map(str, own)],
+                    cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        self.t0 = time.monotonic()
+
+    def wait(self):
+        """(exit codes, seconds, each node's output, processes left behind)."""
+        try:
+            codes = [p.wait(timeout=AGREE_TIMEOUT_S) for p in self.procs]
+        finally:
+            seconds = time.monotonic() - self.t0
+            deadline = time.monotonic() + 5
+            while (left := processes_with(f"AGENTS_ID={self.id}")) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            for p in self.procs:
+                p.kill() if p.poll() is None else None
+        return codes, seconds, [log.read_text(errors="replace") for log in self.logs], left
+
+
+def ours(output):
+    """A node's output up to torchrun's own report of a failed worker (the agent's traceback)."""
+    return output.split("torch/distributed/elastic/multiprocessing/api.py")[0]
+
+
+def _tree(root):
+    """Every file under root with its bytes' hash, and every directory."""
+    import hashlib
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            out[os.path.join(folder, name)] = "directory"
+        for name in files:
+            out[os.path.join(folder, name)] = hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+    return out
+
+
+# the flag: (node 0's flags, node 1's flags, what the sentence says, * where it varies: a hash); {tmp}:
+# the test's directory
+DISAGREEMENTS = {
+    "--n-layer": (["--n-layer", "2"], ["--n-layer", "4"], "--n-layer (rank 0: 2; rank 1: 4)"),
+    "--seed": (["--seed", "1"], ["--seed", "2"], "--seed (rank 0: 1; rank 1: 2)"),
+    "--save": (["--save", "{tmp}/a"], ["--save", "{tmp}/b"], "--save (rank 0: {tmp}/a; rank 1: {tmp}/b)"),
+    "--data": (["--data", "{tmp}/sums.txt"], [], "--data (rank 0: {tmp}/sums.txt (1,545 bytes, head and tail *; rank 1: "
+                                                 "the built-in corpus (1,143,984 bytes"),
+    "--resume": (["--resume", "{tmp}/ckpt/step_00000001"], ["--resume", "{tmp}/ckpt/step_00000002"],
+                 "--resume (rank 0: {tmp}/ckpt/step_00000001 (step 1); rank 1: {tmp}/ckpt/step_00000002 (step 2))"),
+}
+
+
+@pytest.mark.parametrize("name", list(DISAGREEMENTS))
+def test_two_nodes_given_different_flags_are_refused_together_in_one_sentence(tmp_path, name):
+    tmp = os.path.realpath(tmp_path)
+    write_corpus(tmp_path / "sums.txt")
+    if name == "--resume":  # a checkpoint of steps 1 and 2, by the single launcher
+        made = run_script("05_3d_gpt.py", *AGREE_FLAGS, "--n-layer", "2", "--steps", "2", "--save", tmp_path / "ckpt",
+                          "--save-every", "1", timeout=80)
+        assert made.returncode == 0, made.stderr[-2000:]
+    node0, node1, said = (x if isinstance(x, str) else [a.replace("{tmp}", tmp) for a in x]
+                          for x in DISAGREEMENTS[name])
+    said = said.replace("{tmp}", tmp)
+    common = [*AGREE_FLAGS, "--steps", "3"] + ([] if name == "--n-layer" else ["--n-layer", "2"])
+    common += [] if name == "--save" else ["--save", f"{tmp}/saves"]
+    before = _tree(tmp)
+    codes, seconds, outputs, left = Agents(tmp_path, [common + node0, common + node1]).wait()
+    print(f"{name}: both nodes ended {seconds:.1f} s after they started")
+    assert codes[0] != 0 and codes[1] != 0, outputs
+    for output in outputs:  # the same sentence on both nodes, first, and no traceback of ours
+        lines = [x for x in ours(output).splitlines() if x.startswith("error:")]
+        assert lines and all(part in lines[0] for part in said.split("*")), output[-3000:]
+        assert "nothing was trained or written" in lines[0], output[-3000:]
+        assert "Traceback" not in ours(output), output[-3000:]
+    assert left == []
+    after = {p: v for p, v in _tree(tmp).items() if not p.endswith(".log")}
+    assert {p: v for p, v in after.items() if p in before} == {p: v for p, v in before.items() if not p.endswith(".log")}
+    assert [p for p, v in after.items() if p not in before and v != "directory"] == []  # nothing written
+
+
+def test_two_nodes_whose_commands_differ_only_in_spelling_train_together(tmp_path):
+    tmp = os.path.realpath(tmp_path)
+    write_corpus(tmp_path / "sums.txt")
+    common = [*AGREE_FLAGS, "--n-layer", "2", "--steps", "2"]
+    node0 = common + ["--data", "sums.txt", "--lr", "0.003", "--save", "ckpt"]  # relative to the same directory
+    node1 = common + ["--data", f"{tmp}/./sums.txt", "--lr", "3e-3", "--save", f"{tmp}/ckpt/", "--hang-s", "15",
+                      "--dtype", "float32", "--no-cuda-graphs"]  # half of --timeout-s 30, the CPU's dtype, off on CPU
+    codes, seconds, outputs, left = Agents(tmp_path, [node0, node1]).wait()
+    assert codes == [0, 0], outputs
+    assert sum("done: 2 steps" in output for output in outputs) == 1, outputs
+    assert sorted(os.listdir(tmp_path / "ckpt" / "step_00000002")) == ["manifest.json", "rank_00000.pt",
+                                                                      "rank_00001.pt"]
+    assert left == []
