@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -57,6 +58,11 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT), said in one line: where the run was ("interrupted at step 12 of 200").
     Raised by whatever knows where it is (05's progress bar, sampling); the launcher passes the
     first rank's on, and run_main prints it instead of a traceback."""
+
+
+class Terminated(Interrupted):
+    """SIGTERM to the launching process (a scheduler's kill, a `kill PID`): stopped as Ctrl-C stops a
+    run, the ranks saying where they were, and said in one line; the exit code is 143 (128 + 15)."""
 
 
 # Faults that name their own cause in a sentence: a rank that raises one reports the sentence and
@@ -453,14 +459,15 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
     from plumbing import watch as watching  # not at the top: watch imports nothing of ours but health
     dog = watching.Watchdog(store, nprocs, watch.hang_s, os.path.join(tempfile.gettempdir(),
                             f"hang-{os.getpid()}-{int(time.time())}")) if watch else None
-    results, failures, interrupted, deaths = {}, {}, {}, set()
+    results, failures, interrupted, deaths, terminated = {}, {}, {}, set(), False
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
     try:
         try:
             _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s, deaths=deaths, dog=dog,
                      watch=watch, timeout_s=timeout_s)
-        except KeyboardInterrupt:  # Ctrl-C here (the terminal sends it to the ranks too), or a kill -INT
-            _on_interrupt(pipes, procs, results, failures, interrupted)
+        except KeyboardInterrupt as e:  # Ctrl-C here (the terminal sends it to the ranks too), a kill -INT, or
+            _on_interrupt(pipes, procs, results, failures, interrupted)  # a SIGTERM (run_main's Terminated)
+            terminated = isinstance(e, Terminated)
     finally:
         stopped = [r for r, p in enumerate(procs) if p.is_alive() and r not in {**results, **failures, **interrupted}]
         for p in procs:
@@ -478,7 +485,8 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
     # must not copy a process with it running. The traceback of a raise here keeps this frame's names.
     dog = None
     if interrupted:  # the first rank that said where it was: they stop at the same step
-        raise Interrupted(next((m for m in interrupted.values() if m), "interrupted"))
+        said = next((m for m in interrupted.values() if m), "interrupted")
+        raise Terminated(f"terminated (SIGTERM): {said}") if terminated else Interrupted(said)
     if failures:
         failure = RankFailure(_failure_report(failures, deaths, stopped))
         failure.step = max((s for s in steps if s is not None), default=None)  # the furthest any rank got
@@ -616,6 +624,7 @@ def _on_interrupt(pipes, procs, results, failures, interrupted):
 
 def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     torch.set_num_threads(1)  # one thread per rank: ranks share the cores, as GPUs would not
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's terminate() still ends a rank
     # One Ctrl-C interrupts a rank once: the terminal sends it to the whole group and the launching
     # process passes it on, and a second one must not interrupt the first one's reporting.
     signal.signal(signal.SIGINT, _interrupt_once)
@@ -650,6 +659,11 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     os._exit(code)  # skip interpreter teardown in a forked child
 
 
+def _terminate_once(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: what follows is the stopping itself
+    raise Terminated("terminated (SIGTERM)")
+
+
 def _interrupt_once(signum, frame):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt
@@ -657,7 +671,10 @@ def _interrupt_once(signum, frame):
 
 def run_main(main):
     """Call main() and turn its result into the exit code: 0 if it returned True, else 1; 130 (the
-    shell's code for Ctrl-C) with one line saying where it stopped, not a traceback, on Ctrl-C."""
+    shell's code for Ctrl-C) with one line saying where it stopped, not a traceback, on Ctrl-C; 143
+    likewise on a SIGTERM to the launching process (not under torchrun, whose agent sends its own)."""
+    if launcher_ranks() is None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate_once)
     try:
         ok = main()
     except (RankFailure, *SENTENCES) as e:  # a rank stopped mid-bar leaves its progress line open
@@ -669,7 +686,7 @@ def run_main(main):
         sys.exit(1)
     except KeyboardInterrupt as e:
         print(f"\n{e if isinstance(e, Interrupted) and str(e) else 'interrupted'}", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
     sys.exit(0 if ok else 1)
 
 

@@ -547,6 +547,36 @@ def test_ctrl_c_stops_every_rank_with_one_line_saying_the_step(tmp_path, to):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
 
 
+def test_sigterm_to_the_launcher_stops_every_rank_with_one_line_saying_so_and_the_step(tmp_path):
+    # A scheduler's kill (or `kill PID`) of the launching process: stopped as Ctrl-C stops a run, and
+    # said (issue 36, section 4), exit 143 = 128 + SIGTERM; the newest checkpoint stays resumable.
+    metrics = tmp_path / "m.jsonl"
+    pid, out, err = _start("05_3d_gpt.py", *SMALL, "--steps", "100000", "--eval-every", "0", "--metrics", str(metrics),
+                           "--save", str(tmp_path / "ckpt"))
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGTERM)
+    signalled, status = time.monotonic(), None
+    while status is None and time.monotonic() < signalled + 10:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        status = os.waitstatus_to_exitcode(code) if done else None
+        time.sleep(0.05)
+    seconds = time.monotonic() - signalled
+    time.sleep(0.5)
+    alive = [p for p in os.listdir("/proc") if p.isdigit() and _group_of(int(p)) == pid]
+    if status is None or alive:
+        os.killpg(pid, signal.SIGKILL)
+        os.waitpid(pid, 0) if status is None else None
+    err.seek(0)
+    text = err.read().decode(errors="replace")
+    lines = [x for x in text.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("train:")]
+    assert status == 143 and seconds < 5 and alive == [], (status, seconds, alive, text[-3000:])
+    assert re.fullmatch(r"terminated \(SIGTERM\): interrupted at step \d+ of 100000; resume from the newest "
+                        r"checkpoint with --resume \S+", lines[-1]), text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
 def _group_of(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
