@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import time
 from dataclasses import replace
 from fractions import Fraction
 
@@ -265,3 +266,62 @@ def test_the_demo_passes_every_schedule_and_shows_the_imbalance_gone():
     assert proc.stdout.count("PASS (tolerance 1e-10)") == 6 and proc.stdout.rstrip().endswith("PASS")
     imbalance = re.findall(r"compute (\d+\.\d+)x -> (\d+\.\d+)x", proc.stdout)  # both vocabularies
     assert len(imbalance) == 2 and all(float(a) > 1.2 and b == "1.00" for a, b in imbalance), imbalance
+
+
+# ----------------------------------------------------------------------------------------------
+# The vocabulary group's collectives go in one order on every rank, whatever each rank's timing
+# (issue 35, item 2): under NCCL two ranks issuing them in different orders beside the pipeline's
+# sends and receives could each wait for the other until the timeout. Their order is the order
+# the passes run, which validate() makes the same everywhere, however long each action takes.
+
+
+def _issue_order(env, seed):
+    import random
+    pp, m = env.world_size, 4
+    pipe = vp.vocab_schedule("1f1b", pp, m, 2)
+    groups = gpt3d.new_groups(env, pipe.grid(env.world_size, 1, 1))
+    cfg = replace(PIPELINE_CFG, n_layer=2 * pp)
+    full = tensor_parallel.init_state_dict(cfg, 5, dtype=torch.float64, random_all=True)
+    chunks = pipeline.build_chunks(cfg, pp, env.rank, pipe.v, groups.tp, pipe.placement, init=False,
+                                   dtype=torch.float64)
+    for c in chunks:
+        c.load_full_state_dict(full)
+    pipe.prepare(chunks, groups, full)
+    issued, rng = [], random.Random(seed * 100 + env.rank)  # each rank its own delays
+    real_all_reduce, real_act = dist.all_reduce, pipeline.Executor.act
+
+    def all_reduce(t, *args, group=None, **kwargs):
+        if group is groups.vocab:
+            issued.append((tuple(t.shape), str(kwargs.get("op", args[0] if args else "sum"))))
+        return real_all_reduce(t, *args, group=group, **kwargs)
+
+    def act(self, a, k):
+        time.sleep(rng.random() * 0.01)  # this rank's timing, not another's
+        return real_act(self, a, k)
+
+    dist.all_reduce, pipeline.Executor.act = all_reduce, act  # this forked rank only
+    idx, targets = pipeline_batch(m, seed=seed)
+    pipeline.execute(pipe, chunks, groups.pp, pipeline.split_batch(idx, targets, m), pipeline.Wire((2, 16, cfg.n_embd)))
+    return issued
+
+
+def test_every_rank_issues_the_vocabulary_collectives_in_one_order_whatever_its_timing(run_ranks):
+    for seed in range(3):
+        orders = run_ranks(_issue_order, 2, seed)
+        assert orders[0] and all(o == orders[0] for o in orders), orders
+
+
+def _trainer_rows(env):
+    tc = vp.TrainConfig(**{**dataclasses.asdict(TRAINER_BASE), "pp": 2, "steps": 1})
+    pipe = vp.schedule_of(tc)
+    cfg = replace(TRAINER_CFG, vocab_size=300)
+    run = gpt3d.build(env, cfg, tc, gpt3d.new_groups(env, pipe.grid(env.world_size, tc.tp, tc.dp)), pipe)
+    shard = run.chunks[0].transformer.wte
+    return shard.per_rank, shard.start
+
+
+def test_the_trainer_pads_the_vocabulary_as_05_does_a_multiple_of_128_times_pp_tp(run_ranks):
+    # Aligned GEMMs on a GPU (issue 35, item 7): V = 300 over pp tp = 2 ranks is padded to 512, 256
+    # rows each (a multiple of 128), not to 300, 150 each.
+    rows = run_ranks(_trainer_rows, 2)
+    assert [r for r, _ in rows] == [256, 256] and [s for _, s in rows] == [0, 256]
