@@ -16,7 +16,7 @@ GPipe (Huang et al. 2019: all forwards, then all backwards) keeps all m microbat
 alive; 1F1B (PipeDream-Flush: Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN
 Training") starts backwards as soon as possible and keeps at most pp - stage alive.
 This file knows two kinds of action, F and B (KINDS). A later file adds kinds of its own by giving
-its Schedule a larger table and its Executor a method for each (06: I and W; 07: S and T).
+its Schedule a larger table and its Executor a method for each.
 
 Run it:
     python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules
@@ -165,7 +165,7 @@ class Schedule:
         return out
 
     def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
-        """What runs this schedule's actions on a rank (06 and 07 return their own Executors)."""
+        """What runs this schedule's actions on a rank (a later file's schedule returns its own)."""
         return Executor(self, chunks, pp_group, wire, exchange, deallocate)
 
 
@@ -377,7 +377,7 @@ def simulate(schedule, t_f=1, t_b=2, t_comm=0, times=None):
     """Deterministic replay: each action starts when its rank is free and what it waits for has
     ended: its input (t_comm later from another rank), the action of kind Kind.after on its stage,
     and any actions of other ranks (Kind.waits; t_comm later). times: {kind: time} for kinds
-    other than F and B (06's I and W), each a number or a list per rank, as t_f and t_b are."""
+    other than F and B (a later file's), each a number or a list per rank, as t_f and t_b are."""
     pp, lists = schedule.pp, schedule.lists
     per_rank = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * pp  # noqa: E731
     times = {kind: per_rank(t) for kind, t in {"F": t_f, "B": t_b, **(times or {})}.items()}

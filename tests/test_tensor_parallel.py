@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import load
+from conftest import ROOT, load
 from plumbing.trace import trace_comm
 
 tensor_parallel = load("01_tensor_parallel")
@@ -483,3 +483,18 @@ def test_sequence_parallelism_names_its_all_gather_g_and_its_reduce_scatter_g_ba
     assert tensor_parallel.GatherFromSP.__doc__.startswith("Sequence parallelism's g ")
     assert "reduce-scatter T in forward; all-gather T in backward" in tensor_parallel.ReduceScatterToSP.__doc__
     assert tensor_parallel.ReduceScatterToSP.__doc__.startswith("Sequence parallelism's g-bar ")
+
+
+def test_01s_fused_qkv_split_where_c_attn_is_built_is_the_split_every_shard_gets():
+    # 01 shows the split in a comment beside c_attn; plumbing/shards.split_full does it for every
+    # fused parameter: the two must be the same arrangement.
+    from einops import rearrange
+    src = " ".join(line.strip().lstrip("#").strip() for line in (ROOT / "01_tensor_parallel.py").read_text().splitlines())
+    assert 'rearrange(w, "(three tp c) C -> tp (three c) C", three=3, tp=tp)[i]' in src
+    C, tp = 8, 2
+    w = torch.arange(3 * C * C, dtype=F64).reshape(3 * C, C)
+    weight = tensor_parallel._mark_split(torch.empty(3 * C // tp, C), 0, 3 * C, fused=3)  # rank i's c_attn shard
+    for i in range(tp):
+        shard = rearrange(w, "(three tp c) C -> tp (three c) C", three=3, tp=tp)[i]
+        assert torch.equal(tensor_parallel.split_full(w, weight, tp, i), shard)
+        assert torch.equal(shard, torch.cat([q.chunk(tp)[i] for q in w.chunk(3)]))  # [Q_i; K_i; V_i]
