@@ -912,6 +912,20 @@ def warm():
         module.parser()
 
 
+def _refused_and_untouched(proc, message, tmp, before, said=None):
+    """The promises of a refusal: a non-zero exit within 10 s, the message (however it was wrapped),
+    no traceback, no process left behind, and every file under tmp as it was, none written."""
+    said = proc.stderr if said is None else said
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert " ".join(message.split()) in " ".join(said.split()), said[-2000:]
+    assert "Traceback" not in said, said[-3000:]
+    assert proc.seconds < 10, f"{proc.seconds:.1f} s"
+    assert proc.leftover == []
+    after = _snapshot(tmp)
+    assert {p: v for p, v in after.items() if p in before} == before  # nothing read was changed
+    assert [p for p, v in after.items() if p not in before and v != "directory"] == []  # nothing written
+
+
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_input_is_refused_by_name_in_seconds_and_every_file_is_left_as_it_was(case, tmp_path, checkpoint_dir):
     script, args, message, setup, env = HOSTILE[case]
@@ -928,15 +942,7 @@ def test_hostile_input_is_refused_by_name_in_seconds_and_every_file_is_left_as_i
     finally:
         while _HELD:
             os.close(_HELD.pop())
-    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    said = proc.stderr + (proc.stdout if script == "ex" else "")  # the autograder reports on stdout
-    assert " ".join(message.split()) in " ".join(said.split()), said[-2000:]  # however it was wrapped
-    assert "Traceback" not in said, said[-3000:]
-    assert proc.seconds < 10, f"{proc.seconds:.1f} s"
-    assert proc.leftover == []
-    after = _snapshot(tmp)
-    assert {p: v for p, v in after.items() if p in before} == before  # nothing read was changed
-    assert [p for p, v in after.items() if p not in before and v != "directory"] == []  # nothing written
+    _refused_and_untouched(proc, message, tmp, before, proc.stderr + (proc.stdout if script == "ex" else ""))
 
 
 def test_the_hostile_table_covers_each_class_with_at_least_eighty_cases():
@@ -973,14 +979,7 @@ def test_a_flag_torchrun_makes_meaningless_is_refused_by_name_and_every_file_is_
     _hostile_files(tmp, checkpoint_dir)
     before = _snapshot(tmp)
     proc = run_script({**SCRIPTS, **SCRIPTS_HOSTILE}[script], *args, timeout=30, env=env)
-    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert " ".join(message.split()) in " ".join(proc.stderr.split()), proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.seconds < 10, f"{proc.seconds:.1f} s"
-    assert proc.leftover == []
-    after = _snapshot(tmp)
-    assert {p: v for p, v in after.items() if p in before} == before
-    assert [p for p, v in after.items() if p not in before and v != "directory"] == []
+    _refused_and_untouched(proc, message, tmp, before)
 
 
 zero_bubble, vocab_parallel = load("06_zero_bubble"), load("07_vocab_parallel")
@@ -1190,14 +1189,7 @@ def test_third_pass_input_is_refused_by_name_in_seconds_and_every_file_is_left_a
     args, message = [fill(a) for a in args], fill(message)
     before = _snapshot(tmp)
     proc = run_script(SCRIPTS[script], *args, timeout=30, env=env)
-    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert " ".join(message.split()) in " ".join(proc.stderr.split()), proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.seconds < 10, f"{proc.seconds:.1f} s"
-    assert proc.leftover == []
-    after = _snapshot(tmp)
-    assert {p: v for p, v in after.items() if p in before} == before  # nothing read was changed
-    assert [p for p, v in after.items() if p not in before and v != "directory"] == []  # nothing written
+    _refused_and_untouched(proc, message, tmp, before)
 
 
 def test_a_resume_on_changed_data_goes_on_with_data_changed_ok_and_says_so(tmp_path, checkpoint_dir):

@@ -518,21 +518,22 @@ def _start(script, *args):
     return pid, out, err
 
 
-@pytest.mark.parametrize("to", ["group", "launcher"], ids=["Ctrl-C in the terminal", "kill -INT to the launcher"])
-def test_ctrl_c_stops_every_rank_with_one_line_saying_the_step(tmp_path, to):
+def _stopped_by(signalled, tmp_path):
+    """Start 05 training without end, wait for its second step, signalled(pid), then wait for the exit:
+    (exit status, seconds it took, processes left in its group, its last stderr line but the bar's, stderr)."""
     metrics = tmp_path / "m.jsonl"
     pid, out, err = _start("05_3d_gpt.py", *SMALL, "--steps", "100000", "--eval-every", "0", "--metrics", str(metrics),
                            "--save", str(tmp_path / "ckpt"))
     deadline = time.monotonic() + 60
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
         time.sleep(0.05)
-    (os.killpg if to == "group" else os.kill)(pid, signal.SIGINT)  # a terminal signals the whole group
-    signalled, status = time.monotonic(), None
-    while status is None and time.monotonic() < signalled + 10:
+    signalled(pid)
+    start, status = time.monotonic(), None
+    while status is None and time.monotonic() < start + 10:
         done, code = os.waitpid(pid, os.WNOHANG)
         status = os.waitstatus_to_exitcode(code) if done else None
         time.sleep(0.05)
-    seconds = time.monotonic() - signalled
+    seconds = time.monotonic() - start
     time.sleep(0.5)  # the ranks' exits, once the launcher's is seen
     alive = [p for p in os.listdir("/proc") if p.isdigit() and _group_of(int(p)) == pid]
     if status is None or alive:
@@ -541,39 +542,26 @@ def test_ctrl_c_stops_every_rank_with_one_line_saying_the_step(tmp_path, to):
     err.seek(0)
     text = err.read().decode(errors="replace")
     lines = [x for x in text.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("train:")]
+    return status, seconds, alive, lines[-1] if lines else "", text
+
+
+@pytest.mark.parametrize("to", ["group", "launcher"], ids=["Ctrl-C in the terminal", "kill -INT to the launcher"])
+def test_ctrl_c_stops_every_rank_with_one_line_saying_the_step(tmp_path, to):
+    status, seconds, alive, last, text = _stopped_by(
+        lambda pid: (os.killpg if to == "group" else os.kill)(pid, signal.SIGINT), tmp_path)  # a terminal: the group
     assert status == 130 and seconds < 5 and alive == [], (status, seconds, alive, text[-3000:])
     assert re.fullmatch(r"interrupted at step \d+ of 100000; resume from the newest checkpoint with --resume \S+",
-                        lines[-1]), text[-3000:]
+                        last), text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_with_one_line_saying_so_and_the_step(tmp_path):
     # A scheduler's kill (or `kill PID`) of the launching process: stopped as Ctrl-C stops a run, and
     # said (issue 36, section 4), exit 143 = 128 + SIGTERM; the newest checkpoint stays resumable.
-    metrics = tmp_path / "m.jsonl"
-    pid, out, err = _start("05_3d_gpt.py", *SMALL, "--steps", "100000", "--eval-every", "0", "--metrics", str(metrics),
-                           "--save", str(tmp_path / "ckpt"))
-    deadline = time.monotonic() + 60
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGTERM)
-    signalled, status = time.monotonic(), None
-    while status is None and time.monotonic() < signalled + 10:
-        done, code = os.waitpid(pid, os.WNOHANG)
-        status = os.waitstatus_to_exitcode(code) if done else None
-        time.sleep(0.05)
-    seconds = time.monotonic() - signalled
-    time.sleep(0.5)
-    alive = [p for p in os.listdir("/proc") if p.isdigit() and _group_of(int(p)) == pid]
-    if status is None or alive:
-        os.killpg(pid, signal.SIGKILL)
-        os.waitpid(pid, 0) if status is None else None
-    err.seek(0)
-    text = err.read().decode(errors="replace")
-    lines = [x for x in text.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("train:")]
+    status, seconds, alive, last, text = _stopped_by(lambda pid: os.kill(pid, signal.SIGTERM), tmp_path)
     assert status == 143 and seconds < 5 and alive == [], (status, seconds, alive, text[-3000:])
     assert re.fullmatch(r"terminated \(SIGTERM\): interrupted at step \d+ of 100000; resume from the newest "
-                        r"checkpoint with --resume \S+", lines[-1]), text[-3000:]
+                        r"checkpoint with --resume \S+", last), text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
 
 
