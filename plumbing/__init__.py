@@ -20,8 +20,19 @@ first read; each module opens with what it does and how it is called.
     sample.py      text from a trained model of any layout
     report.py      what 05 prints: the rank grid, the summary, the progress bar, the end report
     demos.py       the demos' timing, fingerprints and printed reports; 02's and 03's harness
+    reference.py   the serial references the demos and tests compare with
+    validate.py    02's validator: a schedule's lists complete and in order, its plans deadlock-free
+    meter.py       02's executor observed from outside: each step's timeline, messages and
+                   activation memory (StepRecord, ActivationMeter)
+    operations.py  what 05's training loop needs that is not the loop: the watch, rehearsed faults,
+                   skipped steps, the trace, saves and snapshots
+    command.py     05's command line (its actions, checks and launch), and a later chapter's
+    shards.py      full weights to shards and back (FullWeights: 01's GPT takes it)
+    watch.py       the watch: each rank's record, the heartbeat, the watchdog, faults, restarts
+    health.py      who waits for whom, stragglers: pure functions the watch reads
+    selfcheck.py   --self-check: every rank, group and link tried before training
 
-Dependencies run one way: the numbered files import this package, and a module here imports only
-numbered files below the one it serves (checkpoint.py reads 01's sharding, report.py 02's
-simulator), never 05, so there is no cycle.
+Dependencies run one way: the numbered files import this package, and a module here imports a
+numbered file only when called (checkpoint.py reads 01's sharding, report.py 02's simulator,
+command.py runs 05's trainer), never at import, so there is no cycle.
 """
