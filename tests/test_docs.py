@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import ROOT, load, run_script
+from conftest import ROOT, load, script_output
 
 DOCS = ["README.md", "docs/GUIDE.md", "docs/COURSE.md"]
 MAIN_JOB = "python3 05_3d_gpt.py"
@@ -36,15 +36,18 @@ RUNS = {
     "python3 03_interleaved.py": ("03_interleaved.py",),
     "python3 04_data_parallel.py": ("04_data_parallel.py",),
     MAIN_JOB: ("05_3d_gpt.py", "--steps", "1"),  # its eval runs at the last step: the summary is the same
+    "python3 06_zero_bubble.py": ("06_zero_bubble.py",),
+    "python3 07_vocab_parallel.py": ("07_vocab_parallel.py",),
 }
 _outputs = {}
 
 
 def demo_output(command):
-    """The finished run of `command` (a key of RUNS), run once per test session: a
-    subprocess.CompletedProcess whose stdout is what a reader sees."""
+    """The finished run of `command` (a key of RUNS), run once per test session (conftest's
+    script_output, shared with test_answers.py): a subprocess.CompletedProcess whose stdout is what
+    a reader sees."""
     if command not in _outputs:
-        proc = run_script(*RUNS[command], timeout=80)
+        proc = script_output(*RUNS[command], timeout=80)
         assert proc.returncode == 0, f"{command} failed:\n{proc.stderr[-3000:]}"
         _outputs[command] = proc
     return _outputs[command]
