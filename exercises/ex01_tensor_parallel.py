@@ -181,7 +181,7 @@ class GatherFromSP(torch.autograd.Function):
 
 
 class ReduceScatterToSP(torch.autograd.Function):
-    """Sequence parallelism's g: reduce-scatter T in forward; all-gather T in backward."""
+    """Sequence parallelism's g-bar (in g's place): reduce-scatter T in forward; all-gather T in backward."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -157,6 +157,18 @@ def run_script(script, *args, timeout=60, env=None, fresh=False):
     return proc
 
 
+_script_outputs = {}
+
+
+def script_output(script, *args, timeout=80):
+    """run_script(script, *args) once per test session, its finished run cached: the docs' tests
+    (test_docs.py, test_answers.py) read the same demo runs, and a demo is run once for both."""
+    key = (str(script), *map(str, args))
+    if key not in _script_outputs:
+        _script_outputs[key] = run_script(script, *args, timeout=timeout)
+    return _script_outputs[key]
+
+
 def _alive(proc_group):
     """The pids still alive in a process group."""
     pids = []

@@ -146,3 +146,105 @@ def test_the_measure_counts_a_class_with_its_methods_and_an_assignment(tmp_path)
     planted.write_text("X = 1\n\n\n@dec\nclass A:\n    def m(self):\n        return 1\n\n\ndef f():\n    pass\n")
     where = spans(planted)
     assert where["X"] == (1, 1) and where["A"] == (4, 7) and where["A.m"] == (4, 7) and where["f"] == (10, 11)
+
+
+# ----------------------------------------------------------------------------------------------
+# docs/GUIDE.md: a section per numbered file, its read-first names the README's, in the README's
+# order, and its budget the lines measured here, in minutes by the rule the guide states.
+
+GUIDE = (ROOT / "docs" / "GUIDE.md").read_text()
+PACE, DEMO_MIN, QUESTION_MIN = 4, 10, 5  # lines a minute; minutes for the demo and for each question
+
+
+def guide_sections(guide=GUIDE):
+    """{chapter: its section of the guide}, from each '## 0N_name.py' heading to the next heading."""
+    parts = re.split(r"\n## (0\d)_[a-z0-9_]+\.py\b[^\n]*\n", guide)
+    return {ch: body.split("\n## ")[0] for ch, body in zip(parts[1::2], parts[2::2])}
+
+
+def guide_block(section, title):
+    """The paragraph that starts '**{title}...**' and runs to the next bold heading, or ''."""
+    m = re.search(rf"\n\*\*{re.escape(title)}[^*]*\*\*(.*?)(?=\n\*\*[A-Z]|\Z)", "\n" + section, re.S)
+    return m.group(1) if m else ""
+
+
+def named_in_order(text, names):
+    """The names of `names` backticked in text, each at its first mention, in the order mentioned."""
+    seen = []
+    for name in re.findall(r"`([A-Za-z_][\w.]*)`", text):
+        if name in names and name not in seen:
+            seen.append(name)
+    return seen
+
+
+def minutes(lines, questions):
+    """The guide's estimate: lines at PACE a minute, the demo and the questions, to the nearest 5."""
+    return int((lines / PACE + DEMO_MIN + QUESTION_MIN * questions) / 5 + 0.5) * 5
+
+
+def test_the_guide_has_a_section_for_every_numbered_file():
+    assert sorted(guide_sections()) == sorted(FILES), "docs/GUIDE.md: a '## 0N_name.py' section per numbered file"
+
+
+def read_first_problems(ch, guide=GUIDE):
+    """What the guide's read-first (and read-second) names of chapter ch get wrong against README.md's."""
+    own = {name for name in spans(FILES[ch]) if "." not in name}  # the file's own top-level names
+    section, lists, problems = guide_sections(guide).get(ch, ""), chapter_lists()[ch], []
+    for kind in ("Read first", "Read second"):
+        readme = [n for n in dict.fromkeys(lists.get(kind, [])) if n in own]
+        guide_names = named_in_order(guide_block(section, kind), own)
+        allowed = set(readme) | ({n for n in lists.get("Read first", []) if n in own} if kind == "Read second" else set())
+        if [n for n in guide_names if n in readme] != readme:
+            problems.append(f"'{kind}' names {[n for n in guide_names if n in readme]}, README.md {readme}")
+        stray = [n for n in guide_names if n not in allowed]
+        if stray:
+            problems.append(f"'{kind}' names {stray}, not on README.md's {kind} list")
+    return problems
+
+
+def budget_problems(ch, guide=GUIDE):
+    """What the guide's budget line of chapter ch gets wrong against the measure and the rule."""
+    section = guide_sections(guide).get(ch, "")
+    budget = re.search(r"\*\*Budget\.\*\* (\d+) minutes, (\d+) lines read first(?: and (\d+) read second)?\.",
+                       section)
+    if not budget:
+        return ["no '**Budget.** N minutes, L lines read first.' line"]
+    first, second = measure(ch), measure(ch, "Read second")
+    questions = len(re.findall(r"^\d+\. ", guide_block(section, "Questions"), re.M))
+    problems = [] if (int(budget[2]), int(budget[3] or 0)) == (first, second) else \
+        [f"says {budget[0]!r}; test_budgets measures {first} lines read first and {second} read second"]
+    if int(budget[1]) != minutes(first + second, questions):
+        problems.append(f"{budget[1]} minutes, where the guide's rule gives {minutes(first + second, questions)}")
+    return problems
+
+
+@pytest.mark.parametrize("ch", sorted(FILES))
+def test_the_guides_read_first_names_are_the_readmes_in_the_readmes_order(ch):
+    assert not read_first_problems(ch), f"docs/GUIDE.md, {FILES[ch].name}: {read_first_problems(ch)}"
+
+
+@pytest.mark.parametrize("ch", sorted(FILES))
+def test_the_guides_budget_is_the_measured_lines_and_the_minutes_by_its_rule(ch):
+    assert not budget_problems(ch), f"docs/GUIDE.md, {FILES[ch].name}: {budget_problems(ch)}"
+
+
+def test_the_guides_rule_gives_the_old_reads_hours_and_a_changed_guide_fails():
+    assert 8 * 60 <= sum(minutes(n, 4) for n in (372, 428, 116, 238, 273)) <= 9 * 60  # the issue's 1,427 lines
+    section = guide_sections()["03"]
+    fewer_lines = GUIDE.replace(section, section.replace(f"{measure('03')} lines read first", "1 lines read first"))
+    assert budget_problems("03", fewer_lines) and not budget_problems("03")
+    swapped = GUIDE.replace(section, section.replace("1. `interleaved`", "1. `chunk_layers`, `interleaved`"))
+    assert read_first_problems("03", swapped) and not read_first_problems("03")
+    stray = GUIDE.replace(section, section.replace("4. `demo`", "4. `check_interleaving`, `demo`"))
+    assert read_first_problems("03", stray)
+
+
+def test_the_hours_the_guide_and_the_readme_quote_are_the_sections_budgets():
+    said = {ch: int(re.search(r"\*\*Budget\.\*\* (\d+) minutes", s)[1]) for ch, s in guide_sections().items()}
+    first, later = (sum(m for ch, m in said.items() if ch <= "05") / 60,
+                    sum(m for ch, m in said.items() if "06" <= ch <= "07") / 60)
+    guide = re.search(r"01 to 05 together now come to (\d+) hours; 06 and 07 to about (\d+) more", " ".join(GUIDE.split()))
+    readme = re.search(r"about (\d+) hours for 01-05, (\d+) more for 06 and 07", " ".join(README.split()))
+    for found in (guide, readme):
+        assert found and (int(found[1]), int(found[2])) == (round(first), round(later)), \
+            f"{found and found[0]!r}: the sections' budgets add up to {first:.2f} and {later:.2f} hours"

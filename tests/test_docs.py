@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import ROOT, load, run_script
+from conftest import ROOT, load, script_output
 
 DOCS = ["README.md", "docs/GUIDE.md", "docs/COURSE.md"]
 MAIN_JOB = "python3 05_3d_gpt.py"
@@ -36,15 +36,18 @@ RUNS = {
     "python3 03_interleaved.py": ("03_interleaved.py",),
     "python3 04_data_parallel.py": ("04_data_parallel.py",),
     MAIN_JOB: ("05_3d_gpt.py", "--steps", "1"),  # its eval runs at the last step: the summary is the same
+    "python3 06_zero_bubble.py": ("06_zero_bubble.py",),
+    "python3 07_vocab_parallel.py": ("07_vocab_parallel.py",),
 }
 _outputs = {}
 
 
 def demo_output(command):
-    """The finished run of `command` (a key of RUNS), run once per test session: a
-    subprocess.CompletedProcess whose stdout is what a reader sees."""
+    """The finished run of `command` (a key of RUNS), run once per test session (conftest's
+    script_output, shared with test_answers.py): a subprocess.CompletedProcess whose stdout is what
+    a reader sees."""
     if command not in _outputs:
-        proc = run_script(*RUNS[command], timeout=80)
+        proc = script_output(*RUNS[command], timeout=80)
         assert proc.returncode == 0, f"{command} failed:\n{proc.stderr[-3000:]}"
         _outputs[command] = proc
     return _outputs[command]
@@ -246,6 +249,28 @@ def _optimized_collectives(env):
 
 TP, SP, PIPE, INTER, DP = (f"python3 {n}" for n in ("01_tensor_parallel.py", "01_tensor_parallel.py --sequence-parallel",
                                                      "02_pipeline_1f1b.py", "03_interleaved.py", "04_data_parallel.py"))
+ZB, VOCAB = "python3 06_zero_bubble.py", "python3 07_vocab_parallel.py"
+
+
+def paper_figure(what):
+    """06's figure `what` (its row of "the paper's figures"), as printed: the simulated value."""
+    return re.search(rf"^  {re.escape(what)} +(\S.*?) +formula", demo_output(ZB).stdout, re.M)[1]
+
+
+def entries(listed):
+    """The entries of a printed list, "[9, 9, 9, 9]", as a set of strings."""
+    return set(listed.strip("[]").split(", "))
+
+
+def imbalance(V, index):
+    """07's compute imbalance at vocabulary V printed with thousands separators: index 0 without, 1 with."""
+    block = demo_output(VOCAB).stdout.split(f"=== V = {V} ")[1]
+    return re.search(r"compute ([\d.]+x) -> ([\d.]+x)", block)[index + 1]
+
+
+def faster(V):
+    block = demo_output(VOCAB).stdout.split(f"=== V = {V} ")[1]
+    return re.search(r"\(([\d.]+x) faster\)", block)[1]
 
 
 def count(rows, **where):
@@ -374,6 +399,38 @@ CLAIMS = [
           lambda: line_with(MAIN_JOB, r"b\*T\*C = ([\d,]+) elements, /tp = ([\d,]+)")),
     Claim("docs/GUIDE.md", r"from ([\d.]+) \(about ln 256\) down to about ([\d.]+)\.",
           lambda: (f"{float(benchmarks(0)):.2f}", f"{float(benchmarks(1)):.2f}")),
+    Claim("README.md", r"beside the paper's formulas \((\S+) -> (\S+) at pp=(\d), m=(\d); ZB-V idles nowhere inside a rank's "
+                       r"span\)",
+          lambda: (paper_figure("bubble, 1F1B"), paper_figure("bubble, ZB-H1"), *line_with(ZB, r"pp=(\d) m=(\d) ")) if
+          entries(paper_figure("ZB-V idle inside each rank's span")) == {"0"} else "ZB-V idles"),
+    Claim("README.md", r"\(compute imbalance ([\d.]+x) and ([\d.]+x) -> ([\d.]+x)\), the simulated steps \(([\d.]+x) "
+                       r"faster at (\d+)\)",
+          lambda: (imbalance("1,001", 0), imbalance("32,768", 0), one({imbalance("1,001", 1), imbalance("32,768", 1)}),
+                   faster("32,768"), line_with(VOCAB, r"\nV [\d,]+ -> ([\d,]+):").replace(",", ""))),
+    Claim("docs/GUIDE.md", r"`python3 06_zero_bubble.py` \(pp = (\d), m = (\d), an (\d)-layer GPT-2\)",
+          lambda: (*line_with(ZB, r"pp=(\d) m=(\d) "), line_with(ZB, r"n_layer=(\d)"))),
+    Claim("docs/GUIDE.md", r"the idle time per rank falls from (\d+) for 1F1B to (\d+) for ZB-H1, a third, and ZB-V idles "
+                           r"nowhere inside a rank's span; the bubble from (\S+) to (\S+);",
+          lambda: (one(entries(paper_figure("1F1B idle per rank"))), one(entries(paper_figure("ZB-H1 idle per rank"))),
+                   paper_figure("bubble, 1F1B"), paper_figure("bubble, ZB-H1"))),
+    Claim("docs/GUIDE.md", r"ZB-V holds 2pp = (\d+) half-stage chunks on every rank\. The simulated step times: 1F1B (\S+), "
+                           r"ZB-H1 (\S+), ZB-V (\S+)\.",
+          lambda: (one(entries(paper_figure("peak memory, ZB-V (chunks)"))),
+                   *line_with(ZB, r"simulated step time: 1F1B (\S+), ZB-H1 (\S+), ZB-V (\S+)"))),
+    Claim("docs/GUIDE.md", r"ZB-H1 holds exactly r M_W more than 1F1B on rank r, M_W = ([\d,]+) bytes",
+          lambda: line_with(ZB, r"more than 1F1B on rank r: \[[\d, ]+\] = r x ([\d,]+)  \(equal\)")),
+    Claim("docs/GUIDE.md", r"`python3 07_vocab_parallel.py` \(pp = (\d) x tp = (\d) on (\d) CPU ranks, m = (\d), an (\d)-layer "
+                           r"GPT-2 with V = (\d+)\)",
+          lambda: (*line_with(VOCAB, r"pp=(\d) tp=(\d) m=\d "), line_with(VOCAB, r"world=(\d) "),
+                   line_with(VOCAB, r"pp=\d tp=\d m=(\d) "), line_with(VOCAB, r"n_layer=(\d)"),
+                   line_with(VOCAB, r"vocab_size=(\d+)"))),
+    Claim("docs/GUIDE.md", r"compute ([\d.]+x) at V = 1001 and ([\d.]+x) at V = 32768, both ([\d.]+x) with vocabulary",
+          lambda: (imbalance("1,001", 0), imbalance("32,768", 0), one({imbalance("1,001", 1), imbalance("32,768", 1)}))),
+    Claim("docs/GUIDE.md", r"\(02's simulator, each stage's time from the same FLOPs\): ([\d.]+x) faster at V = 1001, "
+                           r"([\d.]+x) at V = 32768",
+          lambda: (faster("1,001"), faster("32,768"))),
+    Claim("docs/GUIDE.md", r"V padded from (\d+) to (\d+), a multiple of pp tp = (\d)",
+          lambda: line_with(VOCAB, r"V = (\d+) padded to (\d+) over (\d) ranks")),
     # docs/COURSE.md
     Claim("docs/COURSE.md", r"# the (\d+) exercises", lambda: str(sum(len(load("exercises").exercises(f))
                                                                       for f in load("exercises").FILES))),

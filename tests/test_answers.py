@@ -1,0 +1,613 @@
+"""docs/ANSWERS.md against docs/GUIDE.md and the code: every question of the guide has an answer,
+under its file's heading and number; every answer cites the code by name; and every figure or fact
+an answer states is what the code computes today.
+
+The facts are checked as tests/test_docs.py checks the docs' prose (its CLAIMS): each Claim is a
+pattern over one answer (whitespace collapsed), whose groups are the figures, and a function that
+gets them from the code: a pure function of a numbered file (a schedule's lists, the simulator, the
+validator, the rank grid), what a demo prints today (conftest.script_output: the same runs as
+test_docs.py's, once per session), or a small run on CPU ranks (two launches, one rank and two, for
+all the answers that need one). Nothing is copied from an output. A doc that says another figure,
+or stops saying it, fails; and every answer must have at least one Claim, so that an answer added
+(08's, 09's) comes with its check.
+
+Tolerances: float64 rounding is below 1e-12 for these small models (a mistake is O(1)); where an
+answer says two losses differ, they differ by more than 1e-4.
+"""
+import dataclasses
+import functools
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import PIPELINE_CFG, ROOT, load, pipeline_batch, script_output
+
+ANSWERS_MD, GUIDE_MD = (ROOT / "docs" / "ANSWERS.md"), (ROOT / "docs" / "GUIDE.md")
+tensor_parallel, pipeline, interleaved = load("01_tensor_parallel"), load("02_pipeline_1f1b"), load("03_interleaved")
+data_parallel, gpt3d, zero_bubble, vocab = (load(n) for n in ("04_data_parallel", "05_3d_gpt", "06_zero_bubble",
+                                                              "07_vocab_parallel"))
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------------------------
+# The two files, read
+
+
+def sections(path):
+    """{chapter "0N": its section}, each from its '## 0N_name.py' heading to the next heading."""
+    parts = re.split(r"\n## (0\d)_[a-z0-9_]+\.py\b[^\n]*\n", path.read_text(encoding="utf-8"))
+    return {ch: body.split("\n## ")[0] for ch, body in zip(parts[1::2], parts[2::2])}
+
+
+def numbered(text):
+    """{n: the text of item n} of the numbered list in text (items start '1. ' at a line's start)."""
+    items = re.split(r"^(\d+)\. ", text, flags=re.M)
+    return {int(n): " ".join(body.split()) for n, body in zip(items[1::2], items[2::2])}
+
+
+def questions():
+    """{"0N.k": question k of file 0N's section of GUIDE.md}."""
+    out = {}
+    for ch, section in sections(GUIDE_MD).items():
+        block = re.search(r"\*\*Questions\.\*\*(.*?)(?=\n\*\*[A-Z]|\Z)", section, re.S)
+        out.update({f"{ch}.{n}": q for n, q in numbered(block.group(1) if block else "").items()})
+    return out
+
+
+def answers():
+    """{"0N.k": answer k of file 0N's section of ANSWERS.md}."""
+    return {f"{ch}.{n}": a for ch, section in sections(ANSWERS_MD).items() for n, a in numbered(section).items()}
+
+
+ANSWERS = answers()
+
+
+# ----------------------------------------------------------------------------------------------
+# What the code says, computed once per session
+
+
+def demo(*args):
+    proc = script_output(*args)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+TP_DEMO, SP_DEMO, DP_DEMO = ("01_tensor_parallel.py",), ("01_tensor_parallel.py", "--sequence-parallel"), \
+    ("04_data_parallel.py",)
+
+
+def collectives(*args):
+    """01's list of collectives: (op, operator, layer, direction, shape, KiB) per line."""
+    pattern = re.compile(r"^  (all-reduce \(max\)|all-reduce|all-gather|reduce-scatter) +(\S+) +(\S+) "
+                         r"(forward|backward) +(\([\d, ]*\)) +([\d.]+) KiB$")
+    return [m.groups() for m in map(pattern.match, demo(*args).splitlines()) if m]
+
+
+def one(values):
+    values = set(values)
+    assert len(values) == 1, f"not one value: {values}"
+    return values.pop()
+
+
+WORDS = {1: "one", 2: "two", 3: "three"}
+
+
+@functools.cache
+def two_ranks():
+    """Facts that need two tp ranks: 01's row-parallel bias added before g, 01's loss all-reduces with
+    the trainer's optimizations, and 05's norm counts over tp ranks and stages."""
+    from plumbing.launch import launch
+    return launch(_two_ranks, 2, timeout_s=20, deadline_s=60)[0]
+
+
+def _two_ranks(env):
+    from plumbing.trace import trace_comm
+    group, rank = tensor_parallel.new_tp_group(env, 2), env.rank
+    out = {}
+    # 01.2: RowParallelLinear against the same layer with its bias added on every rank before g.
+    gen = torch.Generator().manual_seed(0)
+    weight, bias, x = (torch.randn(*shape, generator=gen, dtype=F64) for shape in ((8, 6), (8,), (3, 6)))
+    layer = tensor_parallel.RowParallelLinear(6, 8, group, dtype=F64)
+    with torch.no_grad():
+        layer.weight.copy_(weight.chunk(2, 1)[rank])
+        layer.bias.copy_(bias)
+    x_i = x.chunk(2, 1)[rank]
+    right = layer(x_i)
+    wrong = tensor_parallel.all_reduce(F.linear(x_i, layer.weight, layer.bias), group)
+    out["bias_offset"] = float(((wrong - right) / bias).mean())
+    out["row_parallel_vs_serial"] = float(tensor_parallel.max_rel_diff(right.detach(), F.linear(x, weight, bias)))
+    # 01.4: the loss's all-reduces of 01's demo model with the trainer's optimizations on.
+    flags = tensor_parallel.parser().parse_args([])
+    cfg = tensor_parallel.GPTConfig(**{k: getattr(flags, k) for k in ("vocab_size", "block_size", "n_layer", "n_head",
+                                                                       "n_embd", "dropout")})
+    model = tensor_parallel.optimize(tensor_parallel.GPT(cfg, group, dtype=F64))
+    idx = torch.randint(cfg.vocab_size, (flags.batch_size, flags.seq_len), generator=gen)
+    with trace_comm(model) as log:
+        model(idx, idx)[1].backward()
+    out["trainer_loss_all_reduces"] = sum(c.operator == "_VocabParallelCrossEntropy" for c in log)
+    # 05.3: the main job's model cut into 2 stages at tp = 2, on "meta": the elements each rank's norm counts.
+    main = gpt3d.TrainConfig()
+    model_cfg = tensor_parallel.GPTConfig(**gpt3d.MODEL_DEFAULTS)
+    counted = own = 0
+    for stage in range(main.pp):
+        chunk = pipeline.build_chunks(model_cfg, main.pp, stage, 1, group, device="meta",
+                                      vocab_divisible_by=gpt3d.VOCAB_DIVISIBLE_BY)[0]
+        for p in chunk.parameters():
+            own += p.numel()
+            counted += p.numel() * gpt3d.counts_in_norm(p, chunk, group)
+    out["norm"] = [int(x) for x in tensor_parallel.all_reduce(torch.tensor([counted, own]), group)]
+    return out
+
+
+@functools.cache
+def one_rank():
+    """Facts that need a process group of one rank: 02's loss weighting, 04's and 05's bucket launches."""
+    from plumbing.launch import launch
+    return launch(_one_rank, 1, timeout_s=20, deadline_s=60)[0]
+
+
+def _one_rank(env):
+    import torch.distributed as dist
+    out, cfg, m = {}, PIPELINE_CFG, 4
+    full = tensor_parallel.init_state_dict(cfg, 5, dtype=F64, random_all=True)
+    idx, targets = pipeline_batch(m)  # 5 targets ignored, all in the first microbatch
+    micro = pipeline.split_batch(idx, targets, m)
+    # 02.3: 02's executor on one stage against the serial model's loss and the mean of the means.
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
+    serial.load_full_state_dict(full)
+    schedule = pipeline.Schedule([pipeline.one_f_one_b(1, m, 0)])
+    result = pipeline.pipeline_step(cfg, schedule, dist.group.WORLD, None, full, micro)[1]
+    whole = serial(idx, targets)[1].detach()
+    means = sum(serial(x, y)[1].detach() for x, y in micro) / m
+    out["ignored"] = int((targets == -100).sum())
+    out["weighted_vs_serial"] = float(tensor_parallel.max_rel_diff(result.loss, whole))
+    out["mean_of_means_vs_serial"] = float(abs(means - whole))
+    # 04.3 and 05.4: a step of m microbatches, a bucket launch counted at each backward.
+    for name, steps in (("bucketed", 2), ("pipeline", m)):
+        model = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
+        model.load_full_state_dict(full)
+        wte = model.transformer.wte.weight
+        ddp = data_parallel.BucketedDDP(model.parameters(), dist.group.WORLD, 2000) if name == "bucketed" else \
+            data_parallel.PipelineDDP(model.parameters(), dist.group.WORLD, 2000, steps, hold=[wte])
+        launched = []
+        for i, (x, y) in enumerate(micro[:steps]):
+            if name == "bucketed":
+                ddp.sync = i == steps - 1  # as train_replica sets it
+            model(x, y)[1].backward()
+            launched.append(sum(kind == "launch" for kind, *_ in ddp.events))
+        held = sorted({b for b in ddp.buckets_of[wte]})
+        ddp.finish()
+        launched.append(sum(kind == "launch" for kind, *_ in ddp.events))
+        out[name] = dict(launched=launched, buckets=len(ddp.buckets), held=held,
+                         launch_order=[i for kind, i, *_ in ddp.events if kind == "launch"])
+    return out
+
+
+@functools.cache
+def serial_facts():
+    """Facts of the serial model (no process group): 01's loss under a shift, 04's gradient over dp,
+    06's backward split against B."""
+    cfg, out = PIPELINE_CFG, {}
+    gen = torch.Generator().manual_seed(1)
+    logits, target = torch.randn(64, cfg.vocab_size, generator=gen, dtype=F64), torch.randint(cfg.vocab_size, (64,),
+                                                                                             generator=gen)
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, cfg.vocab_size)
+    shifted = tensor_parallel.vocab_parallel_cross_entropy(logits + 7, target, None, cfg.vocab_size)
+    out["shift"] = float(abs(loss - shifted))
+    full = tensor_parallel.init_state_dict(cfg, 5, dtype=F64, random_all=True)
+
+    def grads(idx, targets):
+        model = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
+        model.load_full_state_dict(full)
+        model(idx, targets)[1].backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    idx, targets = torch.randint(cfg.vocab_size, (2, 16, 8), generator=gen).unbind(0)
+    dp, serial = 4, grads(idx, targets)
+    replicas = [grads(*data_parallel.shard_batch(idx, targets, dp, r)) for r in range(dp)]
+    summed = {n: sum(g[n] for g in replicas) for n in serial}
+    out["dp"] = dp
+    out["sum_over_serial"] = one(round(float(summed[n].norm() / serial[n].norm()), 9) for n in serial)
+    out["sum_over_dp_vs_serial"] = max(float(tensor_parallel.max_rel_diff(summed[n] / dp, serial[n])) for n in serial)
+    # 06.1: I then W (BackwardSplit) against one B.
+    model = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
+    model.load_full_state_dict(full)
+    split = zero_bubble.BackwardSplit([model])
+    with split.input((0, 0)):
+        model(idx, targets)[1].backward()
+    linears = [n for n, mod in model.named_modules() if isinstance(mod, (tensor_parallel.ColumnParallelLinear,
+                                                                       tensor_parallel.RowParallelLinear))
+               and n != "lm_head"]
+    out["weights_after_I"] = {model.get_submodule(n).weight.grad is None for n in linears}
+    split.weight((0, 0))
+    out["split_vs_B"] = max(float(tensor_parallel.max_rel_diff(p.grad, serial[n])) for n, p in model.named_parameters())
+    return out
+
+
+def simulated(lists, t_f=1, t_b=2, schedule=pipeline.Schedule):
+    return pipeline.simulate(schedule(lists), t_f, t_b)
+
+
+def one_f_one_b(pp, m):
+    return [pipeline.one_f_one_b(pp, m, s) for s in range(pp)]
+
+
+def forwards_before_first_backward(lists):
+    return str([next(i for i, a in enumerate(acts) if a.kind == "B") for acts in lists])
+
+
+def verdict(check):
+    """'accepts it', or 'finds a deadlock' / 'finds a mismatch': what validate says of a schedule."""
+    try:
+        check()
+    except pipeline.ScheduleError as e:
+        return "finds a deadlock" if "deadlock" in str(e) else "finds a mismatch"
+    return "accepts it"
+
+
+def planted_1f1b(name):
+    """Exercise 02.2's planted mistake `name`: 1F1B with another warm-up (exercises/checks_02.py)."""
+    checks = load("exercises.checks_02")
+    return getattr(checks, "_" + name)
+
+
+class SendsThenReceives(pipeline.Schedule):
+    """02's Schedule whose boundaries post and wait for their sends, then post and wait for their receives."""
+
+    def plan(self, rank):
+        out = []
+        for kind, *step in super().plan(rank):
+            if kind == "post":
+                for side in ("send", "recv"):
+                    ops = [op for op in step[0] if op[0] == side]
+                    out += [("post", ops), ("wait", ops)] if ops else []
+            elif kind == "run":
+                out.append((kind, *step))
+        return out
+
+
+def split_plans_deadlock():
+    pp, m = 4, 8
+    try:
+        pipeline.validate(SendsThenReceives(one_f_one_b(pp, m)), m)
+    except pipeline.ScheduleError as e:
+        return re.search(r"rank (\d+) waits to send .*? with rank (\d+)", str(e)).groups()
+    return "no deadlock", ""
+
+
+def interleaved_lists(pp, m, v, schedule=interleaved.InterleavedSchedule):
+    return schedule([interleaved.interleaved(pp, m, r, v) for r in range(pp)])
+
+
+def sends(schedule):
+    return sum(op[0] == "send" for r in range(schedule.pp) for kind, *step in schedule.plan(r) if kind == "post"
+               for op in step[0])
+
+
+def interleaved_with_warmup_factor_1(pp, m, v):
+    """03's lists with (pp - r - 1) once in the warm-up, the rest as interleaved() orders it."""
+    out = []
+    for r in range(pp):
+        good = interleaved.interleaved(pp, m, r, v)
+        warmup = min(pp - r - 1 + (v - 1) * pp, m * v)
+        fs, bs = [a for a in good if a.kind == "F"], [a for a in good if a.kind == "B"]
+        acts = fs[:warmup]
+        for f, b in zip(fs[warmup:], bs):
+            acts += [pipeline.Action("F", f.mb, f.chunk, steady=True), pipeline.Action("B", b.mb, b.chunk, steady=True)]
+        out.append(acts + bs[m * v - warmup:])
+    return interleaved.InterleavedSchedule(out)
+
+
+def microbatches_named_at(pp, m, v):
+    """The microbatches 03's `at` names for an m that check_interleaving refuses, beyond m."""
+    check, interleaved.check_interleaving = interleaved.check_interleaving, lambda *_: None
+    try:
+        named = {a.mb for r in range(pp) for a in interleaved.interleaved(pp, m, r, v)}
+    finally:
+        interleaved.check_interleaving = check
+    return " and ".join(str(i) for i in sorted(named - set(range(m))))
+
+
+def refused(fn, *args):
+    try:
+        fn(*args)
+    except ValueError:
+        return True
+    return False
+
+
+def bucket_launches(out):
+    """The bucketed mode's bucket launch times in 04's demo output, in bucket order, and its count line."""
+    block = out.split("=== bucketed ===")[1].split("\n=== ")[0]
+    times = [float(t) for t in re.findall(r"^bucket \d+ +\|.*\| launched ([\d.]+)", block, re.M)]
+    return times, re.search(r"(\d+) of (\d+) launched before backward finished", block).groups()
+
+
+def zb(name, pp=4, m=8):
+    pipe = zero_bubble.pipeline_schedule(name, pp, m)
+    return pipe, zero_bubble.simulate(pipe)
+
+
+def show(xs):
+    return "[" + ", ".join(str(x) for x in xs) + "]"
+
+
+def vocab_waits(barriers, pp=4, m=8):
+    """(whom T waits for, what the last stage's B waits for) in vocab_schedule's kinds."""
+    pipe = vocab.vocab_schedule("1f1b", pp, m, barriers)
+    last = pipe.where[pipe.S - 1][0]
+    t_waits = pipe.kinds["T"].waits(pipeline.Action("T", 0), 0, pipe)
+    b_waits = pipe.kinds["B"].waits(pipeline.Action("B", 0), last, pipe)
+    return len({q for q, _ in t_waits}), one(a.kind for _, a in t_waits), len({q for q, _ in b_waits}), \
+        one(a.kind for _, a in b_waits)
+
+
+@functools.cache
+def balance_at(V):
+    """07's balance() for the demo's model and layout at vocabulary V."""
+    args = vocab.parser().parse_args([])
+    cfg = tensor_parallel.GPTConfig(**{k: getattr(args, k) for k in ("vocab_size", "block_size", "n_layer", "n_head",
+                                                                       "n_embd", "dropout")})
+    b = (args.batch_size or 2 * args.microbatches) // args.microbatches  # unset --batch-size: 2 m (later_chapter)
+    return args, vocab.balance(cfg, args.pp, args.tp, args.microbatches, b, args.seq_len, V)
+
+
+def spread(xs):
+    return max(xs) / min(xs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The claims
+
+
+@dataclass
+class Claim:
+    key: str  # "0N.k": the file and the question
+    words: str  # a regular expression over the answer, whitespace collapsed; its groups are the figures
+    value: object  # () -> what the code says those groups must be (a string, or a tuple of them)
+
+
+TP, SP = TP_DEMO, SP_DEMO
+CLAIMS = [
+    # 01
+    Claim("01.1", r"In the demo its (\d+) f's are all in (\w+) and its (\d+) g's all in (\w+)\.",
+          lambda: (str(sum(r[1] == "f" for r in collectives(*TP))), one(r[3] for r in collectives(*TP) if r[1] == "f"),
+                   str(sum(r[1] == "g" for r in collectives(*TP))), one(r[3] for r in collectives(*TP) if r[1] == "g"))),
+    Claim("01.2", r"off by \(tp - 1\) b: at tp = (\d), (\w+) b too many",
+          lambda: ("2", WORDS[round(two_ranks()["bias_offset"])] if two_ranks()["row_parallel_vs_serial"] < 1e-12
+                   else "the layer is not serial's")),
+    Claim("01.3", r"the demo's `layer 0: (\d+) forward and (\d+) backward collectives`",
+          lambda: re.search(r"layer 0: (\d+) forward and (\d+) backward", demo(*TP)).groups()),
+    Claim("01.3", r"layer 0 makes (\d+) all-gathers and (\d+) reduce-scatters in forward, and `layer 0: (\d+) forward "
+                  r"and (\d+) backward collectives` in all, the (\d+) others the small all-reduces of `sp_param`",
+          lambda: (*(str(sum(r[0] == op and r[2].startswith("transformer.h.0.") and r[3] == "forward"
+                             for r in collectives(*SP))) for op in ("all-gather", "reduce-scatter")),
+                   *re.search(r"layer 0: (\d+) forward and (\d+) backward", demo(*SP)).groups(),
+                   str(sum(r[0] == "all-reduce" and r[2].startswith("transformer.h.0.") for r in collectives(*SP))))),
+    Claim("01.3", r"its total grows from ([\d.]+) KiB to ([\d.]+) KiB",
+          lambda: (re.search(r"in all, ([\d.]+) KiB", demo(*TP))[1], re.search(r"in all, ([\d.]+) KiB", demo(*SP))[1])),
+    Claim("01.4", r"makes the demo's (\d+) loss all-reduces of (\d+) numbers, one per token \(B T\), the first a (MAX)",
+          lambda: (str(sum(r[1] == "loss" for r in collectives(*TP))),
+                   one(r[4].strip("(,)") for r in collectives(*TP) if r[1] == "loss"),
+                   "MAX" if [r[0] for r in collectives(*TP) if r[1] == "loss"][0] == "all-reduce (max)" else "not MAX")),
+    Claim("01.4", r"gives the (same) loss for logits \+ 7", lambda: "same" if serial_facts()["shift"] < 1e-12 else "another"),
+    Claim("01.4", r"05's trainer makes (\d+) loss all-reduces", lambda: str(two_ranks()["trainer_loss_all_reduces"])),
+    # 02
+    Claim("02.1", r"at pp = (\d), m = (\d), (\[[\d, ]+\]) forwards before the first backward",
+          lambda: ("4", "8", forwards_before_first_backward(one_f_one_b(4, 8)))),
+    Claim("02.1", r"A warm-up one forward shorter: `validate` (accepts it) .* only the simulated bubble shows the mistake, "
+                  r"(\S+) instead of (\S+), because",
+          lambda: (verdict(lambda: pipeline.validate(pipeline.Schedule(
+              [planted_1f1b("warmup_too_short")(4, 8, s) for s in range(4)]), 8)),
+              str(simulated([planted_1f1b("warmup_too_short")(4, 8, s) for s in range(4)]).bubble),
+              str(simulated(one_f_one_b(4, 8)).bubble))),
+    Claim("02.1", r"One forward longer: `validate` (accepts it) too, the bubble stays (\S+), and each stage holds one more "
+                  r"microbatch for nothing, (\[[\d, ]+\]) in flight instead of (\[[\d, ]+\])",
+          lambda: (verdict(lambda: pipeline.validate(pipeline.Schedule(
+              [planted_1f1b("warmup_too_long")(4, 8, s) for s in range(4)]), 8)),
+              str(simulated([planted_1f1b("warmup_too_long")(4, 8, s) for s in range(4)]).bubble),
+              str(simulated([planted_1f1b("warmup_too_long")(4, 8, s) for s in range(4)]).peak_in_flight),
+              str(simulated(one_f_one_b(4, 8)).peak_in_flight))),
+    Claim("02.2", r"at pp = 4, m = 8 the simulator's peaks \(`simulate`'s `peak_in_flight`\) are (\[[\d, ]+\]) against "
+                  r"(\[[\d, ]+\])",
+          lambda: (str(simulated([pipeline.gpipe(4, 8, s) for s in range(4)]).peak_in_flight),
+                   str(simulated(one_f_one_b(4, 8)).peak_in_flight))),
+    Claim("02.2", r"the first stage's activation bytes at (half) GPipe's",
+          lambda: (lambda b: "half" if b[0][0] == 2 * b[1][0] else "not half")(
+              [[int(x) for x in row.split(",")] for row in re.findall(r"outputs deallocated: \[([\d, ]+)\]",
+                                                                      demo("02_pipeline_1f1b.py"))])),
+    Claim("02.3", r"With (\d+) targets ignored in the first of (\d+) microbatches, 02's executor gives the serial model's "
+                  r"loss to (float64 rounding), and the mean of means differs from it by (more than 1e-4)",
+          lambda: (str(one_rank()["ignored"]), "4",
+                   "float64 rounding" if one_rank()["weighted_vs_serial"] < 1e-12 else "more than rounding",
+                   "more than 1e-4" if one_rank()["mean_of_means_vs_serial"] > 1e-4 else "less")),
+    Claim("02.4", r"on such plans `validate` (finds a deadlock), starting with rank (\d) waiting to send to rank (\d)\.",
+          lambda: (verdict(lambda: pipeline.validate(SendsThenReceives(one_f_one_b(4, 8)), 8)), *split_plans_deadlock())),
+    Claim("02.4", r"GPipe's lists pass even so \(`validate` (accepts it)\)",
+          lambda: verdict(lambda: pipeline.validate(SendsThenReceives([pipeline.gpipe(4, 8, s) for s in range(4)]), 8))),
+    # 03
+    Claim("03.1", r"^\*\*Layers (\d+)-(\d+) and (\d+)-(\d+)\.\*\*",
+          lambda: tuple(str(x) for c in interleaved.chunk_layers(16, 4, 2, 0) for x in (c.start + 1, c.stop))),
+    Claim("03.1", r"rank 3 holds layers (\d+)-(\d+) and (\d+)-(\d+)",
+          lambda: tuple(str(x) for c in interleaved.chunk_layers(16, 4, 2, 3) for x in (c.start + 1, c.stop))),
+    Claim("03.2", r"the plans \(`Schedule.plan`\) send (\d+) messages against 1F1B's (\d+), ([\d.]+) times as many",
+          lambda: (str(sends(interleaved_lists(4, 8, 2))), str(sends(pipeline.Schedule(one_f_one_b(4, 8)))),
+                   f"{sends(interleaved_lists(4, 8, 2)) / sends(pipeline.Schedule(one_f_one_b(4, 8))):.2f}")),
+    Claim("03.2", r"\(v \+ 1\) pp - 1 = (\d+) chunks of half a stage in flight at its peak against 1F1B's (\d+) whole "
+                  r"stages, ([\d.]+) times the activations\. The bubble falls from (\S+) to (\S+)\.",
+          lambda: (lambda il, o: (str(il.peak_in_flight[0]), str(o.peak_in_flight[0]),
+                                  f"{il.peak_in_flight[0] / (2 * o.peak_in_flight[0]):.3f}", str(o.bubble),
+                                  str(il.bubble)))(
+              pipeline.simulate(interleaved_lists(4, 8, 2), Fraction(1, 2), 1), simulated(one_f_one_b(4, 8)))),
+    Claim("03.3", r"With m = (\d) and pp = (\d) the second group would be short, and `at` would name microbatches "
+                  r"(\d+ and \d+), which do not exist; `check_interleaving` (refuses) such an m",
+          lambda: ("6", "4", microbatches_named_at(4, 6, 2),
+                   "refuses" if refused(interleaved.check_interleaving, 4, 6, 2) else "accepts")),
+    Claim("03.4", r"At pp = 4, v = 2, m = 8 the warm-ups are (\[[\d, ]+\]); with a factor of 1 `validate` "
+                  r"(finds a deadlock)",
+          lambda: (str([next(i for i, a in enumerate(acts) if a.steady) for acts in interleaved_lists(4, 8, 2).lists]),
+                   verdict(lambda: pipeline.validate(interleaved_with_warmup_factor_1(4, 8, 2), 8)))),
+    # 04
+    Claim("04.1", r"In the demo the (\d+) buckets launch (in order), bucket 0 first, all of them before backward finished",
+          lambda: (lambda times, counts: (counts[1], "in order" if times == sorted(times) else "out of order")
+                   if counts[0] == counts[1] else ("not all launched", ""))(*bucket_launches(demo(*DP_DEMO)))),
+    Claim("04.2", r"with dp = (\d) the sum of the replicas' gradients is (\d) times the serial gradient, and the sum "
+                  r"divided by dp (equals) it",
+          lambda: (str(serial_facts()["dp"]), f"{serial_facts()['sum_over_serial']:g}",
+                   "equals" if serial_facts()["sum_over_dp_vs_serial"] < 1e-12 else "differs from")),
+    Claim("04.3", r"in a step of (\d) microbatches each bucket launches (once)",
+          lambda: (lambda b: ("2", "once" if b["launched"][0] == 0 and sorted(b["launch_order"]) ==
+                              list(range(b["buckets"])) else "more than once"))(one_rank()["bucketed"])),
+    Claim("04.4", r"the demo measures ([\d.]+) of plain AdamW's state at dp = (\d)",
+          lambda: (re.search(r"ZeRO-1 [\d,]+ bytes \(([\d.]+), 1/dp", demo(*DP_DEMO))[1],
+                   re.search(r"^dp=(\d) ", demo(*DP_DEMO), re.M)[1])),
+    # 05
+    Claim("05.1", r"^\*\*tp (\[[\d, ]+\]), dp (\[[\d, ]+\]), pp (\[[\d, ]+\])\.\*\*",
+          lambda: tuple(str(next(g for g in gpt3d.rank_grid(8, 2, 2, 2)[k] if 3 in g)) for k in ("tp", "dp", "pp"))),
+    Claim("05.1", r"rank 3 is t = (\d), d = (\d), p = (\d)",
+          lambda: next((str(t), str(d), str(p)) for p in range(2) for d in range(2) for t in range(2)
+                       if gpt3d.rank_grid(8, 2, 2, 2)["tp"][p * 2 + d][t] == 3)),
+    Claim("05.2", r"The main job's messages are b T C = ([\d,]+) elements, each tp rank sending ([\d,]+)\.",
+          lambda: (lambda tc, C: (f"{tc.batch_size // (tc.dp * tc.microbatches) * tc.seq_len * C:,}",
+                                  f"{tc.batch_size // (tc.dp * tc.microbatches) * tc.seq_len * C // tc.tp:,}"))(
+              gpt3d.TrainConfig(), gpt3d.MODEL_DEFAULTS["n_embd"])),
+    Claim("05.3", r"the elements counted over both tp ranks and both stages are ([\d,]+), the serial model's parameters, "
+                  r"each once; adding every rank's own would count ([\d,]+)\.",
+          lambda: (f"{two_ranks()['norm'][0]:,}" if two_ranks()["norm"][0] == sum(p.numel() for p in tensor_parallel.GPT(
+              tensor_parallel.GPTConfig(**gpt3d.MODEL_DEFAULTS), device="meta").parameters())
+                   else "not the serial model's", f"{two_ranks()['norm'][1]:,}")),
+    Claim("05.4", r"In a step of m = (\d) microbatches (no bucket) launches in the first (\d) backwards, and (every bucket "
+                  r"but the held ones) launches in the 4th\.",
+          lambda: (lambda p: (str(len(p["launched"]) - 1), "no bucket" if not any(p["launched"][:-2]) else "some bucket",
+                              str(len(p["launched"]) - 2),
+                              "every bucket but the held ones" if p["launched"][-2] == p["buckets"] - len(p["held"])
+                              and p["launched"][-1] == p["buckets"] and p["held"] else "another set"))(one_rank()["pipeline"])),
+    # 06
+    Claim("06.1", r"in `KINDS` I has B's flow \(`Kind\(\"(\w+)\", \"(\w)\"\)`", lambda: (
+        zero_bubble.KINDS["I"].flow, zero_bubble.KINDS["I"].after) if zero_bubble.KINDS["I"].flow ==
+        pipeline.KINDS["B"].flow else ("not B's", "")),
+    Claim("06.1", r"while W has (no flow) and runs after (I) on its stage",
+          lambda: ("no flow" if zero_bubble.KINDS["W"].flow is None else "a flow", zero_bubble.KINDS["W"].after)),
+    Claim("06.1", r"Split so, one step's gradients (equal) B's to float64 rounding",
+          lambda: "equal" if serial_facts()["split_vs_B"] < 1e-12 and serial_facts()["weights_after_I"] == {True}
+          else "differ from"),
+    Claim("06.2", r"the idle time per rank falls from (\d+) to (\d+), \(pp - 1\)\(t_F \+ t_I - t_W\), and the bubble "
+                  r"from (\S+) to (\S+), a third",
+          lambda: (str(one(zb("1f1b")[1][0].idle)), str(one(zb("zb-h1")[1][0].idle)), str(zb("1f1b")[1][0].bubble),
+                   str(zb("zb-h1")[1][0].bubble))),
+    Claim("06.2", r"rank r holds \(pp - r\) M_B \+ r M_W: (\[[\d/, ]+\]) at M_W = M_B / 2, no more than 1F1B's on rank 0",
+          lambda: show(zb("zb-h1")[1][1]) if zb("zb-h1")[1][1][0] <= zb("1f1b")[1][1][0] else "more than 1F1B's"),
+    Claim("06.3", r"the first stage \((\d)\) and the last \(2 pp - 1 = (\d)\) are both rank (\d)'s",
+          lambda: (lambda p: (str(p.stage(0, 0)), str(p.S - 1), one(str(p.where[k][0]) for k in (0, p.S - 1))))(
+              zb("zb-v")[0])),
+    Claim("06.3", r"`PipelineSchedule.grid` makes (no embedding group)",
+          lambda: "no embedding group" if zb("zb-v")[0].grid(8, 1, 2)["embed"] == [] else "an embedding group"),
+    Claim("06.3", r"`span_idle` is (\[[\d, ]+\])\), and every rank holds (\d+) half-stage chunks at its peak",
+          lambda: (show(zb("zb-v")[1][0].span_idle), str(one(zb("zb-v")[1][1])))),
+    Claim("06.4", r"without lockstep the two orders differ: `validate` (finds a message that is one thing when sent and "
+                  r"another when received)\. .* and `validate` (accepts) the plans",
+          lambda: ("finds a message that is one thing when sent and another when received" if verdict(
+              lambda: pipeline.validate(dataclasses.replace(zb("zb-v")[0], lockstep=False), 8)) == "finds a mismatch"
+              else "says otherwise", verdict(lambda: pipeline.validate(zb("zb-v")[0], 8)).split()[0])),
+    # 07
+    Claim("07.1", r"At V = (\d+) over (\d) ranks, V is padded to (\d+) and each rank holds (\d+) rows\.",
+          lambda: ("1001", "8", str(tensor_parallel.padded_vocab_size(1001, 8)),
+                   str(tensor_parallel.padded_vocab_size(1001, 8) // 8))),
+    Claim("07.1", r"`VocabSchedule.grid` makes (no embedding group)",
+          lambda: "no embedding group" if vocab.vocab_schedule("1f1b", 4, 5, 2).grid(8, 2, 1)["embed"] == []
+          else "an embedding group"),
+    Claim("07.2", r"in `vocab_kinds`, T waits for (S) on all (\d) ranks",
+          lambda: (vocab_waits(2)[1], str(vocab_waits(2)[0]))),
+    Claim("07.2", r"so the last stage's backward waits for (T) on every rank\.",
+          lambda: vocab_waits(2)[3] if vocab_waits(2)[2] == 4 else "not every rank"),
+    Claim("07.2", r"so the last stage's backward waits for (S) on every rank, one barrier",
+          lambda: vocab_waits(1)[3] if vocab_waits(1)[2] == 4 else "not every rank"),
+    Claim("07.3", r"at pp = 4, m = 8, rank r holds (\[[\d, ]+\]) microbatches with Algorithm 1 and (\[[\d, ]+\]) with "
+                  r"Algorithm 2, against 1F1B's (\[[\d, ]+\])",
+          lambda: tuple(str([pipeline.peak_in_flight(acts, p.kinds) for acts in p.lists]) for p in (
+              vocab.vocab_schedule("1f1b", 4, 8, 2), vocab.vocab_schedule("1f1b", 4, 8, 1),
+              pipeline.Schedule(one_f_one_b(4, 8))))),
+    Claim("07.4", r"`balance` at V = (\d+) \(pp = (\d), tp = (\d), m = (\d), the demo's model\): the last stage computes "
+                  r"([\d.]+) times the emptiest one's per microbatch without vocabulary parallelism, and ([\d.]+) times "
+                  r"with it, .* the simulated 1F1B step is ([\d.]+)x faster",
+          lambda: (lambda args, fig: (str(args.large_vocab), str(args.pp), str(args.tp), str(args.microbatches),
+                                      f"{spread([c[0] for c in fig['compute']]):.2f}",
+                                      f"{spread([c[1] for c in fig['compute']]):.2f}",
+                                      f"{fig['sims'][0].step_time / fig['sims'][1].step_time:.2f}"))(
+              *balance_at(vocab.parser().parse_args([]).large_vocab))),
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# The tests
+
+
+def test_every_question_of_the_guide_has_an_answer_and_every_answer_a_question():
+    asked, answered = set(questions()), set(ANSWERS)
+    assert asked, "no questions found in docs/GUIDE.md"
+    assert not asked - answered, f"docs/ANSWERS.md has no answer to {sorted(asked - answered)}"
+    assert not answered - asked, f"docs/ANSWERS.md answers questions docs/GUIDE.md does not ask: {sorted(answered - asked)}"
+    assert list(sections(ANSWERS_MD)) == list(sections(GUIDE_MD)), "ANSWERS.md's files are not GUIDE.md's, in its order"
+
+
+def _names_of_the_code():
+    """Every top-level function, class and assignment, and every method, of the numbered files and plumbing/."""
+    import ast
+    names = set()
+    for path in [*ROOT.glob("0[1-9]_*.py"), *(ROOT / "plumbing").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+@pytest.mark.parametrize("key", sorted(ANSWERS))
+def test_each_answer_cites_the_code_by_name(key):
+    code = _names_of_the_code()
+    cited = [n for n in re.findall(r"`([A-Za-z_][\w.]*)`", ANSWERS[key]) if n.split(".")[-1] in code
+             or n.split(".")[0] in code]
+    assert cited, f"docs/ANSWERS.md {key} names no function, class or method of the numbered files or plumbing/"
+
+
+def test_every_answer_has_a_claim_and_every_claim_an_answer():
+    claimed = {c.key for c in CLAIMS}
+    assert not set(ANSWERS) - claimed, f"answers that no Claim checks (add one to CLAIMS): {sorted(set(ANSWERS) - claimed)}"
+    assert not claimed - set(ANSWERS), f"Claims of answers docs/ANSWERS.md does not have: {sorted(claimed - set(ANSWERS))}"
+
+
+def found(claim, answers=ANSWERS):
+    return re.search(claim.words, answers.get(claim.key, ""))
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=[f"{c.key}: {c.words[:50]}" for c in CLAIMS])
+def test_each_figure_an_answer_states_is_what_the_code_gives(claim):
+    hit = found(claim)
+    assert hit, f"docs/ANSWERS.md {claim.key} no longer says this (update CLAIMS with the answer): {claim.words}"
+    want = claim.value()
+    want = want if isinstance(want, tuple) else (want,)
+    assert hit.groups() == tuple(str(x) for x in want), \
+        f"docs/ANSWERS.md {claim.key} says {hit.groups()} where the code gives {want}: {hit[0]!r}"
+
+
+def test_a_changed_figure_or_a_dropped_sentence_fails_its_claim():
+    claim = next(c for c in CLAIMS if c.key == "03.2" and "messages" in c.words)
+    assert found(claim)
+    changed = {**ANSWERS, "03.2": ANSWERS["03.2"].replace("send 112 messages", "send 104 messages")}
+    assert found(claim, changed).groups() != tuple(claim.value())
+    dropped = {**ANSWERS, "03.2": ANSWERS["03.2"].replace("2.33 times as many", "more")}
+    assert found(claim, dropped) is None
+    planted = "## 03_interleaved.py\n\n1. An answer.\n2. Another.\n\n## 04_data_parallel.py\n\n1. A third.\n"
+    assert numbered(re.split(r"\n## (0\d)_[a-z0-9_]+\.py\b[^\n]*\n", "\n" + planted)[2]) == {1: "An answer.",
+                                                                                             2: "Another."}
+
+
+def test_the_guide_and_the_readme_link_the_answers():
+    assert "](ANSWERS.md" in GUIDE_MD.read_text(encoding="utf-8")
+    assert "](docs/ANSWERS.md" in (ROOT / "README.md").read_text(encoding="utf-8")
