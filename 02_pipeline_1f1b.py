@@ -41,7 +41,6 @@ from plumbing import cli, demos
 from plumbing.launch import printer, run_main
 from plumbing.meter import ActivationMeter, StepRecord, StepResult  # noqa: F401 (the step's figures, re-exported)
 from plumbing.reference import pipeline_reference
-from plumbing.trace import write_timelines
 from plumbing.validate import ScheduleError, check_lists, check_plans, validate  # noqa: F401 (02's, re-exported)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -139,8 +138,7 @@ class Schedule:
         """This rank's steps: ("run", action, stage), and between groups a boundary ("post", ops),
         ("wait", ops), ops = [("send" | "recv", peer rank, message)]: the previous group's sends and
         the next group's receives, posted as one batch so that two ranks exchanging with each other
-        both make progress (Megatron's send_forward_recv_backward), then waited for. Messages between
-        two ranks are matched in the order they are posted (receives)."""
+        both make progress (Megatron's send_forward_recv_backward), then waited for."""
         groups, steps, sends = self.groups(rank), [], []
         receives = self.receives(rank, groups)
         for g, group in enumerate(groups):
@@ -151,8 +149,9 @@ class Schedule:
         return steps + ([("post", sends), ("wait", sends)] if sends else [])
 
     def receives(self, rank, groups):
-        """{group: the receives posted at the boundary before it}: here the group's own inputs, in
-        the order it needs them, which for 02's and 03's lists is the order their senders send in."""
+        """{group: the receives posted at the boundary before it}: here the group's own inputs, in the
+        order it needs them, which for 02's and 03's lists is the order their senders send in (messages
+        between two ranks match in the order they are posted)."""
         return {g: self.remote(rank, group, self.needs, "recv") for g, group in enumerate(groups)}
 
     def remote(self, rank, group, messages, side):
@@ -174,10 +173,9 @@ class Schedule:
 
 
 class Executor:
-    """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire is how a
-    boundary tensor travels (Wire: as itself); exchange posts a boundary's messages as one batch, then
-    waits for them (Exchange); deallocate frees each sent output once its send completed (Megatron's
-    trick: backward needs its graph, not its values). An action of kind K runs as run_K: F and B."""
+    """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire: how a
+    boundary tensor travels (Wire); exchange: how a boundary is posted and waited for (Exchange);
+    deallocate: free each sent output once sent (Megatron's: backward needs its graph, not its values)."""
 
     def __init__(self, schedule, chunks, pp_group, wire, exchange=None, deallocate=True):
         self.schedule, self.chunks, self.group, self.wire = schedule, chunks, pp_group, wire
@@ -198,7 +196,7 @@ class Executor:
             self.sent(msg)
         return self.record.result(self.loss)
 
-    def act(self, a, k):
+    def act(self, a, k):  # an action of kind K runs as run_K: here F and B
         getattr(self, "run_" + a.kind)(a, k)
 
     def run_F(self, a, k):  # receive -> forward -> send
@@ -262,9 +260,7 @@ def execute(schedule, chunks, pp_group, microbatches, wire, valid=None, exchange
 
 def split_layers(n_layer, n_stages):
     """Contiguous, equal layer ranges; an uneven split is refused rather than silently unbalanced."""
-    if n_stages > n_layer:
-        raise ValueError(f"{n_stages} pipeline stages is more than n_layer={n_layer}")
-    if n_layer % n_stages:
+    if n_layer % n_stages:  # more stages than layers included
         raise ValueError(f"n_layer={n_layer} is not divisible by {n_stages} pipeline stages; "
                          f"uneven splits are not supported")
     per = n_layer // n_stages
@@ -288,14 +284,12 @@ def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
     copies identical and gives both the serial model's gradient. grad_of(p) is where p's gradient
     lives (05: 04's flat buffer); it is updated in place."""
     grads = [grad_of(c.transformer.wte.weight) for c in chunks if "wte" in c.transformer]
-    if len(grads) > 1:  # first and last chunk on this rank (pp=1 with v>1): add locally
-        total = sum(grads)
-        for g in grads:
-            g.copy_(total)
+    for g in grads[1:]:  # the first and the last chunk on this rank (pp=1 with v>1): added here
+        grads[0].add_(g)
     if embed_group is not None and grads:
         dist.all_reduce(grads[0], group=embed_group)
-        for g in grads[1:]:
-            g.copy_(grads[0])
+    for g in grads[1:]:
+        g.copy_(grads[0])
 
 
 def pipeline_step(cfg, schedule, pp_group, embed_group, full, microbatches, deallocate=True):
@@ -341,10 +335,7 @@ def demo(env, cfg, args):
         good, _, measured[name] = demos.report_pipeline(env, name, schedule.lists, simulate(schedule), worst,
                                                         result, kept, say)
         ok &= good
-    if args.trace and env.rank == 0:
-        write_timelines(args.trace, {n: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)
-        say(f"\nChrome trace of the measured steps ({', '.join(measured)}): {args.trace} "
-            f"(open it in chrome://tracing or ui.perfetto.dev)")
+    demos.write_trace(env, args.trace, measured, say)
     return ok
 
 

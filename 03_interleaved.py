@@ -32,7 +32,6 @@ import torch.distributed as dist
 from plumbing import cli, demos
 from plumbing.launch import printer, run_main
 from plumbing.reference import pipeline_reference
-from plumbing.trace import write_timelines
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 pipeline = importlib.import_module("02_pipeline_1f1b")
@@ -122,10 +121,7 @@ def demo(env, cfg, args):
         ok &= good
         out[name] = sim, ranks
     demos.report_interleaving(say, pp, v, m, out["1f1b"], out["interleaved"])
-    if args.trace and env.rank == 0:
-        write_timelines(args.trace, {n: [r.events for r in ranks] for n, (_, ranks) in out.items()}, 1.0)
-        say(f"\nChrome trace of the measured steps (1f1b, interleaved): {args.trace} "
-            f"(open it in chrome://tracing or ui.perfetto.dev)")
+    demos.write_trace(env, args.trace, {n: ranks for n, (_, ranks) in out.items()}, say)
     say(f"\n{'PASS' if ok else 'FAIL'}")
     return ok
 

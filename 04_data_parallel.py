@@ -86,8 +86,7 @@ class BucketedDDP:
         self.buckets = [(lo, min(lo + step, total)) for lo in range(0, total, step)]
         p0 = self.params[0]
         self.grad_buffer = torch.zeros(total, dtype=grad_dtype or p0.dtype, device=p0.device)
-        # Parameters move into a flat buffer of the same layout, so that ZeRO-1 can all-gather
-        # whole buckets of them; each parameter becomes a view into it.
+        # The parameters move into a flat buffer of the same layout (ZeRO-1 all-gathers its buckets).
         self.param_buffer = torch.zeros(total, dtype=p0.dtype, device=p0.device)
         self.buckets_of, self.index, self.views = {}, {p: i for i, p in enumerate(self.params)}, {}
         for p in self.params:
@@ -108,10 +107,9 @@ class BucketedDDP:
         self.works, self.events = {}, []  # events: ("ready", param index) / ("launch", bucket), at clock()
 
     def _on_grad(self, p):
-        # Into the flat buffer (in its dtype, e.g. fp32 for bf16 parameters; there, not in bf16, the
-        # division), divided by dp: the reduction then sums to the average, each replica's loss being
-        # the mean of its shard. A step's first write overwrites (DDP's trick: no clearing pass),
-        # later microbatches add.
+        # Into the flat buffer (in its dtype: fp32 for bf16 weights), divided by dp, so the reduction
+        # sums to the average of the replicas' mean losses. A step's first write overwrites (DDP's
+        # trick: no clearing pass); later microbatches add.
         if p in self.unwritten:
             self.views[p].copy_(p.grad).mul_(1 / self.dp)
             self.unwritten.discard(p)
@@ -123,16 +121,12 @@ class BucketedDDP:
         self.events.append(("ready", self.index[p], self.clock()))
         for i in self.buckets_of[p]:
             self.pending[i] -= 1
-            if self.pending[i] == 0 and self.overlap and self.launch_now(i):
+            if self.pending[i] == 0 and self.overlap:
                 self._launch(i)
 
     def final(self, p):
         """Whether p's gradient is now final for this step (PipelineDDP counts microbatches)."""
         return self.sync
-
-    def launch_now(self, i):
-        """Whether bucket i, complete, is launched from the hook (PipelineDDP holds some back)."""
-        return True
 
     def _launch(self, i):
         bucket = self.grad_buffer[slice(*self.buckets[i])]
@@ -164,11 +158,9 @@ class BucketedDDP:
 
     def shard_range(self, i):
         """The elements [a, b) of bucket i this rank owns: its 1/dp under ZeRO-1, else all."""
-        lo, hi = self.buckets[i]
-        if not self.zero:
-            return lo, hi
-        n, r = (hi - lo) // self.dp, dist.get_rank(self.group)
-        return lo + r * n, lo + (r + 1) * n
+        (lo, hi), r = self.buckets[i], dist.get_rank(self.group)
+        n = (hi - lo) // self.dp
+        return (lo + r * n, lo + (r + 1) * n) if self.zero else (lo, hi)
 
 
 @dataclass
@@ -269,11 +261,7 @@ def demo(env, cfg, args):
     dp, say = args.dp, printer(env)
     check_world(env.world_size, dp, args.batch_size, args.microbatches)  # before the first collective
     group = dist.new_group(list(range(dp)), timeout=timedelta(seconds=60))
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    batches = [tuple(torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen))
-               for _ in range(args.steps)]
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    ref_losses, ref_params = serial_training(cfg, args, full, batches)
+    batches, full, ref_losses, ref_params = training_reference(cfg, args)  # the same on every rank
     say(f"{cfg}\ndp={dp} steps={args.steps} global batch B={args.batch_size} (m={args.microbatches} "
         f"microbatches per replica) T={args.seq_len} bucket={args.bucket_numel} elements, float64")
     runs = {}
@@ -303,6 +291,9 @@ class PipelineDDP(BucketedDDP):
     def __init__(self, params, group, bucket_numel, microbatches, hold=(), **kwargs):
         super().__init__(params, group, bucket_numel, **kwargs)
         self.microbatches, self.held = microbatches, {i for p in hold for i in self.buckets_of[p]}
+        for i in self.held:  # one count more than its parameters: launched by finish() only
+            self.counts[i] += 1
+            self.pending[i] += 1
 
     def zero_grad(self):
         super().zero_grad()
@@ -311,9 +302,6 @@ class PipelineDDP(BucketedDDP):
     def final(self, p):
         self.seen[p] += 1
         return self.sync and self.seen[p] == self.microbatches
-
-    def launch_now(self, i):
-        return i not in self.held
 
 
 class OverlappedGather(FlatAdamW):
@@ -348,6 +336,15 @@ def check_world(world, dp, batch_size, m):
         raise ValueError(f"the world size {world} does not match dp={dp} (one replica per rank)")
     if batch_size % (dp * m):
         raise ValueError(f"the global batch of {batch_size} sequences is not divisible by dp x m = {dp} x {m}")
+
+
+def training_reference(cfg, args):
+    """The demo's random batches and full weights, and serial training's losses and weights on them."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    batches = [tuple(torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen))
+               for _ in range(args.steps)]
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    return (batches, full, *serial_training(cfg, args, full, batches))
 
 
 def serial_training(cfg, args, full, batches):

@@ -18,8 +18,8 @@ Running W later, in the time a rank would otherwise sit idle, shrinks the pipeli
 The lists are torch's own (ScheduleInterleavedZeroBubble at one stage per rank, ScheduleZBVZeroBubble),
 action for action (tests/test_zero_bubble.py). 02 runs them unchanged: ZeroBubbleSchedule gives its
 Schedule the kinds I and W (KINDS), an Executor that runs them (SplitExecutor) and, for ZB-V, plans
-whose receives are posted in lockstep with their senders (posted). 05's training
-loop runs them too (--train, --schedule).
+whose receives are posted in lockstep with their senders (ZeroBubbleSchedule.receives). 05's
+training loop runs them too (--train, --schedule).
 
 Run it:
     python 06_zero_bubble.py                            # pp=4 CPU ranks, m=8: 1F1B, ZB-H1, ZB-V
@@ -49,7 +49,6 @@ from plumbing import cli, command, demos
 from plumbing.charts import pipeline_timeline
 from plumbing.launch import printer, run_main
 from plumbing.reference import pipeline_reference
-from plumbing.trace import write_timelines
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 pipeline = importlib.import_module("02_pipeline_1f1b")
@@ -116,7 +115,7 @@ class BackwardSplit:
     def keep(self, param, x, dy):
         if self.key is None:
             raise RuntimeError("a backward through a split linear layer ran outside an I action: with a "
-                               "BackwardSplit installed, run I and W (02's execute with split=)")
+                               "BackwardSplit installed, run the schedule through SplitExecutor (ZeroBubbleSchedule.executor)")
         self.kept[self.key].append((param, x, dy))
 
     def held(self, key):
@@ -373,10 +372,7 @@ def demo(env, cfg, args):
         f"hold nearly pp M_B,\n  rank 0 no more than 1F1B's")
     if env.device.type == "cpu":
         say(f"  measured timelines are not the simulated ones: here {pp} ranks share this machine's cores")
-    if args.trace and env.rank == 0:
-        write_timelines(args.trace, {pipes[n].name: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)
-        say(f"\nChrome trace of the measured steps (1F1B, ZB-H1, ZB-V): {args.trace} (open it in chrome://tracing "
-            f"or ui.perfetto.dev)")
+    demos.write_trace(env, args.trace, {pipes[n].name: ranks for n, ranks in measured.items()}, say)
     say(f"\n{'PASS' if ok else 'FAIL'}")
     return ok
 

@@ -26,7 +26,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from plumbing import charts
+from plumbing import charts, trace
 from plumbing.launch import gather_numbers
 
 
@@ -187,6 +187,14 @@ def report_pipeline(env, name, schedule, sim, worst, result, kept, say, t_f=1, t
     say(f"max relative difference against serial (loss and every gradient): {worst:.2e} "
         f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
     return worst <= 1e-10 and sim.bubble == formula, sim, ranks
+
+
+def write_trace(env, path, measured, say):
+    """{schedule name: every rank's RankFigures} as one Chrome trace, written by rank 0 if path is set."""
+    if path and env.rank == 0:
+        trace.write_timelines(path, {n: [r.events for r in ranks] for n, ranks in measured.items()}, 1.0)
+        say(f"\nChrome trace of the measured steps ({', '.join(measured)}): {path} "
+            f"(open it in chrome://tracing or ui.perfetto.dev)")
 
 
 def report_interleaving(say, pp, v, m, one, inter):

@@ -241,7 +241,7 @@ def _bad(env, case):
 BAD = {
     "m < 1": (dict(m=0), "m=0 must be at least 1"),
     "batch not divisible by m": (dict(m=3), "global batch of 4 sequences is not divisible by m=3"),
-    "pp greater than n_layer": (dict(cfg=dict(n_layer=1)), "2 pipeline stages is more than n_layer=1"),
+    "pp greater than n_layer": (dict(cfg=dict(n_layer=1)), "n_layer=1 is not divisible by 2 pipeline stages"),
     "uneven split": (dict(cfg=dict(n_layer=3)), "n_layer=3 is not divisible by 2 pipeline stages"),
     "world size not matching pp": (dict(pp=4), "world size 2 does not match pp=4"),
 }
