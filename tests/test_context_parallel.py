@@ -1,0 +1,200 @@
+"""08_context_parallel: the sequence split over cp ranks, ring attention, the schedules as data.
+
+Tolerances, and why:
+  - The blocks against softmax attention, one process, float64: 1e-12 relative. The online-softmax
+    merge sums exp(s - m) v in another order and rescales each block once more (one rounding,
+    ~1e-16 each); a lost rescaling or a block masked wrongly is off at O(1).
+  - Against the serial model, float64: max|a - b| / max|b| <= 1e-10 on the loss, the logits and every
+    gradient (TOL, as test_tensor_parallel.py). The attention of a row is summed over cp blocks in
+    another order, each rescaled to the running max; measured ~1e-15. A token at the wrong position,
+    a key block missed or counted twice, a loss divided by the wrong count is off at O(1/T) or more.
+  - Schedules and their simulated work: exact (Fractions and lists).
+"""
+import importlib
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conftest import TOL, load
+
+tensor_parallel = load("01_tensor_parallel")
+pipeline = load("02_pipeline_1f1b")
+cpar = importlib.import_module("08_context_parallel")
+Block = cpar.Block
+CFG = tensor_parallel.GPTConfig(vocab_size=97, block_size=48, n_layer=2, n_head=2, n_embd=16)
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedules as data
+
+
+@pytest.mark.parametrize("cp", range(1, 9))
+def test_every_schedule_validates_and_computes_each_causal_block_once(cp):
+    for name, make in cpar.SPLITS.items():
+        sched = make(cp)
+        cpar.validate(sched)
+        blocks = [b for steps in sched.steps for blocks in steps for b in blocks]
+        assert sorted(blocks, key=lambda b: (b.q, b.kv)) == [Block(i, j) for i in range(sched.n) for j in range(i + 1)]
+
+
+@pytest.mark.parametrize("cp", range(2, 9))
+def test_the_balance_factors_are_2_minus_1_over_cp_then_1_then_lightseqs(cp):
+    ours = {name: cpar.simulate(make(cp)) for name, make in cpar.SPLITS.items()}
+    assert ours["contiguous"].factor == 2 - Fraction(1, cp)  # 1.50, 1.75 and 1.875 at cp = 2, 4, 8
+    assert ours["megatron"].factor == 1 and ours["megatron"].time == ours["megatron"].ideal == Fraction(cp, 2)
+    # LightSeq: every rank busy at every step of cp // 2 + 1; with even cp the last step is the
+    # owners' blocks at distance cp / 2, which half the ranks hold: 1 + 1/cp; with odd cp, even.
+    assert ours["lightseq"].factor == (1 + Fraction(1, cp) if cp % 2 == 0 else 1)
+    assert len(ours["lightseq"].work[0]) == cp // 2 + 1 < len(ours["contiguous"].work[0]) or cp == 2
+    assert ours["lightseq"].time == Fraction(1, 2) + cp // 2
+    for b in ours.values():  # the same attention, however it is spread
+        assert sum(b.totals) == Fraction(cp * cp, 2)
+
+
+def test_megatrons_split_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i_and_half_a_block_every_step():
+    sched = cpar.megatron(4)
+    assert sched.split == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert cpar.positions(sched, 1, 16).tolist() == [2, 3, 12, 13]
+    assert all(x == Fraction(1, 2) for row in cpar.simulate(sched).work for x in row)
+
+
+
+def test_a_step_talks_only_to_its_visitor_and_results_go_home_one_exchange_later():
+    for cp in (2, 3, 4, 5, 8):
+        for name, make in cpar.SPLITS.items():
+            sched = make(cp)
+            for backward in (False, True):
+                for s in range(len(sched.steps[0]) + 1):
+                    for src, dst, kind, b in cpar.messages(sched, s, backward):
+                        assert sched.owner[b] == (src if kind in ("kv", "q") else dst)
+                        if kind in ("kv", "q"):  # borrowed at step s from the visitor
+                            assert src == (dst - s) % cp
+                        else:  # computed at step s - 1 for the visitor of that step
+                            assert dst == (src - (s - 1)) % cp
+                            assert kind in (("dq", "dkv") if backward else ("out",))
+
+
+def test_lightseqs_helpers_borrow_queries_and_send_partial_results_home():
+    sched = cpar.lightseq(4)
+    # step 1: rank 0 has nothing of its own left (block (0, 0) was step 0's); it computes (3, 0) for rank 3
+    assert sched.steps[0][1] == [Block(3, 0)]
+    assert (3, 0, "q", 3) in cpar.messages(sched, 1) and (0, 3, "out", 3) in cpar.messages(sched, 2)
+    assert (0, 3, "dq", 3) in cpar.messages(sched, 2, backward=True)
+    assert all(kind != "q" for *_, kind, _ in sum((cpar.messages(cpar.contiguous(4), s) for s in range(5)), []))
+
+
+BROKEN = {
+    "a block above the diagonal": (cpar.RingSchedule("x", [[0], [1]], [[[Block(0, 0), Block(0, 1)], []],
+                                                                       [[Block(1, 1)], [Block(1, 0)]]]), "not causal"),
+    "a block computed twice": (cpar.RingSchedule("x", [[0], [1]], [[[Block(0, 0)], []],
+                                                                   [[Block(1, 1)], [Block(1, 0), Block(1, 0)]]]),
+                               "computed 2 times"),
+    "a block never computed": (cpar.RingSchedule("x", [[0], [1]], [[[Block(0, 0)], []], [[Block(1, 1)], []]]),
+                               r"Block\(q=1, kv=0\) is never computed"),
+    "a block of a rank it does not meet": (cpar.RingSchedule("x", [[0], [1], [2]], [
+        [[Block(0, 0)], [], []], [[Block(1, 1)], [Block(1, 0)], []], [[Block(2, 2)], [Block(2, 0)], [Block(2, 1)]]]),
+        "at step 1 it meets rank 1"),
+    "a block of two other ranks": (cpar.RingSchedule("x", [[0], [1], [2]], [
+        [[Block(0, 0)], [], [Block(2, 1)]], [[Block(1, 1)], [Block(1, 0)], []], [[Block(2, 2)], [], [Block(2, 0)]]]),
+        "needs ranks"),
+    "ranks with different numbers of steps": (cpar.RingSchedule("x", [[0], [1]], [[[Block(0, 0)]],
+                                                                                  [[Block(1, 1)], [Block(1, 0)]]]),
+                                              "as many ring steps"),
+    "a split of unequal shares": (cpar.RingSchedule("x", [[0, 2], [1]], [[[Block(0, 0), Block(2, 2), Block(2, 0)], []],
+                                                                         [[Block(1, 1)], [Block(1, 0), Block(2, 1)]]]),
+                                  "as many of the 3 blocks"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=list(BROKEN))
+def test_the_validator_refuses_a_schedule_that_is_not_causal_attention_once_on_a_ring(case):
+    sched, message = BROKEN[case]
+    with pytest.raises(pipeline.ScheduleError, match=message):
+        cpar.validate(sched)
+
+
+# ----------------------------------------------------------------------------------------------
+# The blocks: FlashAttention-2's recurrences against softmax attention, one process
+
+
+def _qkv(seed, B=2, nh=3, T=12, hs=4):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, nh, T, hs, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+
+
+def test_blocks_merged_in_any_order_are_causal_softmax_attention_forward_and_backward():
+    q, k, v = _qkv(0)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    do = torch.randn_like(ref)
+    ref.backward(do)
+    c, scale = 4, 1 / math.sqrt(4)
+    rows = [slice(i * c, (i + 1) * c) for i in range(3)]
+    with torch.no_grad():
+        for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+            outs, lses = [], []
+            for i in range(3):
+                st = None
+                for j in order:
+                    if j <= i:
+                        st = cpar.merge(st, cpar.block_forward(q[:, :, rows[i]], k[:, :, rows[j]], v[:, :, rows[j]],
+                                                               i == j, scale))
+                o, lse = cpar.finish(st)
+                outs.append(o)
+                lses.append(lse)
+            o, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+            assert tensor_parallel.max_rel_diff(o, ref) <= 1e-12
+        D = (do * o).sum(-1)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for i in range(3):
+            for j in range(i + 1):
+                gq, gk, gv = cpar.block_backward(q[:, :, rows[i]], k[:, :, rows[j]], v[:, :, rows[j]], do[:, :, rows[i]],
+                                                 lse[:, :, rows[i]], D[:, :, rows[i]], i == j, scale)
+                dq[:, :, rows[i]] += gq
+                dk[:, :, rows[j]] += gk
+                dv[:, :, rows[j]] += gv
+    for mine, theirs in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert tensor_parallel.max_rel_diff(mine, theirs) <= 1e-12
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the serial model: every split at cp = 2, 3 and 4, float64
+
+
+def _parity(env, T):
+    full = tensor_parallel.init_state_dict(CFG, 5, dtype=torch.float64, random_all=True)
+    gen = torch.Generator().manual_seed(7)
+    idx, targets = torch.randint(CFG.vocab_size, (2, 3, T), generator=gen)
+    targets[0, : T // 2 + 1] = -100  # uncounted tokens, all on the first ranks: uneven counts
+    targets[2, -1] = -100
+    serial = tensor_parallel.GPT(CFG, None, init=False, dtype=torch.float64)
+    serial.load_full_state_dict(full)
+    ref_logits, ref_loss = serial(idx, targets)
+    ref_loss.backward()
+    out = {}
+    for name, make in cpar.SPLITS.items():
+        sched = make(env.world_size)
+        model = cpar.context_parallel(tensor_parallel.GPT(CFG, None, init=False, dtype=torch.float64), sched,
+                                      dist.group.WORLD)
+        model.load_full_state_dict(full)
+        logits, loss = cpar.step(model, idx, targets, dist.group.WORLD, dist.group.WORLD)
+        diffs = {"loss": tensor_parallel.max_rel_diff(loss, ref_loss.detach()),
+                 "logits": tensor_parallel.max_rel_diff(cpar.gather_sequence(logits.detach(), sched, dist.group.WORLD),
+                                                        ref_logits.detach())}
+        diffs.update({n: tensor_parallel.max_rel_diff(p.grad, serial.get_parameter(n).grad)
+                      for n, p in model.named_parameters()})
+        out[name] = diffs
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_every_split_equals_serial_loss_logits_and_every_gradient(run_ranks, cp):
+    T = 2 * cp * 4  # 4 tokens a block of Megatron's split
+    for rank in run_ranks(_parity, cp, T):
+        for name, diffs in rank.items():
+            assert len(diffs) == 2 + len(list(tensor_parallel.GPT(CFG, device="meta").parameters()))
+            bad = {k: d for k, d in diffs.items() if not d <= TOL}
+            assert not bad, (name, cp, bad)
