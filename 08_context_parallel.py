@@ -41,18 +41,19 @@ import contextlib
 import functools
 import importlib
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from fractions import Fraction
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 
-from plumbing import cli, command
+from plumbing import cli
 from plumbing.launch import gather_numbers, printer, run_main
 from plumbing.meter import ActivationMeter
 
@@ -219,78 +220,86 @@ def exchange(sched, s, group, send, like, widths, backward=False):
     return got
 
 
+def ring_forward(q, k, v, sched, group):
+    """This rank's rows of causal attention (B, nh, T/cp, hs) over the whole sequence: (o, lse)."""
+    r, hs = dist.get_rank(group), q.shape[-1]
+    c, scale = q.shape[2] // len(sched.split[r]), 1 / math.sqrt(hs)
+    rows = {b: slice(i * c, (i + 1) * c) for i, b in enumerate(sched.split[r])}  # my blocks' rows
+    mine = lambda t, b: t[:, :, rows[b]]  # noqa: E731
+    home, away = {}, {}  # States of my query blocks; of visitors' query blocks, computed here
+    widths = {"kv": 2 * hs, "q": hs, "out": hs + 2}
+    for s in range(len(sched.steps[r]) + 1):
+        got = exchange(sched, s, group, lambda kind, b: {
+            "kv": lambda: torch.cat([mine(k, b), mine(v, b)], -1), "q": lambda: mine(q, b),
+            "out": lambda: (lambda st: torch.cat([st.acc, st.m[..., None], st.l[..., None]], -1))(away.pop(b)),
+        }[kind](), q[:, :, :c], widths)
+        for (kind, b), t in got.items():
+            if kind == "out":  # a helper's partial attention of my queries
+                home[b] = merge(home.get(b), State(t[..., -2], t[..., -1], t[..., :-2]))
+        for blk in sched.steps[r][s] if s < len(sched.steps[r]) else []:
+            qb = mine(q, blk.q) if blk.q in rows else got["q", blk.q]
+            kb, vb = (mine(k, blk.kv), mine(v, blk.kv)) if blk.kv in rows else got["kv", blk.kv].chunk(2, -1)
+            st = block_forward(qb, kb, vb, blk.q == blk.kv, scale)
+            into = home if blk.q in rows else away
+            into[blk.q] = merge(into.get(blk.q), st)
+    return tuple(torch.cat(t, 2) for t in zip(*(finish(home[b]) for b in sched.split[r])))
+
+
+def ring_backward(q, k, v, o, lse, do, sched, group):
+    """The gradients of q, k and v from o's, over the same ring: dQ accumulates at home, dK and dV
+    of a visitor's blocks travel back to it; a helper's dQ goes home too."""
+    r, hs = dist.get_rank(group), q.shape[-1]
+    c, scale = q.shape[2] // len(sched.split[r]), 1 / math.sqrt(hs)
+    rows = {b: slice(i * c, (i + 1) * c) for i, b in enumerate(sched.split[r])}
+    mine = lambda t, b: t[:, :, rows[b]]  # noqa: E731
+    D = (do * o).sum(-1)  # (B, nh, T/cp)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    away_q, away_kv = {}, {}  # gradients of visitors' blocks computed here, to be sent home
+    widths = {"kv": 2 * hs, "q": 2 * hs + 2, "dq": hs, "dkv": 2 * hs}
+    for s in range(len(sched.steps[r]) + 1):
+        got = exchange(sched, s, group, lambda kind, b: {
+            "kv": lambda: torch.cat([mine(k, b), mine(v, b)], -1),
+            "q": lambda: torch.cat([mine(q, b), mine(do, b), mine(lse, b)[..., None], mine(D, b)[..., None]], -1),
+            "dq": lambda: away_q.pop(b), "dkv": lambda: away_kv.pop(b)}[kind](), q[:, :, :c], widths, True)
+        for (kind, b), t in got.items():  # gradients of my blocks, computed by others
+            if kind == "dq":
+                dq[:, :, rows[b]] += t
+            elif kind == "dkv":
+                dk[:, :, rows[b]] += t[..., :hs]
+                dv[:, :, rows[b]] += t[..., hs:]
+        for blk in sched.steps[r][s] if s < len(sched.steps[r]) else []:
+            if blk.q in rows:
+                qb, dob, lseb, Db = mine(q, blk.q), mine(do, blk.q), mine(lse, blk.q), mine(D, blk.q)
+            else:
+                t = got["q", blk.q]
+                qb, dob, lseb, Db = t[..., :hs], t[..., hs:2 * hs], t[..., -2], t[..., -1]
+            kb, vb = (mine(k, blk.kv), mine(v, blk.kv)) if blk.kv in rows else got["kv", blk.kv].chunk(2, -1)
+            gq, gk, gv = block_backward(qb, kb, vb, dob, lseb, Db, blk.q == blk.kv, scale)
+            if blk.q in rows:  # dQ accumulates at home
+                dq[:, :, rows[blk.q]] += gq
+            else:
+                away_q[blk.q] = away_q.get(blk.q, 0) + gq
+            if blk.kv in rows:
+                dk[:, :, rows[blk.kv]] += gk
+                dv[:, :, rows[blk.kv]] += gv
+            else:  # dK and dV travel back to their owner
+                away_kv[blk.kv] = away_kv.get(blk.kv, 0) + torch.cat([gk, gv], -1)
+    return dq, dk, dv
+
+
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's rows (B, nh, T/cp, hs) over the whole sequence."""
+    """ring_forward, keeping what ring_backward needs: q, k, v, o and the log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, k, v, sched, group):
-        r, hs = dist.get_rank(group), q.shape[-1]
-        c, scale = q.shape[2] // len(sched.split[r]), 1 / math.sqrt(hs)
-        rows = {b: slice(i * c, (i + 1) * c) for i, b in enumerate(sched.split[r])}  # my blocks' rows
-        home, away = {}, {}  # States of my query blocks; of visitors' query blocks, computed here
-        widths = {"kv": 2 * hs, "q": hs, "out": hs + 2}
-        for s in range(len(sched.steps[r]) + 1):
-            got = exchange(sched, s, group, lambda kind, b: {
-                "kv": lambda: torch.cat([k[:, :, rows[b]], v[:, :, rows[b]]], -1), "q": lambda: q[:, :, rows[b]],
-                "out": lambda: (lambda st: torch.cat([st.acc, st.m[..., None], st.l[..., None]], -1))(away.pop(b)),
-            }[kind](), q[:, :, :c], widths)
-            for (kind, b), t in got.items():
-                if kind == "out":  # a helper's partial attention of my queries
-                    home[b] = merge(home.get(b), State(t[..., -2], t[..., -1], t[..., :-2]))
-            for blk in sched.steps[r][s] if s < len(sched.steps[r]) else []:
-                qb = q[:, :, rows[blk.q]] if blk.q in rows else got["q", blk.q]
-                kb, vb = (k[:, :, rows[blk.kv]], v[:, :, rows[blk.kv]]) if blk.kv in rows else \
-                    got["kv", blk.kv].chunk(2, -1)
-                st = block_forward(qb, kb, vb, blk.q == blk.kv, scale)
-                mine = home if blk.q in rows else away
-                mine[blk.q] = merge(mine.get(blk.q), st)
-        o, lse = (torch.cat(t, 2) for t in zip(*(finish(home[b]) for b in sched.split[r])))
+        o, lse = ring_forward(q, k, v, sched, group)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.sched, ctx.group = sched, group
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        sched, group = ctx.sched, ctx.group
-        r, hs = dist.get_rank(group), q.shape[-1]
-        c, scale = q.shape[2] // len(sched.split[r]), 1 / math.sqrt(hs)
-        rows = {b: slice(i * c, (i + 1) * c) for i, b in enumerate(sched.split[r])}
-        D = (do * o).sum(-1)  # (B, nh, T/cp)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        away_q, away_kv = {}, {}  # gradients of visitors' blocks computed here, to be sent home
-        widths = {"kv": 2 * hs, "q": 2 * hs + 2, "dq": hs, "dkv": 2 * hs}
-        mine = lambda t, b: t[:, :, rows[b]]  # noqa: E731
-        for s in range(len(sched.steps[r]) + 1):
-            got = exchange(sched, s, group, lambda kind, b: {
-                "kv": lambda: torch.cat([mine(k, b), mine(v, b)], -1),
-                "q": lambda: torch.cat([mine(q, b), mine(do, b), mine(lse, b)[..., None], mine(D, b)[..., None]], -1),
-                "dq": lambda: away_q.pop(b), "dkv": lambda: away_kv.pop(b)}[kind](), q[:, :, :c], widths, True)
-            for (kind, b), t in got.items():  # gradients of my blocks, computed by others
-                if kind == "dq":
-                    dq[:, :, rows[b]] += t
-                elif kind == "dkv":
-                    dk[:, :, rows[b]] += t[..., :hs]
-                    dv[:, :, rows[b]] += t[..., hs:]
-            for blk in sched.steps[r][s] if s < len(sched.steps[r]) else []:
-                if blk.q in rows:
-                    qb, dob, lseb, Db = mine(q, blk.q), mine(do, blk.q), mine(lse, blk.q), mine(D, blk.q)
-                else:
-                    t = got["q", blk.q]
-                    qb, dob, lseb, Db = t[..., :hs], t[..., hs:2 * hs], t[..., -2], t[..., -1]
-                kb, vb = (mine(k, blk.kv), mine(v, blk.kv)) if blk.kv in rows else got["kv", blk.kv].chunk(2, -1)
-                gq, gk, gv = block_backward(qb, kb, vb, dob, lseb, Db, blk.q == blk.kv, scale)
-                if blk.q in rows:  # dQ accumulates at home
-                    dq[:, :, rows[blk.q]] += gq
-                else:
-                    away_q[blk.q] = away_q.get(blk.q, 0) + gq
-                if blk.kv in rows:
-                    dk[:, :, rows[blk.kv]] += gk
-                    dv[:, :, rows[blk.kv]] += gv
-                else:  # dK and dV travel back to their owner
-                    away_kv[blk.kv] = away_kv.get(blk.kv, 0) + torch.cat([gk, gv], -1)
-        return dq, dk, dv, None, None
-
+        return *ring_backward(*ctx.saved_tensors, do, ctx.sched, ctx.group), None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,6 +466,190 @@ def simulate(sched):
 
 
 # ----------------------------------------------------------------------------------------------
+# After the concept: DeepSpeed-Ulysses (Jacobs et al. 2023), the contrast LightSeq argues against.
+# Everything but the attention core keeps T/cp rows, as above; around the core an all-to-all trades
+# rows for heads: each rank gets the whole sequence of nh/(tp cp) heads, attends as 01 does, and a
+# second all-to-all gives the rows back. Per rank and layer the four all-to-alls (q, k, v in, o out)
+# move 4 (cp-1)/cp^2 of B T C/tp, falling with cp, where the ring moves (cp-1)/cp of 2 B T C/tp, the
+# keys and values; but cp can be no larger than the heads a rank holds, nh/tp.
+
+
+class AllToAll(torch.autograd.Function):
+    """x split into cp pieces along dim `split`, piece j sent to rank j; the pieces received put side
+    by side along dim `cat`, in rank order. Backward is the all-to-all the other way."""
+
+    @staticmethod
+    def forward(ctx, x, group, split, cat):
+        ctx.group, ctx.split, ctx.cat = group, split, cat
+        cp = dist.get_world_size(group)
+        send = torch.stack(x.chunk(cp, split)).contiguous()  # (cp, ...): piece j for rank j
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send, group=group)
+        return torch.cat(got.unbind(0), cat)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllToAll.apply(grad, ctx.group, ctx.cat, ctx.split), None, None, None
+
+
+def ulysses(chunk, sched, group):
+    """Every block's attention core of `chunk` (already context_parallel) as Ulysses' all-to-all."""
+    for block in chunk.transformer.h.values():
+        block.attn.core = functools.partial(ulysses_core, sched, group)
+
+
+def ulysses_core(sched, group, q, k, v, p):
+    """q, k, v (B, nh/tp, T/cp, hs): heads out, rows in (B, nh/(tp cp), T, hs), the rows put in true
+    order (the split's order is not, for Megatron's split), causal attention, and back."""
+    T = q.shape[2] * sched.cp
+    order = torch.cat([positions(sched, r, T, q.device) for r in range(sched.cp)])  # gathered row -> position
+    true = torch.argsort(order)  # position -> gathered row
+    q, k, v = (AllToAll.apply(t, group, 1, 2)[:, :, true] for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return AllToAll.apply(y[:, :, order], group, 2, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: LightSeq's rematerialization-aware checkpointing (Section 3.3; --recompute
+# lightseq). Checkpointing whole layers (--recompute full) reruns each layer's forward in backward,
+# its attention too: the costliest part of a long sequence's layer (4 B T^2 C / cp FLOPs on a rank)
+# and, here, the ring's whole forward exchange again. Keeping the attention's output o (and its
+# log-sum-exp) beside the layer's input moves the checkpoint's boundary past it: backward reruns
+# LayerNorm, the projections and the MLP (to get q, k, v and the MLP's inputs back) but never the
+# attention forward; its backward takes the kept o. One more (B, T/cp, C) tensor per layer.
+
+
+class Kept(torch.autograd.Function):
+    """The attention core with o and lse given (kept from the first forward): what ring_backward needs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, o, lse, sched, group):
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.sched, ctx.group = sched, group
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        return *ring_backward(*ctx.saved_tensors, do, ctx.sched, ctx.group), None, None, None, None
+
+
+def rematerialize(chunk, sched, group):
+    """Checkpoint every block of `chunk` at its input, its attention's output kept (in order, per block:
+    1F1B runs a chunk's backwards in the order of its forwards)."""
+    for block in chunk.transformer.h.values():
+        kept, again = [], [False]
+        block.attn.core = functools.partial(_kept_attention, sched, group, kept, again)
+        block.forward = functools.partial(_checkpointed, block.forward, again)
+
+
+def _checkpointed(forward, again, x):
+    @contextlib.contextmanager
+    def recomputing():
+        again[0] = True
+        try:
+            yield
+        finally:
+            again[0] = False
+    return gpt3d.checkpoint(forward, x, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(),
+                                                                                 recomputing()))
+
+
+def _kept_attention(sched, group, kept, again, q, k, v, p):
+    if not torch.is_grad_enabled():  # no backward to come (the eval): nothing to keep
+        return RingAttention.apply(q, k, v, sched, group)
+    if again[0]:  # backward's rerun: the output kept, no ring
+        o, lse = kept.pop(0)
+    else:
+        with torch.no_grad():
+            o, lse = ring_forward(q, k, v, sched, group)
+        kept.append((o, lse))
+    return Kept.apply(q, k, v, o, lse, sched, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: 05's trainer with cp in the rank grid. Megatron's order, tp fastest, then cp,
+# dp and pp: a cp group's ring stays inside a node next to tp. Gradients are averaged over dp x cp
+# together, so the grid's "dp" groups (05's buckets, ZeRO-1's shards, the norm) are the dp x cp
+# ranks of a (tp, pp) place, and a rank's share of the batch is its dp coordinate alone.
+
+
+def rank_grid(world, tp=1, cp=1, dp=1, pp=1):
+    """Every group of each kind as lists of global ranks: {"tp", "cp", "dp" (dp x cp), "pp", "embed"}."""
+    if tp * cp * dp * pp != world:
+        raise ValueError(f"the world size {world} does not match tp={tp} x cp={cp} x dp={dp} x pp={pp}")
+    rank = lambda t, c, d, p: ((p * dp + d) * cp + c) * tp + t  # noqa: E731
+    grid = {"tp": [[rank(t, c, d, p) for t in range(tp)] for p in range(pp) for d in range(dp) for c in range(cp)],
+            "cp": [[rank(t, c, d, p) for c in range(cp)] for p in range(pp) for d in range(dp) for t in range(tp)],
+            "dp": [[rank(t, c, d, p) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)],
+            "pp": [[rank(t, c, d, p) for p in range(pp)] for d in range(dp) for c in range(cp) for t in range(tp)]}
+    grid["embed"] = [[g[0], g[-1]] for g in grid["pp"]] if pp > 1 else []
+    return grid
+
+
+@dataclass
+class ContextParallelSchedule(gpt3d.PipelineSchedule):
+    """05's schedule (1F1B or interleaved) on a grid with cp: prepare() makes each chunk this rank's
+    part of the sequence, its executor weights the loss as step() does, and its wire carries T/cp rows."""
+    cp: int = 1
+    ring: object = None  # the RingSchedule (SPLITS), or None at cp = 1: 05's model as it is
+    attention: str = "ring"  # or "ulysses": the all-to-all (after the concept)
+    recompute: str = "none"  # 05's --recompute, or "lightseq": the attention's output kept
+
+    def grid(self, world, tp, dp):
+        grid = rank_grid(world, tp, self.cp, dp, self.pp)
+        grid["embed"] = grid["embed"] if self.where[self.S - 1][0] else []
+        return grid
+
+    def replica(self, groups):
+        return dist.get_rank(groups.dp) // self.cp  # the dp x cp group's rank is d cp + c
+
+    def prepare(self, chunks, groups=None, full=None):
+        for c in chunks if self.ring else []:
+            context_parallel(c, self.ring, groups.cp)
+            c.full_logits = functools.partial(_full_logits, c.full_logits, self.ring, groups.cp)
+            if self.attention == "ulysses":
+                ulysses(c, self.ring, groups.cp)
+            if self.recompute == "selective":  # 05 wrapped 01's core; this one replaced it
+                for block in c.transformer.h.values():
+                    block.attn.core = functools.partial(gpt3d.checkpoint, block.attn.core, use_reentrant=False)
+            elif self.recompute == "lightseq":
+                rematerialize(c, self.ring, groups.cp)
+
+    def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
+        if not self.ring:
+            return super().executor(chunks, pp_group, wire, exchange, deallocate)
+        b, T, C = wire.full if isinstance(wire, gpt3d.ScatterGather) else wire.shape
+        shape = (b, T // self.cp, C)  # this rank's rows of the boundary tensor
+        wire = gpt3d.ScatterGather(shape, wire.tp_group) if isinstance(wire, gpt3d.ScatterGather) else \
+            pipeline.Wire(shape)
+        return ContextParallelExecutor(self, chunks, pp_group, wire, exchange, deallocate)
+
+
+def _full_logits(over_tp, sched, group, logits):
+    """FullWeights.full_logits (over tp), then over cp: every rank's rows at their positions (B, T, V)."""
+    return gather_sequence(over_tp(logits), sched, group)
+
+
+class ContextParallelExecutor(pipeline.Executor):
+    """02's executor whose last stage weights a microbatch's loss as step() does: this rank's sum over
+    the replica's count of valid tokens (its share of the serial mean), times cp for backward."""
+
+    def output(self, mb, y):
+        share = y[1] / self.n_valid
+        self.loss = share.detach() if self.loss is None else self.loss + share.detach()
+        return share * self.schedule.cp
+
+
+def context_schedule(tc):
+    """The trainer's seam (05's train and main): 05's pipeline schedule, with cp."""
+    base = gpt3d.interleaved_schedule(tc)
+    used = tc.cp > 1 or tc.recompute == "lightseq" or tc.cp_attention == "ulysses"
+    return ContextParallelSchedule(base.lists, name=base.name + f", cp={tc.cp} ({tc.cp_schedule}, {tc.cp_attention})",
+                                   cp=tc.cp, ring=SPLITS[tc.cp_schedule](tc.cp) if used else None,
+                                   attention=tc.cp_attention, recompute=tc.recompute)
+
+
+# ----------------------------------------------------------------------------------------------
 # After the concept: the demo's helpers (groups, the sequence gathered back, its reports), its flags
 
 
@@ -536,15 +729,78 @@ class DemoConfig:
     seed: int = 1234  # for the weights and the batch
 
 
+@dataclass
+class ContextParallel:
+    cp: int = 2  # context-parallel size: the ranks each sequence is split over (rank order tp, cp, dp, pp)
+    cp_schedule: Literal["megatron", "contiguous", "lightseq"] = "megatron"  # the split and its ring: Megatron's 2 cp chunks, contiguous, or LightSeq's helpers
+    cp_attention: Literal["ring", "ulysses"] = "ring"  # the attention core: ring attention, or DeepSpeed-Ulysses' all-to-all of heads
+
+
+RECOMPUTE = ("none", "selective", "full", "lightseq")
+
+
+@dataclass
+class TrainConfig(ContextParallel, gpt3d.TrainConfig):
+    """05's flags, cp and its two choices, and --recompute lightseq."""
+    GRID: ClassVar[tuple] = ("tp", "cp", "dp", "pp")  # the layout's sizes in rank order, fastest first (plumbing)
+    recompute: Literal[RECOMPUTE] = "none"
+
+    def __post_init__(self):
+        if self.cuda_graphs is None and self.cp > 1:  # unset: on where the layout allows; a ring's p2p is not captured
+            self.cuda_graphs = False
+
+    def check(self, cfg):
+        """The relations of 08's flags to the others (plumbing.checks.check_config calls it, before
+        anything starts); each refusal names the flag, the value and the constraint."""
+        ring = self.cp > 1 or self.recompute == "lightseq" or self.cp_attention == "ulysses"
+        n = SPLITS[self.cp_schedule](self.cp).n * (self.tp if self.sequence_parallel else 1)
+        if ring and self.seq_len % n:
+            parts = f"{SPLITS[self.cp_schedule](self.cp).n} blocks" + (
+                f", each split again over tp={self.tp} by --sequence-parallel" if self.sequence_parallel else "")
+            raise ValueError(f"--seq-len {self.seq_len}: --cp {self.cp} with --cp-schedule {self.cp_schedule} cuts "
+                             f"each sequence into {parts}: it must be divisible by {n}")
+        if ring and cfg.dropout:
+            raise ValueError(f"--dropout {cfg.dropout:g} with --cp {self.cp}: context parallelism's attention "
+                             f"computes the probabilities block by block and drops none of them, which would differ "
+                             f"from --dropout's model; give --dropout 0 (or --cp 1)")
+        if self.cp_attention == "ulysses" and (cfg.n_head // self.tp) % self.cp:
+            raise ValueError(f"--cp-attention ulysses gives each of the cp={self.cp} ranks 1/cp of the "
+                             f"n_head / tp = {cfg.n_head} / {self.tp} heads a rank holds: {cfg.n_head // self.tp} "
+                             f"is not divisible by --cp {self.cp}")
+        if self.recompute == "lightseq" and self.cp_attention == "ulysses":
+            raise ValueError("--recompute lightseq keeps ring attention's output and log-sum-exp; --cp-attention "
+                             "ulysses has neither: use --recompute full or selective with it")
+        if self.cuda_graphs and self.cp > 1:
+            raise ValueError(f"--cuda-graphs with --cp {self.cp}: a captured stage cannot hold the ring's "
+                             f"point-to-point exchanges; drop the flag")
+
+
 def parser():
     p = cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=2,
                         n_head=4, n_embd=64)
+    p.add_argument("--train", action="store_true", help="train with 05's loop instead: every flag of 05, and "
+                   "--cp, --cp-schedule, --cp-attention, --recompute lightseq (see --train --help)")
     return p
+
+
+def train_parser():
+    """05's flags, 08's, and --recompute's choice lightseq."""
+    p = gpt3d.parser()
+    cli.add_dataclass_args(p, ContextParallel, "context parallelism (08)")
+    recompute = p._option_string_actions["--recompute"]
+    recompute.choices, recompute.help = RECOMPUTE, recompute.help.replace(
+        "whole layers", "whole layers, or whole layers but the attention (lightseq: its output kept)")
+    return p
+
+
+def train(env, cfg, tc, quiet=False):
+    """05's training loop on one rank, with context parallelism."""
+    return gpt3d.train(env, cfg, tc, quiet, context_schedule)
 
 
 def start_demo(cfg, args):
     if args.seq_len % 8:
-        raise ValueError(f"--seq-len {args.seq_len}: the demo splits it into 2 cp = 8 blocks at cp = 4; it must be "
+        raise ValueError(f"--seq-len {args.seq_len}: the demo cuts it into 2 cp = 8 blocks at cp = 4; it must be "
                          f"divisible by 8")
     if cfg.dropout:
         raise ValueError(f"--dropout {cfg.dropout:g}: the demo compares with the serial model exactly; give 0")
@@ -552,7 +808,11 @@ def start_demo(cfg, args):
 
 
 def main():
-    cfg, args = cli.demo_args(parser())
+    """With --train, 05's trainer with 08's flags (plumbing/command.py); without, the demo."""
+    if "--train" in sys.argv[1:]:
+        sys.argv.remove("--train")
+        return gpt3d.main(train_parser, TrainConfig, context_schedule)
+    cfg, args = cli.demo_args(parser(), train_parser=train_parser())
     return start_demo(cfg, args)
 
 
