@@ -13,6 +13,7 @@ Tolerances, and why:
 import contextlib
 import dataclasses
 import importlib
+import json
 import math
 import os
 from dataclasses import replace
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load
+from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load, run_script
 
 tensor_parallel = load("01_tensor_parallel")
 pipeline = load("02_pipeline_1f1b")
@@ -288,3 +289,91 @@ def test_the_trainer_at_cp_2_and_4_follows_05_at_cp_1_over_adamw_steps(run_ranks
         for key in ("losses", "norms"):
             assert tensor_parallel.max_rel_diff(torch.tensor(out[key], dtype=torch.float64),
                                               torch.tensor(ref[key], dtype=torch.float64)) <= 1e-9, key
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: cp changes no weight; a checkpoint crosses cp = 2 <-> 1 both ways, and continues
+# bit-identically in the layout that wrote it
+
+
+def _resumed(env, root):
+    ours = lambda **kw: _cp(pp=2, **kw)  # noqa: E731  (cp 2 x pp 2: world 4)
+    theirs = lambda **kw: replace(TRAINER_BASE, pp=2, dp=2, **kw)  # noqa: E731  (05: pp 2 x dp 2)
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        ref = cpar.train(env, TRAINER_CFG, ours(steps=4, save=f"{root}/08", save_every=2), quiet=True)["losses"]
+        again = cpar.train(env, TRAINER_CFG, ours(steps=4, resume=f"{root}/08/step_00000002"), quiet=True)["losses"]
+        in_05 = gpt3d.train(env, TRAINER_CFG, theirs(steps=4, resume=f"{root}/08/step_00000002"), quiet=True)["losses"]
+        ref_05 = gpt3d.train(env, TRAINER_CFG, theirs(steps=4, save=f"{root}/05", save_every=2), quiet=True)["losses"]
+        in_08 = cpar.train(env, TRAINER_CFG, ours(steps=4, resume=f"{root}/05/step_00000002"), quiet=True)["losses"]
+    return ref, again, in_05, ref_05, in_08
+
+
+def test_a_checkpoint_crosses_cp_2_to_1_and_back_and_continues_bit_identically_in_its_own_layout(run_ranks, tmp_path):
+    ref, again, in_05, ref_05, in_08 = run_ranks(_resumed, 4, str(tmp_path))[0]
+    assert again == ref[2:]  # the same layout: its own shards, random streams included, bit for bit
+    for resumed, want in ((in_05, ref[2:]), (in_08, ref_05[2:])):  # another layout: float64, reordered sums
+        assert tensor_parallel.max_rel_diff(torch.tensor(resumed, dtype=torch.float64),
+                                            torch.tensor(want, dtype=torch.float64)) <= TOL
+    manifest = json.loads((tmp_path / "08" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["layout"]["cp"] == 2 and manifest["world"] == 4
+    assert "cp" not in json.loads((tmp_path / "05" / "step_00000002" / "manifest.json").read_text())["layout"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: refused at start, each in a sentence naming the flag, the value and the constraint
+
+
+T1 = ["--train", "--tp", "1", "--pp", "1", "--dp", "1"]
+BAD = {
+    "T not divisible by 2 cp": ([*T1, "--cp", "2", "--seq-len", "30"],
+                                "--seq-len 30: --cp 2 with --cp-schedule megatron cuts each sequence into 4 blocks: "
+                                "it must be divisible by 4"),
+    "T not divisible by cp, contiguous": ([*T1, "--cp", "4", "--seq-len", "30", "--cp-schedule", "contiguous"],
+                                          "--seq-len 30: --cp 4 with --cp-schedule contiguous cuts each sequence into 4 "
+                                          "blocks: it must be divisible by 4"),
+    "T not divisible again by tp with sp": (["--train", "--tp", "2", "--pp", "1", "--dp", "1", "--cp", "2",
+                                             "--seq-len", "36", "--sequence-parallel"],
+                                            "each split again over tp=2 by --sequence-parallel: it must be divisible by 8"),
+    "attention dropout with cp > 1": ([*T1, "--cp", "2", "--dropout", "0.1"],
+                                      "--dropout 0.1 with --cp 2: context parallelism's attention computes the "
+                                      "probabilities block by block and drops none of them"),
+    "CUDA graphs with cp > 1": ([*T1, "--cp", "2", "--cuda-graphs"],
+                                "--cuda-graphs with --cp 2: a captured stage cannot hold the ring's point-to-point"),
+    "Ulysses with fewer heads than cp": ([*T1, "--cp", "4", "--cp-attention", "ulysses", "--n-head", "2",
+                                          "--n-embd", "16"], "--cp-attention ulysses gives each of the cp=4 ranks"),
+    "LightSeq's checkpointing with Ulysses": ([*T1, "--cp", "2", "--cp-attention", "ulysses", "--recompute", "lightseq"],
+                                              "--recompute lightseq keeps ring attention's output"),
+    "cp below 1": ([*T1, "--cp", "0"], "--cp must be at least 1, got 0"),
+    "an unknown schedule": ([*T1, "--cp-schedule", "zigzag"], "--cp-schedule: invalid choice: 'zigzag'"),
+    "a training flag given to the demo": (["--cp", "2"], "--cp is a flag of training, not of the demo: add --train"),
+    "sampling with cp": (["--train", "--cp", "2", "--sample", "a", "--init-from", "x.pt"], "--sample does not use --cp"),
+    "a rehearsed fault beyond tp x cp x dp x pp ranks": ([*T1, "--cp", "2", "--rehearse-fault", "kill:2:1"],
+                                                         "--rehearse-fault 'kill:2:1': rank 2 is not below the world "
+                                                         "size 2"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_input_is_refused_by_name_before_anything_starts(case):
+    args, message = BAD[case]
+    proc = run_script("08_context_parallel.py", *args, timeout=30)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "train:" not in proc.stderr  # refused before training started
+
+
+def test_print_layout_shows_the_cp_groups_in_megatrons_order():
+    proc = run_script("08_context_parallel.py", "--train", "--print-layout", "--tp", "2", "--cp", "2", "--dp", "2",
+                      "--pp", "1", timeout=30)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "world=8: tp=2 x cp=2 x dp=2 x pp=1, Megatron's order (tp fastest, then cp, then dp, then pp)" in proc.stdout
+    assert "cp groups: [[0, 2], [1, 3], [4, 6], [5, 7]]" in proc.stdout
+    assert "dp groups (4 ranks each, more than --dp 2): [[0, 1, 2, 3], [4, 5, 6, 7]]" not in proc.stdout
+    assert "dp groups (4 ranks each, more than --dp 2): [[0, 2, 4, 6], [1, 3, 5, 7]]" in proc.stdout
+
+
+def test_a_rank_is_named_by_its_place_along_every_size_cp_included():
+    from plumbing import watch
+    tc = _cp(tp=2, dp=2, pp=2)
+    assert cpar.rank_grid(16, 2, 2, 2, 2)["cp"][0] == [0, 2]
+    assert watch.coords(7, tc) == "tp 1, cp 1, dp 1, pp 0" and watch.coords(8, tc) == "tp 0, cp 0, dp 0, pp 1"
+    assert watch.coords(6, replace(TRAINER_BASE, tp=2, dp=2, pp=2)) == "tp 0, dp 1, pp 1"  # 05's, as before
