@@ -377,3 +377,66 @@ def test_a_rank_is_named_by_its_place_along_every_size_cp_included():
     assert cpar.rank_grid(16, 2, 2, 2, 2)["cp"][0] == [0, 2]
     assert watch.coords(7, tc) == "tp 1, cp 1, dp 1, pp 0" and watch.coords(8, tc) == "tp 0, cp 0, dp 0, pp 1"
     assert watch.coords(6, replace(TRAINER_BASE, tp=2, dp=2, pp=2)) == "tp 0, dp 1, pp 1"  # 05's, as before
+
+
+# ----------------------------------------------------------------------------------------------
+# LightSeq's rematerialization-aware checkpointing: what it saves, counted
+
+
+def _ring_forwards(env, modes):
+    idx, targets = _batch()
+    out = []
+    real = cpar.ring_forward
+    for mode in modes:
+        calls = []
+        cpar.ring_forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            tc = _cp(recompute=mode)
+            pipe = cpar.context_schedule(tc)
+            run = gpt3d.build(env, TRAINER_CFG, tc, gpt3d.new_groups(env, pipe.grid(env.world_size, 1, 1)), pipe)
+            gpt3d.forward_backward(run, pipeline.split_batch(idx, targets, tc.microbatches), None)
+            run.ddp.finish()
+            left = [len(b.attn.core.args[2]) for c in run.chunks for b in c.transformer.h.values()
+                    if getattr(b.attn.core, "func", None) is cpar._kept_attention]  # outputs kept, not yet used
+            out.append((len(calls), {n: p.grad.clone() for c in run.chunks for n, p in c.named_parameters()}, left))
+        finally:
+            cpar.ring_forward = real
+    return out
+
+
+def test_lightseqs_checkpointing_never_reruns_the_rings_forward_where_full_recomputation_does(run_ranks):
+    runs = dict(zip(("none", "full", "selective", "lightseq"),
+                    run_ranks(_ring_forwards, 2, ["none", "full", "selective", "lightseq"])[0]))
+    passes = TRAINER_CFG.n_layer * TRAINER_BASE.microbatches  # one ring forward per layer and microbatch
+    assert {mode: calls for mode, (calls, _, _) in runs.items()} == \
+        {"none": passes, "full": 2 * passes, "selective": 2 * passes, "lightseq": passes}
+    assert runs["lightseq"][2] == [0] * TRAINER_CFG.n_layer  # every kept output was used, none left over
+    for mode in ("full", "selective", "lightseq"):  # and the gradients are the same
+        for n, g in runs[mode][1].items():
+            assert tensor_parallel.max_rel_diff(g, runs["none"][1][n]) <= TOL, (mode, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# The planner's context parallelism
+
+
+def test_the_planners_cp_formulas_and_the_longest_sequence_grow_with_p():
+    import planner
+    m = planner.GPT2_SMALL._replace(seq_len=4096)
+    b, s, h = 1, 4096, 768
+    x = planner.cp_comm_bytes_per_layer(m, 2)
+    assert x == dict(tp_sp=8 / 2 * 2 * s * h, ring=6 / 2 * 2 * s * h, ulysses=4 / 4 * 2 * s * 2 * h)
+    assert planner.cp_comm_bytes_per_layer(m, 8, kv_heads=1)["ring"] == 6 * 7 / 8 * 2 * s * h / 12
+    n = planner.params_exact(m)
+    acts = [planner.cp_memory_per_gpu(m, P) - 18 * n for P in (1, 2, 4)]
+    assert acts[0] == 2 * acts[1] == 4 * acts[2]  # every token's activations, 1/P of them per GPU
+    longest = [planner.cp_longest_sequence(m, P, 40e9) for P in (1, 2, 4, 8)]
+    assert longest == sorted(longest) and longest[3] > 5 * longest[0] and all(x % (2 * P) == 0 for x, P in
+                                                                               zip(longest, (1, 2, 4, 8)))
+    assert planner.cp_longest_sequence(m, 8, 40e9, tp=True) is None  # 12 heads do not split over tp = 8
+    # LightSeq's checkpointing: full recomputation's FLOPs less one attention core's forward
+    assert planner.flops_per_iteration(m, 8, "full") - planner.flops_per_iteration(m, 8, "lightseq") == \
+        4 * 8 * s * s * h * m.n_layer
+    L = planner.Layout(1, 1, 1, 8, recompute="lightseq")
+    assert planner.activation_bytes_per_layer(m, L) == 2 * s * h + 2 * s * h + 4 * s * 12
+    assert "cannot (12 heads over tp=8)" in planner.context_report()
