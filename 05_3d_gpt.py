@@ -351,8 +351,7 @@ class Run:
 class PipelineSchedule(interleaved.InterleavedSchedule):
     """What the trainer runs: 02's Schedule (03's, whose steady pairs run as one), named for the summary. A later chapter's schedule is a
     subclass passed to train() as schedule_of(tc), and may override grid (the process groups it
-    needs), prepare (what it does to the chunks), replica (a rank's share of the batch) and
-    forward_only (the eval's lists)."""
+    needs), prepare (what it does to the chunks), replica and forward_only (the eval's lists)."""
     name: str = "1F1B"  # for the summary: "1F1B", "interleaved 1F1B, v=2", ...
     bubble: str = "(pp-1)/(v m)"  # the formula of the summary's simulated bubble (t_f = 1, t_b = 2)
     times: dict = field(default_factory=dict)  # the summary's times of kinds other than F and B
@@ -367,8 +366,7 @@ class PipelineSchedule(interleaved.InterleavedSchedule):
     def prepare(self, chunks, groups=None, full=None):
         """Called by build() once this rank's chunks hold their weights and optimizations."""
 
-    def replica(self, groups):
-        """Which share of the global batch this rank trains on: its place in the dp group."""
+    def replica(self, groups):  # which share of the global batch this rank trains on
         return dist.get_rank(groups.dp)
 
     def forward_only(self):
