@@ -36,6 +36,7 @@ RUNS = {
     "python3 03_interleaved.py": ("03_interleaved.py",),
     "python3 04_data_parallel.py": ("04_data_parallel.py",),
     MAIN_JOB: ("05_3d_gpt.py", "--steps", "1"),  # its eval runs at the last step: the summary is the same
+    "python3 08_context_parallel.py": ("08_context_parallel.py",),
 }
 _outputs = {}
 
