@@ -43,7 +43,7 @@ import importlib
 import math
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from fractions import Fraction
 from typing import ClassVar, Literal
@@ -51,7 +51,6 @@ from typing import ClassVar, Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from einops import rearrange
 
 from plumbing import cli
 from plumbing.launch import gather_numbers, printer, run_main
@@ -744,6 +743,7 @@ class TrainConfig(ContextParallel, gpt3d.TrainConfig):
     """05's flags, cp and its two choices, and --recompute lightseq."""
     GRID: ClassVar[tuple] = ("tp", "cp", "dp", "pp")  # the layout's sizes in rank order, fastest first (plumbing)
     recompute: Literal[RECOMPUTE] = "none"
+    dp: int = 1  # 05's default is 2: with cp = 2, tp = 2 x cp = 2 x pp = 2 is 05's 8 ranks
 
     def __post_init__(self):
         if self.cuda_graphs is None and self.cp > 1:  # unset: on where the layout allows; a ring's p2p is not captured
@@ -787,6 +787,7 @@ def train_parser():
     """05's flags, 08's, and --recompute's choice lightseq."""
     p = gpt3d.parser()
     cli.add_dataclass_args(p, ContextParallel, "context parallelism (08)")
+    p.set_defaults(dp=TrainConfig.dp)
     recompute = p._option_string_actions["--recompute"]
     recompute.choices, recompute.help = RECOMPUTE, recompute.help.replace(
         "whole layers", "whole layers, or whole layers but the attention (lightseq: its output kept)")
