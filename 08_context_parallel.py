@@ -100,7 +100,7 @@ def contiguous(cp):
 
 def megatron(cp):
     """Megatron's and TransformerEngine's split into 2 cp blocks: rank i holds i and 2cp - 1 - i,
-    an early block and a late one, so every rank attends to 2 cp halves: the same work."""
+    an early block and a late one, whose causal work adds up to the same on every rank."""
     return ring("megatron", [[r, 2 * cp - 1 - r] for r in range(cp)])
 
 
@@ -770,6 +770,9 @@ class TrainConfig(ContextParallel, gpt3d.TrainConfig):
         if self.recompute == "lightseq" and self.cp_attention == "ulysses":
             raise ValueError("--recompute lightseq keeps ring attention's output and log-sum-exp; --cp-attention "
                              "ulysses has neither: use --recompute full or selective with it")
+        if ring and self.fused_kernels and not self.flash_attention:
+            raise ValueError(f"--no-flash-attention with --cp {self.cp}: it chooses the fused kernels' attention "
+                             f"core, which context parallelism replaces (the other fused kernels stay); drop the flag")
         if self.cuda_graphs and self.cp > 1:
             raise ValueError(f"--cuda-graphs with --cp {self.cp}: a captured stage cannot hold the ring's "
                              f"point-to-point exchanges; drop the flag")

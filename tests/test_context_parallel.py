@@ -261,6 +261,7 @@ COMPOSED = [  # world 4, cp = 2 unless said
     _cp(cp=4, cp_schedule="lightseq"), _cp(cp=4, cp_schedule="contiguous", m=1),
     _cp(dp=2, cp_attention="ulysses"), _cp(pp=2, recompute="full"), _cp(tp=2, recompute="selective"),
     _cp(dp=2, recompute="lightseq"), _cp(pp=2, recompute="lightseq", cp_schedule="lightseq"),
+    _cp(tp=2, fused_kernels=True, kernel_path="reference"),  # kernels/' fused block calls 08's attention core
 ]
 
 
@@ -337,6 +338,10 @@ BAD = {
     "attention dropout with cp > 1": ([*T1, "--cp", "2", "--dropout", "0.1"],
                                       "--dropout 0.1 with --cp 2: context parallelism's attention computes the "
                                       "probabilities block by block and drops none of them"),
+    "the fused attention's choice with cp > 1": ([*T1, "--cp", "2", "--fused-kernels", "--kernel-path", "reference",
+                                                  "--no-flash-attention"],
+                                                 "--no-flash-attention with --cp 2: it chooses the fused kernels' "
+                                                 "attention core, which context parallelism replaces"),
     "CUDA graphs with cp > 1": ([*T1, "--cp", "2", "--cuda-graphs"],
                                 "--cuda-graphs with --cp 2: a captured stage cannot hold the ring's point-to-point"),
     "Ulysses with fewer heads than cp": ([*T1, "--cp", "4", "--cp-attention", "ulysses", "--n-head", "2",
