@@ -221,6 +221,8 @@ def exchange(sched, s, group, send, like, widths, backward=False):
 
 def ring_forward(q, k, v, sched, group):
     """This rank's rows of causal attention (B, nh, T/cp, hs) over the whole sequence: (o, lse)."""
+    dtype = q.dtype  # bf16 and fp16 are computed in float32, as FlashAttention-2 keeps its sums, and travel so
+    q, k, v = (t.float() if dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
     r, hs = dist.get_rank(group), q.shape[-1]
     c, scale = q.shape[2] // len(sched.split[r]), 1 / math.sqrt(hs)
     rows = {b: slice(i * c, (i + 1) * c) for i, b in enumerate(sched.split[r])}  # my blocks' rows
@@ -241,12 +243,15 @@ def ring_forward(q, k, v, sched, group):
             st = block_forward(qb, kb, vb, blk.q == blk.kv, scale)
             into = home if blk.q in rows else away
             into[blk.q] = merge(into.get(blk.q), st)
-    return tuple(torch.cat(t, 2) for t in zip(*(finish(home[b]) for b in sched.split[r])))
+    o, lse = (torch.cat(t, 2) for t in zip(*(finish(home[b]) for b in sched.split[r])))
+    return o.to(dtype), lse
 
 
 def ring_backward(q, k, v, o, lse, do, sched, group):
     """The gradients of q, k and v from o's, over the same ring: dQ accumulates at home, dK and dV
     of a visitor's blocks travel back to it; a helper's dQ goes home too."""
+    dtype = q.dtype  # in float32, as ring_forward
+    q, k, v, o, do = (t.float() if dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v, o, do))
     r, hs = dist.get_rank(group), q.shape[-1]
     c, scale = q.shape[2] // len(sched.split[r]), 1 / math.sqrt(hs)
     rows = {b: slice(i * c, (i + 1) * c) for i, b in enumerate(sched.split[r])}
@@ -283,7 +288,7 @@ def ring_backward(q, k, v, o, lse, do, sched, group):
                 dv[:, :, rows[blk.kv]] += gv
             else:  # dK and dV travel back to their owner
                 away_kv[blk.kv] = away_kv.get(blk.kv, 0) + torch.cat([gk, gv], -1)
-    return dq, dk, dv
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 class RingAttention(torch.autograd.Function):
