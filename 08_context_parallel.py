@@ -750,6 +750,10 @@ class TrainConfig(ContextParallel, gpt3d.TrainConfig):
     recompute: Literal[RECOMPUTE] = "none"
     dp: int = 1  # 05's default is 2: with cp = 2, tp = 2 x cp = 2 x pp = 2 is 05's 8 ranks
 
+    @property
+    def sequence_split(self):  # the ranks one sequence is split over (plumbing.checks.check_memory)
+        return self.cp
+
     def __post_init__(self):
         if self.cuda_graphs is None and self.cp > 1:  # unset: on where the layout allows; a ring's p2p is not captured
             self.cuda_graphs = False

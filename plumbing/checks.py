@@ -372,10 +372,12 @@ def check_memory(cfg, tc, device, ranks_here):
     # activations, rescaled), one microbatch's fp32 logits, and the global batch's ids (int64,
     # inputs and targets), which every rank cuts from.
     T, b = tc.seq_len, max(1, tc.batch_size // (tc.dp * tc.microbatches))
-    run = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, T)
+    # A rank's activations and logits are its own tokens': a config that splits each sequence over
+    # ranks says over how many (08's cp, its sequence_split); the global batch's ids are every rank's.
+    run = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, T // getattr(tc, "sequence_split", 1))
     lay = planner.Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=b, v=tc.virtual_stages, recompute=tc.recompute,
                          sequence_parallel=tc.sequence_parallel)
-    logits, ids = b * T * cfg.vocab_size / tc.tp * 4, 2 * tc.batch_size * (T + 1) * 8
+    logits, ids = b * run.seq_len * cfg.vocab_size / tc.tp * 4, 2 * tc.batch_size * (T + 1) * 8
     acts = planner.activation_bytes_per_layer(run, lay) * planner.layers_in_flight(run, lay) * elt / 2 + logits + ids
     total = (weights + acts) * (1 if device.type == "cuda" else ranks_here)
     have = machine_bytes(device)
@@ -394,7 +396,7 @@ def check_memory(cfg, tc, device, ranks_here):
               "the position embedding's weights"),
              (acts - logits - ids, batch, f"the activations of microbatches of b = batch / (dp x m) = {b:,} sequences"),
              (logits, f"--vocab-size {V} {batch}",
-              f"the logits of a microbatch, b x T x V / tp = {b:,} x {T} x {V} / {tc.tp}"),
+              f"the logits of a microbatch, b x T x V / tp = {b:,} x {run.seq_len} x {V} / {tc.tp}"),
              (ids, batch, "the global batch's token ids")]
     _, flags, what = max(parts)
     advice = "use more --microbatches or a smaller batch" if flags.startswith("--batch") else \

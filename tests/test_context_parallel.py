@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import os
+import re
 from dataclasses import replace
 from fractions import Fraction
 
@@ -522,3 +523,20 @@ def test_bfloat16_inputs_are_computed_in_float32_and_come_back_bfloat16(run_rank
     # at most 6.4e-3. The blocks' sums kept in bfloat16 are off by 2.3e-2 to 4.7e-2 here (measured).
     for rank in run_ranks(_bf16, 2):
         assert rank[0] and max(rank[1:]) <= 1e-2, rank
+
+
+def test_the_memory_check_counts_a_ranks_own_tokens_so_cp_fits_what_cp_1_cannot(monkeypatch):
+    from plumbing import checks
+    cfg = replace(TRAINER_CFG, block_size=4096)
+    one, four = (_cp(cp=cp, seq_len=4096, batch_size=8, microbatches=8) for cp in (1, 4))
+    need = {}
+    monkeypatch.setattr(checks, "machine_bytes", lambda device: 1)  # refused: the message says how much it needs
+    for name, tc in (("cp 1", one), ("cp 4", four)):
+        with pytest.raises(ValueError) as e:
+            checks.check_memory(cfg, tc, torch.device("cpu"), 1)
+        need[name] = float(re.search(r"of the ([\d.,]+) GiB this run needs", str(e.value))[1].replace(",", ""))
+    assert need["cp 4"] < need["cp 1"] / 3  # the activations dominate here: about 1/cp of them per rank
+    monkeypatch.setattr(checks, "machine_bytes", lambda device: (need["cp 4"] + need["cp 1"]) / 2 * 2**30)
+    checks.check_memory(cfg, four, torch.device("cpu"), 1)  # fits
+    with pytest.raises(ValueError, match="more than this machine's"):
+        checks.check_memory(cfg, one, torch.device("cpu"), 1)
