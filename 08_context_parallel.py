@@ -647,7 +647,7 @@ class ContextParallelExecutor(pipeline.Executor):
 def context_schedule(tc):
     """The trainer's seam (05's train and main): 05's pipeline schedule, with cp."""
     base = gpt3d.interleaved_schedule(tc)
-    used = tc.cp > 1 or tc.recompute == "lightseq" or tc.cp_attention == "ulysses"
+    used = tc.cp > 1 or tc.recompute == "lightseq"
     return ContextParallelSchedule(base.lists, name=base.name + f", cp={tc.cp} ({tc.cp_schedule}, {tc.cp_attention})",
                                    cp=tc.cp, ring=SPLITS[tc.cp_schedule](tc.cp) if used else None,
                                    attention=tc.cp_attention, recompute=tc.recompute)
@@ -761,7 +761,11 @@ class TrainConfig(ContextParallel, gpt3d.TrainConfig):
     def check(self, cfg):
         """The relations of 08's flags to the others (plumbing.checks.check_config calls it, before
         anything starts); each refusal names the flag, the value and the constraint."""
-        ring = self.cp > 1 or self.recompute == "lightseq" or self.cp_attention == "ulysses"
+        for name, default in (("cp_schedule", "megatron"), ("cp_attention", "ring")):
+            if self.cp == 1 and getattr(self, name) != default:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} with --cp 1: one rank holds the "
+                                 f"whole sequence, so it would change nothing; drop it, or give --cp 2 or more")
+        ring = self.cp > 1 or self.recompute == "lightseq"
         n = SPLITS[self.cp_schedule](self.cp).n * (self.tp if self.sequence_parallel else 1)
         if ring and self.seq_len % n:
             parts = f"{SPLITS[self.cp_schedule](self.cp).n} blocks" + (

@@ -742,6 +742,10 @@ def context_report(c=Cluster(), m=GPT2_SMALL, s=32768):
         act = cp_memory_per_gpu(m, P) - 18 * n
         out.append(f"  cp={P}  {18 * n / 1e9:12.2f} GB {act / 1e9:16.2f} GB {cp_step_seconds(m, P) * 1e3:14.1f} ms "
                    f"{cp_step_seconds(m, P, balance=2 - 1 / P) * 1e3:16.1f} ms")
+    full, light = (flops_per_iteration(m, 1, mode) for mode in ("full", "lightseq"))
+    out.append(f"  --recompute lightseq against full: {(full - light) / 1e12:.1f} TFLOP a sequence fewer, the attention's "
+               f"forward not rerun (4 b s^2 h l): {(full - light) / full:.0%} of full's FLOPs, and the ring's forward "
+               f"messages not sent again")
     out.append(f"\nbytes one GPU sends per layer, forward and backward, at s={s:,}, P=8 (formulas in planner.py):")
     for kv, what in ((m.n_head, f"GPT-2: {m.n_head} KV heads"), (1, "one KV head (multi-query)")):
         x = cp_comm_bytes_per_layer(m, 8, kv_heads=kv)

@@ -350,6 +350,10 @@ BAD = {
     "LightSeq's checkpointing with Ulysses": ([*T1, "--cp", "2", "--cp-attention", "ulysses", "--recompute", "lightseq"],
                                               "--recompute lightseq keeps ring attention's output"),
     "cp below 1": ([*T1, "--cp", "0"], "--cp must be at least 1, got 0"),
+    "a schedule at cp = 1": ([*T1, "--cp", "1", "--cp-schedule", "lightseq"],
+                             "--cp-schedule lightseq with --cp 1: one rank holds the whole sequence, so it would change "
+                             "nothing"),
+    "Ulysses at cp = 1": ([*T1, "--cp", "1", "--cp-attention", "ulysses"], "--cp-attention ulysses with --cp 1"),
     "an unknown schedule": ([*T1, "--cp-schedule", "zigzag"], "--cp-schedule: invalid choice: 'zigzag'"),
     "a training flag given to the demo": (["--cp", "2"], "--cp is a flag of training, not of the demo: add --train"),
     "sampling with cp": (["--train", "--cp", "2", "--sample", "a", "--init-from", "x.pt"], "--sample does not use --cp"),
