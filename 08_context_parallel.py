@@ -27,7 +27,7 @@ trainer with cp in the rank grid (tp fastest, then cp, dp, pp: Megatron's order)
 
 Run it:
     python 08_context_parallel.py                          # 4 CPU ranks: cp = 2 and cp = 4, float64
-    python 08_context_parallel.py --seq-len 96 --n-layer 1
+    python 08_context_parallel.py --seq-len 64 --n-layer 1 --batch-size 1
     python 08_context_parallel.py --train --cp 2 --tp 1 --pp 2 --dp 2 --steps 50
     torchrun --nproc-per-node 4 08_context_parallel.py     # one rank per GPU
 
@@ -370,6 +370,9 @@ def step(model, idx, targets, cp_group, grad_group):
 
 def demo(env, cfg, args):
     say, dt, T = printer(env), torch.float64, args.seq_len
+    if env.world_size != 4:  # before the first collective
+        raise ValueError(f"the demo runs cp = 1, 2 and 4 on 4 ranks, and this world has {env.world_size}: "
+                         f"torchrun --nproc-per-node 4")
     say(f"{cfg}\nB={args.batch_size} T={T} float64, world={env.world_size} ({dist.get_backend()})")
     if env.rank == 0:
         report_balance(say, (2, 4, 8), show=4)
