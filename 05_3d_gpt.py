@@ -267,7 +267,7 @@ def train(env, cfg, tc, quiet=False, schedule_of=None):
     report.summary(run, spec, flops, len(train_tokens), len(eval_tokens), say)
     resume(run, path, say)  # --resume: the newest complete checkpoint, in any layout
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
-    ops, dp_rank, t_start = Operations(run, progress, start), dist.get_rank(run.groups.dp), time.perf_counter()
+    ops, dp_rank, t_start = Operations(run, progress, start), pipe.replica(run.groups), time.perf_counter()
     losses, norms, evals = [], [], []
     for step in progress:
         lr = lr_at(step, tc)
@@ -351,7 +351,7 @@ class Run:
 class PipelineSchedule(interleaved.InterleavedSchedule):
     """What the trainer runs: 02's Schedule (03's, whose steady pairs run as one), named for the summary. A later chapter's schedule is a
     subclass passed to train() as schedule_of(tc), and may override grid (the process groups it
-    needs), prepare (what it does to the chunks) and forward_only (the eval's lists)."""
+    needs), prepare (what it does to the chunks), replica and forward_only (the eval's lists)."""
     name: str = "1F1B"  # for the summary: "1F1B", "interleaved 1F1B, v=2", ...
     bubble: str = "(pp-1)/(v m)"  # the formula of the summary's simulated bubble (t_f = 1, t_b = 2)
     times: dict = field(default_factory=dict)  # the summary's times of kinds other than F and B
@@ -365,6 +365,9 @@ class PipelineSchedule(interleaved.InterleavedSchedule):
 
     def prepare(self, chunks, groups=None, full=None):
         """Called by build() once this rank's chunks hold their weights and optimizations."""
+
+    def replica(self, groups):  # which share of the global batch this rank trains on
+        return dist.get_rank(groups.dp)
 
     def forward_only(self):
         """The eval's schedule: every rank's forwards, in order."""
@@ -431,7 +434,7 @@ def forward_only(run, idx, targets, chunks=None):
 
 def evaluate(run, tokens):
     """The mean loss over eval_batches held-out batches, forward only."""
-    dp_rank = dist.get_rank(run.groups.dp)
+    dp_rank = run.pipe.replica(run.groups)
     losses = [shared_loss(forward_only(run, *replica_batch(tokens, i, run.tc, dp_rank, salt=1)).loss, run)
               for i in range(run.tc.eval_batches)]
     return sum(losses) / len(losses)

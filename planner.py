@@ -68,7 +68,8 @@ PAPER_CONFIGS = {f"{r[0]}B": PaperRow(*r) for r in [
     (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]}
-RECOMPUTE = ("full", "selective", "none")  # Korthikanti 5: full layers, the attention core, nothing
+RECOMPUTE = ("full", "selective", "none", "lightseq")  # Korthikanti 5: full layers, the attention core, nothing;
+# LightSeq 3.3 (08): full layers but the attention core, whose output is kept
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Layout:
 
 
 def recompute_mode(recompute):
-    """'full', 'selective' or 'none' from a bool (05's --recompute) or one of those names."""
+    """'full', 'selective', 'none' or 'lightseq' from a bool (05's --recompute) or one of those names."""
     mode = {True: "full", False: "none"}.get(recompute, recompute)
     if mode not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
@@ -175,15 +176,16 @@ def flops_per_iteration(m, batch, recompute=True):
     # So without recomputation the last term is V/(12 l h), not the paper's V/(16 l h).
     # Selective recomputation (Korthikanti 5) reruns only the attention core: QK^T and the
     # attention over V, 4 B s^2 h of the forward's 24 B s h^2 s/(6h).
+    # LightSeq's checkpointing (08) reruns all of the forward but the core: full's FLOPs less 4 B s^2 h.
     mode = recompute_mode(recompute)
-    k = 4 if mode == "full" else 3
-    core = 4 * batch * s * s * h * l if mode == "selective" else 0
+    k = 4 if mode in ("full", "lightseq") else 3
+    core = {"selective": 1, "lightseq": -1}.get(mode, 0) * 4 * batch * s * s * h * l
     return 24 * k * batch * s * l * h * h * (1 + s / (6 * h) + 6 * V / (24 * k * l * h)) + core
 
 
 def training_days(tokens, params, n_gpus, tflops, recompute=True):
     """Narayanan eq. 4: 8 T P / (n X) seconds (6 T P / (n X) without recomputation), in days."""
-    k = 8 if recompute_mode(recompute) == "full" else 6
+    k = 8 if recompute_mode(recompute) in ("full", "lightseq") else 6
     return k * tokens * params / (n_gpus * tflops * 1e12) / 86400
 
 
@@ -207,6 +209,8 @@ def activation_bytes_per_layer(m, L):
     mode = L.recompute_mode
     if mode == "full":  # only the layer's bf16 input, replicated over tp unless sequence-parallel
         return 2 * s * b * h / (t if L.sequence_parallel else 1)
+    if mode == "lightseq":  # the input, and the attention's output (split over heads) and fp32 log-sum-exp
+        return 2 * s * b * h / (t if L.sequence_parallel else 1) + 2 * s * b * h / t + 4 * s * b * a / t
     core = 0 if mode == "selective" else 5 * a * s / (h * t)  # the s^2 terms, rerun if selective
     if L.sequence_parallel:
         return s * b * h * (34 / t + core)
@@ -243,7 +247,7 @@ def comm_bytes_per_gpu(m, L):
     # 2 forward + 2 backward all-reduces per layer per microbatch, +2 when the forward is rerun; a
     # ring moves 2 (t-1)/t of the data per GPU, as do sequence parallelism's all-gather and
     # reduce-scatter that replace each all-reduce (Korthikanti 4.2.2).
-    per_layer = 6 if L.recompute_mode == "full" else 4
+    per_layer = 6 if L.recompute_mode in ("full", "lightseq") else 4
     tp_bytes = per_layer * L.m * m.n_layer / L.pp * act * 2 * (t - 1) / t
     # An activation forward and a gradient backward per microbatch, at each of a rank's v chunks.
     pp_bytes = 0.0 if L.pp == 1 else 2 * L.m * L.v * act / _p2p_split(L)
@@ -332,12 +336,13 @@ def microbatch_seconds(m, L, c=Cluster()):
     core, rest, mem_bwd = memory_bound_bytes(m, L)
     ar = tp_allreduce_seconds(m, L, c)
     mode = L.recompute_mode
-    redo_gemm = {"full": sum(g.values()), "selective": g["scores"] + g["context"], "none": 0}[mode]
-    redo_mem = {"full": core + rest, "selective": core, "none": 0}[mode]
+    redo_gemm = {"full": sum(g.values()), "selective": g["scores"] + g["context"], "none": 0,
+                 "lightseq": sum(g.values()) - g["scores"] - g["context"]}[mode]
+    redo_mem = {"full": core + rest, "selective": core, "none": 0, "lightseq": rest}[mode]
     layers = m.n_layer / L.pp
     fwd = dict(gemm=layers * sum(g.values()), memory=layers * (core + rest) / hbm, tp=layers * 2 * ar)
     bwd = dict(gemm=layers * (g_bwd + redo_gemm), memory=layers * (mem_bwd + redo_mem) / hbm,
-               tp=layers * (2 + (2 if mode == "full" else 0)) * ar)
+               tp=layers * (2 + (2 if mode in ("full", "lightseq") else 0)) * ar)
     # The logit layer, split over V (column-parallel): one GEMM forward, two backward, its input's
     # gradient all-reduced; the fp32 vocab-parallel cross entropy moves ~38 B per logit forward
     # (cast, max, subtract, exp, sum, divide) and ~22 backward.
@@ -660,6 +665,111 @@ def check_plan_args(args, c=Cluster()):
 
 
 # ----------------------------------------------------------------------------------------------
+# Context parallelism (08; Li et al. 2023, "LightSeq"; Megatron's cp): the sequence split over P GPUs.
+# Per GPU, layer and microbatch of b sequences, bf16, h_kv = h kv_heads / a the keys' and values' width
+# (GPT-2: every head has its own, h_kv = h; grouped-query attention has fewer):
+#
+#     tp + sp (Megatron, t = P)   8 (P-1)/P 2 b s h              2 all-gathers, 2 reduce-scatters each way
+#     ring (cp = P)               6 (P-1)/P 2 b s h_kv           every other rank's keys and values in
+#                                                                forward, again in backward with their
+#                                                                gradients sent home
+#     Ulysses (cp = P)            4 (P-1)/P^2 2 b s (h + h_kv)   q, k, v in and o out, all-to-all each way
+#
+# Memory: every cp rank holds the whole model (ZeRO-1 shards its optimizer over dp x cp) and s/P of
+# the tokens' activations, Korthikanti's without the s^2 terms (ring attention keeps only the
+# blocks' log-sum-exp): 34 s b h / P bytes per layer, plus the fp32 logits of s/P tokens.
+
+GPT2_SMALL = ModelSpec(12, 768, 12, 50257, 1024)
+
+
+def cp_comm_bytes_per_layer(m, P, b=1, kv_heads=None):
+    """Bytes one GPU sends per layer and microbatch, forward and backward, at P GPUs along the
+    sequence: {"tp_sp", "ring", "ulysses"} (the formulas above)."""
+    h, s = m.n_embd, m.seq_len
+    h_kv = h * (kv_heads or m.n_head) / m.n_head
+    return dict(tp_sp=8 * (P - 1) / P * 2 * b * s * h, ring=6 * (P - 1) / P * 2 * b * s * h_kv,
+                ulysses=4 * (P - 1) / P ** 2 * 2 * b * s * (h + h_kv))
+
+
+def cp_memory_per_gpu(m, P, b=1, tp=1, zero1=False):
+    """Bytes on one GPU of cp = P (or, with tp = P and cp = 1, Megatron's tp + sp): 2 + 4 + 12 bytes
+    per parameter of its tp shard (ZeRO-1: 12 / P), the layers' activations of s / (cp tp) tokens
+    with no s^2 term, and the fp32 logits of its tokens."""
+    cp = P if tp == 1 else 1
+    n = params_exact(m) / tp
+    tokens = m.seq_len * b / (cp * tp)
+    acts = m.n_layer * tokens * m.n_embd * 34
+    return 2 * n + 4 * n + 12 * n / (cp if zero1 else 1) + acts + 4 * tokens * m.vocab_size
+
+
+def cp_step_seconds(m, P, b=1, balance=1.0, kv_heads=None, c=Cluster()):
+    """One microbatch's forward and backward on one of P GPUs of cp: the projections' FLOPs (eq. 3's
+    24 b s h^2 per layer, three times) over P at the GEMM rate; the attention's (4 b s^2 h, three times)
+    over P times the split's balance factor (the busiest rank's work over the mean: 2 - 1/P contiguous,
+    1 for Megatron's split), overlapped with the ring's messages over NVLink: the longer of the two."""
+    l, h, s = m.n_layer, m.n_embd, m.seq_len
+    rate = c.gemm_tflops * 1e12
+    proj = 3 * 24 * b * s * h * h / P / rate
+    attn = 3 * 4 * b * s * s * h / P * balance / rate
+    ring = cp_comm_bytes_per_layer(m, P, b, kv_heads)["ring"] / (c.nvlink_gbs * 1e9)
+    return l * (proj + max(attn, ring))
+
+
+def cp_longest_sequence(m, P, budget, tp=False, b=1, zero1=False):
+    """The longest s, a multiple of 2 P (Megatron's split), whose memory per GPU fits `budget` bytes: at
+    cp = P, or with tp = P (Megatron's tp + sp: None where P does not divide the heads)."""
+    if tp and m.n_head % P:
+        return None
+    fits = lambda s: cp_memory_per_gpu(m._replace(seq_len=s), P, b, P if tp else 1, zero1) <= budget  # noqa: E731
+    lo, hi, step = 0, 2 * P, 2 * P
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def context_report(c=Cluster(), m=GPT2_SMALL, s=32768):
+    """--plan context: 08's figures for GPT-2 small (12 heads, each with its own keys and values)."""
+    m = m._replace(seq_len=s)
+    out = [f"context parallelism (08) for GPT-2 small: l={m.n_layer} h={m.n_embd} a={m.n_head} V={m.vocab_size}, "
+           f"b=1, bf16 (the position table grown to s rows); {c.gpu_mem_gb:g} GB GPUs, NVLink {c.nvlink_gbs:g} GB/s",
+           f"\nmemory per GPU and the step's estimate at s={s:,} (Megatron's split: balance 1; contiguous: 2 - 1/P):",
+           "      P   weights+grads+Adam  activations+logits   step (balanced)   step (contiguous)"]
+    for P in (1, 2, 4, 8):
+        n = params_exact(m)
+        act = cp_memory_per_gpu(m, P) - 18 * n
+        out.append(f"  cp={P}  {18 * n / 1e9:12.2f} GB {act / 1e9:16.2f} GB {cp_step_seconds(m, P) * 1e3:14.1f} ms "
+                   f"{cp_step_seconds(m, P, balance=2 - 1 / P) * 1e3:16.1f} ms")
+    full, light = (flops_per_iteration(m, 1, mode) for mode in ("full", "lightseq"))
+    out.append(f"  --recompute lightseq against full: {(full - light) / 1e12:.1f} TFLOP a sequence fewer, the attention's "
+               f"forward not rerun (4 b s^2 h l): {(full - light) / full:.0%} of full's FLOPs, and the ring's forward "
+               f"messages not sent again")
+    out.append(f"\nbytes one GPU sends per layer, forward and backward, at s={s:,}, P=8 (formulas in planner.py):")
+    for kv, what in ((m.n_head, f"GPT-2: {m.n_head} KV heads"), (1, "one KV head (multi-query)")):
+        x = cp_comm_bytes_per_layer(m, 8, kv_heads=kv)
+        out.append(f"  {what:28s} tp+sp {x['tp_sp'] / 1e6:8.1f} MB   ring {x['ring'] / 1e6:8.1f} MB   Ulysses "
+                   f"{x['ulysses'] / 1e6:8.1f} MB   tp+sp / ring = {x['tp_sp'] / x['ring']:.2f}")
+    budget = c.gpu_mem_gb * 1e9
+    out.append(f"\nthe longest sequence whose memory fits {c.gpu_mem_gb:g} GB per GPU:")
+    base = cp_longest_sequence(m, 1, budget)
+    for P in (1, 2, 4, 8):
+        cp_s, tp_s = cp_longest_sequence(m, P, budget), cp_longest_sequence(m, P, budget, tp=True)
+        out.append(f"  P={P}: cp {cp_s:>10,} ({cp_s / base:.2f}x)   tp+sp "
+                   + (f"{tp_s:>10,} ({tp_s / base:.2f}x)" if tp_s else f"{'cannot':>10s} ({m.n_head} heads over tp={P})"))
+    out += ["\nLightSeq's claims (Li et al. 2023): up to 4.7x less communication than Megatron-LM on popular LLMs, "
+            "and 2-8x longer sequences on models with fewer heads.",
+            "  - longer: activations fall as 1/P either way; tp + sp is bounded by the heads (tp must divide them: "
+            "no tp=8 with 12 heads) and by one node, cp by neither;",
+            "  - less communication: the ring sends keys and values only, so its advantage is a / kv_heads times "
+            "larger with grouped or multi-query attention (Llama-2 70B: 8 KV heads of 64);",
+            "    our GPT-2 has as many KV heads as heads, so here the ring sends 3/4 of tp + sp's bytes, not 1/4.7: the "
+            "4.7x needs fewer KV heads than heads."]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
 # The report and the command line
 
 
@@ -741,7 +851,7 @@ def add_plan_args(parser):
     g = parser.add_argument_group("planner: --plan prints estimates and exits, allocating nothing")
     g.add_argument("--plan", metavar="NAME", help=f"a model of Table 1 ({', '.join(PAPER_CONFIGS)}, "
                    f"or 1T), or custom (the model flags), or table5 (07's vocabulary parallelism against "
-                   f"Yeung et al.'s Table 5)")
+                   f"Yeung et al.'s Table 5), or context (08's context parallelism for GPT-2 small)")
     g.add_argument("--gpus", type=int, default=None, help="n GPUs (default: Table 1's for the model)")
     for flag, _ in MODEL_FLAGS:
         if flag not in parser._option_string_actions:
@@ -770,6 +880,8 @@ def plan_from_args(args):
     --plan table5: vocab_report."""
     if args.plan == "table5":
         return vocab_report(Cluster(gpu_mem_gb=args.plan_gpu_mem))
+    if args.plan == "context":
+        return context_report(Cluster(gpu_mem_gb=args.plan_gpu_mem))
     spec, n_gpus, layout, batch, options = check_plan_args(args)
     return plan_report(spec, n_gpus, layout, batch, args.plan_tokens, args.plan_tflops,
                        Cluster(gpu_mem_gb=args.plan_gpu_mem), **options)

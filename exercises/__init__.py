@@ -29,11 +29,12 @@ FILES = {
     "03": ("03_interleaved", "ex03_interleaved", "checks_03"),
     "04": ("04_data_parallel", "ex04_data_parallel", "checks_04"),
     "05": ("05_3d_gpt", "ex05_3d_gpt", "checks_05"),
+    "08": ("08_context_parallel", "ex08_context_parallel", "checks_08"),  # after the course's four weeks
 }
 
 
 def exercises(file):
-    """The Exercise records of one numbered file ("01" ... "05"), in order."""
+    """The Exercise records of one numbered file ("01" ... "05", "08"), in order."""
     return importlib.import_module(f"exercises.{FILES[file][2]}").EXERCISES
 
 

@@ -71,7 +71,8 @@ def select(names):
     for name in names:
         files = list(FILES) if name == "all" else [name.split(".")[0]]
         if any(f not in FILES for f in files):
-            raise ValueError(f"unknown file {name!r}: give 01 to 05, an exercise such as 01.3, or all")
+            raise ValueError(f"unknown file {name!r}: give one of {', '.join(FILES)}, an exercise such as 01.3, "
+                             f"or all")
         chosen = [e for f in files for e in exercises(f) if name in ("all", f, e.key)]
         if not chosen:
             raise ValueError(f"no exercise {name!r}: `python3 -m exercises list` shows them")

@@ -33,6 +33,7 @@ import dataclasses
 import errno
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -392,9 +393,11 @@ def _shard(run, snapshot=False):
 
 
 def _layout(run):
-    """The layout a checkpoint records; 07's vocabulary parallelism places the embedding otherwise."""
+    """The layout a checkpoint records; 07's vocabulary parallelism places the embedding otherwise; a
+    later chapter's own sizes (checks.layout_sizes: 08's cp) are recorded where they are not 1."""
     tc = run.tc
-    return dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1,
+    more = {k: n for k, n in checks.layout_sizes(tc) if k not in ("tp", "pp", "dp") and n != 1}
+    return dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1, **more,
                 **({"vocab_parallel": True} if getattr(run, "vocab", None) else {}))
 
 
@@ -507,10 +510,15 @@ def _manifest_problems(m):
     if wrong:
         return wrong
     lay = m["layout"]
-    if not all(_whole(lay.get(k), 1) for k in ("tp", "pp", "dp", "v")) or not isinstance(lay.get("zero1", False), bool):
-        wrong.append(f"layout {lay} (tp, pp, dp and v whole numbers of at least 1, zero1 true or false)")
-    elif lay["tp"] * lay["pp"] * lay["dp"] != m["world"]:
-        wrong.append(f"layout {lay} (tp x pp x dp must equal world={m['world']})")
+    # Every number but v is a size of the grid (tp, pp, dp, and a later chapter's: 08's cp).
+    sizes = [k for k, n in lay.items() if k != "v" and not isinstance(n, bool)] if isinstance(lay, dict) else []
+    if not all(_whole(lay.get(k), 1) for k in ("tp", "pp", "dp", "v", *sizes)) \
+            or not isinstance(lay.get("zero1", False), bool):
+        wrong.append(f"layout {lay} (tp, pp, dp and v whole numbers of at least 1, zero1 true or false"
+                     + (f"; {', '.join(k for k in sizes if k not in ('tp', 'pp', 'dp'))} too" if len(sizes) > 3 else "")
+                     + ")")
+    elif math.prod(lay[k] for k in sizes) != m["world"]:
+        wrong.append(f"layout {lay} ({' x '.join(sizes)} must equal world={m['world']})")
     fields = {f.name for f in dataclasses.fields(tensor_parallel.GPTConfig)}
     if set(m["model"]) != fields:
         wrong.append(f"model {sorted(m['model'])} (want {sorted(fields)})")
@@ -818,7 +826,7 @@ def _load_own_shards(run, path):
     random streams from its own. Returns its own shard, or None if the pieces do not match (another
     --bucket-numel cuts the buffer otherwise): then every shard is read and split anew."""
     tp, pp, rank = dist.get_rank(run.groups.tp), dist.get_rank(run.groups.pp), run.env.rank
-    first = pp * run.tc.dp * run.tc.tp + tp  # replica 0 of this (tp, pp) place: 05's rank grid
+    first = pp * (run.env.world_size // run.tc.pp) + tp  # replica 0 of this (tp, pp) place: pp slowest, tp fastest
     own = _load_shard(os.path.join(path, f"rank_{rank:05d}.pt"))
     base = own if first == rank else _load_shard(os.path.join(path, f"rank_{first:05d}.pt"))
     if base.get("coords") != dict(tp=tp, dp=0, pp=pp) or len(base["chunks"]) != len(run.chunks):

@@ -58,7 +58,7 @@ FIELDS = {
     "tp": _at_least(1), "pp": _at_least(1), "dp": _at_least(1), "virtual_stages": _at_least(1),
     "batch_size": _at_least(1), "microbatches": _at_least(1), "seq_len": _at_least(1),
     "sequence_parallel": _ANY, "schedule": _ANY, "seed": _SEED, "trace": _ANY, "vocab_barriers": _ANY,
-    "large_vocab": _at_least(1),
+    "large_vocab": _at_least(1), "cp": _at_least(1), "cp_schedule": _ANY, "cp_attention": _ANY,
     # training (04's demo and 05)
     "steps": _at_least(1), "min_lr": _at_least(0), "warmup_steps": _at_least(0),
     # AdamW moves each weight by about lr per step: beyond 1 a weight of GPT-2's scale (0.02) is lost
@@ -148,13 +148,24 @@ def value_problem(cls, name, value):
     return None if value is None or isinstance(value, (str, bool, list)) else range_problem(name, value)
 
 
+def layout_sizes(tc):
+    """The layout's sizes in the rank grid's order, fastest first, as [(name, size)]: 05's tp, dp and
+    pp, or the list a later chapter's config gives as its GRID (a size the config lacks is 1)."""
+    return [(k, getattr(tc, k, 1)) for k in getattr(tc, "GRID", ("tp", "dp", "pp"))]
+
+
+def world_size(tc):
+    """The ranks tc's layout takes: the product of its sizes."""
+    return math.prod(n for _, n in layout_sizes(tc))
+
+
 def check_config(cfg, tc, world=None):
     """Every field, then the relations between them. cfg is a GPTConfig; tc any of the files'
     configs (a size it lacks counts as 1): 05's TrainConfig, or a demo's flags."""
     check_fields(cfg, tc)
     tp, pp, dp, v, m = (getattr(tc, k, 1) for k in ("tp", "pp", "dp", "virtual_stages", "microbatches"))
-    if world is not None and tp * dp * pp != world:
-        raise ValueError(f"the world size {world} does not match tp={tp} x dp={dp} x pp={pp}")
+    if world is not None and world_size(tc) != world:
+        raise ValueError(f"the world size {world} does not match {' x '.join(f'{k}={n}' for k, n in layout_sizes(tc))}")
     stages = pp * v
     if cfg.n_layer % stages:  # also when there are more stages than layers
         raise ValueError(f"--n-layer: n_layer={cfg.n_layer} is not divisible by {stages} pipeline stages "
@@ -197,7 +208,7 @@ def check_config(cfg, tc, world=None):
                          f"comes before the collective timeout ends the run (or --hang-s 0 turns it off)")
     if getattr(tc, "rehearse_fault", None):
         from plumbing.watch import parse_faults
-        parse_faults(tc.rehearse_fault, tp * dp * pp, getattr(tc, "steps", None))
+        parse_faults(tc.rehearse_fault, world_size(tc), getattr(tc, "steps", None))
     if getattr(tc, "snapshot_every", 0) and not tc.snapshot_dir:
         raise ValueError(f"--snapshot-every {tc.snapshot_every} needs --snapshot-dir DIR (node-local, e.g. "
                          f"/dev/shm/snapshots)")
@@ -208,14 +219,17 @@ def check_config(cfg, tc, world=None):
     check_one_start(tc)
     if getattr(tc, "save_every", 0) and not tc.save:
         raise ValueError(f"--save-every {tc.save_every} needs --save DIR")
-    if getattr(tc, "graph_scope", "auto") == "step" and tp * pp * dp > 1:
-        raise ValueError(f"--graph-scope step captures one rank's whole step: it needs tp = pp = dp = 1, "
-                         f"got tp={tp}, pp={pp}, dp={dp}")
+    if getattr(tc, "graph_scope", "auto") == "step" and world_size(tc) > 1:
+        sizes = sorted(layout_sizes(tc), key=lambda kn: ("tp", "pp", "dp").index(kn[0]) if kn[0] in ("tp", "pp", "dp") else 3)
+        raise ValueError(f"--graph-scope step captures one rank's whole step: it needs {' = '.join(k for k, _ in sizes)} "
+                         f"= 1, got {', '.join(f'{k}={n}' for k, n in sizes)}")
     if getattr(tc, "graph_scope", "auto") == "step" and v > 1:
         raise ValueError(f"--graph-scope step captures one model chunk: it needs --virtual-stages 1, got {v}")
     if getattr(tc, "cuda_graphs", None) and (tp > 1 or tc.recompute != "none"):
         raise ValueError(f"--cuda-graphs captures whole stages, which here needs tp=1 (a stage with tp > 1 "
                          f"holds all-reduces) and --recompute none; got tp={tp}, recompute={tc.recompute}")
+    if hasattr(tc, "check"):  # a later chapter's config: the relations of its own flags to the others
+        tc.check(cfg)
 
 
 def check_one_start(tc):
@@ -358,10 +372,12 @@ def check_memory(cfg, tc, device, ranks_here):
     # activations, rescaled), one microbatch's fp32 logits, and the global batch's ids (int64,
     # inputs and targets), which every rank cuts from.
     T, b = tc.seq_len, max(1, tc.batch_size // (tc.dp * tc.microbatches))
-    run = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, T)
+    # A rank's activations and logits are its own tokens': a config that splits each sequence over
+    # ranks says over how many (08's cp, its sequence_split); the global batch's ids are every rank's.
+    run = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, T // getattr(tc, "sequence_split", 1))
     lay = planner.Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=b, v=tc.virtual_stages, recompute=tc.recompute,
                          sequence_parallel=tc.sequence_parallel)
-    logits, ids = b * T * cfg.vocab_size / tc.tp * 4, 2 * tc.batch_size * (T + 1) * 8
+    logits, ids = b * run.seq_len * cfg.vocab_size / tc.tp * 4, 2 * tc.batch_size * (T + 1) * 8
     acts = planner.activation_bytes_per_layer(run, lay) * planner.layers_in_flight(run, lay) * elt / 2 + logits + ids
     total = (weights + acts) * (1 if device.type == "cuda" else ranks_here)
     have = machine_bytes(device)
@@ -380,7 +396,7 @@ def check_memory(cfg, tc, device, ranks_here):
               "the position embedding's weights"),
              (acts - logits - ids, batch, f"the activations of microbatches of b = batch / (dp x m) = {b:,} sequences"),
              (logits, f"--vocab-size {V} {batch}",
-              f"the logits of a microbatch, b x T x V / tp = {b:,} x {T} x {V} / {tc.tp}"),
+              f"the logits of a microbatch, b x T x V / tp = {b:,} x {run.seq_len} x {V} / {tc.tp}"),
              (ids, batch, "the global batch's token ids")]
     _, flags, what = max(parts)
     advice = "use more --microbatches or a smaller batch" if flags.startswith("--batch") else \
@@ -432,11 +448,12 @@ DEPENDS = {
 }
 
 
-def check_action(args, given):
+def check_action(args, given, layout=("tp", "dp", "pp")):
     """The action a command of 05 asks for ("print_layout", "sample", "export" or None: train),
     refusing two at once (--export-hf and --export-state-dict together are one: both are written),
     an empty path, --init-from with --resume, and any flag the action would silently ignore.
-    given: the names of the flags on the command line (cli.given)."""
+    given: the names of the flags on the command line (cli.given); layout: the names of the
+    layout's sizes, which --print-layout and --self-check use (layout_sizes)."""
     for name, what in PATH_FLAGS.items():  # given, but empty: not the same as not given
         if name in given and not str(getattr(args, name, None) or "").strip():
             raise ValueError(f"{flag(name)}: the path is empty; give the {what}")
@@ -457,7 +474,8 @@ def check_action(args, given):
                 shown = "" if isinstance(value, bool) else f" {value:g}" if isinstance(value, float) else f" {value}"
                 raise ValueError(f"{flag(name)}{shown} {why}")
         return None
-    ignored = sorted(given - USES[action] - set(ACTIONS) - {"plan"})
+    uses = USES[action] | (set(layout) if action in ("print_layout", "self_check") else set())
+    ignored = sorted(given - uses - set(ACTIONS) - {"plan"})
     if ignored:
         names = ", ".join(map(flag, ignored))
         raise ValueError(f"{flag(chosen[0])} does not use {names}: {WHY[action]}; drop "
@@ -526,4 +544,4 @@ def acceleration(tc, device):
         return fused, None
     if tc.graph_scope != "auto":
         return fused, tc.graph_scope
-    return fused, "step" if tc.tp == tc.pp == tc.dp == tc.virtual_stages == 1 else "stage"
+    return fused, "step" if world_size(tc) == tc.virtual_stages == 1 else "stage"

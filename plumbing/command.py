@@ -13,7 +13,8 @@ import torch
 import planner
 from plumbing import cli, report, sample, selfcheck, watch
 from plumbing.checkpoint import newest_checkpoint
-from plumbing.checks import check_action, check_fields, check_model_flags, check_plan_flags, preflight
+from plumbing.checks import check_action, check_fields, check_model_flags, check_plan_flags, layout_sizes, \
+    preflight, world_size
 from plumbing.gpt2 import export_checkpoint, import_gpt2
 from plumbing.launch import launch, launcher_ranks
 
@@ -52,11 +53,12 @@ def main(p, config, train, schedule_of, rank_grid):
     tc, cfg, sc = (cli.from_args(c, args) for c in (config, tensor_parallel.GPTConfig, sample.SampleConfig))
     check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
     given = cli.given(p)  # the flags on the command line: no action may ignore one
-    action = check_action(args, given)
+    action = check_action(args, given, [k for k, _ in layout_sizes(tc)])
+    grid = lambda tc: schedule_of(tc).grid(world_size(tc), tc.tp, tc.dp)  # noqa: E731  (the schedule's groups)
     if action == "print_layout":
         report.print_layout(tc, lambda world, tp, dp, pp: schedule_of(tc).grid(world, tp, dp))
     elif action == "self_check":
-        selfcheck.run(tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
+        selfcheck.run(tc, grid(tc))
     elif action == "sample":
         sample.from_weights(cfg, tc, sc, given)
     elif action == "export":
@@ -72,14 +74,14 @@ def main(p, config, train, schedule_of, rank_grid):
         if ranks and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # torchrun --max-restarts
             tc = dataclasses.replace(tc, resume=newest_checkpoint(tc.snapshot_dir, tc.save) or tc.resume,
                                      rehearse_fault=[])
-        world = ranks[1] if ranks else tc.tp * tc.pp * tc.dp
+        world = ranks[1] if ranks else world_size(tc)
         device = torch.device("cuda" if ranks and torch.cuda.is_available() else "cpu")  # as launch decides
         preflight(cfg, tc, world, device, ranks_here=1 if ranks else world,  # again on every rank
                   writer=not ranks or ranks[0] == 0)
         # Under a fault, --restarts N starts again from the newest snapshot (plumbing/watch.py).
-        return watch.with_restarts(lambda tc: launch(train, tc.tp * tc.pp * tc.dp, cfg, tc, False, schedule_of,
+        return watch.with_restarts(lambda tc: launch(train, world_size(tc), cfg, tc, False, schedule_of,
                                                      timeout_s=tc.timeout_s, watch=watch.launcher_watch(tc)),
-                                   tc, rank_grid(tc.tp * tc.pp * tc.dp, tc.tp, tc.dp, tc.pp))
+                                   tc, grid(tc))
     return True
 
 

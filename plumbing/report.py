@@ -1,6 +1,6 @@
 """What 05 prints: the rank grid, the start-up summary, the end-of-run report, and the sum probe.
 
-    print_layout(tc, grid)     --print-layout: every rank's (tp, dp, pp) and every group
+    print_layout(tc, grid)     --print-layout: every rank's place (tp, dp, pp, ...) and every group
     summary(run, ...)          a few grouped lines: model, data, layout, device, training, files,
                                memory and FLOPs by the planner's formulas
     report(run, out, ...)      throughput, a chart of the loss, the message size, the sum probe;
@@ -24,6 +24,7 @@ from planner import PEAK_BF16_FLOPS, Layout, ModelSpec, activation_bytes_per_lay
     params_exact
 from plumbing import paths
 from plumbing.charts import ascii_chart
+from plumbing.checks import layout_sizes, world_size
 from plumbing.data import held_out
 from plumbing.tokenizer import tokenizer_of
 from plumbing.data import sum_probe as probe_batches
@@ -37,35 +38,53 @@ LISTED_WORLD = 4096  # --print-layout lists every rank and group up to this worl
 
 
 def print_layout(tc, rank_grid):
-    """The rank grid (05's rank_grid(world, tp, dp, pp)) for tp x pp x dp, without starting
-    anything (--print-layout). Up to LISTED_WORLD ranks every rank and group is listed; a larger
-    world (10**9 ranks would never finish) is summarised from the grid's rule, tp fastest, then dp,
-    then pp, without building it: the first and last ranks, and each kind's first and last groups."""
-    world = tc.tp * tc.pp * tc.dp
-    print(f"world={world}: tp={tc.tp} x dp={tc.dp} x pp={tc.pp}, Megatron's order (tp fastest, "
-          f"then dp, then pp)")
-    print("rank  tp dp pp")
+    """The rank grid (rank_grid(world, tp, dp, pp): the schedule's groups) of tc's layout, without
+    starting anything (--print-layout). Up to LISTED_WORLD ranks every rank and group is listed; a
+    larger world (10**9 ranks would never finish) is summarised from the grid's rule, the layout's
+    sizes in order, the first fastest (05: tp, then dp, then pp), without building it: the first and
+    last ranks, and each size's first and last groups."""
+    sizes, world = layout_sizes(tc), world_size(tc)
+    names = [k for k, _ in sizes]
+    print(f"world={world}: {' x '.join(f'{k}={n}' for k, n in sizes)}, Megatron's order ({names[0]} fastest, "
+          f"then {', then '.join(names[1:])})")
+    print("rank" + "".join(f" {k:>{3 if i == 0 else 2}s}" for i, k in enumerate(names)))
+
+    def coords(r):  # the rank's place along each size, fastest first
+        out = []
+        for _, n in sizes:
+            out.append(r % n)
+            r //= n
+        return out
+
+    def row(r):
+        return f"{r:4d}" + "".join(f" {x:{3 if i == 0 else 2}d}" for i, x in enumerate(coords(r)))
+
     if world <= LISTED_WORLD:
-        grid, coord = rank_grid(world, tc.tp, tc.dp, tc.pp), {}
-        for kind in ("tp", "dp", "pp"):
-            for g in grid[kind]:
-                for i, r in enumerate(g):
-                    coord.setdefault(r, {})[kind] = i
+        grid = rank_grid(world, tc.tp, tc.dp, tc.pp)
         for r in range(world):
-            print(f"{r:4d} {coord[r]['tp']:3d} {coord[r]['dp']:2d} {coord[r]['pp']:2d}")
-        for kind in ("tp", "dp", "pp", "embed"):
-            print(f"{kind} groups: {grid[kind]}")
+            print(row(r))
+        for kind, n in sizes + [("embed", 2)]:
+            wider = grid[kind] and len(grid[kind][0]) != n  # 08's dp groups: dp x cp ranks, averaging gradients
+            print(f"{kind} groups{f' ({len(grid[kind][0])} ranks each, more than --{kind} {n})' if wider else ''}: "
+                  f"{grid[kind]}")
         return
-    rank = lambda t, d, p: (p * tc.dp + d) * tc.tp + t  # noqa: E731  (rank_grid's rule)
     for r in [*range(4), None, *range(world - 4, world)]:
-        print("   ..." if r is None else f"{r:4d} {r % tc.tp:3d} {r // tc.tp % tc.dp:2d} {r // (tc.tp * tc.dp):2d}")
-    groups = {  # kind: (how many, size, the i-th group's j-th rank)
-        "tp": (tc.pp * tc.dp, tc.tp, lambda i, j: rank(j, i % tc.dp, i // tc.dp)),
-        "dp": (tc.pp * tc.tp, tc.dp, lambda i, j: rank(i % tc.tp, j, i // tc.tp)),
-        "pp": (tc.dp * tc.tp, tc.pp, lambda i, j: rank(i % tc.tp, i // tc.tp, j)),
-    }
+        print("   ..." if r is None else row(r))
+    strides = [math.prod(n for _, n in sizes[:i]) for i in range(len(sizes))]
+
+    def kind_of(axis):  # (how many, size, the i-th group's j-th rank): the ranks differing along axis only
+        others = [i for i in range(len(sizes)) if i != axis]
+
+        def member(i, j):
+            r = j * strides[axis]
+            for o in others:
+                r, i = r + (i % sizes[o][1]) * strides[o], i // sizes[o][1]
+            return r
+        return world // sizes[axis][1], sizes[axis][1], member
+
+    groups = {k: kind_of(i) for i, k in enumerate(names)}
     if tc.pp > 1:
-        groups["embed"] = (tc.dp * tc.tp, 2, lambda i, j: groups["pp"][2](i, 0 if j == 0 else tc.pp - 1))
+        groups["embed"] = (world // tc.pp, 2, lambda i, j: groups["pp"][2](i, 0 if j == 0 else tc.pp - 1))
     else:
         print("embed groups: [] (pp = 1: the output layer is the embedding itself)")
 
@@ -121,7 +140,8 @@ def summary(run, spec, flops, n_train, n_eval, say):
         + (f" (from {tc.init_from})" if tc.init_from else ""))
     say(f"data      {data}: {n_train:,} tokens to train on, {n_eval:,} held out; "
         f"{tokenizer_of(tc.data)} tokens")
-    say(f"layout    world {env.world_size} = tp {tc.tp} x pp {tc.pp} x dp {tc.dp}; "
+    more = "".join(f" x {k} {n}" for k, n in layout_sizes(tc) if k not in ("tp", "pp", "dp"))  # a later chapter's
+    say(f"layout    world {env.world_size} = tp {tc.tp} x pp {tc.pp} x dp {tc.dp}{more}; "
         f"{run.pipe.name}, "
         f"m={tc.microbatches} microbatches of b={run.act_shape[0]}; "
         f"{'ZeRO-1' if tc.zero1 else 'data parallel'}; scatter/gather {on(run.wire)}, "
@@ -190,7 +210,7 @@ def sum_probe(run, forward_only):
     read its logits, and the counts are summed over the world. None (on every rank alike) when a
     window is too short to hold a whole prompt and its answer, or the last stage has no output layer of
     its own (07 spreads it over every rank: every rank asks, and all agree)."""
-    tc, dp_rank = run.tc, dist.get_rank(run.groups.dp)
+    tc, dp_rank = run.tc, run.pipe.replica(run.groups)
     head = torch.tensor(float(all(hasattr(c, "lm_head") for c in run.chunks if c.post_process)), device=run.env.device)
     dist.all_reduce(head, op=dist.ReduceOp.MIN)
     if tc.seq_len < PROBE_T or not head:
@@ -214,6 +234,7 @@ def sum_probe(run, forward_only):
         rows = slice(dp_rank * tc.batch_size // tc.dp, (dp_rank + 1) * tc.batch_size // tc.dp)
         forward_only(run, idx[rows], targets[rows], [_Scored(c, score) for c in run.chunks])  # this replica's rows
     dist.all_reduce(counts)
+    counts /= run.env.world_size // (tc.tp * tc.pp * tc.dp)  # ranks beyond tp x pp x dp (08's cp) scored alike
     return [int(x) for x in counts.tolist()]
 
 

@@ -145,7 +145,8 @@ def run(tc, grid, prefix=""):
     line saying all is well."""
     # Each check has its own short timeout; the launch's bounds joining and building groups, which on
     # a loaded machine can outlast a short --timeout-s (gloo's connection waits on the launch's store).
-    ranks = launch(_check_layout, tc.tp * tc.pp * tc.dp, tc, grid, timeout_s=max(tc.timeout_s, 60.0))
+    from plumbing.checks import world_size
+    ranks = launch(_check_layout, world_size(tc), tc, grid, timeout_s=max(tc.timeout_s, 60.0))
     problems = sorted({p for rank in ranks for p in rank})
     if problems:
         raise ValueError(f"{prefix}the self-check found {len(problems)} problem(s):\n"

@@ -483,8 +483,14 @@ MIN_HANG_S = 1.0
 
 
 def coords(rank, tc):
-    """A rank's coordinates in words, from its place in 05's rank grid (tp fastest, then dp, pp)."""
-    return f"tp {rank % tc.tp}, dp {rank // tc.tp % tc.dp}, pp {rank // (tc.tp * tc.dp)}"
+    """A rank's coordinates in words, from its place in the rank grid: the layout's sizes in order,
+    the first fastest (05's: tp, then dp, then pp; plumbing.checks.layout_sizes)."""
+    from plumbing.checks import layout_sizes
+    out = []
+    for name, n in layout_sizes(tc):
+        out.append(f"{name} {rank % n}")
+        rank //= n
+    return ", ".join(out)
 
 
 def launcher_watch(tc):
@@ -505,13 +511,13 @@ def report_stragglers(env, tc, recorder, last, say, final=False, busy=None):
     the whole run. Returns the list."""
     busy = gather_busy(env, recorder, last) if busy is None else busy
     if env.rank == 0:
-        stage_of = {r: r // (tc.tp * tc.dp) for r in range(env.world_size)}
+        stage_of = {r: r // (env.world_size // tc.pp) for r in range(env.world_size)}  # pp is the slowest size
         for r in health.stragglers(dict(enumerate(busy)), stage_of):
             others = [b for q, b in enumerate(busy) if stage_of[q] == stage_of[r] and q != r]
             say(f"straggler: rank {r} ({coords(r, tc)}) is busy {busy[r]:.1f} ms a step, against "
                 f"{statistics.median(others):.1f} ms for the other ranks of its stage (median of the last {last} steps)")
         if final:
-            say(health.heat_map(dict(enumerate(busy)), tc.tp, tc.dp, tc.pp))
+            say(health.heat_map(dict(enumerate(busy)), tc.tp, env.world_size // (tc.tp * tc.pp), tc.pp))
     return busy
 
 

@@ -27,6 +27,11 @@ The figures (docs/DIAGRAMS.md shows each and says what it means), each NAME draw
                        times vary)
     zero               ZeRO-1's partition of the flat gradient buffer of a real BucketedDDP (dp = 4):
                        which rank keeps the optimizer state of which elements of each bucket
+    ring-step          one step of 08's ring attention (Megatron's split, cp = 4): what each rank holds,
+                       meets, computes and receives (08's messages())
+    balance-contiguous, balance-megatron, balance-lightseq
+                       each of 08's schedules at cp = 4: which rank computes each causal block at
+                       which step, and each rank's work beside the mean (08's simulate())
 The loss curve of a run is scripts/plot_metrics.py's (from 05's --metrics).
 """
 import argparse
@@ -53,6 +58,7 @@ pipeline = importlib.import_module("02_pipeline_1f1b")
 interleaved = importlib.import_module("03_interleaved")
 data_parallel = importlib.import_module("04_data_parallel")
 gpt3d = importlib.import_module("05_3d_gpt")
+context_parallel = importlib.import_module("08_context_parallel")
 
 SVG_DIR = os.path.join(ROOT, "docs", "figures")
 
@@ -883,6 +889,123 @@ def zero_svg(z):
 
 
 # ----------------------------------------------------------------------------------------------
+# Context parallelism (08): one ring step, and each schedule's causal balance, from its lists
+
+
+RANK_COLOURS = [BLUE, ORANGE, GREEN, PURPLE, SKY, VERMILLION, "#999999", "#F0E442"]
+SCHEDULE_NAMES = {"contiguous": "the contiguous split", "megatron": "Megatron's split", "lightseq": "LightSeq's schedule"}
+
+
+def ring_step_data(cp=4, step=1, name="megatron"):
+    """(schedule, step, [every message of that exchange, forward]) of 08's schedule `name` at cp."""
+    sched = context_parallel.SPLITS[name](cp)
+    return sched, step, context_parallel.messages(sched, step)
+
+
+def ring_step_text(data):
+    sched, step, msgs = data
+    lines = [f"ring step {step} of 08's {sched.name} schedule, cp={sched.cp}: rank r meets its visitor (r - {step}) mod "
+             f"cp and computes the causal blocks they share (08's ring(), messages())"]
+    for r in range(sched.cp):
+        blocks = " ".join(f"({b.q},{b.kv})" for b in sched.steps[r][step])
+        got = ", ".join(f"{kind}[{b}] from rank {src}" for src, dst, kind, b in msgs if dst == r)
+        lines.append(f"rank {r}: holds blocks {sched.split[r]}; visitor rank {(r - step) % sched.cp}; computes "
+                     f"{blocks or 'nothing'}; receives {got or 'nothing'}")
+    return "\n".join(lines)
+
+
+def ring_step_svg(data):
+    sched, step, msgs = data
+    cp = sched.cp
+    s = Svg(f"Ring attention, step {step}: each rank borrows its visitor's keys and values",
+            f"08's {sched.name} split, cp = {cp}: rank r holds blocks r and 2cp − 1 − r; at step {step} it meets "
+            f"rank (r − {step}) mod cp")
+    w, gap, top, h = 170, 50, 90, 150
+    left = (WIDTH - cp * w - (cp - 1) * gap) / 2
+    xs = [left + r * (w + gap) for r in range(cp)]
+    for r in range(cp):
+        blocks = sched.steps[r][step]
+        s.box(xs[r], top, w, h, [f"rank {r}", f"holds blocks {', '.join(map(str, sched.split[r]))}",
+                                f"visitor: rank {(r - step) % cp}", "computes " + " ".join(
+                                    f"({b.q},{b.kv})" for b in blocks)], stroke=RANK_COLOURS[r], size=15)
+    for src, dst, kind, b in msgs:
+        y = top + h / 2 + 12 * [m for m in msgs if m[1] == dst].index((src, dst, kind, b)) - 6
+        if dst == (src + step) % cp and dst > src:  # to the right
+            s.arrow(xs[src] + w, y, xs[dst], y, colour=RANK_COLOURS[src])
+            s.text(xs[src] + w + gap / 2, y - 4, f"{kind}[{b}]", size=11, anchor="middle", fill=RANK_COLOURS[src])
+        else:  # around the ring, below
+            low = top + h + 30 + 16 * [m for m in msgs if m[1] < m[0]].index((src, dst, kind, b))
+            s.polyline([(xs[src] + w / 2, top + h), (xs[src] + w / 2, low), (xs[dst] + w / 2 + 10, low)],
+                       stroke=RANK_COLOURS[src], stroke_width=1.5)
+            s.arrow(xs[dst] + w / 2 + 10, low, xs[dst] + w / 2 + 10, top + h, colour=RANK_COLOURS[src])
+            s.text(xs[src] + w / 2 - 6, low - 3, f"{kind}[{b}]", size=11, anchor="end", fill=RANK_COLOURS[src])
+    y = top + h + 30 + 16 * sum(1 for m in msgs if m[1] < m[0]) + 30
+    s.text(WIDTH / 2, y, "kv[b]: block b's keys and values, sent by their owner for this step only; backward sends "
+           "them again and their gradients home", size=13, anchor="middle", fill=GREY)
+    s.height = y + 20
+    return s.render()
+
+
+def balance_data(name, cp=4):
+    """(schedule, 08's simulate() of it) for SPLITS[name] at cp."""
+    sched = context_parallel.SPLITS[name](cp)
+    context_parallel.validate(sched)
+    return sched, context_parallel.simulate(sched)
+
+
+def balance_text(data):
+    sched, sim = data
+    where = {(b.q, b.kv): (r, st) for r in range(sched.cp) for st, blocks in enumerate(sched.steps[r]) for b in blocks}
+    lines = [f"08's {sched.name} schedule, cp={sched.cp}: the causal blocks of the sequence's {sched.n} (query block "
+             f"down, key block across), each as rank.step that computes it"]
+    for i in range(sched.n):
+        lines.append(f"  q{i:<2}" + "".join(f" {'%d.%d' % where[i, j] if (i, j) in where else '  . ':>4}"
+                                            for j in range(sched.n)))
+    lines.append("work per rank (full (T/cp)^2 blocks): " + ", ".join(f"rank {r} {t}" for r, t in enumerate(sim.totals))
+                 + f"; balance factor {float(sim.factor):.2f}, {len(sim.work[0])} ring steps")
+    return "\n".join(lines)
+
+
+def balance_svg(data):
+    sched, sim = data
+    s = Svg(f"Causal balance, {SCHEDULE_NAMES[sched.name]}, cp = {sched.cp}: balance factor {float(sim.factor):.2f}",
+            "each block of the causal attention coloured by the rank that computes it, labelled with its ring step; "
+            "each rank's work")
+    where = {(b.q, b.kv): (r, st) for r in range(sched.cp) for st, blocks in enumerate(sched.steps[r]) for b in blocks}
+    size, x0, y0 = 320, 90, 95
+    cell = size / sched.n
+    for i in range(sched.n):
+        s.label(x0 - 10, y0 + (i + 0.5) * cell, f"q{i}", size=12, anchor="end", fill=GREY)
+        s.text(x0 + (i + 0.5) * cell, y0 - 8, f"kv{i}", size=12, anchor="middle", fill=GREY)
+        for j in range(sched.n):
+            x, y = x0 + j * cell, y0 + i * cell
+            if (i, j) not in where:
+                s.rect(x, y, cell, cell, fill=PALE, stroke="white")
+                continue
+            r, st = where[i, j]
+            s.rect(x, y, cell, cell, fill=RANK_COLOURS[r], stroke="white", opacity=0.55 if i == j else 1)
+            s.label(x + cell / 2, y + cell / 2, str(st), size=13, anchor="middle", fill="white" if i != j else INK)
+    s.text(x0, y0 + size + 24, "a paler block is on the diagonal: half the work (causal inside it)", size=12, fill=GREY)
+    ax_left, ax_right, top, bottom = 520, 810, 95, 95 + size
+    most = max(max(sim.totals), 1)
+    ax = Axes(s, (ax_left, top, ax_right, bottom), (-0.5, sched.cp - 0.5), (0, float(most) * 1.15))
+    step = nice_step(float(most) * 1.15, 5)
+    ax.draw(list(range(sched.cp)), ticks(0, ax.ys[1], step), "rank", "attention, (T/cp)² blocks",
+            xfmt=lambda v: f"{int(v)}")
+    for r, total in enumerate(sim.totals):
+        x = ax.x(r)
+        s.rect(x - 22, ax.y(float(total)), 44, ax.y(0) - ax.y(float(total)), fill=RANK_COLOURS[r], class_="work")
+        s.text(x, ax.y(float(total)) - 6, str(total), size=12, anchor="middle")
+    mean = float(sim.ideal)
+    s.line(ax_left, ax.y(mean), ax_right, ax.y(mean), stroke=INK, stroke_dasharray="5,4")
+    s.label(ax_right + 6, ax.y(mean), f"mean {sim.ideal}", size=12)
+    s.text(WIDTH / 2, bottom + 70, f"busiest rank / mean = {float(sim.factor):.2f}; {len(sim.work[0])} ring steps, "
+           f"in lockstep {float(sim.time):.2f} against {float(sim.ideal):.2f} if even", size=13, anchor="middle")
+    s.height = bottom + 90
+    return s.render()
+
+
+# ----------------------------------------------------------------------------------------------
 # The command line
 
 
@@ -901,6 +1024,10 @@ FIGURES = {  # name: (data, text, svg); each svg(data) is the text of NAME.svg
     "memory": (memory_data, memory_text, memory_svg),
     "overlap": (overlap_data, overlap_text, overlap_svg),
     "zero": (zero_data, zero_text, zero_svg),
+    "ring-step": (ring_step_data, ring_step_text, ring_step_svg),
+    "balance-contiguous": (lambda: balance_data("contiguous"), balance_text, balance_svg),
+    "balance-megatron": (lambda: balance_data("megatron"), balance_text, balance_svg),
+    "balance-lightseq": (lambda: balance_data("lightseq"), balance_text, balance_svg),
 }
 TIMED = {"overlap"}  # a real run's times: its SVG differs on every run
 

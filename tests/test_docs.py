@@ -38,6 +38,7 @@ RUNS = {
     MAIN_JOB: ("05_3d_gpt.py", "--steps", "1"),  # its eval runs at the last step: the summary is the same
     "python3 06_zero_bubble.py": ("06_zero_bubble.py",),
     "python3 07_vocab_parallel.py": ("07_vocab_parallel.py",),
+    "python3 08_context_parallel.py": ("08_context_parallel.py",),
 }
 _outputs = {}
 

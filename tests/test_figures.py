@@ -220,3 +220,15 @@ def test_no_svg_prints_the_text_and_writes_nothing(figures, tmp_path):
     lines = []
     assert figures.main(["grid", "--no-svg", "--svg-dir", str(tmp_path / "none")], out=lines.append) == 0
     assert not (tmp_path / "none").exists() and lines[0].startswith("=== grid ===")
+
+
+def test_08s_ring_step_and_balance_figures_come_from_its_lists_and_the_doc_shows_them(figures, data):
+    sched, step, msgs = data("ring-step")  # Megatron's split, cp = 4, step 1: kv from the visitor only
+    assert step == 1 and all(src == (dst - 1) % 4 and kind == "kv" for src, dst, kind, _ in msgs)
+    assert figures.tidy(figures.ring_step_text(data("ring-step"))) in DIAGRAMS
+    factors = {name: data(f"balance-{name}")[1].factor for name in ("contiguous", "megatron", "lightseq")}
+    assert factors == {"contiguous": Fraction(7, 4), "megatron": 1, "lightseq": Fraction(5, 4)}
+    for name in factors:
+        text = figures.tidy(figures.balance_text(data(f"balance-{name}")))
+        assert f"balance factor {float(factors[name]):.2f}" in text and text in DIAGRAMS
+    assert "  q3   0.1  3.2  3.1  3.0" in figures.balance_text(data("balance-lightseq"))  # rank 0 helps rank 3
