@@ -31,6 +31,7 @@ ANSWERS_MD, GUIDE_MD = (ROOT / "docs" / "ANSWERS.md"), (ROOT / "docs" / "GUIDE.m
 tensor_parallel, pipeline, interleaved = load("01_tensor_parallel"), load("02_pipeline_1f1b"), load("03_interleaved")
 data_parallel, gpt3d, zero_bubble, vocab = (load(n) for n in ("04_data_parallel", "05_3d_gpt", "06_zero_bubble",
                                                               "07_vocab_parallel"))
+context = load("08_context_parallel")
 F64 = torch.float64
 
 
@@ -372,6 +373,53 @@ class Claim:
     value: object  # () -> what the code says those groups must be (a string, or a tuple of them)
 
 
+def merge_order():
+    """08.2: two States of the same rows over different keys, merged both ways, against softmax attention."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, dtype=F64) for _ in range(3))
+    k2, v2 = (torch.randn(1, 2, 4, 8, generator=gen, dtype=F64) for _ in range(2))
+    a, b = (context.block_forward(q, kk, vv, False, 8 ** -0.5) for kk, vv in ((k, v), (k2, v2)))
+    ab, ba = context.finish(context.merge(a, b))[0], context.finish(context.merge(b, a))[0]
+    full = F.scaled_dot_product_attention(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2))
+    return "any" if torch.allclose(ab, ba, rtol=0, atol=1e-14) and torch.allclose(ab, full, rtol=0, atol=1e-12) else "one"
+
+
+@functools.cache
+def context_step_facts():
+    """08.3: the loss `step` returns at cp = 2 against the serial mean (full), and the gradient it gives
+    against serial (multiplied by cp: equal; not multiplied: 1/cp of it). Two CPU ranks."""
+    from plumbing.launch import launch
+    return launch(_context_step, 2, timeout_s=20, deadline_s=60)[0]
+
+
+def _context_step(env):
+    import torch.distributed as dist
+    cfg, group = PIPELINE_CFG, dist.group.WORLD
+    full = tensor_parallel.init_state_dict(cfg, 5, dtype=F64, random_all=True)
+    idx, targets = pipeline_batch(2)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
+    serial.load_full_state_dict(full)
+    whole = serial(idx, targets)[1]
+    whole.backward()
+    model = context.context_parallel(tensor_parallel.GPT(cfg, None, init=False, dtype=F64), context.contiguous(2), group)
+    model.load_full_state_dict(full)
+    loss = context.step(model, idx, targets, group, group)[1]
+    grad = max(float(tensor_parallel.max_rel_diff(p.grad, serial.get_parameter(n).grad)) for n, p in model.named_parameters())
+    return {"divides_by": "full" if float(tensor_parallel.max_rel_diff(loss, whole.detach())) < 1e-12 else "local",
+            "multiplied_by": "cp" if grad < 1e-10 else "1"}
+
+
+def lightseq_messages():
+    """08.4: exchange 1's q and exchange 2's out in LightSeq's schedule at cp = 4, with the demo's sizes."""
+    args = context.parser().parse_args([])
+    cfg, sched = tensor_parallel.GPTConfig(n_embd=args.n_embd, n_head=args.n_head), context.lightseq(4)
+    shape = (args.batch_size, cfg.n_head, args.seq_len // sched.n, cfg.n_embd // cfg.n_head)
+    (q,) = [m for m in context.messages(sched, 1) if m[2] == "q"]
+    (out,) = [m for m in context.messages(sched, 2) if m[2] == "out"]
+    return (str(q[3]), str(q[0]), str(q[1]), f"{context.message_bytes('q', shape, False, 8):,}",
+            str(out[3]), str(out[0]), f"{context.message_bytes('out', shape, False, 8):,}", str(out[1]))
+
+
 TP, SP = TP_DEMO, SP_DEMO
 CLAIMS = [
     # 01
@@ -540,6 +588,29 @@ CLAIMS = [
                                       f"{spread([c[1] for c in fig['compute']]):.2f}",
                                       f"{fig['sims'][0].step_time / fig['sims'][1].step_time:.2f}"))(
               *balance_at(vocab.parser().parse_args([]).large_vocab))),
+    # 08
+    Claim("08.1", r"times the mean, ([\d.]+) at cp = 4 \(`simulate`'s balance factor; ([\d.]+) at cp = 2, ([\d.]+) at "
+                  r"cp = 8\)", lambda: tuple(f"{float(context.simulate(context.contiguous(cp)).factor):.2f}" for cp in (4, 2, 8))),
+    Claim("08.1", r"in lockstep the ring takes ([\d.]+) block-times where ([\d.]+) would do",
+          lambda: (lambda b: (f"{float(b.time):.2f}", f"{float(b.ideal):.2f}"))(context.simulate(context.contiguous(4)))),
+    Claim("08.1", r"computes exactly (two) of them \(1/2 of a full block\), balance factor (\d+\.\d+)",
+          lambda: (WORDS[int(one(sum(map(context.work, blocks)) for steps in context.megatron(4).steps for blocks in steps))],
+                   f"{float(context.simulate(context.megatron(4)).factor):.2f}")),
+    Claim("08.2", r"so blocks may be merged in (any) order", lambda: merge_order()),
+    Claim("08.3", r"`step` divides the rank's sum by \(targets != -100\)\.sum\(\) over the (full) sequence",
+          lambda: context_step_facts()["divides_by"]),
+    Claim("08.3", r"so the loss is multiplied by (cp) first", lambda: context_step_facts()["multiplied_by"]),
+    Claim("08.4", r"the one block at distance 3, \((\d), (\d)\), goes to its keys' owner, rank (\d), at step 4 - 3 = (\d)",
+          lambda: next((str(b.q), str(b.kv), str(r), str(s)) for r, steps in enumerate(context.lightseq(4).steps)
+                       for s, blocks in enumerate(steps) for b in blocks if b.q - b.kv == 3)),
+    Claim("08.4", r"So exchange 1 carries q\[(\d)\] from rank (\d) to rank (\d) \(([\d,]+) bytes in the demo\), and "
+                  r"exchange 2 out\[(\d)\], rank (\d)'s partial attention of those queries \(acc, max and sum: ([\d,]+) bytes\), "
+                  r"back to rank (\d)", lambda: lightseq_messages()),
+    Claim("08.4", r"so the ring needs (\d) steps \(0, 1, 2\) where the contiguous ring needs cp = (\d); the busiest rank "
+                  r"does (\d+/\d+) blocks against a mean of (\d+), ([\d.]+) times",
+          lambda: (lambda b: (str(len(context.lightseq(4).steps[0])), str(len(context.contiguous(4).steps[0])),
+                              str(max(b.totals)), str(b.ideal), f"{float(b.factor):.2f}"))(context.simulate(context.lightseq(4)))),
+
 ]
 
 
