@@ -673,7 +673,8 @@ def run_main(main):
     """Call main() and turn its result into the exit code: 0 if it returned True, else 1; 130 (the
     shell's code for Ctrl-C) with one line saying where it stopped, not a traceback, on Ctrl-C; 143
     likewise on a SIGTERM to the launching process (not under torchrun, whose agent sends its own)."""
-    if launcher_ranks() is None and threading.current_thread() is threading.main_thread():
+    started_here = not any(name in os.environ for name in LAUNCHER_VARIABLES)  # checked, and refused, in main()
+    if started_here and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate_once)
     try:
         ok = main()
