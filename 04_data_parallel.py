@@ -77,13 +77,17 @@ class BucketedDDP:
             raise ValueError(f"the bucket size must be positive, got bucket_numel={bucket_numel}")
         self.params = [p for p in params if p.requires_grad]
         self.group, self.dp, self.zero, self.overlap = group, dist.get_world_size(group), zero, overlap
-        dp = self.dp if zero else 1  # ZeRO splits every bucket into dp equal shards: pad to fit
-        self.offsets, n = {}, 0
-        for p in reversed(self.params):  # backward produces the last layers' gradients first
-            self.offsets[p] = n
-            n += p.numel()
-        step, total = -(-bucket_numel // dp) * dp, -(-n // dp) * dp  # both rounded up to multiples of dp
-        self.buckets = [(lo, min(lo + step, total)) for lo in range(0, total, step)]
+        self.offsets, self.buckets, self.bucket_groups, n = {}, [], [], 0
+        for replicas, ps in self.by_replicas().items():  # one run of buckets per group of replicas
+            size = dist.get_world_size(replicas) if zero else 1  # ZeRO splits a bucket into equal shards
+            start = n
+            for p in ps:  # backward produces the last layers' gradients first
+                self.offsets[p] = n
+                n += p.numel()
+            step, n = -(-bucket_numel // size) * size, start + -(-(n - start) // size) * size  # multiples of size
+            self.buckets += [(lo, min(lo + step, n)) for lo in range(start, n, step)]
+            self.bucket_groups += [replicas] * (len(self.buckets) - len(self.bucket_groups))
+        total = n
         p0 = self.params[0]
         self.grad_buffer = torch.zeros(total, dtype=grad_dtype or p0.dtype, device=p0.device)
         # Parameters move into a flat buffer of the same layout, so that ZeRO-1 can all-gather
@@ -100,6 +104,15 @@ class BucketedDDP:
         self.counts = [sum(1 for p in self.params if i in self.buckets_of[p]) for i in range(len(self.buckets))]
         self.sync = True  # False while accumulating: a microbatch before the step's last
         self.zero_grad()
+
+    def by_replicas(self):
+        """{group: its parameters, last first}: a parameter is reduced over the ranks that hold the
+        same copy of it, the model's dp group unless it carries another as .replica_group (09's
+        experts); the sum is still divided by dp, the number of replicas of the batch."""
+        out = {}
+        for p in reversed(self.params):
+            out.setdefault(getattr(p, "replica_group", self.group), []).append(p)
+        return out
 
     def zero_grad(self):
         for p in self.params:  # the buffer is not cleared (see _on_grad)
@@ -135,13 +148,13 @@ class BucketedDDP:
         return True
 
     def _launch(self, i):
-        bucket = self.grad_buffer[slice(*self.buckets[i])]
+        bucket, group = self.grad_buffer[slice(*self.buckets[i])], self.bucket_groups[i]
         self.events.append(("launch", i, self.clock()))
         if self.zero:
-            shard = bucket.new_empty(bucket.numel() // self.dp)
-            self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, self.group, async_op=True), shard)
+            shard = bucket.new_empty(bucket.numel() // dist.get_world_size(group))
+            self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, group, async_op=True), shard)
         else:
-            self.works[i] = (dist.all_reduce(bucket, group=self.group, async_op=True), None)
+            self.works[i] = (dist.all_reduce(bucket, group=group, async_op=True), None)
 
     def finish(self):
         """Launch what is left (e.g. after a pipeline flush) and wait for every bucket. Then
@@ -167,7 +180,8 @@ class BucketedDDP:
         lo, hi = self.buckets[i]
         if not self.zero:
             return lo, hi
-        n, r = (hi - lo) // self.dp, dist.get_rank(self.group)
+        group = self.bucket_groups[i]
+        n, r = (hi - lo) // dist.get_world_size(group), dist.get_rank(group)
         return lo + r * n, lo + (r + 1) * n
 
 
@@ -214,7 +228,7 @@ class FlatAdamW:
         # ZeRO-1: every rank's shard to every rank, from the buffer's end: the first layers, used first
         for i, (lo, hi) in reversed(list(enumerate(ddp.buckets)) if ddp.zero else []):
             mine = ddp.param_buffer[slice(*ddp.shard_range(i))].clone()
-            work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, ddp.group, async_op=True)
+            work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, ddp.bucket_groups[i], async_op=True)
             self.gathers[i] = (work, mine)
         self.after_step()
 
