@@ -77,22 +77,18 @@ class BucketedDDP:
             raise ValueError(f"the bucket size must be positive, got bucket_numel={bucket_numel}")
         self.params = [p for p in params if p.requires_grad]
         self.group, self.dp, self.zero, self.overlap = group, dist.get_world_size(group), zero, overlap
-        self.offsets, self.buckets, self.bucket_groups, n = {}, [], [], 0
-        for replicas, ps in self.by_replicas().items():  # one run of buckets per group of replicas
-            size = dist.get_world_size(replicas) if zero else 1  # ZeRO splits a bucket into equal shards
-            start = n
+        self.offsets, self.buckets, self.bucket_groups, total = {}, [], [], 0
+        for replicas, ps in by_replicas(self.params, group).items():  # buckets of one group of replicas each
+            start, size = total, dist.get_world_size(replicas) if zero else 1  # ZeRO: a bucket in equal shards
             for p in ps:  # backward produces the last layers' gradients first
-                self.offsets[p] = n
-                n += p.numel()
-            step, n = -(-bucket_numel // size) * size, start + -(-(n - start) // size) * size  # multiples of size
-            self.buckets += [(lo, min(lo + step, n)) for lo in range(start, n, step)]
+                self.offsets[p], total = total, total + p.numel()
+            step, total = -(-bucket_numel // size) * size, start + -(-(total - start) // size) * size  # padded
+            self.buckets += [(lo, min(lo + step, total)) for lo in range(start, total, step)]
             self.bucket_groups += [replicas] * (len(self.buckets) - len(self.bucket_groups))
-        total = n
-        p0 = self.params[0]
-        self.grad_buffer = torch.zeros(total, dtype=grad_dtype or p0.dtype, device=p0.device)
+        self.grad_buffer = torch.zeros(total, dtype=grad_dtype or self.params[0].dtype, device=self.params[0].device)
         # Parameters move into a flat buffer of the same layout, so that ZeRO-1 can all-gather
         # whole buckets of them; each parameter becomes a view into it.
-        self.param_buffer = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+        self.param_buffer = torch.zeros(total, dtype=self.params[0].dtype, device=self.params[0].device)
         self.buckets_of, self.index, self.views = {}, {p: i for i, p in enumerate(self.params)}, {}
         for p in self.params:
             lo = self.offsets[p]
@@ -104,15 +100,6 @@ class BucketedDDP:
         self.counts = [sum(1 for p in self.params if i in self.buckets_of[p]) for i in range(len(self.buckets))]
         self.sync = True  # False while accumulating: a microbatch before the step's last
         self.zero_grad()
-
-    def by_replicas(self):
-        """{group: its parameters, last first}: a parameter is reduced over the ranks that hold the
-        same copy of it, the model's dp group unless it carries another as .replica_group (09's
-        experts); the sum is still divided by dp, the number of replicas of the batch."""
-        out = {}
-        for p in reversed(self.params):
-            out.setdefault(getattr(p, "replica_group", self.group), []).append(p)
-        return out
 
     def zero_grad(self):
         for p in self.params:  # the buffer is not cleared (see _on_grad)
@@ -180,8 +167,7 @@ class BucketedDDP:
         lo, hi = self.buckets[i]
         if not self.zero:
             return lo, hi
-        group = self.bucket_groups[i]
-        n, r = (hi - lo) // dist.get_world_size(group), dist.get_rank(group)
+        n, r = (hi - lo) // dist.get_world_size(self.bucket_groups[i]), dist.get_rank(self.bucket_groups[i])
         return lo + r * n, lo + (r + 1) * n
 
 
@@ -354,7 +340,16 @@ class OverlappedGather(FlatAdamW):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the demo's checks, its reference and its command line.
+# After the concept: who holds a parameter's copies (by_replicas); the demo's checks, reference and flags.
+
+
+def by_replicas(params, group):
+    """{group: its parameters, last first}, for BucketedDDP: a gradient is summed over the ranks holding copies
+    of it, `group` (dp) unless it carries another as .replica_group (09's experts: edp); always divided by dp."""
+    out = {}
+    for p in reversed(params):
+        out.setdefault(getattr(p, "replica_group", group), []).append(p)
+    return out
 
 
 def check_world(world, dp, batch_size, m):

@@ -286,53 +286,60 @@ def moe_layers(model):
 # Demo: the serial model with experts against the expert-parallel one, float64, one forward and backward
 
 
+def against_serial(env, cfg, moe, args, groups, full, idx, targets):
+    """One forward and backward of the serial model with experts, on each replica's rows with its auxiliary
+    losses added to the loss, and of this rank's part of the expert-parallel one, whose auxiliary losses
+    join inside the layers (WithAuxLoss) and whose gradients are reduced as 04's naive data parallelism
+    does, experts over edp, the rest over dp. Returns ({what: relative difference}, serial (loss, aux),
+    parallel (loss, aux), the parallel model)."""
+    dt, dp = full["transformer.wte.weight"].dtype, args.dp
+    serial = with_experts(tensor_parallel.GPT(cfg, init=False, dtype=dt), moe, token_groups=args.tp)
+    serial.load_full_state_dict(full)
+    for layer in moe_layers(serial):
+        layer.aux_scale = 0.0  # the serial reference adds its auxiliary losses to the loss itself
+    ref = torch.zeros(2, dtype=torch.float64)
+    for rows_idx, rows_targets in zip(idx.chunk(dp), targets.chunk(dp)):  # each replica's rows
+        loss = serial(rows_idx, rows_targets)[1]
+        aux = sum(layer.aux for layer in moe_layers(serial))
+        ((loss + moe.aux_loss_coeff * aux) / dp).backward()
+        ref += torch.stack([loss.detach(), aux.detach()]).double() / dp
+    model = with_experts(tensor_parallel.GPT(cfg, groups.tp, sequence_parallel=args.sequence_parallel, init=False,
+                                             dtype=dt, device=env.device), moe, groups)
+    model.load_full_state_dict(full)
+    rows = dist.get_rank(groups.dp)
+    loss = model(idx.chunk(dp)[rows].to(env.device), targets.chunk(dp)[rows].to(env.device))[1]
+    aux = sum(layer.aux for layer in moe_layers(model)).detach()
+    loss.backward()  # the auxiliary losses' gradients join inside the layers
+    for p in model.parameters():  # data parallelism, naive (04): experts over edp, the rest over dp
+        dist.all_reduce(p.grad, group=getattr(p, "replica_group", groups.dp))
+        p.grad /= dp
+    got = tensor_parallel.all_reduce(torch.stack([loss.detach(), aux]).double().to(env.device), groups.dp).cpu() / dp
+    named = dict(serial.named_parameters())
+    diffs = {"loss": abs(got[0] - ref[0]).item() / abs(ref[0]).item(), "aux": abs(got[1] - ref[1]).item() / abs(ref[1]).item()}
+    diffs.update({"grad " + n: tensor_parallel.max_rel_diff(g.cpu(), named[n].grad) for n, g in model.full_grads().items()})
+    return diffs, ref.tolist(), got.tolist(), model
+
+
 def demo(env, cfg, args):
-    say, moe, dt = printer(env), MoEConfig.of(args), torch.float64
+    say, moe = printer(env), MoEConfig.of(args)
     grid = fold(gpt3d.rank_grid(env.world_size, args.tp, args.dp), args.ep, args.etp)  # before any collective
     groups = gpt3d.new_groups(env, grid)
     say(f"{cfg}\n{moe}\ntp={args.tp} dp={args.dp} -> etp={args.etp} ep={args.ep} edp={env.world_size // (args.ep * args.etp)}"
         f", B={args.batch_size} T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
     say(draw_fold(grid))
-    full = moe_state_dict(cfg, moe, args.seed, dtype=dt, random_all=True)
+    full = moe_state_dict(cfg, moe, args.seed, dtype=torch.float64, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
-    serial = with_experts(tensor_parallel.GPT(cfg, init=False, dtype=dt), moe, token_groups=args.tp)
-    serial.load_full_state_dict(full)
-    for layer in moe_layers(serial):
-        layer.aux_scale = 0.0  # the serial reference adds its auxiliary losses to the loss itself
-    losses = []
-    for rows_idx, rows_targets in zip(idx.chunk(args.dp), targets.chunk(args.dp)):  # each replica's rows
-        loss = serial(rows_idx, rows_targets)[1]
-        aux = sum(layer.aux for layer in moe_layers(serial))
-        losses.append((loss, aux))
-        ((loss + moe.aux_loss_coeff * aux) / args.dp).backward()
-    ref_loss, ref_aux = (sum(x[i].item() for x in losses) / args.dp for i in (0, 1))
-    model = with_experts(tensor_parallel.GPT(cfg, groups.tp, sequence_parallel=args.sequence_parallel, init=False,
-                                             dtype=dt, device=env.device), moe, groups)
-    model.load_full_state_dict(full)
-    rank_dp = dist.get_rank(groups.dp)
-    loss = model(idx.chunk(args.dp)[rank_dp].to(env.device), targets.chunk(args.dp)[rank_dp].to(env.device))[1]
-    aux = sum(layer.aux for layer in moe_layers(model)).detach()
-    loss.backward()  # the auxiliary losses' gradients join inside the layers (WithAuxLoss)
-    for p in model.parameters():  # data parallelism, naive (04): experts over edp, the rest over dp
-        dist.all_reduce(p.grad, group=getattr(p, "replica_group", groups.dp))
-        p.grad /= args.dp
-    mean = lambda t: float(tensor_parallel.all_reduce(t.detach().double(), groups.dp)) / args.dp  # noqa: E731
-    got_loss, got_aux = mean(loss), mean(aux)
-    ref = dict(serial.named_parameters())
-    diffs = {"loss": abs(got_loss - ref_loss) / abs(ref_loss), "aux loss": abs(got_aux - ref_aux) / abs(ref_aux)}
-    diffs.update({"grad " + n: tensor_parallel.max_rel_diff(g, ref[n].grad) for n, g in model.full_grads().items()})
+    diffs, (ref_loss, ref_aux), (loss, aux), model = against_serial(env, cfg, moe, args, groups, full, idx, targets)
     worst = max(x[0] for x in gather_numbers([max(diffs.values())], device=env.device))
-    report_routing(env, say, cfg, args, model, groups)
-    say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {got_loss:.12f}\nauxiliary loss (sum over "
-        f"{len(moe_layers(serial))} MoE layers, mean over dp): serial {ref_aux:.12f}  expert-parallel {got_aux:.12f} "
-        f"(1 per layer when the load is even)")
-    say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in
-                                                      sorted(diffs.items(), key=lambda x: -x[1])[:4]))
+    report_routing(env, say, cfg, args, model)
+    say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {loss:.12f}\nauxiliary loss (the sum over "
+        f"{len(moe_layers(model))} MoE layers; 1 each when the load is even, E = {moe.num_experts} when one expert "
+        f"takes every token): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
+    say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in sorted(diffs.items(), key=lambda x: -x[1])[:3]))
     say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference over every rank {worst:.2e} "
         f"(loss, auxiliary loss, every gradient: router, experts, dense weights; tolerance 1e-10)")
     return worst <= 1e-10
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,7 +488,7 @@ def draw_fold(grid):
     return "\n".join(out)
 
 
-def report_routing(env, say, cfg, args, model, groups):
+def report_routing(env, say, cfg, args, model):
     """The first MoE layer's routing, every rank's: its choices per expert and the rows it received; then
     every MoE layer's all-to-all bytes against the planner's formula (uniform routing)."""
     layers = moe_layers(model)
