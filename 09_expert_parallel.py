@@ -625,8 +625,68 @@ def start_demo(cfg, args):
     return all(tensor_parallel.launch(demo, args.tp * args.dp, cfg, args))
 
 
+TITLE = "mixture of experts (09)"
+NOT_FOR_EXPERTS = {  # 05's actions that read a checkpoint into 01's GPT-2, which has no experts
+    "sample": "--sample reads the weights into 01's serial GPT-2, which has no experts; 09 does not sample",
+    "export_hf": "--export-hf writes a Hugging Face GPT-2, and GPT-2 has no experts",
+    "export_state_dict": "--export-state-dict writes 01's GPT-2 state dict, which has no experts (nor does --init-from "
+                         "read one back)",
+    "plan": "--plan estimates 05's dense GPT-2; the experts' figures come with --print-layout (planner.py's moe_*)"}
+
+
+LAYOUT_FLAGS = {"print_layout", "tp", "dp", "pp", "ep", "etp", "schedule", "virtual_stages", "num_experts", "top_k",
+                "moe_every", "batch_size", "microbatches", "seq_len", "sequence_parallel", "zero1", "recompute"}
+
+
+def train_parser():
+    """05's trainer's flags and the experts' (the router's --top-k replaces sampling's)."""
+    p = gpt3d.parser()
+    p.conflict_handler = "resolve"
+    cli.add_dataclass_args(p, Experts, TITLE)
+    return p
+
+
+def train_action(argv):
+    """What 05's command line would do instead of training, for a model with experts: --print-layout draws
+    both grids, the fold and the planner's figures; sampling, the exports and --plan are refused by name.
+    Returns True if it was an action, None to train."""
+    p = train_parser()
+    given = cli.given(p, argv)
+    for name, why in NOT_FOR_EXPERTS.items():
+        if name in given:
+            raise ValueError(why)
+    if "print_layout" not in given:
+        return None
+    args = p.parse_args(argv)
+    tc, cfg = cli.from_args(TrainConfig, args), cli.from_args(tensor_parallel.GPTConfig, args)
+    extra = sorted(given - LAYOUT_FLAGS - set(cfg.__dataclass_fields__))
+    if extra:
+        raise ValueError(f"--print-layout does not use {', '.join('--' + n.replace('_', '-') for n in extra)}: it "
+                         f"draws the grids and starts nothing; drop them")
+    check_experts(tc, cfg.n_embd)
+    print(draw_fold(schedule_of(tc).grid(tc.tp * tc.dp * tc.pp, tc.tp, tc.dp)))
+    print(plan_figures(cfg, tc))
+    return True
+
+
+def plan_figures(cfg, tc):
+    """The planner's figures of a model with experts under the fold (planner.py's moe_*)."""
+    m, e = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len), MoEConfig.of(tc)
+    total, active = planner.moe_params(m, e)
+    L = planner.Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=tc.batch_size // (tc.dp * tc.microbatches),
+                       v=tc.virtual_stages, recompute=tc.recompute, sequence_parallel=tc.sequence_parallel)
+    tokens = L.b * tc.seq_len // tc.tp  # a rank routes its 1/tp of a microbatch
+    return (f"planner: {total:,} parameters, {active:,} active per token; {planner.moe_flops_per_token(m, e):,.0f} "
+            f"FLOPs per token (forward and backward); the fullest rank's memory "
+            f"{planner.moe_memory_per_rank(m, e, L, tc.ep, tc.etp, tc.zero1) / 2**20:,.1f} MiB (bf16 weights, fp32 "
+            f"gradients and AdamW, activations); all-to-all bytes per MoE layer and microbatch, per rank: "
+            f"{planner.moe_alltoall_bytes(tokens, e.top_k, tc.ep, cfg.n_embd):,.0f} (bf16, uniform routing)")
+
+
 def main():
-    return command.later_chapter(parser, Experts, "mixture of experts (09)", TrainConfig, schedule_of, start_demo)
+    if "--train" in sys.argv[1:] and train_action([a for a in sys.argv[1:] if a != "--train"]):
+        return True
+    return command.later_chapter(parser, Experts, TITLE, TrainConfig, schedule_of, start_demo)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,16 @@ def model_parameters(manifest, device="meta"):
     return dict(model.named_parameters())
 
 
+def only_gpt2(path, what):
+    """Refuse, naming it, a checkpoint whose model extends GPT-2 (its manifest's extension), for `what`
+    only 01's GPT-2 can take (an export to GPT-2's formats, sampling with 01's serial model)."""
+    ext = read_manifest(path).get("extension")
+    if ext:
+        raise ValueError(f"{what}: the checkpoint {path} holds a GPT-2 with {ext['name']} "
+                         f"({', '.join(f'{k}={v}' for k, v in ext['model'].items())}), and 01's GPT-2 has no "
+                         f"{ext['name']}; {ext['file']} trains and resumes it")
+
+
 CKPT = re.compile(r"step_(\d+)$")
 INTERRUPTED = re.compile(r"step_(\d+)\.tmp$")
 SAVED_FILES = re.compile(r"rank_\d{5}\.pt|manifest\.json")  # all a save writes into step_N

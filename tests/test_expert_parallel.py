@@ -10,6 +10,7 @@ gradient summed over the wrong ranks, a missing 1/dp). dispatch . combine with i
 exact: it moves rows and adds x / 2 + x / 2.
 """
 import contextlib
+import io
 import dataclasses
 import os
 import re
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import TOL, gpt3d, load, run_script, tensor_parallel
+from plumbing import gpt2
 from plumbing.launch import gather_rows
 
 moe_mod = load("09_expert_parallel")
@@ -197,3 +199,163 @@ def test_the_capacity_keeps_each_experts_first_pairs_in_token_order_per_group():
     # (expert, group, place) -> (e G + g) cap + place: expert 0 group 0 places 0, 1; expert 1 group 0 place 0 ->
     # slot (1 x 2 + 0) x 2 = 4; expert 0 group 1: places 0, 1 (slots 2, 3), its third pair dropped
     assert slots.tolist() == [0, 1, 4, 2, 3, -1]
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer: 05's loop with experts, several AdamW steps against the same model at ep = 1
+
+
+TRAIN_CFG = tensor_parallel.GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=2, n_embd=16)
+BASE = moe_mod.TrainConfig(tp=1, pp=1, dp=1, batch_size=8, microbatches=2, seq_len=16, steps=3, lr=1e-2, min_lr=1e-3,
+                           warmup_steps=1, grad_clip=0.5, dtype="float64", eval_every=0, bucket_numel=500,
+                           timeout_s=30, num_experts=4, top_k=2, moe_every=2, aux_loss_coeff=0.1)
+
+
+def _train(env, layouts):
+    out = []
+    for layout in layouts:
+        with contextlib.redirect_stdout(open(os.devnull, "w")):
+            run = moe_mod.train(env, TRAIN_CFG, replace(BASE, **layout), quiet=True)
+        out.append((run["losses"], run["norms"]))
+    return out
+
+
+# (layout on 4 ranks, the serial run's microbatches: a replica's m microbatches are m of the serial run's dp m)
+TRAINED = [(dict(tp=2, pp=2, ep=2), 2),  # ep over attention's tp, 1F1B
+           (dict(pp=2, dp=2, ep=2, zero1=True), 4),  # ep over dp, ZeRO-1 over dp (dense) and edp = 1 (experts)
+           (dict(tp=2, dp=2, ep=4, sequence_parallel=True, recompute="full"), 4),  # the issue's fold
+           (dict(pp=2, dp=2, ep=1, zero1=True, schedule="zb-h1"), 4),  # experts over edp = 2, ZB-H1's split
+           (dict(tp=2, pp=2, ep=1, etp=2, virtual_stages=2), 2)]  # etp 2 over tp, interleaved 1F1B
+
+
+def test_the_trainer_with_experts_equals_the_same_model_at_ep_1_over_several_adamw_steps(run_ranks):
+    runs = run_ranks(_train, 4, [layout for layout, _ in TRAINED])[0]
+    serial = run_ranks(_train, 1, [dict(microbatches=m) for m in sorted({m for _, m in TRAINED})])[0]
+    ref = dict(zip(sorted({m for _, m in TRAINED}), serial))
+    for (layout, m), (losses, norms) in zip(TRAINED, runs):
+        assert len(losses) == 3 and losses[-1] < losses[0]
+        want = torch.tensor(ref[m][0] + ref[m][1])
+        assert tensor_parallel.max_rel_diff(torch.tensor(losses + norms), want) <= TOL, (layout, losses, ref[m])
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: experts redistributed across ep (and etp), AdamW's state kept
+
+
+def _resharded(env, root):
+    quiet = lambda **kw: moe_mod.train(env, TRAIN_CFG, replace(BASE, tp=2, dp=2, microbatches=1, **kw),  # noqa: E731
+                                       quiet=True)["losses"]
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        whole = quiet(ep=4, steps=4)
+        quiet(ep=4, steps=2, save=f"{root}/a")
+        again = quiet(ep=4, steps=4, resume=f"{root}/a")  # the same layout: continued bit for bit
+        middle = quiet(ep=2, steps=4, resume=f"{root}/a/step_00000002", save=f"{root}/b", save_every=1)  # ep 4 -> 2
+        chain = quiet(ep=1, etp=2, steps=4, resume=f"{root}/b/step_00000003")  # -> ep 1, each expert over etp 2
+    return whole, again, middle[:1] + chain
+
+
+def _one_rank(env, root):
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        return moe_mod.train(env, TRAIN_CFG, replace(BASE, microbatches=2, steps=4, resume=root), quiet=True)["losses"]
+
+
+def test_a_checkpoint_reshards_from_ep_4_to_2_to_1_and_continues_bit_for_bit_in_its_own_layout(run_ranks, tmp_path):
+    whole, again, chain = run_ranks(_resharded, 4, str(tmp_path))[0]
+    assert again == whole[2:]  # exactly: the same layout reads its own shards, streams included
+    assert len(chain) == 2 and tensor_parallel.max_rel_diff(torch.tensor(chain), torch.tensor(whole[2:])) <= TOL
+    manifest = (tmp_path / "b" / "step_00000003" / "manifest.json").read_text()
+    assert '"ep": 2' in manifest and '"name": "experts"' in manifest
+    resumed = run_ranks(_one_rank, 1, str(tmp_path / "a"))[0]  # 4 ranks' experts onto one: ep 1, world 1
+    assert tensor_parallel.max_rel_diff(torch.tensor(resumed), torch.tensor(whole[2:])) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Upcycling a dense GPT-2, and what a model with experts refuses
+
+
+def _upcycled(env, path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        dense = gpt3d.train(env, TRAIN_CFG, replace(gpt3d.TrainConfig(**{f.name: getattr(BASE, f.name) for f in
+                                                                        dataclasses.fields(gpt3d.TrainConfig)}),
+                                                    steps=1, init_from=path), quiet=True)["losses"]
+        ours = moe_mod.train(env, TRAIN_CFG, replace(BASE, steps=1, init_from=path), quiet=True)["losses"]
+    return dense, ours, out.getvalue()
+
+
+def test_an_upcycled_model_starts_as_the_dense_gpt2_it_came_from_and_says_so(run_ranks, tmp_path):
+    path = str(tmp_path / "dense.pt")
+    full = tensor_parallel.init_state_dict(TRAIN_CFG, 3, dtype=F64, random_all=True)
+    gpt2.export_state_dict(TRAIN_CFG, full, "bytes", path)
+    dense, ours, said = run_ranks(_upcycled, 1, path)[0]
+    # every expert is the layer's MLP and the k weights sum to 1: the same function, to rounding
+    assert abs(ours[0] - dense[0]) / dense[0] <= TOL and ours[0] != 0
+    assert re.search(r"upcycling: each of the 4 experts of layers \[0, 2\] starts as .*dense.pt's MLP", said), said
+
+
+def _saved(env, root):
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        moe_mod.train(env, TRAIN_CFG, replace(BASE, steps=1, save=root), quiet=True)
+
+
+BAD = {  # the trainer's flags and the demo's, each refused in a sentence before anything starts
+    "E not divisible by ep": (["--train", "--num-experts", "6", "--ep", "4"], "--num-experts 6 is not divisible by --ep 4"),
+    "top-k above E": (["--train", "--num-experts", "4", "--top-k", "5"], "--top-k 5: each token goes to between 1 and"),
+    "top-k 0": (["--top-k", "0"], "--top-k 0: each token goes to between 1 and"),
+    "ep x etp not dividing a stage": (["--train", "--ep", "2", "--etp", "4", "--num-experts", "4"],
+                                      "--ep 2 x --etp 4 = 8 does not divide tp x dp = 2 x 2"),
+    "a demo fold that does not fit": (["--ep", "3", "--num-experts", "6"], "--ep 3 x --etp 1 = 3 does not divide"),
+    "capacity 0": (["--train", "--capacity-factor", "0"], "--capacity-factor must be positive, got 0.0"),
+    "capacity below 0": (["--capacity-factor", "-1"], "--capacity-factor must be positive, got -1.0"),
+    "sampling": (["--train", "--sample", "hi", "--resume", "x"], "--sample reads the weights into 01's serial GPT-2"),
+    "a GPT-2 export": (["--train", "--export-hf", "out", "--resume", "x"], "--export-hf writes a Hugging Face GPT-2, "
+                                                                           "and GPT-2 has no experts"),
+    "the dense planner": (["--train", "--plan", "1T"], "--plan estimates 05's dense GPT-2"),
+    "CUDA graphs": (["--train", "--tp", "1", "--pp", "1", "--dp", "1", "--cuda-graphs"], "--cuda-graphs: the dispatcher"),
+    "a flag the layout ignores": (["--train", "--print-layout", "--steps", "3"], "--print-layout does not use --steps"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_input_is_refused_by_name_before_anything_starts(case):
+    args, message = BAD[case]
+    proc = run_script("09_expert_parallel.py", *args, timeout=30)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_05_refuses_a_checkpoint_with_experts_by_name(run_ranks, tmp_path):
+    run_ranks(_saved, 1, str(tmp_path / "moe"))
+    model = ["--n-layer", 4, "--n-head", 2, "--n-embd", 16, "--block-size", 16, "--seq-len", 16, "--batch-size", 8]
+    for args, message in ((["--resume", tmp_path / "moe", "--tp", "1", "--pp", "1", "--dp", "1", *model],
+                           "was written with a GPT-2 with experts (num_experts=4, moe_every=2) (this run 01's GPT-2)"),
+                          (["--resume", tmp_path / "moe", "--export-hf", tmp_path / "hf"],
+                           "--export-hf: the checkpoint"),
+                          (["--resume", tmp_path / "moe", "--sample", "hi"],
+                           "holds a GPT-2 with experts (num_experts=4, moe_every=2), and 01's GPT-2 has no experts")):
+        proc = run_script("05_3d_gpt.py", *args, timeout=60)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_print_layout_draws_both_grids_and_the_fold():
+    proc = run_script("09_expert_parallel.py", "--train", "--print-layout", "--tp", 2, "--dp", 2, "--pp", 2, "--ep", 4,
+                      "--num-experts", 8, timeout=30)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "ep groups:  [[0, 1, 2, 3], [4, 5, 6, 7]]" in out and "dp groups:  [[0, 2], [1, 3], [4, 6], [5, 7]]" in out
+    assert "an ep group spans 2 tp group(s) and 2 dp replica(s)" in out and "active per token" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo
+
+
+def test_the_demo_passes_and_prints_the_grids_the_routing_the_bytes_and_the_auxiliary_loss():
+    proc = run_script("09_expert_parallel.py", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.rstrip().endswith("tolerance 1e-10)") and "\nPASS: worst relative difference" in out
+    assert "the fold: an ep group spans 2 tp group(s) and 2 dp replica(s)" in out
+    assert re.search(r"rank +e0 +e1 .* received", out) and "auxiliary loss" in out
+    measured, formula = (float(x.replace(",", "")) for x in re.search(
+        r"every rank and MoE layer: ([\d,]+) measured, ([\d,]+) by the planner", out).groups())
+    assert 0.5 < measured / formula < 1.5  # the router's own routing, near the uniform one's figure
