@@ -1,6 +1,6 @@
 """09 - Expert parallelism: a GPT-2 with mixture-of-experts layers, its experts spread over ep ranks,
 and MoE Parallel Folding (Liu et al. 2025, "MoE Parallel Folding: Heterogeneous Parallelism Mappings
-for Efficient Large-Scale MoE Model Training with Megatron Core", Sections 3 and 4).
+for Efficient Large-Scale MoE Model Training with Megatron Core", arXiv:2504.14960).
 
 What this file adds on top of 01-05: a fifth dimension. Every moe_every-th block's MLP becomes E
 experts (each a GPT-2 MLP, 01's ParallelMLP) and a router that sends each token to k of them:
@@ -39,7 +39,6 @@ receives, the all-to-all bytes against the planner's formula, the auxiliary loss
 and expert-parallel models' loss and every gradient (router, experts, dense weights) in float64,
 worst relative difference, PASS at 1e-10, else exit 1.
 """
-import functools
 import importlib
 import math
 import sys
@@ -58,7 +57,6 @@ from plumbing.checkpoint import EXTENSIONS
 from plumbing.launch import gather_numbers, printer, run_main
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
-pipeline = importlib.import_module("02_pipeline_1f1b")
 gpt3d = importlib.import_module("05_3d_gpt")
 zero_bubble = importlib.import_module("06_zero_bubble")
 size_of, rank_of = tensor_parallel.tp_size, tensor_parallel.tp_rank  # of a group (None: 1 and 0)
@@ -71,7 +69,8 @@ size_of, rank_of = tensor_parallel.tp_size, tensor_parallel.tp_rank  # of a grou
 def route(x, weight, k):
     """x (N, C) tokens -> (probs (N, E) of every expert, weights (N, k) of the k chosen, chosen (N, k)):
     softmax over E, the top k, their probabilities renormalised to sum to 1."""
-    probs = F.softmax(F.linear(x, weight), dim=-1)  # (N, E)
+    logits = F.linear(x, weight)  # (N, E); in float32 when the weights are bf16 (Megatron's router too)
+    probs = F.softmax(logits.float() if logits.element_size() < 4 else logits, dim=-1)  # (N, E)
     top, chosen = probs.topk(k, dim=-1)  # (N, k) each, the likeliest first
     return probs, top / top.sum(-1, keepdim=True), chosen
 
@@ -94,12 +93,12 @@ class WithAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, aux, scale):
-        ctx.scale = scale
+        ctx.scale, ctx.dtype = scale, aux.dtype
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=grad.dtype, device=grad.device), None
+        return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=grad.device), None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +163,7 @@ def combine(ys, weights, plan, group):
     """Step 5: the experts' rows back to the ranks they came from (the reverse all-to-all), each weighted by
     its router probability, weights (N, k), and added into its token's place: (N, C)."""
     back = all_to_all(ys, plan.recv, plan.send, group)  # (pairs, C), in plan.order
-    w = weights.flatten()[plan.order, None]
+    w = weights.flatten()[plan.order, None].to(back.dtype)
     return back.new_zeros(weights.shape[0], back.shape[1]).index_add(0, plan.order // plan.k, back * w)
 
 
@@ -241,7 +240,7 @@ gather_tokens = GatherTokens.apply
 
 
 # ----------------------------------------------------------------------------------------------
-# Parallel folding (Liu et al. 2025, Section 3): the experts' grid over the same ranks as attention's
+# Parallel folding (Liu et al. 2025): the experts' grid over the same ranks as attention's
 
 
 def fold(grid, ep=1, etp=1):
@@ -334,8 +333,8 @@ def demo(env, cfg, args):
     worst = max(x[0] for x in gather_numbers([max(diffs.values())], device=env.device))
     report_routing(env, say, cfg, args, model)
     say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {loss:.12f}\nauxiliary loss (the sum over "
-        f"{len(moe_layers(model))} MoE layers; 1 each when the load is even, E = {moe.num_experts} when one expert "
-        f"takes every token): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
+        f"{len(moe_layers(model))} MoE layers; each 1 when the load is even, up to E = {moe.num_experts} when every "
+        f"token goes to one expert): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
     say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in sorted(diffs.items(), key=lambda x: -x[1])[:3]))
     say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference over every rank {worst:.2e} "
         f"(loss, auxiliary loss, every gradient: router, experts, dense weights; tolerance 1e-10)")
@@ -413,7 +412,7 @@ class CapacityLayer(MoELayer):
 
     def combine(self, ys, weights, plan):
         back = all_to_all(ys, plan.recv, plan.send, self.ep)[plan.slots]  # (pairs kept, C)
-        w = weights.flatten()[plan.order, None]
+        w = weights.flatten()[plan.order, None].to(back.dtype)
         return back.new_zeros(weights.shape[0], back.shape[1]).index_add(0, plan.order // plan.k, back * w)
 
 

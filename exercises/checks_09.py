@@ -171,7 +171,7 @@ def _per_token_share(probs, chosen, group):  # f_i over N, not N k
 
 EXERCISES = [
     Exercise("09.1", "dispatch", "the token dispatcher: sort, counts, uneven all-to-all",
-             ("dispatch",), "Megatron's all-to-all token dispatcher; Liu et al. 2025, Section 3", check_dispatch,
+             ("dispatch",), "Megatron's all-to-all token dispatcher; Liu et al. 2025 (MoE Parallel Folding)", check_dispatch,
              lambda: {"dispatch": REFERENCE["dispatch"]},
              [Planted("dispatch_unsorted", "the pairs are sent in token order, not sorted by expert",
                       lambda: {"dispatch": _unsorted}, "the rows must be the pairs sorted by expert"),

@@ -39,7 +39,7 @@ def dispatch(x, chosen, E, group):
     plan = experts.Plan(order, k, send, recv, blocks, counts): what combine() needs to undo it (counts
     as a host list too). With group None (ep = 1) the all-to-alls are the identity."""
     raise NotImplementedError("09.1 dispatch: sort the pairs by expert, exchange the counts, then the rows. Read "
-                              "Liu et al. 2025, Section 3 (Megatron's all-to-all dispatcher) and 09's docstring (its "
+                              "Liu et al. 2025 (MoE Parallel Folding: its token dispatcher) and 09's docstring (its "
                               "five steps); then run: python3 -m exercises check 09.1")
 
 
