@@ -314,8 +314,9 @@ def against_serial(env, cfg, moe, args, groups, full, idx, targets):
         p.grad /= dp
     got = tensor_parallel.all_reduce(torch.stack([loss.detach(), aux]).double().to(env.device), groups.dp).cpu() / dp
     named = dict(serial.named_parameters())
-    diffs = {"loss": abs(got[0] - ref[0]).item() / abs(ref[0]).item(), "aux": abs(got[1] - ref[1]).item() / abs(ref[1]).item()}
-    diffs.update({"grad " + n: tensor_parallel.max_rel_diff(g.cpu(), named[n].grad) for n, g in model.full_grads().items()})
+    diffs = {what: (abs(got[i] - ref[i]) / abs(ref[i])).item() for i, what in enumerate(("loss", "aux"))}
+    diffs.update({"grad " + n: tensor_parallel.max_rel_diff(g.cpu(), named[n].grad)
+                  for n, g in model.full_grads().items()})
     return diffs, ref.tolist(), got.tolist(), model
 
 
@@ -323,8 +324,9 @@ def demo(env, cfg, args):
     say, moe = printer(env), MoEConfig.of(args)
     grid = fold(gpt3d.rank_grid(env.world_size, args.tp, args.dp), args.ep, args.etp)  # before any collective
     groups = gpt3d.new_groups(env, grid)
-    say(f"{cfg}\n{moe}\ntp={args.tp} dp={args.dp} -> etp={args.etp} ep={args.ep} edp={env.world_size // (args.ep * args.etp)}"
-        f", B={args.batch_size} T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
+    say(f"{cfg}\n{moe}\ntp={args.tp} dp={args.dp} -> etp={args.etp} ep={args.ep} "
+        f"edp={env.world_size // (args.ep * args.etp)}, B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
     say(draw_fold(grid))
     full = moe_state_dict(cfg, moe, args.seed, dtype=torch.float64, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -335,7 +337,8 @@ def demo(env, cfg, args):
     say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {loss:.12f}\nauxiliary loss (the sum over "
         f"{len(moe_layers(model))} MoE layers; each 1 when the load is even, up to E = {moe.num_experts} when every "
         f"token goes to one expert): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
-    say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in sorted(diffs.items(), key=lambda x: -x[1])[:3]))
+    largest = sorted(diffs.items(), key=lambda x: -x[1])[:3]
+    say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in largest))
     say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference over every rank {worst:.2e} "
         f"(loss, auxiliary loss, every gradient: router, experts, dense weights; tolerance 1e-10)")
     return worst <= 1e-10
@@ -425,7 +428,7 @@ class MoEConfig:
     num_experts: int = 8  # E, experts in each MoE layer, each a GPT-2 MLP
     top_k: int = 2  # k, experts each token is sent to (its k router probabilities renormalised to sum to 1)
     moe_every: int = 1  # layer i has experts in place of its MLP when i % moe_every == 0 (Megatron's --moe-layer-freq)
-    capacity_factor: float | None = None  # unset: dropless; else an expert takes at most ceil(cf N k / E) of a rank's N tokens' choices, the rest dropped
+    capacity_factor: float | None = None  # unset: dropless; else each expert takes ceil(cf N k / E) of a rank's N k pairs at most
     aux_loss_coeff: float = 0.01  # the load-balancing loss's coefficient (Switch's 1e-2; 0: off)
 
     @classmethod
@@ -476,7 +479,8 @@ def draw_fold(grid):
         cell = lambda kinds: "".join(f"{','.join(str(place[k][r]) for k in kinds):>8}" for r in ranks)  # noqa: E731
         out += [f"stage {stage}  rank      {''.join(f'{r:>8}' for r in ranks)}",
                 f"  attention tp,dp {cell(('tp', 'dp'))}",
-                f"  experts  ep,edp {cell(('ep', 'edp'))}"] + ([f"  experts     etp {cell(('etp',))}"] if size["etp"] > 1 else [])
+                f"  experts  ep,edp {cell(('ep', 'edp'))}"]
+        out += [f"  experts     etp {cell(('etp',))}"] if size["etp"] > 1 else []
     for kind in ("tp", "dp", "ep", "edp", "etp", "pp"):
         groups = grid[kind] if len(grid[kind]) <= 16 else str(grid[kind][:16])[:-1] + ", ...]"
         out.append(f"{kind + ' groups:':12s}{groups}")
@@ -549,6 +553,14 @@ class ExpertSchedule(zero_bubble.ZeroBubbleSchedule):
             with_experts(c, moe, groups).load_full_state_dict(weights)
             for layer in moe_layers(c):
                 layer.aux_scale = moe.aux_loss_coeff / tc.microbatches
+        if dist.get_rank() == 0:  # 05's summary counts the dense model: what the experts add, first
+            cfg, spec = chunks[0].cfg, planner.MoESpec(moe.num_experts, moe.top_k, moe.moe_every)
+            total, active = planner.moe_params(planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size), spec)
+            drops = f"capacity {moe.capacity_factor:g}" if moe.capacity_factor else "dropless"
+            print(f"experts   {moe.num_experts} in each of layers {list(planner.moe_layers(cfg.n_layer, moe.moe_every))}, "
+                  f"top-{moe.top_k}, aux loss x {moe.aux_loss_coeff:g}, {drops}; etp {tc.etp} x ep {tc.ep} x edp "
+                  f"{tc.tp * tc.dp // (tc.ep * tc.etp)} over each stage's tp x dp; {total:,} parameters, {active:,} "
+                  f"active per token")
         if tc.init_from and dist.get_rank() == 0:
             print(f"upcycling: each of the {moe.num_experts} experts of layers "
                   f"{list(planner.moe_layers(chunks[0].cfg.n_layer, moe.moe_every))} starts as {tc.init_from}'s MLP of its "

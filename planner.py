@@ -576,7 +576,8 @@ def moe_params(m, e):
     8 h^2 + 5 h, is E of them plus a router of E h; a token runs k of them and the router."""
     h, n, mlp = m.n_embd, len(moe_layers(m.n_layer, e.moe_every)), 8 * m.n_embd ** 2 + 5 * m.n_embd
     dense = params_exact(m)
-    return dense + n * ((e.num_experts - 1) * mlp + e.num_experts * h), dense + n * ((e.top_k - 1) * mlp + e.num_experts * h)
+    router = e.num_experts * h
+    return dense + n * ((e.num_experts - 1) * mlp + router), dense + n * ((e.top_k - 1) * mlp + router)
 
 
 def moe_flops_per_token(m, e):

@@ -55,7 +55,8 @@ def worker(env, cfg, args):
     (ours(x) * w).sum().backward()
     ref = serial(x_all.flatten(0, 1).view(1, -1, cfg.n_embd)).detach().view_as(x_all)[env.rank]
     out = ours(x).detach()
-    router = ours.router.weight.grad.clone() if ours.router.weight.grad is not None else torch.full_like(ours.router.weight, math.nan)
+    router = ours.router.weight.grad  # None: no gradient reached it
+    router = router.clone() if router is not None else torch.full_like(ours.router.weight, math.nan)
     dist.all_reduce(router)  # each rank's tokens' share of the router's gradient
     named = dict(serial.named_parameters())
     grads = [math.inf if p.grad is None or named[n].grad is None else tensor_parallel.max_rel_diff(p.grad, named[n].grad)

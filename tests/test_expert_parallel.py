@@ -111,7 +111,8 @@ def _parity(env, cases):
         if args.uneven:  # every token the same at the layers' input: they all choose the same k experts
             for i in range(CFG.n_layer):
                 full[f"transformer.h.{i}.ln_2.weight"] *= 1e-6
-                full[f"transformer.h.{i}.ln_2.bias"] = torch.randn(CFG.n_embd, dtype=F64, generator=torch.Generator().manual_seed(i))
+                gen = torch.Generator().manual_seed(i)
+                full[f"transformer.h.{i}.ln_2.bias"] = torch.randn(CFG.n_embd, dtype=F64, generator=gen)
         gen = torch.Generator().manual_seed(11)
         idx, targets = torch.randint(CFG.vocab_size, (2, 2 * args.dp, 8), generator=gen)
         diffs, _, _, model = moe_mod.against_serial(env, CFG, moe, args, groups, full, idx, targets)
@@ -359,3 +360,32 @@ def test_the_demo_passes_and_prints_the_grids_the_routing_the_bytes_and_the_auxi
     measured, formula = (float(x.replace(",", "")) for x in re.search(
         r"every rank and MoE layer: ([\d,]+) measured, ([\d,]+) by the planner", out).groups())
     assert 0.5 < measured / formula < 1.5  # the router's own routing, near the uniform one's figure
+
+
+# ----------------------------------------------------------------------------------------------
+# The planner's figures for a model with experts
+
+
+def test_the_planner_counts_the_model_with_experts_exactly_and_its_flops_reduce_to_eq_3():
+    spec = planner.ModelSpec(4, 16, 2, 97, 16)
+    for E, k, every in ((4, 2, 2), (8, 1, 1), (1, 1, 1)):
+        e = planner.MoESpec(E, k, every)
+        model = moe_mod.with_experts(tensor_parallel.GPT(replace(CFG, n_layer=4), device="meta"),
+                                     moe_mod.MoEConfig(num_experts=E, top_k=k, moe_every=every))
+        total, active = planner.moe_params(spec, e)
+        assert total == sum(p.numel() for p in model.parameters())
+        per_expert = 8 * 16 * 16 + 5 * 16  # a GPT-2 MLP: c_fc (4C, C) + 4C, c_proj (C, 4C) + C
+        assert total - active == len(range(0, 4, every)) * (E - k) * per_expert
+    one = planner.MoESpec(1, 1, 10**9)  # layer 0 alone has experts, one of them: the dense MLP and a router
+    paper = planner.ModelSpec(24, 2304, 24, 51200, 2048)
+    assert planner.moe_flops_per_token(paper, one) == pytest.approx(  # eq. 3 without recomputation, per token,
+        planner.flops_per_iteration(paper, 1, "none") / paper.seq_len + 3 * 2 * 2304, rel=1e-12)  # + the router
+
+
+def test_the_planner_puts_fewer_experts_on_each_rank_as_ep_grows():
+    m, e = planner.ModelSpec(24, 2048, 16, 51200, 2048), planner.MoESpec(64, 8, 1)
+    L = planner.Layout(2, 4, 8, 512, b=1)
+    mem = [planner.moe_memory_per_rank(m, e, L, ep) for ep in (1, 2, 4, 8, 16)]
+    assert mem == sorted(mem, reverse=True) and mem[0] / mem[-1] > 4
+    assert planner.moe_alltoall_bytes(1024, 2, 1, 256) == 0  # ep = 1: nothing leaves the rank
+    assert planner.moe_alltoall_bytes(1024, 2, 4, 256, elt=4) == 4 * 1024 * 2 * 3 / 4 * 256 * 4
