@@ -250,7 +250,8 @@ def _resharded(env, root):
         whole = quiet(ep=4, steps=4)
         quiet(ep=4, steps=2, save=f"{root}/a")
         again = quiet(ep=4, steps=4, resume=f"{root}/a")  # the same layout: continued bit for bit
-        middle = quiet(ep=2, steps=4, resume=f"{root}/a/step_00000002", save=f"{root}/b", save_every=1)  # ep 4 -> 2
+        middle = quiet(ep=2, steps=4, resume=f"{root}/a/step_00000002", save=f"{root}/b", save_every=1,
+                       zero1=True)  # ep 4 -> 2, and AdamW's state in ZeRO-1 shards: dense over dp, experts over edp
         chain = quiet(ep=1, etp=2, steps=4, resume=f"{root}/b/step_00000003")  # -> ep 1, each expert over etp 2
     return whole, again, middle[:1] + chain
 
