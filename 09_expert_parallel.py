@@ -427,7 +427,7 @@ class CapacityLayer(MoELayer):
 class MoEConfig:
     num_experts: int = 8  # E, experts in each MoE layer, each a GPT-2 MLP
     top_k: int = 2  # k, experts each token is sent to (its k router probabilities renormalised to sum to 1)
-    moe_every: int = 1  # layer i has experts in place of its MLP when i % moe_every == 0 (Megatron's --moe-layer-freq)
+    moe_every: int = 1  # layer i has experts in place of its MLP when moe_every divides i (Megatron's --moe-layer-freq)
     capacity_factor: float | None = None  # unset: dropless; else each expert takes ceil(cf N k / E) of a rank's N k pairs at most
     aux_loss_coeff: float = 0.01  # the load-balancing loss's coefficient (Switch's 1e-2; 0: off)
 

@@ -338,6 +338,12 @@ def test_05_refuses_a_checkpoint_with_experts_by_name(run_ranks, tmp_path):
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--train", "--help"]], ids=["demo", "train"])
+def test_help_lists_the_experts_flags(args):
+    proc = run_script("09_expert_parallel.py", *args, timeout=30)
+    assert proc.returncode == 0 and "--num-experts" in proc.stdout and "--capacity-factor" in proc.stdout, proc.stderr
+
+
 def test_print_layout_draws_both_grids_and_the_fold():
     proc = run_script("09_expert_parallel.py", "--train", "--print-layout", "--tp", 2, "--dp", 2, "--pp", 2, "--ep", 4,
                       "--num-experts", 8, timeout=30)
