@@ -77,17 +77,17 @@ class BucketedDDP:
             raise ValueError(f"the bucket size must be positive, got bucket_numel={bucket_numel}")
         self.params = [p for p in params if p.requires_grad]
         self.group, self.dp, self.zero, self.overlap = group, dist.get_world_size(group), zero, overlap
-        dp = self.dp if zero else 1  # ZeRO splits every bucket into dp equal shards: pad to fit
-        self.offsets, n = {}, 0
-        for p in reversed(self.params):  # backward produces the last layers' gradients first
-            self.offsets[p] = n
-            n += p.numel()
-        step, total = -(-bucket_numel // dp) * dp, -(-n // dp) * dp  # both rounded up to multiples of dp
-        self.buckets = [(lo, min(lo + step, total)) for lo in range(0, total, step)]
-        p0 = self.params[0]
-        self.grad_buffer = torch.zeros(total, dtype=grad_dtype or p0.dtype, device=p0.device)
+        self.offsets, self.buckets, self.bucket_groups, total = {}, [], [], 0
+        for replicas, ps in by_replicas(self.params, group).items():  # buckets of one group of replicas each
+            start, size = total, dist.get_world_size(replicas) if zero else 1  # ZeRO: a bucket in equal shards
+            for p in ps:  # backward produces the last layers' gradients first
+                self.offsets[p], total = total, total + p.numel()
+            step, total = -(-bucket_numel // size) * size, start + -(-(total - start) // size) * size  # padded
+            self.buckets += [(lo, min(lo + step, total)) for lo in range(start, total, step)]
+            self.bucket_groups += [replicas] * (len(self.buckets) - len(self.bucket_groups))
+        self.grad_buffer = torch.zeros(total, dtype=grad_dtype or self.params[0].dtype, device=self.params[0].device)
         # The parameters move into a flat buffer of the same layout (ZeRO-1 all-gathers its buckets).
-        self.param_buffer = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+        self.param_buffer = torch.zeros(total, dtype=self.params[0].dtype, device=self.params[0].device)
         self.buckets_of, self.index, self.views = {}, {p: i for i, p in enumerate(self.params)}, {}
         for p in self.params:
             lo = self.offsets[p]
@@ -129,13 +129,13 @@ class BucketedDDP:
         return self.sync
 
     def _launch(self, i):
-        bucket = self.grad_buffer[slice(*self.buckets[i])]
+        bucket, group = self.grad_buffer[slice(*self.buckets[i])], self.bucket_groups[i]
         self.events.append(("launch", i, self.clock()))
         if self.zero:
-            shard = bucket.new_empty(bucket.numel() // self.dp)
-            self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, self.group, async_op=True), shard)
+            shard = bucket.new_empty(bucket.numel() // dist.get_world_size(group))
+            self.works[i] = (tensor_parallel.reduce_scatter_single(shard, bucket, group, async_op=True), shard)
         else:
-            self.works[i] = (dist.all_reduce(bucket, group=self.group, async_op=True), None)
+            self.works[i] = (dist.all_reduce(bucket, group=group, async_op=True), None)
 
     def finish(self):
         """Launch what is left (e.g. after a pipeline flush) and wait for every bucket. Then
@@ -158,8 +158,8 @@ class BucketedDDP:
 
     def shard_range(self, i):
         """The elements [a, b) of bucket i this rank owns: its 1/dp under ZeRO-1, else all."""
-        (lo, hi), r = self.buckets[i], dist.get_rank(self.group)
-        n = (hi - lo) // self.dp
+        (lo, hi), replicas = self.buckets[i], self.bucket_groups[i]
+        n, r = (hi - lo) // dist.get_world_size(replicas), dist.get_rank(replicas)
         return (lo + r * n, lo + (r + 1) * n) if self.zero else (lo, hi)
 
 
@@ -206,7 +206,7 @@ class FlatAdamW:
         # ZeRO-1: every rank's shard to every rank, from the buffer's end: the first layers, used first
         for i, (lo, hi) in reversed(list(enumerate(ddp.buckets)) if ddp.zero else []):
             mine = ddp.param_buffer[slice(*ddp.shard_range(i))].clone()
-            work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, ddp.group, async_op=True)
+            work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, ddp.bucket_groups[i], async_op=True)
             self.gathers[i] = (work, mine)
         self.after_step()
 
@@ -328,7 +328,16 @@ class OverlappedGather(FlatAdamW):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the demo's checks, its reference and its command line.
+# After the concept: who holds a parameter's copies (by_replicas); the demo's checks, reference and flags.
+
+
+def by_replicas(params, group):
+    """{group: its parameters, last first}, for BucketedDDP: a gradient is summed over the ranks holding copies
+    of it, `group` (dp) unless it carries another as .replica_group (09's experts: edp); always divided by dp."""
+    out = {}
+    for p in reversed(params):
+        out.setdefault(getattr(p, "replica_group", group), []).append(p)
+    return out
 
 
 def check_world(world, dp, batch_size, m):

@@ -132,10 +132,11 @@ class ScatterGather(pipeline.Wire):
 
 def counts_in_norm(p, chunk, tp_group):
     """Split parameters count on every tp rank (each holds a different slice); replicated ones
-    (LayerNorms, row-parallel biases, wpe) only on tp rank 0; the tied output layer's copy on the
-    last stage not at all (it is the first stage's embedding again)."""
+    (LayerNorms, row-parallel biases, wpe) only on tp rank 0 (of the group they are replicated over:
+    their own .split_group, if any, else tp); the tied output layer's copy on the last stage not at
+    all (it is the first stage's embedding again)."""
     tied_copy = hasattr(chunk, "lm_head") and not chunk.pre_process and p is chunk.lm_head.weight
-    return not tied_copy and (hasattr(p, "tp_dim") or dist.get_rank(tp_group) == 0)
+    return not tied_copy and (hasattr(p, "tp_dim") or tensor_parallel.tp_rank(getattr(p, "split_group", tp_group)) == 0)
 
 
 def clip_gradients(opt, chunks, groups, max_norm, zero1):
@@ -146,10 +147,10 @@ def clip_gradients(opt, chunks, groups, max_norm, zero1):
     dtype = torch.float64 if grad0.dtype == torch.float64 else torch.float32
     sq = torch.zeros((), dtype=dtype, device=grad0.device)
     for piece in opt.pieces:  # this rank's elements: all of them, or with ZeRO-1 its 1/dp
-        if counts_in_norm(piece.param, owner[id(piece.param)], groups.tp):
+        replicas = getattr(piece.param, "replica_group", groups.dp)  # ranks holding the same gradient
+        if counts_in_norm(piece.param, owner[id(piece.param)], groups.tp) and (zero1 or dist.get_rank(replicas) == 0):
             sq += piece.grad.to(dtype).pow(2).sum()
-    for group in [groups.tp, groups.pp] + ([groups.dp] if zero1 else []):  # replicas: same gradients
-        dist.all_reduce(sq, group=group)
+    dist.all_reduce(sq)  # every element was counted on exactly one rank
     norm = float(sq.sqrt())
     if math.isfinite(norm):  # inf: the step is skipped (train_step), and inf * 0 would be NaN
         coef = min(max_norm / (norm + 1e-6), 1.0)

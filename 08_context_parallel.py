@@ -761,7 +761,7 @@ class TrainConfig(ContextParallel, gpt3d.TrainConfig):
         if self.cuda_graphs is None and self.cp > 1:  # unset: on where the layout allows; a ring's p2p is not captured
             self.cuda_graphs = False
 
-    def check(self, cfg):
+    def check_relations(self, cfg, world=None):
         """The relations of 08's flags to the others (plumbing.checks.check_config calls it, before
         anything starts); each refusal names the flag, the value and the constraint."""
         for name, default in (("cp_schedule", "megatron"), ("cp_attention", "ring")):

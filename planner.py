@@ -557,6 +557,71 @@ def vocab_report(c=Cluster()):
 
 
 # ----------------------------------------------------------------------------------------------
+# Mixture of experts (09; Liu et al. 2025, "MoE Parallel Folding"): every moe_every-th layer's MLP
+# (layer i, i % moe_every == 0) is E experts and a router, each token sent to k of them; the experts
+# fold onto attention's tp x dp ranks of a stage as etp x ep x edp.
+#
+#     parameters        P + n ((E - 1)(8 h^2 + 5 h) + E h) in all; a token uses P + n ((k - 1)(8 h^2 + 5 h) + E h)
+#     FLOPs per token   3 (l (8 h^2 + 4 s h) + (l - n) 16 h^2 + n (16 k h^2 + 2 E h) + 2 h V), forward and backward
+#     all-to-all        4 N k (ep - 1)/ep h bytes per element a rank sends per MoE layer and microbatch
+#     memory per rank   dense weights / tp and experts / (ep etp), 2 + 4 + 12 bytes each (the 12 / dp, / edp
+#                       for experts, with ZeRO-1), plus activations: an MoE layer's MLP part k times a dense one's
+# with n the MoE layers, P the dense model's parameters (params_exact), N the tokens a rank routes.
+
+MoESpec = namedtuple("MoESpec", "num_experts top_k moe_every", defaults=(2, 1))
+
+
+def moe_layers(l, every):
+    """The MoE layers' indices among l: i % every == 0 (09's with_experts, Megatron's --moe-layer-freq)."""
+    return range(0, l, every)
+
+
+def moe_params(m, e):
+    """(total, active) parameters of 01's GPT-2 with experts (09's model exactly): each MoE layer's MLP,
+    8 h^2 + 5 h, is E of them plus a router of E h; a token runs k of them and the router."""
+    h, n, mlp = m.n_embd, len(moe_layers(m.n_layer, e.moe_every)), 8 * m.n_embd ** 2 + 5 * m.n_embd
+    dense = params_exact(m)
+    router = e.num_experts * h
+    return dense + n * ((e.num_experts - 1) * mlp + router), dense + n * ((e.top_k - 1) * mlp + router)
+
+
+def moe_flops_per_token(m, e):
+    """Forward and backward FLOPs per token, 3 x the forward's 2 per weight a token meets in a GEMM
+    (attention's 4 h^2 weights, each expert's 8 h^2, the router's E h, the output layer's h V) plus the
+    attention scores' 4 s h per layer (QK^T and AV, the causal half not subtracted, as eq. 3)."""
+    h, l, s, V = m.n_embd, m.n_layer, m.seq_len, m.vocab_size
+    n = len(moe_layers(l, e.moe_every))
+    return 3 * (l * (8 * h * h + 4 * s * h) + (l - n) * 16 * h * h + n * (16 * e.top_k * h * h + 2 * e.num_experts * h)
+                + 2 * h * V)
+
+
+def moe_alltoall_bytes(tokens, k, ep, h, elt=2):
+    """Bytes one rank sends in one MoE layer's all-to-alls for one microbatch, forward and backward, at
+    uniform routing: of its tokens x k rows of h elements, (ep - 1)/ep leave it, in each of four all-to-
+    alls (dispatch and combine, and the reverse of each in the backward)."""
+    return 4 * tokens * k * (ep - 1) / ep * h * elt
+
+
+def moe_memory_per_rank(m, e, L, ep=1, etp=1, zero1=False):
+    """Bytes on the fullest rank (the first stage) under the fold: dense weights over tp, experts over
+    ep x etp, 2 + 4 + 12 bytes per parameter (bf16 weights, fp32 gradients, fp32 master and Adam moments;
+    with ZeRO-1 the 12 over dp, over edp = tp dp / (ep etp) for experts), and Korthikanti's activations
+    with each MoE layer's MLP part (19 s b h of 34) k times over, plus its 4 k s b h of sorted and sent
+    copies, its tokens spread over ep x etp as evenly as the router sends them."""
+    h, E, k = m.n_embd, e.num_experts, e.top_k
+    first = [i for i in moe_layers(m.n_layer, e.moe_every) if i < m.n_layer // L.pp]  # the first stage's
+    mlp = 8 * h * h + 5 * h
+    dense = params_per_gpu(m, L) - len(first) * (mlp / L.tp - E * h)  # the MLPs out, the routers in
+    experts = len(first) * E // ep * mlp / etp
+    edp = L.tp * L.dp // (ep * etp)
+    weights = dense * (6 + 12 / (L.dp if zero1 else 1)) + experts * (6 + 12 / (edp if zero1 else 1))
+    per_layer = activation_bytes_per_layer(m, L)
+    moe_extra = (19 * (k - 1) + 4 * k) * m.seq_len * L.b * h / L.tp  # bytes, as Table 2 counts them
+    acts = (per_layer * m.n_layer // L.pp + moe_extra * len(first)) * layers_in_flight(m, L) / (m.n_layer // L.pp)
+    return weights + acts
+
+
+# ----------------------------------------------------------------------------------------------
 # Layouts
 
 

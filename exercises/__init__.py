@@ -6,8 +6,8 @@
     python3 -m exercises check all --solution      # the numbered files' own functions: all pass
     python3 -m exercises check 01 --planted g_backward_all_reduces   # what a known mistake looks like
 
-One stub file per numbered file (ex01_tensor_parallel.py ... ex05_3d_gpt.py) holds the functions
-and autograd Functions a student writes, each with the signature and the docstring contract of the
+One stub file per numbered file (ex01_tensor_parallel.py ... ex05_3d_gpt.py, and 09's) holds the
+functions and autograd Functions a student writes, each with the signature and the docstring contract of the
 piece it replaces and a body that raises NotImplementedError with a hint: the paper section to read
 and the command to run. The solutions are the numbered files themselves; nothing here copies them.
 
@@ -30,11 +30,12 @@ FILES = {
     "04": ("04_data_parallel", "ex04_data_parallel", "checks_04"),
     "05": ("05_3d_gpt", "ex05_3d_gpt", "checks_05"),
     "08": ("08_context_parallel", "ex08_context_parallel", "checks_08"),  # after the course's four weeks
+    "09": ("09_expert_parallel", "ex09_expert_parallel", "checks_09"),
 }
 
 
 def exercises(file):
-    """The Exercise records of one numbered file ("01" ... "05", "08"), in order."""
+    """The Exercise records of one numbered file ("01" ... "05", "08", "09"), in order."""
     return importlib.import_module(f"exercises.{FILES[file][2]}").EXERCISES
 
 

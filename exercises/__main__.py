@@ -147,8 +147,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python3 -m exercises", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("check", help="grade exercises: 01 ... 05, one such as 01.3, or all")
-    c.add_argument("what", nargs="+", help="01 ... 05, an exercise such as 01.3, or all")
+    c = sub.add_parser("check", help="grade exercises: 01 ... 05, 09, one such as 01.3, or all")
+    c.add_argument("what", nargs="+", help="01 ... 05, 09, an exercise such as 01.3, or all")
     how = c.add_mutually_exclusive_group()
     how.add_argument("--solution", action="store_true", help="grade the numbered files' own functions")
     how.add_argument("--planted", metavar="NAME", help="grade a planted mistake (list shows their names)")

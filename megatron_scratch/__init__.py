@@ -1,9 +1,9 @@
 """The numbered chapters under names Python can import (theirs start with a digit):
 
     from megatron_scratch import tensor_parallel, pipeline, interleaved, data_parallel, gpt3d
-    from megatron_scratch import zero_bubble, vocab_parallel, context_parallel
+    from megatron_scratch import zero_bubble, vocab_parallel, context_parallel, expert_parallel
 
-Each name is the chapter's module itself (01_tensor_parallel.py ... 08_context_parallel.py), loaded on
+Each name is the chapter's module itself (01_tensor_parallel.py ... 09_expert_parallel.py), loaded on
 first use. `pip install -e .` in the repository makes
 this importable anywhere; the chapters stay where they are, and stay runnable as scripts.
 """
@@ -13,7 +13,8 @@ import sys
 
 CHAPTERS = {"tensor_parallel": "01_tensor_parallel", "pipeline": "02_pipeline_1f1b", "interleaved": "03_interleaved",
             "data_parallel": "04_data_parallel", "gpt3d": "05_3d_gpt", "zero_bubble": "06_zero_bubble",
-            "vocab_parallel": "07_vocab_parallel", "context_parallel": "08_context_parallel"}
+            "vocab_parallel": "07_vocab_parallel", "context_parallel": "08_context_parallel",
+            "expert_parallel": "09_expert_parallel"}
 __all__ = list(CHAPTERS)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the chapters sit beside this package

@@ -54,6 +54,42 @@ from plumbing.tokenizer import TOKENIZERS, tokenizer_of
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
+# A model that extends 01's GPT-2 (09's, with experts) registers here how to build it from its manifest's
+# "extension" record ({"name", "file", "model": its fields beyond GPTConfig's}): EXTENSIONS[name](a meta
+# GPT, the record) returns that GPT with the rest put in. Its run's flags say what they add through
+# tc.extension() (also "layout": the sizes of its own groups, kept in the manifest's layout). A checkpoint
+# whose extension is not registered here (05 reading 09's) is refused, naming the file that reads it.
+EXTENSIONS = {}
+
+
+def extension_of(tc):
+    """tc.extension() (a later chapter's record of what its model adds), or None: 01's GPT-2."""
+    return tc.extension() if hasattr(tc, "extension") else None
+
+
+def model_parameters(manifest, device="meta"):
+    """{name: parameter} of the whole serial model a manifest describes, on the meta device."""
+    model = tensor_parallel.GPT(tensor_parallel.GPTConfig(**manifest["model"]), device=device)
+    ext = manifest.get("extension")
+    if ext:
+        if ext["name"] not in EXTENSIONS:
+            raise ValueError(f"the checkpoint holds a GPT-2 with {ext['name']} ({', '.join(f'{k}={v}' for k, v in ext['model'].items())}), "
+                             f"which {ext['file']} builds and this command does not: resume, sample or export it "
+                             f"with python3 {ext['file']}")
+        model = EXTENSIONS[ext["name"]](model, ext)
+    return dict(model.named_parameters())
+
+
+def only_gpt2(path, what):
+    """Refuse, naming it, a checkpoint whose model extends GPT-2 (its manifest's extension), for `what`
+    only 01's GPT-2 can take (an export to GPT-2's formats, sampling with 01's serial model)."""
+    ext = read_manifest(path).get("extension")
+    if ext:
+        raise ValueError(f"{what}: the checkpoint {path} holds a GPT-2 with {ext['name']} "
+                         f"({', '.join(f'{k}={v}' for k, v in ext['model'].items())}), and 01's GPT-2 has no "
+                         f"{ext['name']}; {ext['file']} trains and resumes it")
+
+
 CKPT = re.compile(r"step_(\d+)$")
 INTERRUPTED = re.compile(r"step_(\d+)\.tmp$")
 SAVED_FILES = re.compile(r"rank_\d{5}\.pt|manifest\.json")  # all a save writes into step_N
@@ -371,20 +407,21 @@ def _shard(run, snapshot=False):
     snapshot: every tensor a copy in host memory, so that training may go on changing the live ones."""
     cpu = (lambda t: t.detach().to("cpu", copy=True)) if snapshot else (lambda t: t.detach().cpu())
     owner = {id(p): (c, n) for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
-    # Replicas hold the same weights and, without ZeRO-1, the same optimizer state: one copy does.
-    first_replica = dist.get_rank(run.groups.dp) == 0
+    # Replicas hold the same weights and, without ZeRO-1, the same optimizer state: one copy does, the
+    # first replica's of each parameter (over dp, or over its own .replica_group: 09's experts).
+    writes = lambda p: dist.get_rank(getattr(p, "replica_group", run.groups.dp)) == 0  # noqa: E731
     pieces = []
-    for piece in run.opt.pieces if run.tc.zero1 or first_replica else []:
+    for piece in [piece for piece in run.opt.pieces if run.tc.zero1 or writes(piece.param)]:
         c, name = owner[id(piece.param)]
         start = piece.weights.storage_offset() - run.ddp.offsets[piece.param]
         state = {k: cpu(v) for k, v in run.opt.optimizer.state.get(piece.master, {}).items()}
         if piece.master is not piece.weights:
             state["master"] = cpu(piece.master)
         pieces.append((c, name, start, start + piece.weights.numel(), state))
-    device = run.env.device
+    device, chunks = run.env.device, [{n: cpu(p) for n, p in c.named_parameters() if writes(p)} for c in run.chunks]
     return dict(
         coords={k: dist.get_rank(getattr(run.groups, k)) for k in ("tp", "dp", "pp")},
-        chunks=[{n: cpu(p) for n, p in c.named_parameters()} for c in run.chunks] if first_replica else [],
+        chunks=chunks if any(chunks) else [],
         # a tensor split over another group than tp (07's vocabulary shard): (its shards, this one's index)
         splits={n: split_of(p, None) for c in run.chunks for n, p in c.named_parameters() if hasattr(p, "split_group")},
         pieces=pieces,
@@ -396,16 +433,19 @@ def _layout(run):
     """The layout a checkpoint records; 07's vocabulary parallelism places the embedding otherwise; a
     later chapter's own sizes (checks.layout_sizes: 08's cp) are recorded where they are not 1."""
     tc = run.tc
-    more = {k: n for k, n in checks.layout_sizes(tc) if k not in ("tp", "pp", "dp") and n != 1}
+    more = {k: n for k, n in checks.layout_sizes(tc) if k not in ("tp", "pp", "dp") and n != 1}  # 08's cp
     return dict(tp=tc.tp, pp=tc.pp, dp=tc.dp, v=tc.virtual_stages, zero1=tc.zero1, **more,
-                **({"vocab_parallel": True} if getattr(run, "vocab", None) else {}))
+                **({"vocab_parallel": True} if getattr(run, "vocab", None) else {}),
+                **(extension_of(tc) or {}).get("layout", {}))  # 09's ep and etp
 
 
 def _manifest(run, step):
     tc = run.tc
     # outputs: the files this run writes, so that a resume knows them as its own (checks.check_outputs)
     outputs = {name: os.path.realpath(getattr(tc, name)) if getattr(tc, name, "") else "" for name in OUTPUTS}
+    ext = extension_of(tc)
     return dict(step=step, model=dataclasses.asdict(run.cfg), world=run.env.world_size, layout=_layout(run),
+                **({"extension": {k: ext[k] for k in ("name", "file", "model")}} if ext else {}),
                 train={k: getattr(tc, k) for k in KEPT_FIELDS}, noted={k: getattr(tc, k) for k in NOTED_FIELDS},
                 dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data), outputs=outputs,
                 data=data_identity(tc.data))  # as it was loaded: a resume on other data is refused (read_manifest)
@@ -533,6 +573,11 @@ def _manifest_problems(m):
         wrong.append(f"noted {noted!r} (an object: seed a whole number, data a path)")
     if "dtype" in m and m["dtype"] not in DTYPES:
         wrong.append(f"dtype (one of {', '.join(DTYPES)}; got {m['dtype']!r})")
+    ext = m.get("extension")
+    if "extension" in m and not (isinstance(ext, dict) and set(ext) == {"name", "file", "model"}
+                                 and all(isinstance(ext[k], str) for k in ("name", "file"))
+                                 and isinstance(ext["model"], dict) and all(_whole(v, 1) for v in ext["model"].values())):
+        wrong.append(f"extension {ext!r} (an object: name and file, text; model, whole numbers of at least 1)")
     out = m.get("outputs", {})
     if not isinstance(out, dict) or set(out) - set(OUTPUTS) or not all(isinstance(v, str) for v in out.values()):
         wrong.append(f"outputs {out!r} (an object: {' and '.join(OUTPUTS)}, each a path or \"\")")
@@ -573,6 +618,11 @@ def read_manifest(path, cfg=None, tc=None, say=None):
                 if getattr(cfg, k) != v]
         diff += [f"{k}={v} (this run {getattr(tc, k)})" for k, v in manifest["train"].items()
                  if getattr(tc, k, v) != v]
+        ours, theirs = extension_of(tc), manifest.get("extension")
+        if (ours or {}).get("model") != (theirs or {}).get("model") or (ours or {}).get("name") != (theirs or {}).get("name"):
+            what = lambda e: f"a GPT-2 with {e['name']} ({', '.join(f'{k}={v}' for k, v in e['model'].items())})" \
+                if e else "01's GPT-2"  # noqa: E731
+            diff.append(f"{what(theirs)} (this run {what(ours)})")
         if diff:
             raise ValueError(f"the checkpoint {path} was written with " + ", ".join(diff))
         for k, v in manifest.get("noted", {}).items():
@@ -618,8 +668,7 @@ def check_shards(path, manifest, tensors=False):
             raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: "
                              f"{'it is ' + what if what else 'not a complete archive'}")
         if tensors and file not in _checked:  # a launcher's check is its forked ranks' too
-            meta = meta or dict(tensor_parallel.GPT(tensor_parallel.GPTConfig(**manifest["model"]),
-                                                    device="meta").named_parameters())
+            meta = meta or model_parameters(manifest)
             _check_shapes(file, _load_shard(file, mmap=True), manifest["layout"]["tp"], meta)
             _checked.add(file)
 
@@ -729,7 +778,7 @@ def read_checkpoint(path, cfg=None, tc=None):
     cfg and tc, refuses a checkpoint of another model or another batch, naming what differs."""
     manifest = read_manifest(path, cfg, tc)
     lay = manifest["layout"]
-    meta = dict(tensor_parallel.GPT(tensor_parallel.GPTConfig(**manifest["model"]), device="meta").named_parameters())
+    meta = model_parameters(manifest)
     params, states = {}, {}  # name -> {shard index: shard}; name -> {shard index: {key: flat shard}}
     count = {}  # name -> how many shards it has: tp, or (07's vocabulary shard) its own group's size
     for r in range(manifest["world"]):
@@ -821,34 +870,43 @@ def _set_piece(piece, state):
 
 
 def _load_own_shards(run, path):
-    """Same layout: the weights from this rank's replica 0 (which wrote them for every replica), the
-    optimizer pieces from the shard that holds them (its own with ZeRO-1, else replica 0's), the
-    random streams from its own. Returns its own shard, or None if the pieces do not match (another
-    --bucket-numel cuts the buffer otherwise): then every shard is read and split anew."""
+    """Same layout: each weight from the shard of its first replica (which wrote it for every replica: over
+    dp, or over the parameter's own .replica_group), the optimizer pieces from the shard that holds them (its
+    own with ZeRO-1, else that first replica's), the random streams from its own. Returns its own shard, or
+    None if the pieces do not match (another --bucket-numel cuts the buffer otherwise): then every shard is
+    read and split anew."""
     tp, pp, rank = dist.get_rank(run.groups.tp), dist.get_rank(run.groups.pp), run.env.rank
-    first = pp * (run.env.world_size // run.tc.pp) + tp  # replica 0 of this (tp, pp) place: pp slowest, tp fastest
-    own = _load_shard(os.path.join(path, f"rank_{rank:05d}.pt"))
-    base = own if first == rank else _load_shard(os.path.join(path, f"rank_{first:05d}.pt"))
+    files = {}
+
+    def shard(r):  # rank r's file, read once
+        if r not in files:
+            files[r] = _load_shard(os.path.join(path, f"rank_{r:05d}.pt"))
+        return files[r]
+
+    first = lambda p: dist.get_global_rank(getattr(p, "replica_group", run.groups.dp), 0)  # noqa: E731
+    own, base = shard(rank), shard(dist.get_global_rank(run.groups.dp, 0))  # base: replica 0 of this (tp, pp) place
     if base.get("coords") != dict(tp=tp, dp=0, pp=pp) or len(base["chunks"]) != len(run.chunks):
         return None
     owner = {id(p): n for chunk in run.chunks for n, p in chunk.named_parameters()}
-    saved = {(name, start, end): state for _, name, start, end, state in (own if run.tc.zero1 else base)["pieces"]}
+    source = [rank if run.tc.zero1 else first(piece.param) for piece in run.opt.pieces]  # the file of each piece
+    saved = {r: {(name, start, end): state for _, name, start, end, state in shard(r)["pieces"]} for r in set(source)}
     keys = [(owner[id(piece.param)], piece.weights.storage_offset() - run.ddp.offsets[piece.param]) for piece in run.opt.pieces]
     keys = [(n, start, start + piece.weights.numel()) for (n, start), piece in zip(keys, run.opt.pieces)]
-    if any(k not in saved for k in keys) and saved:
+    if any(k not in saved[r] for k, r in zip(keys, source)) and any(saved.values()):
         return None
     with torch.no_grad():
         for c, chunk in enumerate(run.chunks):
             for n, p in chunk.named_parameters():
-                weight = base["chunks"][c].get(n)
+                held = shard(first(p))["chunks"]
+                weight = held[c].get(n) if len(held) == len(run.chunks) else None
                 if weight is None or weight.shape != p.shape:
                     held = tuple(weight.shape) if weight is not None else "nothing"
-                    raise ValueError(f"checkpoint {path}: the shard of rank {first} holds {n} as {held}, not "
+                    raise ValueError(f"checkpoint {path}: the shard of rank {first(p)} holds {n} as {held}, not "
                                      f"{tuple(p.shape)}: it does not fit its manifest")
                 p.copy_(weight)
-    for key, piece in zip(keys, run.opt.pieces):
-        if saved.get(key):
-            run.opt.optimizer.state[piece.master] = _set_piece(piece, saved[key])
+    for key, r, piece in zip(keys, source, run.opt.pieces):
+        if saved[r].get(key):
+            run.opt.optimizer.state[piece.master] = _set_piece(piece, saved[r][key])
     return own
 
 

@@ -82,6 +82,9 @@ FIELDS = {
     "resume": _ANY, "init_from": _ANY, "overwrite": _ANY, "data_changed_ok": _ANY,
     "fused_kernels": _ANY, "kernel_path": _ANY, "flash_attention": _ANY, "cuda_graphs": _ANY,
     "graph_scope": _ANY,
+    # 09's experts (the model's and the layout's); top_k is sampling's, below, and the router's
+    "num_experts": _at_least(1), "moe_every": _at_least(1), "capacity_factor": _POSITIVE,
+    "aux_loss_coeff": _at_least(0), "ep": _at_least(1), "etp": _at_least(1),
     # sampling (plumbing/sample.py)
     # Tokens are printed as they come; a million is hours of a CPU's sampling, 10**9 would never end.
     "sample": _ANY, "max_new_tokens": [_at_least(1), (lambda v: v <= MAX_NEW_TOKENS, f"at most {MAX_NEW_TOKENS:,}")],
@@ -228,8 +231,8 @@ def check_config(cfg, tc, world=None):
     if getattr(tc, "cuda_graphs", None) and (tp > 1 or tc.recompute != "none"):
         raise ValueError(f"--cuda-graphs captures whole stages, which here needs tp=1 (a stage with tp > 1 "
                          f"holds all-reduces) and --recompute none; got tp={tp}, recompute={tc.recompute}")
-    if hasattr(tc, "check"):  # a later chapter's config: the relations of its own flags to the others
-        tc.check(cfg)
+    if hasattr(tc, "check_relations"):  # a later chapter's config: the relations of its own flags to the others
+        tc.check_relations(cfg, world)
 
 
 def check_one_start(tc):
@@ -448,12 +451,13 @@ DEPENDS = {
 }
 
 
-def check_action(args, given, layout=("tp", "dp", "pp")):
+def check_action(args, given, layout=("tp", "dp", "pp"), sampling=SAMPLING):
     """The action a command of 05 asks for ("print_layout", "sample", "export" or None: train),
     refusing two at once (--export-hf and --export-state-dict together are one: both are written),
     an empty path, --init-from with --resume, and any flag the action would silently ignore.
     given: the names of the flags on the command line (cli.given); layout: the names of the
-    layout's sizes, which --print-layout and --self-check use (layout_sizes)."""
+    layout's sizes, which --print-layout and --self-check use (layout_sizes); sampling: the flags
+    that only sampling reads (a later chapter may own one of SAMPLING's names: 09's --top-k)."""
     for name, what in PATH_FLAGS.items():  # given, but empty: not the same as not given
         if name in given and not str(getattr(args, name, None) or "").strip():
             raise ValueError(f"{flag(name)}: the path is empty; give the {what}")
@@ -464,7 +468,7 @@ def check_action(args, given, layout=("tp", "dp", "pp")):
     action = kinds[0] if kinds else None
     check_one_start(args)
     if action is None:
-        ignored = [n for n in SAMPLING if n in given]
+        ignored = [n for n in sampling if n in given]
         if ignored:
             raise ValueError(f"{', '.join(map(flag, ignored))}: {'it applies' if len(ignored) == 1 else 'they apply'} "
                              f"to --sample only, and this command trains; drop {'it' if len(ignored) == 1 else 'them'}")

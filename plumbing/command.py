@@ -13,8 +13,8 @@ import torch
 import planner
 from plumbing import cli, report, sample, selfcheck, watch
 from plumbing.checkpoint import newest_checkpoint
-from plumbing.checks import check_action, check_fields, check_model_flags, check_plan_flags, layout_sizes, \
-    preflight, world_size
+from plumbing.checks import SAMPLING, check_action, check_fields, check_model_flags, check_plan_flags, \
+    layout_sizes, preflight, world_size
 from plumbing.gpt2 import export_checkpoint, import_gpt2
 from plumbing.launch import launch, launcher_ranks
 
@@ -53,7 +53,8 @@ def main(p, config, train, schedule_of, rank_grid):
     tc, cfg, sc = (cli.from_args(c, args) for c in (config, tensor_parallel.GPTConfig, sample.SampleConfig))
     check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
     given = cli.given(p)  # the flags on the command line: no action may ignore one
-    action = check_action(args, given, [k for k, _ in layout_sizes(tc)])
+    own = {f.name for f in dataclasses.fields(config)}  # a flag of the trainer's is not sampling's (09's --top-k)
+    action = check_action(args, given, [k for k, _ in layout_sizes(tc)], [n for n in SAMPLING if n not in own])
     grid = lambda tc: schedule_of(tc).grid(world_size(tc), tc.tp, tc.dp)  # noqa: E731  (the schedule's groups)
     if action == "print_layout":
         report.print_layout(tc, lambda world, tp, dp, pp: schedule_of(tc).grid(world, tp, dp))
@@ -95,6 +96,7 @@ def later_chapter(demo_parser, flags, title, train_config, schedule_of, start_de
 
     def train_parser():
         p = gpt3d.parser()
+        p.conflict_handler = "resolve"  # a chapter's flag named as one of 05's replaces it (09's --top-k)
         cli.add_dataclass_args(p, flags, title)
         return p
 

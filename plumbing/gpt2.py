@@ -25,7 +25,7 @@ import re
 import torch
 
 from plumbing import checks, paths
-from plumbing.checkpoint import latest_checkpoint, read_checkpoint, unusable
+from plumbing.checkpoint import latest_checkpoint, only_gpt2, read_checkpoint, unusable
 from plumbing.tokenizer import TOKENIZERS
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -295,6 +295,7 @@ def export_checkpoint(root, hf_dir=None, state_dict_path=None, overwrite=False):
     path = latest_checkpoint(root, flag="--resume") if root else None
     if not path:
         raise ValueError(f"exporting needs --resume DIR with a complete checkpoint; got {root!r}")
+    only_gpt2(path, "--export-hf" if hf_dir else "--export-state-dict")  # GPT-2's formats hold no experts
     if hf_dir and os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ValueError(f"--export-hf {hf_dir}: it is {paths.describe(hf_dir) or 'a file'}, not a directory")
     outputs = [("--export-hf", os.path.join(hf_dir, n)) for n in ("config.json", "model.safetensors",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plumbing.checkpoint import latest_checkpoint, read_checkpoint
+from plumbing.checkpoint import latest_checkpoint, only_gpt2, read_checkpoint
 from plumbing.checks import check_model_flags
 from plumbing.gpt2 import import_gpt2
 from plumbing.launch import Interrupted
@@ -199,6 +199,7 @@ def from_weights(cfg, tc, sc, given=()):
         path = latest_checkpoint(tc.resume, flag="--resume")
         if not path:
             raise ValueError(f"--resume {tc.resume!r} holds no complete checkpoint to sample from")
+        only_gpt2(path, "--sample")  # 01's serial GPT-2 samples: it has no experts
         manifest, full, _ = read_checkpoint(path)
         weights_cfg = tensor_parallel.GPTConfig(**manifest["model"])
         check_model_flags(given, cfg, weights_cfg, f"the checkpoint {path}")

@@ -32,6 +32,10 @@ The figures (docs/DIAGRAMS.md shows each and says what it means), each NAME draw
     balance-contiguous, balance-megatron, balance-lightseq
                        each of 08's schedules at cp = 4: which rank computes each causal block at
                        which step, and each rank's work beside the mean (08's simulate())
+    fold               09's parallel folding: attention's tp 2 x dp 2 x pp 2 and the experts' ep 4 on the
+                       same ranks, each rank's place in both grids and the experts it holds
+    dispatch           one token dispatch of 09 on ep = 2 CPU ranks (E = 4, top-2): each rank's pairs
+                       sorted by expert, the counts, and every row's way to the rank of its expert
 The loss curve of a run is scripts/plot_metrics.py's (from 05's --metrics).
 """
 import argparse
@@ -1005,6 +1009,180 @@ def balance_svg(data):
     return s.render()
 
 
+# fold and dispatch: 09's experts, folded onto attention's ranks, and one dispatch on 2 CPU ranks
+
+
+def fold_data(tp=2, dp=2, pp=2, ep=4, E=8):
+    """09's fold of 05's grid: (the grid with the experts' groups, E)."""
+    return experts().fold(gpt3d.rank_grid(tp * dp * pp, tp, dp, pp), ep), E
+
+
+def experts():
+    return importlib.import_module("09_expert_parallel")
+
+
+def fold_text(data):
+    grid, E = data
+    ep = len(grid["ep"][0])
+    return (experts().draw_fold(grid) + f"\nexperts of each MoE layer, E = {E}: ep rank e holds experts "
+            + ", ".join(f"{e}: {e * E // ep}-{(e + 1) * E // ep - 1}" for e in range(ep)))
+
+
+def fold_svg(data):
+    """Each stage's ranks as 05 places them (a row per replica, a tp group in each row), every rank
+    also marked with its place in the experts' grid and the experts it holds; an ep group's outline."""
+    grid, E = data
+    size = {k: len(grid[k][0]) for k in ("tp", "dp", "pp", "ep", "edp", "etp")}
+    tp, dp, pp, ep = size["tp"], size["dp"], size["pp"], size["ep"]
+    place = {k: {r: i for g in grid[k] for i, r in enumerate(g)} for k in size}
+    world = tp * dp * pp
+    s = Svg(f"Parallel folding: attention's tp {tp} × dp {dp}, the experts' ep {ep}, on the same ranks",
+            f"09_expert_parallel.py's fold: 05's grid for attention, the experts' etp × ep × edp over the same ranks "
+            f"(pp = {pp}, the same stages)")
+    box_w, box_h, gap, pitch = 176, 62, 14, 94
+    stage_w = tp * box_w + (tp - 1) * gap + 44
+    between = (WIDTH - 40 - pp * stage_w) / max(pp - 1, 1)
+    top, at = 76, {}
+    for r in range(world):
+        x0 = 20 + place["pp"][r] * (stage_w + between)
+        at[r] = (x0 + 22 + place["tp"][r] * (box_w + gap), top + 60 + place["dp"][r] * pitch)
+    stage_h = 60 + dp * pitch + 14
+    for p in range(pp):
+        x0 = 20 + p * (stage_w + between)
+        s.rect(x0, top, stage_w, stage_h, fill=PALE, stroke=RULE, rx=8)
+        s.text(x0 + stage_w / 2, top + 22, f"pipeline stage {p}", size=14, anchor="middle", font_weight="bold")
+    for group in grid["ep"]:  # an ep group: every rank of it, however attention groups them
+        xs, ys = [at[r][0] for r in group], [at[r][1] for r in group]
+        s.rect(min(xs) - 14, min(ys) - 14, max(xs) - min(xs) + box_w + 28, max(ys) - min(ys) + box_h + 28,
+               fill="#fdf0dc", stroke=ORANGE, stroke_width=2.5, rx=10, class_="ep")
+    for group in grid["tp"]:  # a tp group: a row of a stage
+        xs, y = [at[r][0] for r in group], at[group[0]][1]
+        s.rect(min(xs) - 6, y - 6, max(xs) - min(xs) + box_w + 12, box_h + 12, fill="none", stroke=GREEN,
+               stroke_width=2, rx=7, stroke_dasharray="6 3", class_="tp")
+    for r, (x, y) in at.items():
+        e = place["ep"][r]
+        s.box(x, y, box_w, box_h, [f"rank {r}", f"attention: t{place['tp'][r]} · d{place['dp'][r]}",
+                                   f"experts {e * E // ep}-{(e + 1) * E // ep - 1}: ep {e} · edp {place['edp'][r]}"],
+              stroke=INK, size=14)
+    y = top + stage_h + 34
+    legend = [(lambda yy: s.rect(12, yy - 8, 28, 16, fill="none", stroke=GREEN, stroke_width=2, rx=4,
+                                 stroke_dasharray="6 3"), f"attention's tp groups: {grid['tp']}; dp groups: {grid['dp']}"),
+              (lambda yy: s.rect(12, yy - 8, 28, 16, fill="#fdf0dc", stroke=ORANGE, stroke_width=2, rx=4),
+               f"ep groups, the all-to-all's ranks: {grid['ep']}; edp groups (expert gradients): {grid['edp']}")]
+    for draw, text in legend:
+        draw(y)
+        s.label(48, y, text, size=13)
+        y += 26
+    for note in [f"An ep group takes a whole stage's tp × dp ranks: the {tp * dp} ranks that attention splits "
+                 f"as tp {tp} × dp {dp} hold E/ep = {E // ep} experts each;",
+                 "dense gradients are reduced over dp, expert gradients over edp, both divided by dp (the "
+                 "replicas of the batch)."]:
+        s.text(16, y + 6, note, size=13, fill=GREY)
+        y += 20
+    s.height = y + 6
+    return s.render()
+
+
+def _dispatch(env, N, E, k, seed):
+    gen = torch.Generator().manual_seed(seed + env.rank)
+    chosen = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    x = (torch.arange(N, dtype=torch.float64) + 10 * env.rank)[:, None]  # token t of rank r: 10 r + t
+    rows, plan = experts().dispatch(x, chosen, E, dist.group.WORLD)
+    return dict(chosen=chosen.tolist(), order=plan.order.tolist(), counts=plan.counts, send=plan.send,
+                recv=plan.recv, blocks=plan.blocks, rows=[int(v) for v in rows[:, 0].tolist()])
+
+
+def dispatch_data(ep=2, N=4, E=4, k=2, seed=5):
+    """Each rank's routing and plan from one real dispatch (09's, on ep CPU ranks): integers only."""
+    return dict(ep=ep, N=N, E=E, k=k, ranks=launch(_dispatch, ep, N, E, k, seed))
+
+
+def dispatch_text(d):
+    ep, E, k, n = d["ep"], d["E"], d["k"], d["E"] // d["ep"]
+    lines = [f"one dispatch, ep = {ep} ranks, E = {E} experts ({n} a rank), top-{k}, {d['N']} tokens a rank; "
+             f"token r.t is token t of rank r:"]
+    for r, q in enumerate(d["ranks"]):
+        pairs = [(p // k, q["chosen"][p // k][p % k]) for p in q["order"]]
+        lines += [f"rank {r}: tokens' experts {[f'{r}.{t}->{es}' for t, es in enumerate(q['chosen'])]}",
+                  f"  1. sorted by expert: {' '.join(f'{r}.{t}->e{e}' for t, e in pairs)}",
+                  f"  2. counts per expert {q['counts']}: {q['send']} rows to ranks 0-{ep - 1}; from them, per "
+                  f"local expert, {q['blocks']}",
+                  f"  3. received {q['recv']} rows: " + " ".join(f"{v // 10}.{v % 10}" for v in q["rows"]),
+                  f"  4. expert e{r * n}..e{r * n + n - 1} each run once on their rows from every rank; 5. the reverse "
+                  f"all-to-all brings each row home"]
+    return "\n".join(lines)
+
+
+def dispatch_svg(d):
+    """Per rank, left to right: its tokens, its (token, expert) pairs sorted by expert, and the rows its
+    experts received, grouped by local expert; a line for every row that travels, in its expert's colour."""
+    ep, E, k, N, n = d["ep"], d["E"], d["k"], d["N"], d["E"] // d["ep"]
+    colours = [BLUE, ORANGE, GREEN, PURPLE, SKY, VERMILLION, GREY, "#999933"]
+    s = Svg(f"The token dispatcher: one dispatch over ep = {ep} ranks, E = {E} experts, top-{k}",
+            f"09_expert_parallel.py's dispatch on {ep} CPU ranks: sort by expert, exchange the counts, the uneven "
+            f"all-to-all")
+    cols = {"tokens": 30, "sorted": 250, "received": 560}
+    box_w, box_h, pitch = 150, 22, 28
+    band = max(N * k + 1, max(sum(q["recv"]) for q in d["ranks"]) + n / 2) * pitch + 36
+    top = 96
+    for name, x in (("tokens (chosen experts)", cols["tokens"]), ("1. pairs sorted by expert", cols["sorted"]),
+                    ("3. rows received, by local expert", cols["received"])):
+        s.text(x, top - 12, name, size=13, font_weight="bold")
+    where, travels = {}, []  # (source rank, pair index in its sorted order) -> its box's right end; the lines
+    for r in range(ep):  # every rank's sorted pairs first: the lines to a rank start at any rank's
+        q, y0 = d["ranks"][r], top + r * band
+        for i, p in enumerate(q["order"]):
+            where[(r, i)] = (cols["sorted"] + box_w, y0 + 10 + i * pitch + box_h / 2, q["chosen"][p // k][p % k])
+    for r, q in enumerate(d["ranks"]):
+        y0 = top + r * band
+        s.rect(14, y0 - 4, WIDTH - 28, band - 16, fill=PALE, stroke=RULE, rx=8)
+        s.text(WIDTH - 24, y0 + 14, f"rank {r}", size=14, anchor="end", font_weight="bold")
+        for t, es in enumerate(q["chosen"]):
+            s.box(cols["tokens"], y0 + 10 + t * pitch, box_w, box_h, [f"{r}.{t} → " + ", ".join(f"e{e}" for e in es)],
+                  size=12)
+        for i, p in enumerate(q["order"]):
+            t, e = p // k, q["chosen"][p // k][p % k]
+            y = y0 + 10 + i * pitch
+            s.rect(cols["sorted"], y, box_w, box_h, fill=colours[e % len(colours)], rx=4, class_="pair")
+            s.label(cols["sorted"] + box_w / 2, y + box_h / 2, f"{r}.{t} for e{e}", size=12, anchor="middle",
+                    fill="white")
+        s.text(cols["sorted"], y0 + 10 + len(q["order"]) * pitch + 14, f"2. counts {q['counts']}: send {q['send']}, "
+               f"receive {q['recv']}", size=12, fill=GREY)
+        # The rows arrive ordered (source rank, local expert): block src n + j starts at start[src n + j]; each
+        # expert runs on its blocks from every rank (09's run_experts), drawn here together.
+        start = [sum(q["blocks"][:i]) for i in range(len(q["blocks"]))]
+        y = y0 + 10
+        for j in range(n):
+            s.text(cols["received"] + box_w + 12, y + box_h / 2 + 4, f"expert e{r * n + j}", size=12, fill=GREY)
+            for src in range(ep):
+                for i in range(q["blocks"][src * n + j]):
+                    v = q["rows"][start[src * n + j] + i]
+                    s.rect(cols["received"], y, box_w, box_h, fill=colours[(r * n + j) % len(colours)], rx=4,
+                           class_="row")
+                    s.label(cols["received"] + box_w / 2, y + box_h / 2, f"{v // 10}.{v % 10} from rank {src}", size=12,
+                            anchor="middle", fill="white")
+                    # its place in the sender's sorted pairs: after what src sent to lower ranks and to e < this one
+                    sender = d["ranks"][src]
+                    at = sum(sender["send"][:r]) + sum(q["blocks"][src * n + jj] for jj in range(j)) + i
+                    x1, y1, e = where[(src, at)]
+                    travels.append((x1 + 2, y1, cols["received"] - 2, y + box_h / 2, colours[e % len(colours)]))
+                    y += pitch
+            y += pitch / 2
+    for x1, y1, x2, y2, colour in travels:
+        s.line(x1, y1, x2, y2, stroke=colour, stroke_width=1.2, class_="travel")
+    y = top + ep * band + 8
+    for note in ["Each rank sorts its pairs by expert, so that the rows for rank j are one block; the counts' all-to-all "
+                 "tells every rank how many",
+                 "rows it will receive from each rank for each of its experts; the uneven all-to-all moves them, each "
+                 "expert runs once on its rows,",
+                 "and the reverse all-to-all (the backward of this one) brings every row back to its token, weighted by "
+                 "its router probability."]:
+        s.text(16, y, note, size=13, fill=GREY)
+        y += 20
+    s.height = y + 6
+    return s.render()
+
+
 # ----------------------------------------------------------------------------------------------
 # The command line
 
@@ -1028,6 +1206,8 @@ FIGURES = {  # name: (data, text, svg); each svg(data) is the text of NAME.svg
     "balance-contiguous": (lambda: balance_data("contiguous"), balance_text, balance_svg),
     "balance-megatron": (lambda: balance_data("megatron"), balance_text, balance_svg),
     "balance-lightseq": (lambda: balance_data("lightseq"), balance_text, balance_svg),
+    "fold": (fold_data, fold_text, fold_svg),
+    "dispatch": (dispatch_data, dispatch_text, dispatch_svg),
 }
 TIMED = {"overlap"}  # a real run's times: its SVG differs on every run
 

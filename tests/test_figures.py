@@ -232,3 +232,19 @@ def test_08s_ring_step_and_balance_figures_come_from_its_lists_and_the_doc_shows
         text = figures.tidy(figures.balance_text(data(f"balance-{name}")))
         assert f"balance factor {float(factors[name]):.2f}" in text and text in DIAGRAMS
     assert "  q3   0.1  3.2  3.1  3.0" in figures.balance_text(data("balance-lightseq"))  # rank 0 helps rank 3
+
+
+def test_the_fold_and_the_dispatch_are_drawn_from_09_and_the_doc_shows_them(figures, data):
+    fold = figures.tidy(figures.fold_text(data("fold")))
+    assert "ep groups:  [[0, 1, 2, 3], [4, 5, 6, 7]]" in fold and "ep rank e holds experts 0: 0-1" in fold
+    assert fold in DIAGRAMS
+    d = data("dispatch")
+    for r, q in enumerate(d["ranks"]):  # every pair sent once, every row received once: what the counts say
+        assert sum(q["send"]) == d["N"] * d["k"] and sum(q["recv"]) == len(q["rows"]) == sum(q["blocks"])
+        mine = range(r * d["E"] // d["ep"], (r + 1) * d["E"] // d["ep"])
+        want = sorted(10 * s + t for s, other in enumerate(d["ranks"]) for t, es in enumerate(other["chosen"])
+                      for e in es if e in mine)
+        assert sorted(q["rows"]) == want
+    svg = svg_of(figures, data, "dispatch")
+    assert svg.count('class="travel"') == d["ep"] * d["N"] * d["k"]  # a line for every row that travels
+    assert figures.tidy(figures.dispatch_text(d)) in DIAGRAMS

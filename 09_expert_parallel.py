@@ -1,0 +1,704 @@
+"""09 - Expert parallelism: a GPT-2 with mixture-of-experts layers, its experts spread over ep ranks,
+and MoE Parallel Folding (Liu et al. 2025, "MoE Parallel Folding: Heterogeneous Parallelism Mappings
+for Efficient Large-Scale MoE Model Training with Megatron Core", arXiv:2504.14960).
+
+What this file adds on top of 01-05: a fifth dimension. Every moe_every-th block's MLP becomes E
+experts (each a GPT-2 MLP, 01's ParallelMLP) and a router that sends each token to k of them:
+  - the router (route): a linear layer to E logits, softmax, the top k, their k probabilities
+    renormalised to sum to 1. That is Mixtral's convention (Jiang et al. 2024), and Megatron's default
+    (a softmax over the k chosen logits), which is the same function;
+  - the auxiliary loss (load_balancing_loss): Switch's and GShard's E sum_i f_i P_i, f_i the share of
+    the choices that went to expert i, P_i its mean router probability, over the tokens of the
+    microbatch the serial model sees, with --aux-loss-coeff (0: off);
+  - the token dispatcher over the ep ranks, as Megatron's and torchtitan's: (1) sort this rank's
+    (token, expert) pairs by expert, (2) exchange the counts with an all-to-all, (3) send the tokens
+    with an uneven all-to-all, (4) run each local expert on the rows it received from every rank,
+    (5) combine: the reverse all-to-all, then each row weighted by its router probability and added
+    back in its token's place. The all-to-all is an autograd Function whose backward is the reverse
+    all-to-all (AllToAll), as f's backward is g's forward. Dropless: every token goes where it is sent;
+  - parallel folding: attention keeps 05's tp x dp x pp grid; the experts get their own etp x ep x edp
+    x pp grid over the same ranks (expert_grid), Megatron's order (etp fastest, then ep, edp, pp), the
+    pipeline groups the same in both (checked). So an ep group may span attention's tp and dp groups
+    (tp 2 x dp 2 -> ep 4). Expert gradients are summed over edp (the ranks holding the same experts),
+    dense ones over dp, both divided by dp.
+The serial MoE layer is the same class with no groups, as tp = 1 is the serial GPT-2. After the
+concept: a capacity factor (tokens over an expert's capacity dropped, the rest padded to a fixed
+shape, as GShard and Switch do), experts tensor-parallel over etp > 1 ranks (01's sequence-parallel
+pair inside each expert), and the trainer's seam (05's loop), checkpoints that reshard experts, and
+upcycling a dense GPT-2. Context parallelism (08) will add cp to the tokens' split; not yet here.
+
+Run it:
+    python 09_expert_parallel.py                     # tp 2 x dp 2 -> ep 4: 4 CPU ranks, E = 8, top-2
+    python 09_expert_parallel.py --tp 1 --dp 4 --ep 2 --top-k 1 --num-experts 4
+    python 09_expert_parallel.py --train --num-experts 4 --top-k 2 --ep 4 --tp 2 --dp 2 --pp 2
+    python 09_expert_parallel.py --train --print-layout --tp 2 --dp 2 --pp 2 --ep 4
+    torchrun --nproc-per-node 4 09_expert_parallel.py    # one rank per GPU
+
+The demo prints both grids and the fold, the tokens each rank routes to each expert and each rank
+receives, the all-to-all bytes against the planner's formula, the auxiliary loss, and the serial
+and expert-parallel models' loss and every gradient (router, experts, dense weights) in float64,
+worst relative difference, PASS at 1e-10, else exit 1.
+"""
+import importlib
+import math
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+import planner
+from plumbing import cli, command, shards
+from plumbing.checkpoint import EXTENSIONS
+from plumbing.launch import gather_numbers, printer, run_main
+
+tensor_parallel = importlib.import_module("01_tensor_parallel")
+gpt3d = importlib.import_module("05_3d_gpt")
+zero_bubble = importlib.import_module("06_zero_bubble")
+size_of, rank_of = tensor_parallel.tp_size, tensor_parallel.tp_rank  # of a group (None: 1 and 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The router (Mixtral's convention) and the load-balancing loss (Switch, GShard)
+
+
+def route(x, weight, k):
+    """x (N, C) tokens -> (probs (N, E) of every expert, weights (N, k) of the k chosen, chosen (N, k)):
+    softmax over E, the top k, their probabilities renormalised to sum to 1."""
+    logits = F.linear(x, weight)  # (N, E); in float32 when the weights are bf16 (Megatron's router too)
+    probs = F.softmax(logits.float() if logits.element_size() < 4 else logits, dim=-1)  # (N, E)
+    top, chosen = probs.topk(k, dim=-1)  # (N, k) each, the likeliest first
+    return probs, top / top.sum(-1, keepdim=True), chosen
+
+
+def load_balancing_loss(probs, chosen, group):
+    """E sum_i f_i P_i (Switch Transformer, eq. 4; GShard's, with f_i over the k choices): f_i the share of
+    the N k choices that went to expert i, P_i the mean probability of expert i. 1 when the load is even.
+    The tokens split over `group` (the tp ranks of a microbatch) are summed over it first, so that this is
+    the loss of the whole microbatch, as the serial model computes it; g's backward keeps its gradient local."""
+    N, E = probs.shape
+    n = N * size_of(group)  # the microbatch's tokens
+    counts = tensor_parallel.all_reduce(torch.bincount(chosen.flatten(), minlength=E).to(probs.dtype), group)
+    P = tensor_parallel.reduce_from_tp(probs.sum(0), group) / n  # g: all-reduce forward, identity backward
+    return E * (counts / (n * chosen.shape[1]) * P).sum()
+
+
+class WithAuxLoss(torch.autograd.Function):
+    """y unchanged forward; backward: y's gradient, and `scale` as the auxiliary loss's, so that the loss
+    joins the backward here, where it was computed, not at the pipeline's end (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale, ctx.dtype = scale, aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=grad.device), None
+
+
+# ----------------------------------------------------------------------------------------------
+# The all-to-all: rank i's j-th block of rows to rank j. Its backward is the reverse all-to-all,
+# as f's backward is g's forward: each gradient row goes back to the rank its row came from.
+
+
+class AllToAll(torch.autograd.Function):
+    """All-to-all forward (send[j] rows to rank j, recv[j] rows from it); the reverse all-to-all backward."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def exchange(x, send, recv, group):
+    """The uneven all-to-all itself: send[j] rows of x to rank j, recv[j] rows from it, in rank order."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_to_all(x, send, recv, group):
+    return x if size_of(group) == 1 else AllToAll.apply(x, send, recv, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# The token dispatcher (Megatron's all-to-all dispatcher): steps 1-3 in dispatch, 4 in the layer, 5 in combine
+
+
+@dataclass
+class Plan:
+    """What combine needs to undo dispatch: the pairs' order, and the rows sent to and from each rank."""
+    order: torch.Tensor  # (pairs,): the (token, choice) pairs sorted by expert; pair p is token p // k
+    k: int
+    send: list  # rows to each ep rank
+    recv: list  # rows from each ep rank
+    blocks: list  # rows received from rank s for local expert l, at s * (E / ep) + l
+    counts: list  # this rank's pairs sent to each expert
+
+
+def dispatch(x, chosen, E, group):
+    """Steps 1-3: this rank's N tokens x (N, C) to the ranks holding the experts they chose, chosen (N, k);
+    expert e lives on ep rank e // (E / ep). Returns (the rows received, from rank 0's first, each
+    rank's ordered by local expert; the Plan)."""
+    ep, k = size_of(group), chosen.shape[1]
+    pairs = chosen.flatten()  # (N k,): token t's choices at t k ... t k + k - 1
+    order = pairs.argsort(stable=True)  # 1. sorted by expert, each expert's pairs in token order
+    counts = torch.bincount(pairs, minlength=E)  # (E,): this rank's pairs per expert
+    blocks = all_to_all(counts, [E // ep] * ep, [E // ep] * ep, group)  # 2. each rank's, for my experts
+    counts, blocks, n = counts.tolist(), blocks.tolist(), E // ep  # the sizes, on the host
+    send, recv = ([sum(c[s * n:(s + 1) * n]) for s in range(ep)] for c in (counts, blocks))
+    return all_to_all(x[order // k], send, recv, group), Plan(order, k, send, recv, blocks, counts)  # 3. uneven
+
+
+def combine(ys, weights, plan, group):
+    """Step 5: the experts' rows back to the ranks they came from (the reverse all-to-all), each weighted by
+    its router probability, weights (N, k), and added into its token's place: (N, C)."""
+    back = all_to_all(ys, plan.recv, plan.send, group)  # (pairs, C), in plan.order
+    w = weights.flatten()[plan.order, None].to(back.dtype)
+    return back.new_zeros(weights.shape[0], back.shape[1]).index_add(0, plan.order // plan.k, back * w)
+
+
+class MoELayer(nn.Module):
+    """A block's MLP replaced by a router and E experts (01's ParallelMLP each), of which this rank holds
+    E / ep: experts.<e> for its e. groups (05's Groups, or None: the serial layer): tp, the ranks that
+    split one microbatch's tokens; ep; etp, over which each expert is tensor-parallel; edp, the ranks
+    holding the same experts. sp: the block runs sequence parallelism (its tokens are split already)."""
+
+    def __init__(self, cfg, moe, groups=None, sp=False, **factory):
+        super().__init__()
+        g = lambda kind: getattr(groups, kind, None)  # noqa: E731
+        self.tokens, self.ep, self.etp, self.sp = g("tp"), g("ep"), g("etp"), sp
+        self.E, self.k, self.aux_scale, self.aux = moe.num_experts, moe.top_k, moe.aux_loss_coeff, None
+        self.router = nn.Linear(cfg.n_embd, self.E, bias=False, **factory)  # replicated: a dense weight
+        n = self.E // size_of(self.ep)
+        self.experts = nn.ModuleDict({str(e): tensor_parallel.ParallelMLP(cfg, self.etp, size_of(self.etp) > 1,
+                                                                          **factory)
+                                      for e in range(rank_of(self.ep) * n, (rank_of(self.ep) + 1) * n)})
+        for p in self.experts.parameters():
+            p.split_group = self.etp  # split over etp, not over the block's tp (plumbing/shards.py)
+            if g("edp") is not None:
+                p.replica_group = g("edp")  # its gradient summed over edp, not dp (04's BucketedDDP)
+
+    def forward(self, x):  # (B, T, C), or (B, T/tp, C) with sequence parallelism
+        split = size_of(self.tokens) > 1 and not self.sp  # the tp ranks hold the same tokens:
+        x = tensor_parallel.scatter_to_sp(x, self.tokens) if split else x  # each routes T/tp of them
+        B, T, C = x.shape
+        tokens = rearrange(x, "B T C -> (B T) C")
+        weight = tensor_parallel.copy_to_tp(self.router.weight, self.tokens)  # f: each tp rank, its tokens
+        probs, weights, chosen = route(tokens, weight, self.k)
+        self.aux = load_balancing_loss(probs, chosen, self.tokens)
+        xs, plan = self.dispatch(tokens, chosen, T)
+        y = self.combine(self.run_experts(xs, plan), weights, plan)  # (B T, C)
+        if self.aux_scale and torch.is_grad_enabled():
+            y = WithAuxLoss.apply(y, self.aux, self.aux_scale)
+        y = rearrange(y, "(B T) C -> B T C", B=B)
+        return gather_tokens(y, self.tokens) if split else y
+
+    def dispatch(self, tokens, chosen, T):  # steps 1-3 (CapacityLayer's drop and pad them, by T's groups)
+        xs, self.plan = dispatch(tokens, chosen, self.E, self.ep)  # the plan kept for the demo's figures
+        return xs, self.plan
+
+    def combine(self, ys, weights, plan):  # step 5
+        return combine(ys, weights, plan, self.ep)
+
+    def run_experts(self, xs, plan):
+        """Step 4: each local expert on the rows every rank sent it, in one batch; the rows back in place."""
+        n = len(self.experts)
+        blocks = list(xs.split(plan.blocks))  # block s n + l: from rank s, for local expert l
+        for l, expert in enumerate(self.experts.values()):
+            mine = range(l, len(blocks), n)
+            ys = expert_forward(expert, torch.cat([blocks[i] for i in mine]), self.etp)
+            for i, y in zip(mine, ys.split([blocks[i].shape[0] for i in mine])):
+                blocks[i] = y
+        return torch.cat(blocks)
+
+
+class GatherTokens(torch.autograd.Function):
+    """All-gather T forward; backward: this rank's slice of the gradient, which every tp rank holds whole
+    (the tokens' way back to the tp ranks that hold them all; scatter_to_sp was their way in)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tensor_parallel.gather(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tensor_parallel.split(grad, ctx.group, 1), None
+
+
+gather_tokens = GatherTokens.apply
+
+
+# ----------------------------------------------------------------------------------------------
+# Parallel folding (Liu et al. 2025): the experts' grid over the same ranks as attention's
+
+
+def fold(grid, ep=1, etp=1):
+    """05's grid of attention (tp, dp, pp, embed: rank_grid) with, over the same ranks, the experts'
+    etp x ep x edp x pp, edp = tp dp / (etp ep): Megatron's order, etp fastest, then ep, edp, pp. Both
+    cut the ranks into the same pipeline stages, so that a stage's attention and experts share ranks."""
+    pp, world = len(grid["pp"][0]), sum(map(len, grid["pp"]))
+    inner = world // pp  # a stage's ranks: tp x dp of them
+    if inner % (ep * etp):
+        raise ValueError(f"--ep {ep} x --etp {etp} = {ep * etp} does not divide a pipeline stage's tp x dp = "
+                         f"{inner} ranks (the world {world} / pp {pp}): the experts' grid folds onto those ranks")
+    edp = inner // (ep * etp)
+    rank = lambda t, e, d, p: p * inner + (d * ep + e) * etp + t  # noqa: E731
+    etp_groups = [[rank(t, e, d, p) for t in range(etp)] for p in range(pp) for d in range(edp) for e in range(ep)]
+    ep_groups = [[rank(t, e, d, p) for e in range(ep)] for p in range(pp) for d in range(edp) for t in range(etp)]
+    edp_groups = [[rank(t, e, d, p) for d in range(edp)] for p in range(pp) for e in range(ep) for t in range(etp)]
+    expert_pp = [[rank(t, e, d, p) for p in range(pp)] for d in range(edp) for e in range(ep) for t in range(etp)]
+    if sorted(expert_pp) != sorted(grid["pp"]):  # the fold's one rule: the pipeline is shared
+        raise ValueError(f"the experts' pipeline groups {expert_pp} are not attention's {grid['pp']}")
+    return dict(grid, etp=etp_groups, ep=ep_groups, edp=edp_groups)
+
+
+def with_experts(model, moe, groups=None, token_groups=1):
+    """Replace the MLP of every moe_every-th block of `model` (01's GPT, or a pipeline chunk of it: global
+    layer i, i % moe_every == 0) by an MoELayer (CapacityLayer with a capacity factor, of token_groups).
+    groups None: the serial model. Returns the model; its full weights are the model's with experts."""
+    for i, block in model.transformer.h.items():
+        if int(i) % moe.moe_every == 0:
+            factory = dict(dtype=block.ln_2.weight.dtype, device=block.ln_2.weight.device)
+            block.mlp = CapacityLayer(model.cfg, moe, groups, model.sp, token_groups, **factory) \
+                if moe.capacity_factor else MoELayer(model.cfg, moe, groups, model.sp, **factory)
+    whole = lambda: with_experts(tensor_parallel.GPT(model.cfg, device="meta"), moe)  # noqa: E731
+    model.load_full_state_dict = lambda full: shards.load_full_state_dict(model, full, model.group, whole)
+    return model
+
+
+def moe_layers(model):
+    return [b.mlp for b in model.transformer.h.values() if isinstance(b.mlp, MoELayer)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: the serial model with experts against the expert-parallel one, float64, one forward and backward
+
+
+def against_serial(env, cfg, moe, args, groups, full, idx, targets):
+    """One forward and backward of the serial model with experts, on each replica's rows with its auxiliary
+    losses added to the loss, and of this rank's part of the expert-parallel one, whose auxiliary losses
+    join inside the layers (WithAuxLoss) and whose gradients are reduced as 04's naive data parallelism
+    does, experts over edp, the rest over dp. Returns ({what: relative difference}, serial (loss, aux),
+    parallel (loss, aux), the parallel model)."""
+    dt, dp = full["transformer.wte.weight"].dtype, args.dp
+    serial = with_experts(tensor_parallel.GPT(cfg, init=False, dtype=dt), moe, token_groups=args.tp)
+    serial.load_full_state_dict(full)
+    for layer in moe_layers(serial):
+        layer.aux_scale = 0.0  # the serial reference adds its auxiliary losses to the loss itself
+    ref = torch.zeros(2, dtype=torch.float64)
+    for rows_idx, rows_targets in zip(idx.chunk(dp), targets.chunk(dp)):  # each replica's rows
+        loss = serial(rows_idx, rows_targets)[1]
+        aux = sum(layer.aux for layer in moe_layers(serial))
+        ((loss + moe.aux_loss_coeff * aux) / dp).backward()
+        ref += torch.stack([loss.detach(), aux.detach()]).double() / dp
+    model = with_experts(tensor_parallel.GPT(cfg, groups.tp, sequence_parallel=args.sequence_parallel, init=False,
+                                             dtype=dt, device=env.device), moe, groups)
+    model.load_full_state_dict(full)
+    rows = dist.get_rank(groups.dp)
+    loss = model(idx.chunk(dp)[rows].to(env.device), targets.chunk(dp)[rows].to(env.device))[1]
+    aux = sum(layer.aux for layer in moe_layers(model)).detach()
+    loss.backward()  # the auxiliary losses' gradients join inside the layers
+    for p in model.parameters():  # data parallelism, naive (04): experts over edp, the rest over dp
+        dist.all_reduce(p.grad, group=getattr(p, "replica_group", groups.dp))
+        p.grad /= dp
+    got = tensor_parallel.all_reduce(torch.stack([loss.detach(), aux]).double().to(env.device), groups.dp).cpu() / dp
+    named = dict(serial.named_parameters())
+    diffs = {what: (abs(got[i] - ref[i]) / abs(ref[i])).item() for i, what in enumerate(("loss", "aux"))}
+    diffs.update({"grad " + n: tensor_parallel.max_rel_diff(g.cpu(), named[n].grad)
+                  for n, g in model.full_grads().items()})
+    return diffs, ref.tolist(), got.tolist(), model
+
+
+def demo(env, cfg, args):
+    say, moe = printer(env), MoEConfig.of(args)
+    grid = fold(gpt3d.rank_grid(env.world_size, args.tp, args.dp), args.ep, args.etp)  # before any collective
+    groups = gpt3d.new_groups(env, grid)
+    say(f"{cfg}\n{moe}\ntp={args.tp} dp={args.dp} -> etp={args.etp} ep={args.ep} "
+        f"edp={env.world_size // (args.ep * args.etp)}, B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    say(draw_fold(grid))
+    full = moe_state_dict(cfg, moe, args.seed, dtype=torch.float64, random_all=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
+    diffs, (ref_loss, ref_aux), (loss, aux), model = against_serial(env, cfg, moe, args, groups, full, idx, targets)
+    worst = max(x[0] for x in gather_numbers([max(diffs.values())], device=env.device))
+    report_routing(env, say, cfg, args, model)
+    say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {loss:.12f}\nauxiliary loss (the sum over "
+        f"{len(moe_layers(model))} MoE layers; each 1 when the load is even, up to E = {moe.num_experts} when every "
+        f"token goes to one expert): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
+    largest = sorted(diffs.items(), key=lambda x: -x[1])[:3]
+    say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in largest))
+    say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference over every rank {worst:.2e} "
+        f"(loss, auxiliary loss, every gradient: router, experts, dense weights; tolerance 1e-10)")
+    return worst <= 1e-10
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: experts tensor-parallel over etp > 1 ranks. Each rank of an etp group receives
+# other rows (its own ep group's), so the expert runs 01's sequence-parallel pair, the paper's g and
+# g-bar in f's and g's places (01's ParallelMLP with sp): the rows all-gathered into c_fc, the outputs
+# reduce-scattered out of c_proj, as Megatron's expert-tensor-parallel dispatcher does.
+
+
+def expert_forward(expert, rows, etp):
+    """One expert (01's ParallelMLP over etp) on its rows (n, C): with etp > 1 as a (1, n, C) sequence,
+    every rank's padded with zero rows to the most any holds (the gather needs one size)."""
+    if size_of(etp) == 1:
+        return expert(rows)
+    n = torch.tensor([rows.shape[0]], device=rows.device)
+    most = int(tensor_parallel.all_reduce(n, etp, dist.ReduceOp.MAX))
+    padded = torch.cat([rows, rows.new_zeros(most - rows.shape[0], rows.shape[1])])  # zeros: no gradient
+    return expert(padded[None])[0, :rows.shape[0]]
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: a capacity factor (GShard, Lepikhin et al. 2020, Section 2.2; Switch, Fedus et al.
+# 2022, Section 2.2). Each expert takes at most capacity = ceil(cf N k / E) of the N k pairs a rank
+# routes, the first in token order (GShard's); the rest are dropped (that token gets nothing from that
+# expert: the residual carries it), and every expert's rows are padded to the capacity, so that every
+# all-to-all has one fixed shape whatever the routing. How it differs from serial: which pairs drop
+# depends on which tokens share a capacity, here a rank's (per microbatch). The serial model equals the
+# parallel one under the same rule over the same groups of tokens (GShard's groups): with tp > 1, its
+# sequence cut into tp runs (token_groups = tp), as the tp ranks cut it.
+
+
+def capacity_of(n_tokens, k, E, cf):
+    """The most pairs one expert takes of the n_tokens k that one group routes (Megatron's get_capacity)."""
+    return math.ceil(cf * n_tokens * k / E)
+
+
+def kept_slots(chosen, E, cf, group, G):
+    """Where each (token, choice) pair of chosen (N, k) goes in the padded rows, laid out (expert, group,
+    place): its slot, or -1 if it is dropped. group (N,): each token's group, 0 to G - 1, N / G tokens each.
+    A pair keeps its place when fewer than the capacity earlier pairs of its group chose its expert."""
+    N, k = chosen.shape
+    cap = capacity_of(N // G, k, E, cf)
+    pairs, of = chosen.flatten(), group.repeat_interleave(k)  # (N k,) each
+    key = pairs * G + of  # (expert, group) of each pair
+    order = key.argsort(stable=True)  # token order within each (expert, group)
+    ranked = torch.arange(len(key), device=key.device) - torch.searchsorted(key[order], key[order])
+    place = torch.empty_like(ranked).scatter_(0, order, ranked)  # each pair's place in its run
+    return torch.where(place < cap, key * cap + place, -1), cap
+
+
+class CapacityLayer(MoELayer):
+    """MoELayer with a capacity factor: dispatch() drops and pads, so that each all-to-all carries E / ep
+    x capacity rows to each rank, whatever the routing; combine() reads the kept pairs' rows back.
+    token_groups: the groups of the sequence that each have a capacity (the serial reference of tp ranks)."""
+
+    def __init__(self, cfg, moe, groups=None, sp=False, token_groups=1, **factory):
+        super().__init__(cfg, moe, groups, sp, **factory)
+        self.cf, self.token_groups = moe.capacity_factor, token_groups
+
+    def dispatch(self, tokens, chosen, T):
+        (N, k), G, ep = chosen.shape, self.token_groups, size_of(self.ep)
+        group = torch.arange(N, device=tokens.device) % T // (T // G)  # tokens are (B T): cut T into G runs
+        slots, cap = kept_slots(chosen, self.E, self.cf, group, G)
+        kept = (slots >= 0).nonzero().squeeze(1)  # (pairs kept,)
+        rows = tokens.new_zeros(self.E * G * cap, tokens.shape[1]).index_add(0, slots[kept], tokens[kept // k])
+        per = self.E // ep * G * cap  # rows to each rank: its experts' padded rows
+        counts = torch.bincount(chosen.flatten()[kept], minlength=self.E).tolist()
+        self.plan = Plan(kept, k, [per] * ep, [per] * ep, [G * cap] * (ep * (self.E // ep)), counts)
+        self.plan.slots = slots[kept]
+        return all_to_all(rows, self.plan.send, self.plan.recv, self.ep), self.plan
+
+    def combine(self, ys, weights, plan):
+        back = all_to_all(ys, plan.recv, plan.send, self.ep)[plan.slots]  # (pairs kept, C)
+        w = weights.flatten()[plan.order, None].to(back.dtype)
+        return back.new_zeros(weights.shape[0], back.shape[1]).index_add(0, plan.order // plan.k, back * w)
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the model's flags, its full weights (drawn, or upcycled from a dense GPT-2)
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8  # E, experts in each MoE layer, each a GPT-2 MLP
+    top_k: int = 2  # k, experts each token is sent to (its k router probabilities renormalised to sum to 1)
+    moe_every: int = 1  # layer i has experts in place of its MLP when moe_every divides i (Megatron's --moe-layer-freq)
+    capacity_factor: float | None = None  # unset: dropless; else each expert takes ceil(cf N k / E) of a rank's N k pairs at most
+    aux_loss_coeff: float = 0.01  # the load-balancing loss's coefficient (Switch's 1e-2; 0: off)
+
+    @classmethod
+    def of(cls, flags):
+        """The model's MoE fields out of any flags that hold them (the demo's, the trainer's)."""
+        return cls(**{name: getattr(flags, name) for name in MoEConfig.__dataclass_fields__})
+
+    def check_relations(self, cfg, world=None):
+        """plumbing/checks.py's check_config asks a chapter's flags for their own relations here."""
+        check_experts(self, cfg.n_embd)
+
+
+def moe_state_dict(cfg, moe, seed, dtype=torch.float32, random_all=False):
+    """The full weights of the GPT-2 with experts from a seed, GPT-2's initialisation (01's init_state_dict)."""
+    meta = with_experts(tensor_parallel.GPT(cfg, device="meta"), moe)
+    return shards.init_full(meta.named_parameters(), cfg.n_layer, seed, dtype, random_all)
+
+
+def expert_weights(cfg, moe, dense, seed, upcycle=False):
+    """The full weights of the model with experts, from a dense GPT-2's (05 loaded them: the seed's, or
+    --init-from's): its own weights as they are; the routers drawn from the seed, and the experts too, or
+    (upcycle) each a copy of the MLP its layer had (Komatsuzaki et al. 2023, "Sparse Upcycling"): dropless,
+    the upcycled model then computes what the dense one did, its k weights summing to 1."""
+    meta = dict(with_experts(tensor_parallel.GPT(cfg, device="meta"), moe).named_parameters())
+    like = dense["transformer.wte.weight"]
+    new = [(n, p) for n, p in meta.items() if n not in dense]
+    drawn = shards.init_full(new, cfg.n_layer, seed + 1, like.dtype)
+    mlp = lambda n: n.replace(".experts." + n.split(".experts.")[1].split(".")[0], "")  # noqa: E731
+    return {n: dense[n] if n in dense else dense[mlp(n)] if upcycle and ".experts." in n else drawn[n].to(like.device)
+            for n in meta}
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the demo's figures: both grids and the fold, the routing and the bytes it moves
+
+
+def draw_fold(grid):
+    """Both grids over the same ranks, stage by stage: each rank's place in attention's (tp, dp) and in the
+    experts' (ep, edp; etp), then every group, and what the fold did."""
+    size = {k: len(grid[k][0]) for k in ("tp", "dp", "pp", "etp", "ep", "edp")}
+    place = {k: {r: i for g in grid[k] for i, r in enumerate(g)} for k in size}
+    which = {k: {r: i for i, g in enumerate(grid[k]) for r in g} for k in size}  # the index of r's group
+    out = [f"attention: tp {size['tp']} x dp {size['dp']} x pp {size['pp']} (05's grid: tp fastest, then dp, pp)",
+           f"experts:   etp {size['etp']} x ep {size['ep']} x edp {size['edp']} x pp {size['pp']} over the same ranks "
+           f"(etp fastest, then ep, edp, pp: Megatron's order)"]
+    for stage in range(size["pp"]):
+        ranks = sorted(r for r in place["pp"] if place["pp"][r] == stage)
+        cell = lambda kinds: "".join(f"{','.join(str(place[k][r]) for k in kinds):>8}" for r in ranks)  # noqa: E731
+        out += [f"stage {stage}  rank      {''.join(f'{r:>8}' for r in ranks)}",
+                f"  attention tp,dp {cell(('tp', 'dp'))}",
+                f"  experts  ep,edp {cell(('ep', 'edp'))}"]
+        out += [f"  experts     etp {cell(('etp',))}"] if size["etp"] > 1 else []
+    for kind in ("tp", "dp", "ep", "edp", "etp", "pp"):
+        groups = grid[kind] if len(grid[kind]) <= 16 else str(grid[kind][:16])[:-1] + ", ...]"
+        out.append(f"{kind + ' groups:':12s}{groups}")
+    first = grid["ep"][0]
+    out.append(f"the fold: an ep group spans {len({which['tp'][r] for r in first})} tp group(s) and "
+               f"{len({place['dp'][r] for r in first})} dp replica(s) of attention; expert gradients are summed over "
+               f"edp, dense ones over dp")
+    return "\n".join(out)
+
+
+def report_routing(env, say, cfg, args, model):
+    """The first MoE layer's routing, every rank's: its choices per expert and the rows it received; then
+    every MoE layer's all-to-all bytes against the planner's formula (uniform routing)."""
+    layers = moe_layers(model)
+    plan, E, ep = layers[0].plan, layers[0].E, size_of(layers[0].ep)
+    table = gather_numbers(plan.counts + [sum(plan.recv)], device=env.device)
+    say(f"\nlayer 0's routing: the (token, expert) pairs each rank sent to each expert (expert e on ep rank "
+        f"e // {E // ep}), and the rows each rank's experts received")
+    say("rank " + "".join(f"{'e' + str(e):>6}" for e in range(E)) + "  received")
+    for r, row in enumerate(table):
+        say(f"{r:4d} " + "".join(f"{int(c):6d}" for c in row[:-1]) + f"{int(row[-1]):10d}")
+    elt = next(model.parameters()).element_size()
+    sent = [(sum(p.send) - p.send[rank_of(lay.ep)]) + (sum(p.recv) - p.recv[rank_of(lay.ep)])
+            for lay in layers for p in [lay.plan]]  # rows this rank sent to others: dispatch, combine
+    measured = 2 * sum(x[0] for x in gather_numbers([sum(sent)], device=env.device)) * cfg.n_embd * elt  # x2: backward
+    N = args.batch_size // args.dp * args.seq_len // args.tp  # the tokens a rank routes
+    formula = planner.moe_alltoall_bytes(N, layers[0].k, ep, cfg.n_embd, elt) * len(layers) * env.world_size
+    say(f"all-to-all bytes of one forward and backward, every rank and MoE layer: {measured:,.0f} measured, "
+        f"{formula:,.0f} by the planner's formula at uniform routing (4 all-to-alls a layer, each rank sending "
+        f"(ep-1)/ep of its N k = {N} x {layers[0].k} rows of C = {cfg.n_embd})")
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the trainer's seam (05's loop runs ExpertSchedule: --train) and its checkpoints
+
+
+@dataclass
+class Experts(MoEConfig):
+    ep: int = 1  # expert-parallel size: each of its ranks holds num_experts / ep experts (folded onto tp x dp)
+    etp: int = 1  # each expert tensor-parallel over this many ranks; ep x etp must divide tp x dp
+    schedule: Literal["1f1b", "zb-h1", "zb-v"] = "1f1b"  # 05's 1F1B (interleaved with --virtual-stages) or 06's
+
+
+@dataclass
+class TrainConfig(Experts, gpt3d.TrainConfig):
+    """05's flags and the experts'."""
+    cuda_graphs: bool | None = False  # never with experts: the all-to-alls' sizes are read on the host each step
+
+    def extension(self):
+        """What a checkpoint records of the model beyond GPT-2's (plumbing/checkpoint.py's EXTENSIONS)."""
+        return dict(name="experts", file="09_expert_parallel.py",
+                    model=dict(num_experts=self.num_experts, moe_every=self.moe_every),
+                    layout=dict(ep=self.ep, etp=self.etp))
+
+
+@dataclass
+class ExpertSchedule(zero_bubble.ZeroBubbleSchedule):
+    """05's 1F1B or interleaved 1F1B, or 06's ZB-H1 or ZB-V, on chunks with experts: grid() folds the experts'
+    groups onto 05's; prepare() puts the experts in, their weights drawn from the seed or each upcycled from the
+    MLP it replaces (--init-from), and each layer's load-balancing loss weighted 1/m, a microbatch's share."""
+    tc: object = None
+
+    def grid(self, world, tp, dp):
+        return fold(super().grid(world, tp, dp), self.tc.ep, self.tc.etp)
+
+    def prepare(self, chunks, groups, full):
+        tc, moe = self.tc, MoEConfig.of(self.tc)
+        weights = expert_weights(chunks[0].cfg, moe, full, tc.seed, upcycle=bool(tc.init_from))
+        for c in chunks:
+            with_experts(c, moe, groups).load_full_state_dict(weights)
+            for layer in moe_layers(c):
+                layer.aux_scale = moe.aux_loss_coeff / tc.microbatches
+        if dist.get_rank() == 0:  # 05's summary counts the dense model: what the experts add, first
+            cfg, spec = chunks[0].cfg, planner.MoESpec(moe.num_experts, moe.top_k, moe.moe_every)
+            total, active = planner.moe_params(planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size), spec)
+            drops = f"capacity {moe.capacity_factor:g}" if moe.capacity_factor else "dropless"
+            print(f"experts   {moe.num_experts} in each of layers {list(planner.moe_layers(cfg.n_layer, moe.moe_every))}, "
+                  f"top-{moe.top_k}, aux loss x {moe.aux_loss_coeff:g}, {drops}; etp {tc.etp} x ep {tc.ep} x edp "
+                  f"{tc.tp * tc.dp // (tc.ep * tc.etp)} over each stage's tp x dp; {total:,} parameters, {active:,} "
+                  f"active per token")
+        if tc.init_from and dist.get_rank() == 0:
+            print(f"upcycling: each of the {moe.num_experts} experts of layers "
+                  f"{list(planner.moe_layers(chunks[0].cfg.n_layer, moe.moe_every))} starts as {tc.init_from}'s MLP of its "
+                  f"layer (Komatsuzaki et al. 2023); the routers are drawn from --seed {tc.seed}")
+        if "I" in self.kinds:  # 06's backward split, last: it takes over the experts' linear layers too
+            super().prepare(chunks)
+
+
+def schedule_of(tc):
+    """The trainer's seam (05's train and main): the schedule --schedule names, its chunks given experts."""
+    base = gpt3d.interleaved_schedule(tc) if tc.schedule == "1f1b" else \
+        zero_bubble.pipeline_schedule(tc.schedule, tc.pp, tc.microbatches)
+    return ExpertSchedule(base.lists, base.placement, base.kinds, name=f"{base.name}, experts over ep={tc.ep}",
+                          bubble=base.bubble, times=base.times, lockstep=getattr(base, "lockstep", False), tc=tc)
+
+
+def train(env, cfg, tc, quiet=False):
+    """05's training loop on one rank, with experts."""
+    return gpt3d.train(env, cfg, tc, quiet, schedule_of)
+
+
+EXTENSIONS["experts"] = lambda model, ext: with_experts(model, MoEConfig(**ext["model"], top_k=1))  # checkpoints
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: the demo's flags and command line
+
+
+@dataclass
+class DemoConfig(MoEConfig):
+    tp: int = 2  # attention's tensor-parallel size
+    dp: int = 2  # attention's data-parallel replicas: tp x dp CPU ranks started here, or torchrun's world
+    ep: int = 4  # expert-parallel size: each of its ranks holds num_experts / ep experts
+    etp: int = 1  # each expert tensor-parallel over this many ranks; ep x etp must divide tp x dp
+    sequence_parallel: bool = False  # attention's tp ranks hold T/tp of the tokens (else each routes T/tp of its copy)
+    batch_size: int = 4  # B, global, in sequences: B / dp per replica
+    seq_len: int = 32  # T, tokens per sequence
+    seed: int = 1234  # for the weights and the batch
+
+
+def check_experts(flags, n_embd):
+    """The relations of the experts' flags (the demo's or the trainer's), each refused in a sentence before
+    anything starts (plumbing/checks.py's check_config calls it, as check_relations)."""
+    tp, dp, pp, ep, etp = (getattr(flags, k, 1) for k in ("tp", "dp", "pp", "ep", "etp"))
+    E, k = flags.num_experts, flags.top_k
+    if k < 1 or k > E:
+        raise ValueError(f"--top-k {k}: each token goes to between 1 and --num-experts {E} experts")
+    if E % ep:
+        raise ValueError(f"--num-experts {E} is not divisible by --ep {ep}: each expert-parallel rank holds E / ep "
+                         f"experts")
+    if (tp * dp) % (ep * etp):
+        raise ValueError(f"--ep {ep} x --etp {etp} = {ep * etp} does not divide tp x dp = {tp} x {dp}: the experts' "
+                         f"grid folds onto a pipeline stage's ranks, (world / pp = {tp * dp * pp} / {pp})")
+    if 4 * n_embd % etp:
+        raise ValueError(f"--etp {etp} does not divide an expert's 4 x n_embd hidden units")
+    if tp > 1 and not getattr(flags, "sequence_parallel", False) and flags.seq_len % tp:
+        raise ValueError(f"--seq-len {flags.seq_len} is not divisible by tp={tp}: without --sequence-parallel "
+                         f"each tp rank routes T/tp of the tokens")
+    if getattr(flags, "cuda_graphs", None):
+        raise ValueError("--cuda-graphs: the dispatcher's all-to-all sizes are read on the host each step, which a "
+                         "captured graph cannot; drop the flag")
+
+
+def parser():
+    p = cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=2,
+                        n_head=4, n_embd=64)
+    p.add_argument("--train", action="store_true", help="train with 05's loop instead: every flag of 05, and the "
+                   "experts' (see --train --help)")
+    return p
+
+
+def start_demo(cfg, args):
+    return all(tensor_parallel.launch(demo, args.tp * args.dp, cfg, args))
+
+
+TITLE = "mixture of experts (09)"
+NOT_FOR_EXPERTS = {  # 05's actions that read a checkpoint into 01's GPT-2, which has no experts
+    "sample": "--sample reads the weights into 01's serial GPT-2, which has no experts; 09 does not sample",
+    "export_hf": "--export-hf writes a Hugging Face GPT-2, and GPT-2 has no experts",
+    "export_state_dict": "--export-state-dict writes 01's GPT-2 state dict, which has no experts (nor does --init-from "
+                         "read one back)",
+    "plan": "--plan estimates 05's dense GPT-2; the experts' figures come with --print-layout (planner.py's moe_*)"}
+
+
+LAYOUT_FLAGS = {"print_layout", "tp", "dp", "pp", "ep", "etp", "schedule", "virtual_stages", "num_experts", "top_k",
+                "moe_every", "batch_size", "microbatches", "seq_len", "sequence_parallel", "zero1", "recompute"}
+
+
+def train_parser():
+    """05's trainer's flags and the experts' (the router's --top-k replaces sampling's)."""
+    p = gpt3d.parser()
+    p.conflict_handler = "resolve"
+    cli.add_dataclass_args(p, Experts, TITLE)
+    return p
+
+
+def train_action(argv):
+    """What 05's command line would do instead of training, for a model with experts: --print-layout draws
+    both grids, the fold and the planner's figures; sampling, the exports and --plan are refused by name.
+    Returns True if it was an action, None to train."""
+    p = train_parser()
+    given = cli.given(p, argv)
+    for name, why in NOT_FOR_EXPERTS.items():
+        if name in given:
+            raise ValueError(why)
+    if "print_layout" not in given:
+        return None
+    args = p.parse_args(argv)
+    tc, cfg = cli.from_args(TrainConfig, args), cli.from_args(tensor_parallel.GPTConfig, args)
+    extra = sorted(given - LAYOUT_FLAGS - set(cfg.__dataclass_fields__))
+    if extra:
+        raise ValueError(f"--print-layout does not use {', '.join('--' + n.replace('_', '-') for n in extra)}: it "
+                         f"draws the grids and starts nothing; drop them")
+    check_experts(tc, cfg.n_embd)
+    print(draw_fold(schedule_of(tc).grid(tc.tp * tc.dp * tc.pp, tc.tp, tc.dp)))
+    print(plan_figures(cfg, tc))
+    return True
+
+
+def plan_figures(cfg, tc):
+    """The planner's figures of a model with experts under the fold (planner.py's moe_*)."""
+    m, e = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len), MoEConfig.of(tc)
+    total, active = planner.moe_params(m, e)
+    L = planner.Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=tc.batch_size // (tc.dp * tc.microbatches),
+                       v=tc.virtual_stages, recompute=tc.recompute, sequence_parallel=tc.sequence_parallel)
+    tokens = L.b * tc.seq_len // tc.tp  # a rank routes its 1/tp of a microbatch
+    return (f"planner: {total:,} parameters, {active:,} active per token; {planner.moe_flops_per_token(m, e):,.0f} "
+            f"FLOPs per token (forward and backward); the fullest rank's memory "
+            f"{planner.moe_memory_per_rank(m, e, L, tc.ep, tc.etp, tc.zero1) / 2**20:,.1f} MiB (bf16 weights, fp32 "
+            f"gradients and AdamW, activations); all-to-all bytes per MoE layer and microbatch, per rank: "
+            f"{planner.moe_alltoall_bytes(tokens, e.top_k, tc.ep, cfg.n_embd):,.0f} (bf16, uniform routing)")
+
+
+def main():
+    if "--train" in sys.argv[1:] and train_action([a for a in sys.argv[1:] if a != "--train"]):
+        return True
+    return command.later_chapter(parser, Experts, TITLE, TrainConfig, schedule_of, start_demo)
+
+
+if __name__ == "__main__":
+    run_main(main)
