@@ -4,9 +4,10 @@ What this file adds on top of 02: each rank holds v model chunks instead of one 
 The model is cut into pp*v chunks and rank r holds chunks r, r + pp, r + 2pp, ... (with 16 layers,
 pp=4 and v=2, rank 0 holds layers 1-2 and 9-10, rank 3 layers 7-8 and 15-16). A microbatch now
 crosses every rank v times, so each forward or backward is 1/v as long and the pipeline fills and
-drains v times faster: the bubble shrinks from (pp-1)/m to (pp-1)/(v m), at the price of v times
-more point-to-point messages. Only the schedule is new: 02's validator, simulator, executor and
-timelines read its lists unchanged.
+drains v times faster: the bubble shrinks from (pp-1)/m to (pp-1)/(v m), at the price of more
+point-to-point messages: about v times as many, the paper says; exactly (pp v - 1)/(pp - 1) times,
+the stage boundaries a microbatch crosses (7/3 at pp=4, v=2). Only the schedule is new: 02's
+validator, simulator, executor and timelines read its lists unchanged.
 
 The schedule is Megatron's (the paper's Figure 4). Microbatches go through the chunks in groups
 of pp, and m must be divisible by pp (the paper's requirement; other m are refused). v=1 returns
@@ -19,8 +20,8 @@ Run it:
 
 The demo runs 1F1B and interleaved 1F1B on the same model, checks both against the serial model in
 float64 (loss and every gradient <= 1e-10), draws their timelines on one time scale, prints the
-simulated bubbles against (pp-1)/m and (pp-1)/(v m), the p2p message count and bytes (v times
-more) and each stage's peak stored activation bytes. It exits 1 on a mismatch.
+simulated bubbles against (pp-1)/m and (pp-1)/(v m), the p2p message count and bytes ((pp v - 1)/
+(pp - 1) times 1F1B's) and each stage's peak stored activation bytes. It exits 1 on a mismatch.
 """
 import importlib
 from dataclasses import dataclass

@@ -78,9 +78,9 @@ class BucketedDDP:
         self.params = [p for p in params if p.requires_grad]
         self.group, self.dp, self.zero, self.overlap = group, dist.get_world_size(group), zero, overlap
         self.offsets, self.buckets, self.bucket_groups, total = {}, [], [], 0
-        for replicas, ps in by_replicas(self.params, group).items():  # buckets of one group of replicas each
+        for replicas, ps in by_replicas(self.params[::-1], group).items():  # last layers first: backward's order
             start, size = total, dist.get_world_size(replicas) if zero else 1  # ZeRO: a bucket in equal shards
-            for p in ps:  # backward produces the last layers' gradients first
+            for p in ps:
                 self.offsets[p], total = total, total + p.numel()
             step, total = -(-bucket_numel // size) * size, start + -(-(total - start) // size) * size  # padded
             self.buckets += [(lo, min(lo + step, total)) for lo in range(start, total, step)]
@@ -332,10 +332,10 @@ class OverlappedGather(FlatAdamW):
 
 
 def by_replicas(params, group):
-    """{group: its parameters, last first}, for BucketedDDP: a gradient is summed over the ranks holding copies
-    of it, `group` (dp) unless it carries another as .replica_group (09's experts: edp); always divided by dp."""
+    """{group: its parameters, in the order given}, for BucketedDDP: a gradient is summed over the ranks holding
+    copies of it, `group` (dp) unless it carries another as .replica_group (09's experts: edp); always divided by dp."""
     out = {}
-    for p in reversed(params):
+    for p in params:
         out.setdefault(getattr(p, "replica_group", group), []).append(p)
     return out
 

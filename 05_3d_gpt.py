@@ -132,9 +132,9 @@ class ScatterGather(pipeline.Wire):
 
 def counts_in_norm(p, chunk, tp_group):
     """Split parameters count on every tp rank (each holds a different slice); replicated ones
-    (LayerNorms, row-parallel biases, wpe) only on tp rank 0 (of the group they are replicated over:
-    their own .split_group, if any, else tp); the tied output layer's copy on the last stage not at
-    all (it is the first stage's embedding again)."""
+    (LayerNorms, row-parallel biases, wpe) on tp rank 0 only, of tp or of a later file's .split_group
+    (07's vocabulary shard; 05's own parameters carry none); the tied output layer's copy on the last
+    stage not at all (it is the first stage's embedding again)."""
     tied_copy = hasattr(chunk, "lm_head") and not chunk.pre_process and p is chunk.lm_head.weight
     return not tied_copy and (hasattr(p, "tp_dim") or tensor_parallel.tp_rank(getattr(p, "split_group", tp_group)) == 0)
 
@@ -147,7 +147,7 @@ def clip_gradients(opt, chunks, groups, max_norm, zero1):
     dtype = torch.float64 if grad0.dtype == torch.float64 else torch.float32
     sq = torch.zeros((), dtype=dtype, device=grad0.device)
     for piece in opt.pieces:  # this rank's elements: all of them, or with ZeRO-1 its 1/dp
-        replicas = getattr(piece.param, "replica_group", groups.dp)  # ranks holding the same gradient
+        replicas = getattr(piece.param, "replica_group", groups.dp)  # holding the same gradient: dp (09's experts: edp)
         if counts_in_norm(piece.param, owner[id(piece.param)], groups.tp) and (zero1 or dist.get_rank(replicas) == 0):
             sq += piece.grad.to(dtype).pow(2).sum()
     dist.all_reduce(sq)  # every element was counted on exactly one rank

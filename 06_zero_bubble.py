@@ -340,7 +340,7 @@ def demo(env, cfg, args):
         ("peak memory, ZB-V (chunks)", zv_mem, [2 * pp] * pp, "2pp half-stage chunks = pp M_B, m >= 2pp-1"),
     ]
     ok, show = True, lambda x: str([str(y) for y in x]).replace("'", "") if isinstance(x, list) else str(x)  # noqa: E731
-    say("\nthe paper's figures (M_W = M_B/2 here; memory in microbatches of a stage's activations, M_B):")
+    say("\nthe paper's figures, simulated (memory in M_B, a stage's activations of one microbatch; M_W = M_B/2 assumed):")
     for what, got, want, formula in formulas:
         out_of_range = "m >= pp" in formula and m < pp or "2pp-1" in formula and m < 2 * pp - 1
         ok &= got == want or out_of_range
@@ -366,7 +366,7 @@ def demo(env, cfg, args):
     extra = [a - b for a, b in zip(peaks["zb-h1"], peaks["1f1b"])]
     m_w = extra[1] if pp > 1 else 0  # what W keeps of one microbatch: X and dY of each linear layer
     say(f"  ZB-H1 holds r M_W more than 1F1B on rank r: {extra} = r x {m_w:,}  "
-        f"{'(equal)' if extra == [r * m_w for r in range(pp)] else '(DIFFERENT)'}\n  M_W is close to M_B here: W "
+        f"{'(equal)' if extra == [r * m_w for r in range(pp)] else '(DIFFERENT)'}\n  measured, M_W is close to M_B here (the simulation assumed M_B/2): W "
         f"keeps each linear layer's X and dY, and what B needs beyond them, the attention's\n  s^2 terms "
         f"(Korthikanti's 5as^2b of 34sbh + 5as^2b a layer), is small at T={args.seq_len}; so ZB-H1's later ranks "
         f"hold nearly pp M_B,\n  rank 0 no more than 1F1B's")
