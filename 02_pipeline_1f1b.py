@@ -234,7 +234,7 @@ class Executor:
             else:  # poisoned, so a receive that never happened shows up as NaN
                 t = self.box[msg] = torch.full(self.wire.shape, float("nan"), dtype=like.dtype, device=like.device)
             p2p.append(dist.P2POp(dist.isend if side == "send" else dist.irecv, t, peer(r), self.group))
-        self.p2p, self.works = p2p, self.exchange.post(p2p)
+        self.p2p, self.works = p2p, self.exchange.post(p2p)  # Exchange: dist.batch_isend_irecv(p2p)
 
     def wait(self, ops):
         for msg in self.exchange.wait(self.works, self.p2p, [msg for side, _, msg in ops if side == "send"]):
