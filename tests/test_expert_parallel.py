@@ -170,7 +170,8 @@ FOLDED_CP = [  # 08's context parallelism under the fold: each rank holds T/cp o
     ("tp 2 x cp 2 -> ep 4 with sequence parallelism, uncounted targets, top-1",
      dict(tp=2, cp=2, dp=1, ep=4, sequence_parallel=True, ignored=3), TOP(1)),
     ("tp 2 x cp 2 -> ep 2 x edp 2, uncounted targets, top-2", dict(tp=2, cp=2, dp=1, ep=2, ignored=5), TOP(2)),
-    ("cp 2 x dp 2 -> ep 4, uneven, top-1", dict(cp=2, dp=2, ep=4, uneven=True), TOP(1))]
+    ("cp 2 x dp 2 -> ep 4, uneven, top-1", dict(cp=2, dp=2, ep=4, uneven=True), TOP(1)),
+    ("tp 2 x cp 2 -> etp 2 x ep 2, top-2", dict(tp=2, cp=2, dp=1, ep=2, etp=2), TOP(2))]
 
 
 def test_the_fold_of_tp_2_x_cp_2_onto_ep_4_equals_serial_in_float64(run_ranks):
