@@ -2,36 +2,41 @@
 and MoE Parallel Folding (Liu et al. 2025, "MoE Parallel Folding: Heterogeneous Parallelism Mappings
 for Efficient Large-Scale MoE Model Training with Megatron Core", arXiv:2504.14960).
 
-What this file adds on top of 01-05: a fifth dimension. Every moe_every-th block's MLP becomes E
-experts (each a GPT-2 MLP, 01's ParallelMLP) and a router that sends each token to k of them:
+What this file adds on top of 01-05 (and 08): a fifth dimension. Every moe_every-th block's MLP
+becomes E experts (each a GPT-2 MLP, 01's ParallelMLP) and a router that sends each token to k of them:
   - the router (route): a linear layer to E logits, softmax, the top k, their k probabilities
     renormalised to sum to 1. That is Mixtral's convention (Jiang et al. 2024), and Megatron's default
     (a softmax over the k chosen logits), which is the same function;
   - the auxiliary loss (load_balancing_loss): Switch's and GShard's E sum_i f_i P_i, f_i the share of
     the choices that went to expert i, P_i its mean router probability, over the tokens of the
-    microbatch the serial model sees, with --aux-loss-coeff (0: off);
+    microbatch the serial model sees (its sums taken over the tp x cp ranks that split it), with
+    --aux-loss-coeff (0: off);
   - the token dispatcher over the ep ranks, as Megatron's and torchtitan's: (1) sort this rank's
     (token, expert) pairs by expert, (2) exchange the counts with an all-to-all, (3) send the tokens
     with an uneven all-to-all, (4) run each local expert on the rows it received from every rank,
     (5) combine: the reverse all-to-all, then each row weighted by its router probability and added
     back in its token's place. The all-to-all is an autograd Function whose backward is the reverse
     all-to-all (AllToAll), as f's backward is g's forward. Dropless: every token goes where it is sent;
-  - parallel folding: attention keeps 05's tp x dp x pp grid; the experts get their own etp x ep x edp
-    x pp grid over the same ranks (expert_grid), Megatron's order (etp fastest, then ep, edp, pp), the
-    pipeline groups the same in both (checked). So an ep group may span attention's tp and dp groups
-    (tp 2 x dp 2 -> ep 4). Expert gradients are summed over edp (the ranks holding the same experts),
-    dense ones over dp, both divided by dp.
+  - parallel folding: attention keeps 05's tp x dp x pp grid (08's tp x cp x dp x pp with context
+    parallelism); the experts get their own etp x ep x edp x pp grid over the same ranks (fold): both
+    in Megatron's generator's order tp-cp-ep-dp-pp, attention's at ep = 1, the experts' at cp = 1 (etp
+    fastest, then ep, edp, pp); the pipeline groups the same in both (checked). So an ep group may span
+    attention's tp and dp groups (tp 2 x dp 2 -> ep 4), or its tp and cp groups (tp 2 x cp 2 -> ep 4:
+    a sequence's tokens meet in one all-to-all). Expert gradients are summed over edp (the ranks
+    holding the same experts), dense ones over dp x cp, both divided by dp x cp.
 The serial MoE layer is the same class with no groups, as tp = 1 is the serial GPT-2. After the
 concept: a capacity factor (tokens over an expert's capacity dropped, the rest padded to a fixed
 shape, as GShard and Switch do), experts tensor-parallel over etp > 1 ranks (01's sequence-parallel
 pair inside each expert), and the trainer's seam (05's loop), checkpoints that reshard experts, and
-upcycling a dense GPT-2. Context parallelism (08) will add cp to the tokens' split; not yet here.
+upcycling a dense GPT-2. With --cp, 08's seams make each rank hold T/cp of every sequence first.
 
 Run it:
     python 09_expert_parallel.py                     # tp 2 x dp 2 -> ep 4: 4 CPU ranks, E = 8, top-2
     python 09_expert_parallel.py --tp 1 --dp 4 --ep 2 --top-k 1 --num-experts 4
+    python 09_expert_parallel.py --tp 2 --cp 2 --dp 1 --ep 4 # tp 2 x cp 2 -> ep 4: 08's split
     python 09_expert_parallel.py --train --num-experts 4 --top-k 2 --ep 4 --tp 2 --dp 2 --pp 2
     python 09_expert_parallel.py --train --print-layout --tp 2 --dp 2 --pp 2 --ep 4
+    python 09_expert_parallel.py --train --tp 2 --cp 2 --dp 1 --pp 2 --ep 4 --num-experts 4
     torchrun --nproc-per-node 4 09_expert_parallel.py    # one rank per GPU
 
 The demo prints both grids and the fold, the tokens each rank routes to each expert and each rank
@@ -52,13 +57,14 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import planner
-from plumbing import cli, command, shards
+from plumbing import cli, shards
 from plumbing.checkpoint import EXTENSIONS
 from plumbing.launch import gather_numbers, printer, run_main
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 gpt3d = importlib.import_module("05_3d_gpt")
 zero_bubble = importlib.import_module("06_zero_bubble")
+context = importlib.import_module("08_context_parallel")
 size_of, rank_of = tensor_parallel.tp_size, tensor_parallel.tp_rank  # of a group (None: 1 and 0)
 
 
@@ -78,8 +84,9 @@ def route(x, weight, k):
 def load_balancing_loss(probs, chosen, group):
     """E sum_i f_i P_i (Switch Transformer, eq. 4; GShard's, with f_i over the k choices): f_i the share of
     the N k choices that went to expert i, P_i the mean probability of expert i. 1 when the load is even.
-    The tokens split over `group` (the tp ranks of a microbatch) are summed over it first, so that this is
-    the loss of the whole microbatch, as the serial model computes it; g's backward keeps its gradient local."""
+    The tokens split over `group` (the tp ranks of a microbatch, tp x cp with 08) are summed over it first, so
+    that this is the loss of the whole microbatch, as the serial model computes it; g's backward keeps its
+    gradient local."""
     N, E = probs.shape
     n = N * size_of(group)  # the microbatch's tokens
     counts = tensor_parallel.all_reduce(torch.bincount(chosen.flatten(), minlength=E).to(probs.dtype), group)
@@ -170,13 +177,15 @@ def combine(ys, weights, plan, group):
 class MoELayer(nn.Module):
     """A block's MLP replaced by a router and E experts (01's ParallelMLP each), of which this rank holds
     E / ep: experts.<e> for its e. groups (05's Groups, or None: the serial layer): tp, the ranks that
-    split one microbatch's tokens; ep; etp, over which each expert is tensor-parallel; edp, the ranks
-    holding the same experts. sp: the block runs sequence parallelism (its tokens are split already)."""
+    split one microbatch's tokens (with 08, tp_cp: tp the ranks that split a cp rank's T/cp); ep; etp,
+    over which each expert is tensor-parallel; edp, the ranks holding the same experts. sp: the block runs
+    sequence parallelism (its tokens are split already)."""
 
     def __init__(self, cfg, moe, groups=None, sp=False, **factory):
         super().__init__()
         g = lambda kind: getattr(groups, kind, None)  # noqa: E731
         self.tokens, self.ep, self.etp, self.sp = g("tp"), g("ep"), g("etp"), sp
+        self.microbatch = g("tp_cp") or self.tokens  # every rank holding some of a microbatch's tokens
         self.E, self.k, self.aux_scale, self.aux = moe.num_experts, moe.top_k, moe.aux_loss_coeff, None
         self.router = nn.Linear(cfg.n_embd, self.E, bias=False, **factory)  # replicated: a dense weight
         n = self.E // size_of(self.ep)
@@ -195,7 +204,7 @@ class MoELayer(nn.Module):
         tokens = rearrange(x, "B T C -> (B T) C")
         weight = tensor_parallel.copy_to_tp(self.router.weight, self.tokens)  # f: each tp rank, its tokens
         probs, weights, chosen = route(tokens, weight, self.k)
-        self.aux = load_balancing_loss(probs, chosen, self.tokens)
+        self.aux = load_balancing_loss(probs, chosen, self.microbatch)
         xs, plan = self.dispatch(tokens, chosen, T)
         y = self.combine(self.run_experts(xs, plan), weights, plan)  # (B T, C)
         if self.aux_scale and torch.is_grad_enabled():
@@ -244,14 +253,16 @@ gather_tokens = GatherTokens.apply
 
 
 def fold(grid, ep=1, etp=1):
-    """05's grid of attention (tp, dp, pp, embed: rank_grid) with, over the same ranks, the experts'
-    etp x ep x edp x pp, edp = tp dp / (etp ep): Megatron's order, etp fastest, then ep, edp, pp. Both
-    cut the ranks into the same pipeline stages, so that a stage's attention and experts share ranks."""
+    """05's grid of attention (tp, dp, pp, embed: rank_grid), or 08's (with cp; its "dp" is dp x cp), with,
+    over the same ranks, the experts' etp x ep x edp x pp, edp = tp cp dp / (etp ep): Megatron's order,
+    etp fastest, then ep, edp, pp. Both cut the ranks into the same pipeline stages, so that a stage's
+    attention and experts share ranks. With cp, tp_cp: the tp x cp ranks that split a microbatch's tokens."""
     pp, world = len(grid["pp"][0]), sum(map(len, grid["pp"]))
-    inner = world // pp  # a stage's ranks: tp x dp of them
+    inner = world // pp  # a stage's ranks: tp x dp of them (tp x cp x dp)
     if inner % (ep * etp):
-        raise ValueError(f"--ep {ep} x --etp {etp} = {ep * etp} does not divide a pipeline stage's tp x dp = "
-                         f"{inner} ranks (the world {world} / pp {pp}): the experts' grid folds onto those ranks")
+        raise ValueError(f"--ep {ep} x --etp {etp} = {ep * etp} does not divide a pipeline stage's "
+                         f"{'tp x cp x dp' if 'cp' in grid else 'tp x dp'} = {inner} ranks (the world {world} / pp "
+                         f"{pp}): the experts' grid folds onto those ranks")
     edp = inner // (ep * etp)
     rank = lambda t, e, d, p: p * inner + (d * ep + e) * etp + t  # noqa: E731
     etp_groups = [[rank(t, e, d, p) for t in range(etp)] for p in range(pp) for d in range(edp) for e in range(ep)]
@@ -260,6 +271,10 @@ def fold(grid, ep=1, etp=1):
     expert_pp = [[rank(t, e, d, p) for p in range(pp)] for d in range(edp) for e in range(ep) for t in range(etp)]
     if sorted(expert_pp) != sorted(grid["pp"]):  # the fold's one rule: the pipeline is shared
         raise ValueError(f"the experts' pipeline groups {expert_pp} are not attention's {grid['pp']}")
+    if "cp" in grid:  # a cp group's ranks and their tp groups hold one microbatch's tokens between them
+        tp_of = {r: g for g in grid["tp"] for r in g}
+        blocks = {tuple(sorted(r for c in g for r in tp_of[c])) for g in grid["cp"]}
+        grid = dict(grid, tp_cp=[list(b) for b in sorted(blocks)])
     return dict(grid, etp=etp_groups, ep=ep_groups, edp=edp_groups)
 
 
@@ -289,9 +304,9 @@ def against_serial(env, cfg, moe, args, groups, full, idx, targets):
     """One forward and backward of the serial model with experts, on each replica's rows with its auxiliary
     losses added to the loss, and of this rank's part of the expert-parallel one, whose auxiliary losses
     join inside the layers (WithAuxLoss) and whose gradients are reduced as 04's naive data parallelism
-    does, experts over edp, the rest over dp. Returns ({what: relative difference}, serial (loss, aux),
-    parallel (loss, aux), the parallel model)."""
-    dt, dp = full["transformer.wte.weight"].dtype, args.dp
+    does, experts over edp, the rest over dp (dp x cp: 08's step). Returns ({what: relative difference},
+    serial (loss, aux), parallel (loss, aux), the parallel model)."""
+    dt, dp, cp = full["transformer.wte.weight"].dtype, args.dp, getattr(args, "cp", 1)
     serial = with_experts(tensor_parallel.GPT(cfg, init=False, dtype=dt), moe, token_groups=args.tp)
     serial.load_full_state_dict(full)
     for layer in moe_layers(serial):
@@ -304,15 +319,21 @@ def against_serial(env, cfg, moe, args, groups, full, idx, targets):
         ref += torch.stack([loss.detach(), aux.detach()]).double() / dp
     model = with_experts(tensor_parallel.GPT(cfg, groups.tp, sequence_parallel=args.sequence_parallel, init=False,
                                              dtype=dt, device=env.device), moe, groups)
+    if cp > 1:  # 08's seams: this rank's T/cp of each sequence (Megatron's split), ring attention, its loss
+        context.context_parallel(model, context.megatron(cp), groups.cp)
     model.load_full_state_dict(full)
-    rows = dist.get_rank(groups.dp)
-    loss = model(idx.chunk(dp)[rows].to(env.device), targets.chunk(dp)[rows].to(env.device))[1]
+    for layer in moe_layers(model):  # 08's step multiplies the loss by cp for backward: the aux loss too
+        layer.aux_scale = moe.aux_loss_coeff * cp
+    rows = dist.get_rank(groups.dp) // cp  # this replica's rows (08's dp groups are its dp x cp ranks)
+    x, y = idx.chunk(dp)[rows].to(env.device), targets.chunk(dp)[rows].to(env.device)
+    loss = model(x, y)[1] / ((y != -100).sum() if cp > 1 else 1)  # 08's head sums its tokens' losses
     aux = sum(layer.aux for layer in moe_layers(model)).detach()
-    loss.backward()  # the auxiliary losses' gradients join inside the layers
-    for p in model.parameters():  # data parallelism, naive (04): experts over edp, the rest over dp
+    (loss * cp).backward()  # the auxiliary losses' gradients join inside the layers
+    for p in model.parameters():  # data parallelism, naive (04): experts over edp, the rest over dp (x cp)
         dist.all_reduce(p.grad, group=getattr(p, "replica_group", groups.dp))
-        p.grad /= dp
-    got = tensor_parallel.all_reduce(torch.stack([loss.detach(), aux]).double().to(env.device), groups.dp).cpu() / dp
+        p.grad /= dp * cp  # 08: summed over cp (each rank's share of the loss), averaged over dp
+    both = torch.stack([loss.detach(), aux / cp]).double().to(env.device)  # a tp x cp block's ranks: one aux
+    got = tensor_parallel.all_reduce(both, groups.dp).cpu() / dp
     named = dict(serial.named_parameters())
     diffs = {what: (abs(got[i] - ref[i]) / abs(ref[i])).item() for i, what in enumerate(("loss", "aux"))}
     diffs.update({"grad " + n: tensor_parallel.max_rel_diff(g.cpu(), named[n].grad)
@@ -322,9 +343,12 @@ def against_serial(env, cfg, moe, args, groups, full, idx, targets):
 
 def demo(env, cfg, args):
     say, moe = printer(env), MoEConfig.of(args)
-    grid = fold(gpt3d.rank_grid(env.world_size, args.tp, args.dp), args.ep, args.etp)  # before any collective
+    attention = context.rank_grid(env.world_size, args.tp, args.cp, args.dp) if args.cp > 1 else \
+        gpt3d.rank_grid(env.world_size, args.tp, args.dp)  # 08's grid with cp, else 05's
+    grid = fold(attention, args.ep, args.etp)  # before any collective
     groups = gpt3d.new_groups(env, grid)
-    say(f"{cfg}\n{moe}\ntp={args.tp} dp={args.dp} -> etp={args.etp} ep={args.ep} "
+    cp = f" cp={args.cp}" if args.cp > 1 else ""
+    say(f"{cfg}\n{moe}\ntp={args.tp}{cp} dp={args.dp} -> etp={args.etp} ep={args.ep} "
         f"edp={env.world_size // (args.ep * args.etp)}, B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     say(draw_fold(grid))
@@ -466,28 +490,39 @@ def expert_weights(cfg, moe, dense, seed, upcycle=False):
 
 
 def draw_fold(grid):
-    """Both grids over the same ranks, stage by stage: each rank's place in attention's (tp, dp) and in the
-    experts' (ep, edp; etp), then every group, and what the fold did."""
-    size = {k: len(grid[k][0]) for k in ("tp", "dp", "pp", "etp", "ep", "edp")}
-    place = {k: {r: i for g in grid[k] for i, r in enumerate(g)} for k in size}
-    which = {k: {r: i for i, g in enumerate(grid[k]) for r in g} for k in size}  # the index of r's group
-    out = [f"attention: tp {size['tp']} x dp {size['dp']} x pp {size['pp']} (05's grid: tp fastest, then dp, pp)",
+    """Both grids over the same ranks, stage by stage: each rank's place in attention's (tp, dp; cp) and in
+    the experts' (ep, edp; etp), then every group, and what the fold did."""
+    cp = len(grid["cp"][0]) if "cp" in grid else 1
+    kinds = [k for k in ("tp", "cp", "dp", "tp_cp", "ep", "edp", "etp", "pp") if k in grid]
+    size = {k: len(grid[k][0]) for k in kinds}
+    place = {k: {r: i for g in grid[k] for i, r in enumerate(g)} for k in kinds}
+    which = {k: {r: i for i, g in enumerate(grid[k]) for r in g} for k in kinds}  # the index of r's group
+    replica = {r: i // cp for r, i in place["dp"].items()}  # 08's dp group is dp x cp ranks: d cp + c
+    attention = ("tp", "cp", "dp") if cp > 1 else ("tp", "dp")
+    out = [f"attention: tp {size['tp']}" + (f" x cp {cp}" if cp > 1 else "") + f" x dp {size['dp'] // cp} x pp "
+           f"{size['pp']} ({'08' if cp > 1 else '05'}'s grid: tp fastest, then {'cp, ' if cp > 1 else ''}dp, pp)",
            f"experts:   etp {size['etp']} x ep {size['ep']} x edp {size['edp']} x pp {size['pp']} over the same ranks "
            f"(etp fastest, then ep, edp, pp: Megatron's order)"]
     for stage in range(size["pp"]):
         ranks = sorted(r for r in place["pp"] if place["pp"][r] == stage)
-        cell = lambda kinds: "".join(f"{','.join(str(place[k][r]) for k in kinds):>8}" for r in ranks)  # noqa: E731
-        out += [f"stage {stage}  rank      {''.join(f'{r:>8}' for r in ranks)}",
-                f"  attention tp,dp {cell(('tp', 'dp'))}",
-                f"  experts  ep,edp {cell(('ep', 'edp'))}"]
-        out += [f"  experts     etp {cell(('etp',))}"] if size["etp"] > 1 else []
-    for kind in ("tp", "dp", "ep", "edp", "etp", "pp"):
-        groups = grid[kind] if len(grid[kind]) <= 16 else str(grid[kind][:16])[:-1] + ", ...]"
-        out.append(f"{kind + ' groups:':12s}{groups}")
+        at = lambda k, r: replica[r] if k == "dp" else place[k][r]  # noqa: E731
+        cell = lambda ks: "".join(f"{','.join(str(at(k, r)) for k in ks):>8}" for r in ranks)  # noqa: E731
+        w = 18 + 3 * (cp > 1)  # the labels' width
+        out += [f"{f'stage {stage}  rank':{w + 1}s}{''.join(f'{r:>8}' for r in ranks)}",
+                f"{'  attention ' + ','.join(attention):{w}s}{cell(attention)}",
+                f"{'  experts  ep,edp':{w}s}{cell(('ep', 'edp'))}"]
+        out += [f"{'  experts     etp':{w}s}{cell(('etp',))}"] if size["etp"] > 1 else []
+    for kind in ("tp", "cp", "dp", "tp_cp", "ep", "edp", "etp", "pp"):
+        if kind in grid:
+            groups = grid[kind] if len(grid[kind]) <= 16 else str(grid[kind][:16])[:-1] + ", ...]"
+            name = {"dp": "dp x cp", "tp_cp": "tp x cp"}.get(kind, kind) if cp > 1 else kind
+            out.append(f"{name + ' groups:':{16 if cp > 1 else 12}s}{groups}")
     first = grid["ep"][0]
-    out.append(f"the fold: an ep group spans {len({which['tp'][r] for r in first})} tp group(s) and "
-               f"{len({place['dp'][r] for r in first})} dp replica(s) of attention; expert gradients are summed over "
-               f"edp, dense ones over dp")
+    spans = f"{len({which['tp'][r] for r in first})} tp group(s)" + (
+        f", {len({place['cp'][r] for r in first})} cp rank(s) of each sequence" if cp > 1 else "")
+    block = " (each ep group is one tp x cp block)" if sorted(grid["ep"]) == grid.get("tp_cp") else ""
+    out.append(f"the fold: an ep group spans {spans} and {len({replica[r] for r in first})} dp replica(s) of "
+               f"attention{block}; expert gradients are summed over edp, dense ones over dp{' x cp' if cp > 1 else ''}")
     return "\n".join(out)
 
 
@@ -506,7 +541,7 @@ def report_routing(env, say, cfg, args, model):
     sent = [(sum(p.send) - p.send[rank_of(lay.ep)]) + (sum(p.recv) - p.recv[rank_of(lay.ep)])
             for lay in layers for p in [lay.plan]]  # rows this rank sent to others: dispatch, combine
     measured = 2 * sum(x[0] for x in gather_numbers([sum(sent)], device=env.device)) * cfg.n_embd * elt  # x2: backward
-    N = args.batch_size // args.dp * args.seq_len // args.tp  # the tokens a rank routes
+    N = args.batch_size // args.dp * args.seq_len // (args.tp * args.cp)  # the tokens a rank routes
     formula = planner.moe_alltoall_bytes(N, layers[0].k, ep, cfg.n_embd, elt) * len(layers) * env.world_size
     say(f"all-to-all bytes of one forward and backward, every rank and MoE layer: {measured:,.0f} measured, "
         f"{formula:,.0f} by the planner's formula at uniform routing (4 all-to-alls a layer, each rank sending "
@@ -519,15 +554,28 @@ def report_routing(env, say, cfg, args, model):
 
 @dataclass
 class Experts(MoEConfig):
-    ep: int = 1  # expert-parallel size: each of its ranks holds num_experts / ep experts (folded onto tp x dp)
-    etp: int = 1  # each expert tensor-parallel over this many ranks; ep x etp must divide tp x dp
+    ep: int = 1  # expert-parallel size: each of its ranks holds num_experts / ep experts (folded onto tp x cp x dp)
+    etp: int = 1  # each expert tensor-parallel over this many ranks; ep x etp must divide tp x cp x dp
     schedule: Literal["1f1b", "zb-h1", "zb-v"] = "1f1b"  # 05's 1F1B (interleaved with --virtual-stages) or 06's
 
 
 @dataclass
-class TrainConfig(Experts, gpt3d.TrainConfig):
-    """05's flags and the experts'."""
+class TrainConfig(Experts, context.TrainConfig):
+    """05's flags, 08's (context parallelism, off at cp = 1) and the experts'."""
+    cp: int = 1  # context-parallel size (08): the ranks each sequence is split over (rank order tp, cp, dp, pp)
+    dp: int = 2  # data-parallel replicas (05's default; 08's is 1, beside its cp = 2)
     cuda_graphs: bool | None = False  # never with experts: the all-to-alls' sizes are read on the host each step
+
+    def check_relations(self, cfg, world=None):
+        """08's relations (its split, attention and recompute), then the experts' (check_experts) and the one
+        pair not composed: 06's split backward with 08's executor."""
+        context.TrainConfig.check_relations(self, cfg, world)
+        check_experts(self, cfg.n_embd)
+        if (self.cp > 1 or self.recompute == "lightseq") and self.schedule != "1f1b":
+            why = f"--cp {self.cp}" if self.cp > 1 else "--recompute lightseq"
+            raise ValueError(f"--schedule {self.schedule} with {why}: 08's ring runs in 05's 1F1B and interleaved "
+                             f"1F1B, whose executor weights each rank's share of the loss; 06's executor of I and W "
+                             f"does not, so the two are not composed here; give --schedule 1f1b")
 
     def extension(self):
         """What a checkpoint records of the model beyond GPT-2's (plumbing/checkpoint.py's EXTENSIONS)."""
@@ -540,7 +588,8 @@ class TrainConfig(Experts, gpt3d.TrainConfig):
 class ExpertSchedule(zero_bubble.ZeroBubbleSchedule):
     """05's 1F1B or interleaved 1F1B, or 06's ZB-H1 or ZB-V, on chunks with experts: grid() folds the experts'
     groups onto 05's; prepare() puts the experts in, their weights drawn from the seed or each upcycled from the
-    MLP it replaces (--init-from), and each layer's load-balancing loss weighted 1/m, a microbatch's share."""
+    MLP it replaces (--init-from), and each layer's load-balancing loss weighted 1/m, a microbatch's share (cp/m
+    with 08: its executor multiplies each rank's share of the loss by cp for backward, as 08's step does)."""
     tc: object = None
 
     def grid(self, world, tp, dp):
@@ -552,15 +601,15 @@ class ExpertSchedule(zero_bubble.ZeroBubbleSchedule):
         for c in chunks:
             with_experts(c, moe, groups).load_full_state_dict(weights)
             for layer in moe_layers(c):
-                layer.aux_scale = moe.aux_loss_coeff / tc.microbatches
+                layer.aux_scale = moe.aux_loss_coeff * tc.cp / tc.microbatches
         if dist.get_rank() == 0:  # 05's summary counts the dense model: what the experts add, first
             cfg, spec = chunks[0].cfg, planner.MoESpec(moe.num_experts, moe.top_k, moe.moe_every)
             total, active = planner.moe_params(planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size), spec)
             drops = f"capacity {moe.capacity_factor:g}" if moe.capacity_factor else "dropless"
             print(f"experts   {moe.num_experts} in each of layers {list(planner.moe_layers(cfg.n_layer, moe.moe_every))}, "
                   f"top-{moe.top_k}, aux loss x {moe.aux_loss_coeff:g}, {drops}; etp {tc.etp} x ep {tc.ep} x edp "
-                  f"{tc.tp * tc.dp // (tc.ep * tc.etp)} over each stage's tp x dp; {total:,} parameters, {active:,} "
-                  f"active per token")
+                  f"{tc.tp * tc.cp * tc.dp // (tc.ep * tc.etp)} over each stage's tp x {'cp x ' if tc.cp > 1 else ''}"
+                  f"dp; {total:,} parameters, {active:,} active per token")
         if tc.init_from and dist.get_rank() == 0:
             print(f"upcycling: each of the {moe.num_experts} experts of layers "
                   f"{list(planner.moe_layers(chunks[0].cfg.n_layer, moe.moe_every))} starts as {tc.init_from}'s MLP of its "
@@ -569,8 +618,29 @@ class ExpertSchedule(zero_bubble.ZeroBubbleSchedule):
             super().prepare(chunks)
 
 
+@dataclass
+class ContextExpertSchedule(ExpertSchedule, context.ContextParallelSchedule):
+    """ExpertSchedule on 08's ContextParallelSchedule (1F1B or interleaved 1F1B): grid() folds the experts onto
+    08's tp x cp x dp x pp grid (ExpertSchedule's fold of 08's rank_grid, by the classes' order), prepare() puts
+    the experts in, then 08's seams (its tokens at their positions, ring attention, its head); 08's executor
+    weights each rank's share of the loss and carries T/cp rows; 08's replica is the rank's dp coordinate."""
+
+    def prepare(self, chunks, groups, full):
+        ExpertSchedule.prepare(self, chunks, groups, full)
+        context.ContextParallelSchedule.prepare(self, chunks, groups, full)
+
+    def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
+        return context.ContextParallelSchedule.executor(self, chunks, pp_group, wire, exchange, deallocate)
+
+
 def schedule_of(tc):
-    """The trainer's seam (05's train and main): the schedule --schedule names, its chunks given experts."""
+    """The trainer's seam (05's train and main): the schedule --schedule names, its chunks given experts; with
+    --cp (or --recompute lightseq, 08's ring at cp = 1 too) 08's schedule, with experts."""
+    if tc.cp > 1 or tc.recompute == "lightseq":
+        base = context.context_schedule(tc)
+        return ContextExpertSchedule(base.lists, base.placement, base.kinds, name=f"{base.name}, experts over "
+                                     f"ep={tc.ep}", cp=base.cp, ring=base.ring, attention=base.attention,
+                                     recompute=base.recompute, tc=tc)
     base = gpt3d.interleaved_schedule(tc) if tc.schedule == "1f1b" else \
         zero_bubble.pipeline_schedule(tc.schedule, tc.pp, tc.microbatches)
     return ExpertSchedule(base.lists, base.placement, base.kinds, name=f"{base.name}, experts over ep={tc.ep}",
@@ -592,33 +662,53 @@ EXTENSIONS["experts"] = lambda model, ext: with_experts(model, MoEConfig(**ext["
 @dataclass
 class DemoConfig(MoEConfig):
     tp: int = 2  # attention's tensor-parallel size
-    dp: int = 2  # attention's data-parallel replicas: tp x dp CPU ranks started here, or torchrun's world
+    cp: int = 1  # context-parallel size (08): each sequence split over cp ranks, Megatron's split into 2 cp blocks
+    dp: int = 2  # attention's data-parallel replicas: tp x cp x dp CPU ranks started here, or torchrun's world
     ep: int = 4  # expert-parallel size: each of its ranks holds num_experts / ep experts
-    etp: int = 1  # each expert tensor-parallel over this many ranks; ep x etp must divide tp x dp
+    etp: int = 1  # each expert tensor-parallel over this many ranks; ep x etp must divide tp x cp x dp
     sequence_parallel: bool = False  # attention's tp ranks hold T/tp of the tokens (else each routes T/tp of its copy)
     batch_size: int = 4  # B, global, in sequences: B / dp per replica
     seq_len: int = 32  # T, tokens per sequence
     seed: int = 1234  # for the weights and the batch
 
+    def check_relations(self, cfg, world=None):
+        """check_experts; with cp, what 08's split and the exact comparison with serial need."""
+        check_experts(self, cfg.n_embd)
+        n = 2 * self.cp * (self.tp if self.sequence_parallel else 1)
+        if self.cp > 1 and self.seq_len % n:
+            raise ValueError(f"--seq-len {self.seq_len}: --cp {self.cp} cuts each sequence into Megatron's 2 cp = "
+                             f"{2 * self.cp} blocks{' (each split again over tp by --sequence-parallel)' if n > 2 * self.cp else ''}: "
+                             f"it must be divisible by {n}")
+        if self.cp > 1 and cfg.dropout:
+            raise ValueError(f"--dropout {cfg.dropout:g} with --cp {self.cp}: ring attention drops no probability, "
+                             f"and the demo compares with the serial model exactly; give --dropout 0")
+        if self.cp > 1 and self.capacity_factor:
+            raise ValueError(f"--capacity-factor {self.capacity_factor:g} with --cp {self.cp}: the demo's serial "
+                             f"reference drops by the rule over the runs of a sequence the tp ranks hold; 08's split "
+                             f"gives a rank two blocks apart, which it does not reproduce; give --cp 1 (the trainer "
+                             f"takes both, and drops per rank)")
+
 
 def check_experts(flags, n_embd):
     """The relations of the experts' flags (the demo's or the trainer's), each refused in a sentence before
     anything starts (plumbing/checks.py's check_config calls it, as check_relations)."""
-    tp, dp, pp, ep, etp = (getattr(flags, k, 1) for k in ("tp", "dp", "pp", "ep", "etp"))
+    tp, cp, dp, pp, ep, etp = (getattr(flags, k, 1) for k in ("tp", "cp", "dp", "pp", "ep", "etp"))
     E, k = flags.num_experts, flags.top_k
     if k < 1 or k > E:
         raise ValueError(f"--top-k {k}: each token goes to between 1 and --num-experts {E} experts")
     if E % ep:
         raise ValueError(f"--num-experts {E} is not divisible by --ep {ep}: each expert-parallel rank holds E / ep "
                          f"experts")
-    if (tp * dp) % (ep * etp):
-        raise ValueError(f"--ep {ep} x --etp {etp} = {ep * etp} does not divide tp x dp = {tp} x {dp}: the experts' "
-                         f"grid folds onto a pipeline stage's ranks, (world / pp = {tp * dp * pp} / {pp})")
+    if (tp * cp * dp) % (ep * etp):
+        stage = f"tp x cp x dp = {tp} x {cp} x {dp}" if cp > 1 else f"tp x dp = {tp} x {dp}"
+        raise ValueError(f"--ep {ep} x --etp {etp} = {ep * etp} does not divide {stage}: the experts' grid folds onto a "
+                         f"pipeline stage's ranks, (world / pp = {tp * cp * dp * pp} / {pp})")
     if 4 * n_embd % etp:
         raise ValueError(f"--etp {etp} does not divide an expert's 4 x n_embd hidden units")
-    if tp > 1 and not getattr(flags, "sequence_parallel", False) and flags.seq_len % tp:
-        raise ValueError(f"--seq-len {flags.seq_len} is not divisible by tp={tp}: without --sequence-parallel "
-                         f"each tp rank routes T/tp of the tokens")
+    if tp > 1 and not getattr(flags, "sequence_parallel", False) and flags.seq_len % (tp * cp):
+        by = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "")
+        raise ValueError(f"--seq-len {flags.seq_len} is not divisible by {by}: without --sequence-parallel each tp "
+                         f"rank routes T/tp of the tokens{' of its cp rank' if cp > 1 else ''}")
     if getattr(flags, "cuda_graphs", None):
         raise ValueError("--cuda-graphs: the dispatcher's all-to-all sizes are read on the host each step, which a "
                          "captured graph cannot; drop the flag")
@@ -633,7 +723,7 @@ def parser():
 
 
 def start_demo(cfg, args):
-    return all(tensor_parallel.launch(demo, args.tp * args.dp, cfg, args))
+    return all(tensor_parallel.launch(demo, args.tp * args.cp * args.dp, cfg, args))
 
 
 TITLE = "mixture of experts (09)"
@@ -645,15 +735,17 @@ NOT_FOR_EXPERTS = {  # 05's actions that read a checkpoint into 01's GPT-2, whic
     "plan": "--plan estimates 05's dense GPT-2; the experts' figures come with --print-layout (planner.py's moe_*)"}
 
 
-LAYOUT_FLAGS = {"print_layout", "tp", "dp", "pp", "ep", "etp", "schedule", "virtual_stages", "num_experts", "top_k",
-                "moe_every", "batch_size", "microbatches", "seq_len", "sequence_parallel", "zero1", "recompute"}
+LAYOUT_FLAGS = {"print_layout", "tp", "cp", "dp", "pp", "ep", "etp", "schedule", "virtual_stages", "num_experts",
+                "top_k", "moe_every", "batch_size", "microbatches", "seq_len", "sequence_parallel", "zero1", "recompute",
+                "cp_schedule", "cp_attention"}
 
 
 def train_parser():
-    """05's trainer's flags and the experts' (the router's --top-k replaces sampling's)."""
-    p = gpt3d.parser()
+    """05's trainer's flags, 08's (--cp 1: off) and the experts' (the router's --top-k replaces sampling's)."""
+    p = context.train_parser()
     p.conflict_handler = "resolve"
     cli.add_dataclass_args(p, Experts, TITLE)
+    p.set_defaults(cp=TrainConfig.cp, dp=TrainConfig.dp)
     return p
 
 
@@ -674,30 +766,39 @@ def train_action(argv):
     if extra:
         raise ValueError(f"--print-layout does not use {', '.join('--' + n.replace('_', '-') for n in extra)}: it "
                          f"draws the grids and starts nothing; drop them")
-    check_experts(tc, cfg.n_embd)
-    print(draw_fold(schedule_of(tc).grid(tc.tp * tc.dp * tc.pp, tc.tp, tc.dp)))
+    tc.check_relations(cfg)
+    print(draw_fold(schedule_of(tc).grid(tc.tp * tc.cp * tc.dp * tc.pp, tc.tp, tc.dp)))
     print(plan_figures(cfg, tc))
     return True
 
 
 def plan_figures(cfg, tc):
-    """The planner's figures of a model with experts under the fold (planner.py's moe_*)."""
+    """The planner's figures of a model with experts under the fold (planner.py's moe_*). With cp, to the planner
+    a cp rank is a replica of sequences of T/cp tokens: its activations and all-to-alls are those of T/cp, and
+    its ZeRO-1 shards are over dp x cp (08's dp groups); its FLOPs per token are the whole sequence's."""
     m, e = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len), MoEConfig.of(tc)
     total, active = planner.moe_params(m, e)
-    L = planner.Layout(tc.tp, tc.pp, tc.dp, tc.batch_size, b=tc.batch_size // (tc.dp * tc.microbatches),
+    per_rank = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len // tc.cp)
+    L = planner.Layout(tc.tp, tc.pp, tc.dp * tc.cp, tc.batch_size * tc.cp, b=tc.batch_size // (tc.dp * tc.microbatches),
                        v=tc.virtual_stages, recompute=tc.recompute, sequence_parallel=tc.sequence_parallel)
-    tokens = L.b * tc.seq_len // tc.tp  # a rank routes its 1/tp of a microbatch
+    tokens = L.b * per_rank.seq_len // tc.tp  # a rank routes its 1/tp of a microbatch (of its T/cp)
     return (f"planner: {total:,} parameters, {active:,} active per token; {planner.moe_flops_per_token(m, e):,.0f} "
             f"FLOPs per token (forward and backward); the fullest rank's memory "
-            f"{planner.moe_memory_per_rank(m, e, L, tc.ep, tc.etp, tc.zero1) / 2**20:,.1f} MiB (bf16 weights, fp32 "
+            f"{planner.moe_memory_per_rank(per_rank, e, L, tc.ep, tc.etp, tc.zero1) / 2**20:,.1f} MiB (bf16 weights, fp32 "
             f"gradients and AdamW, activations); all-to-all bytes per MoE layer and microbatch, per rank: "
             f"{planner.moe_alltoall_bytes(tokens, e.top_k, tc.ep, cfg.n_embd):,.0f} (bf16, uniform routing)")
 
 
 def main():
-    if "--train" in sys.argv[1:] and train_action([a for a in sys.argv[1:] if a != "--train"]):
-        return True
-    return command.later_chapter(parser, Experts, TITLE, TrainConfig, schedule_of, start_demo)
+    """With --train, 05's trainer with 08's flags and the experts' (plumbing/command.py), after the actions it
+    does otherwise for experts (train_action); without, the demo."""
+    if "--train" in sys.argv[1:]:
+        if train_action([a for a in sys.argv[1:] if a != "--train"]):
+            return True
+        sys.argv.remove("--train")
+        return gpt3d.main(train_parser, TrainConfig, schedule_of)
+    cfg, args = cli.demo_args(parser(), train_parser=train_parser())
+    return start_demo(cfg, args)
 
 
 if __name__ == "__main__":

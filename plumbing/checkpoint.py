@@ -541,6 +541,9 @@ def _whole(v, lo):
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
+FOLDED = ("ep", "etp")  # 09's sizes in a manifest's layout: the experts' grid over the same ranks as attention's
+
+
 def _manifest_problems(m):
     """Each field of a manifest that is missing or wrong, as 'field (what it must be; got ...)'."""
     got = lambda k, d=m: repr(d[k]) if k in d else "nothing"  # noqa: E731
@@ -550,15 +553,17 @@ def _manifest_problems(m):
     if wrong:
         return wrong
     lay = m["layout"]
-    # Every number but v is a size of the grid (tp, pp, dp, and a later chapter's: 08's cp).
+    # Every number but v is a size of the grid (tp, pp, dp, and a later chapter's: 08's cp), or of a grid
+    # folded onto the same ranks (09's experts' ep and etp: FOLDED), which is no factor of the world.
     sizes = [k for k, n in lay.items() if k != "v" and not isinstance(n, bool)] if isinstance(lay, dict) else []
+    grid = [k for k in sizes if k not in FOLDED]
     if not all(_whole(lay.get(k), 1) for k in ("tp", "pp", "dp", "v", *sizes)) \
             or not isinstance(lay.get("zero1", False), bool):
         wrong.append(f"layout {lay} (tp, pp, dp and v whole numbers of at least 1, zero1 true or false"
                      + (f"; {', '.join(k for k in sizes if k not in ('tp', 'pp', 'dp'))} too" if len(sizes) > 3 else "")
                      + ")")
-    elif math.prod(lay[k] for k in sizes) != m["world"]:
-        wrong.append(f"layout {lay} ({' x '.join(sizes)} must equal world={m['world']})")
+    elif math.prod(lay[k] for k in grid) != m["world"]:
+        wrong.append(f"layout {lay} ({' x '.join(grid)} must equal world={m['world']})")
     fields = {f.name for f in dataclasses.fields(tensor_parallel.GPTConfig)}
     if set(m["model"]) != fields:
         wrong.append(f"model {sorted(m['model'])} (want {sorted(fields)})")

@@ -34,6 +34,8 @@ The figures (docs/DIAGRAMS.md shows each and says what it means), each NAME draw
                        which step, and each rank's work beside the mean (08's simulate())
     fold               09's parallel folding: attention's tp 2 x dp 2 x pp 2 and the experts' ep 4 on the
                        same ranks, each rank's place in both grids and the experts it holds
+    fold-cp            the same with 08's context parallelism: attention's tp 2 x cp 2 x dp 2 and the
+                       experts' ep 4 x edp 2, each ep group one tp x cp block
     dispatch           one token dispatch of 09 on ep = 2 CPU ranks (E = 4, top-2): each rank's pairs
                        sorted by expert, the counts, and every row's way to the rank of its expert
 The loss curve of a run is scripts/plot_metrics.py's (from 05's --metrics).
@@ -1012,9 +1014,11 @@ def balance_svg(data):
 # fold and dispatch: 09's experts, folded onto attention's ranks, and one dispatch on 2 CPU ranks
 
 
-def fold_data(tp=2, dp=2, pp=2, ep=4, E=8):
-    """09's fold of 05's grid: (the grid with the experts' groups, E)."""
-    return experts().fold(gpt3d.rank_grid(tp * dp * pp, tp, dp, pp), ep), E
+def fold_data(tp=2, dp=2, pp=2, ep=4, E=8, cp=1):
+    """09's fold of 05's grid, or of 08's with cp > 1: (the grid with the experts' groups, E)."""
+    attention = context_parallel.rank_grid(tp * cp * dp * pp, tp, cp, dp, pp) if cp > 1 else \
+        gpt3d.rank_grid(tp * dp * pp, tp, dp, pp)
+    return experts().fold(attention, ep), E
 
 
 def experts():
@@ -1029,26 +1033,30 @@ def fold_text(data):
 
 
 def fold_svg(data):
-    """Each stage's ranks as 05 places them (a row per replica, a tp group in each row), every rank
-    also marked with its place in the experts' grid and the experts it holds; an ep group's outline."""
+    """Each stage's ranks as 05 places them (a row per replica, a tp group in each row; with 08's cp a row
+    per cp rank of each replica), every rank also marked with its place in the experts' grid and the
+    experts it holds; an ep group's outline."""
     grid, E = data
-    size = {k: len(grid[k][0]) for k in ("tp", "dp", "pp", "ep", "edp", "etp")}
-    tp, dp, pp, ep = size["tp"], size["dp"], size["pp"], size["ep"]
+    cp = len(grid["cp"][0]) if "cp" in grid else 1
+    size = {k: len(grid[k][0]) for k in ("tp", "dp", "pp", "ep", "edp", "etp", "cp") if k in grid}
+    tp, dp, pp, ep = size["tp"], size["dp"], size["pp"], size["ep"]  # dp: a row each (08's dp is dp x cp)
     place = {k: {r: i for g in grid[k] for i, r in enumerate(g)} for k in size}
     world = tp * dp * pp
-    s = Svg(f"Parallel folding: attention's tp {tp} × dp {dp}, the experts' ep {ep}, on the same ranks",
-            f"09_expert_parallel.py's fold: 05's grid for attention, the experts' etp × ep × edp over the same ranks "
-            f"(pp = {pp}, the same stages)")
+    attention = f"tp {tp} × cp {cp} × dp {dp // cp}" if cp > 1 else f"tp {tp} × dp {dp}"
+    s = Svg(f"Parallel folding: attention's {attention}, the experts' ep {ep}, on the same ranks",
+            f"09_expert_parallel.py's fold: {'08' if cp > 1 else '05'}'s grid for attention, the experts' etp × ep × "
+            f"edp over the same ranks (pp = {pp}, the same stages)")
     box_w, box_h, gap, pitch = 176, 62, 14, 94
     stage_w = tp * box_w + (tp - 1) * gap + 44
     between = (WIDTH - 40 - pp * stage_w) / max(pp - 1, 1)
+    left = 20 if pp > 1 else (WIDTH - stage_w) / 2  # one stage: in the middle
     top, at = 76, {}
     for r in range(world):
-        x0 = 20 + place["pp"][r] * (stage_w + between)
+        x0 = left + place["pp"][r] * (stage_w + between)
         at[r] = (x0 + 22 + place["tp"][r] * (box_w + gap), top + 60 + place["dp"][r] * pitch)
     stage_h = 60 + dp * pitch + 14
     for p in range(pp):
-        x0 = 20 + p * (stage_w + between)
+        x0 = left + p * (stage_w + between)
         s.rect(x0, top, stage_w, stage_h, fill=PALE, stroke=RULE, rx=8)
         s.text(x0 + stage_w / 2, top + 22, f"pipeline stage {p}", size=14, anchor="middle", font_weight="bold")
     for group in grid["ep"]:  # an ep group: every rank of it, however attention groups them
@@ -1061,22 +1069,33 @@ def fold_svg(data):
                stroke_width=2, rx=7, stroke_dasharray="6 3", class_="tp")
     for r, (x, y) in at.items():
         e = place["ep"][r]
-        s.box(x, y, box_w, box_h, [f"rank {r}", f"attention: t{place['tp'][r]} · d{place['dp'][r]}",
+        where = f"t{place['tp'][r]} · c{place['cp'][r]} · d{place['dp'][r] // cp}" if cp > 1 else \
+            f"t{place['tp'][r]} · d{place['dp'][r]}"
+        s.box(x, y, box_w, box_h, [f"rank {r}", f"attention: {where}",
                                    f"experts {e * E // ep}-{(e + 1) * E // ep - 1}: ep {e} · edp {place['edp'][r]}"],
               stroke=INK, size=14)
     y = top + stage_h + 34
+    groups = f"cp groups: {grid['cp']}" if cp > 1 else f"dp groups: {grid['dp']}"
     legend = [(lambda yy: s.rect(12, yy - 8, 28, 16, fill="none", stroke=GREEN, stroke_width=2, rx=4,
-                                 stroke_dasharray="6 3"), f"attention's tp groups: {grid['tp']}; dp groups: {grid['dp']}"),
+                                 stroke_dasharray="6 3"), f"attention's tp groups: {grid['tp']}; {groups}"),
               (lambda yy: s.rect(12, yy - 8, 28, 16, fill="#fdf0dc", stroke=ORANGE, stroke_width=2, rx=4),
                f"ep groups, the all-to-all's ranks: {grid['ep']}; edp groups (expert gradients): {grid['edp']}")]
+    if cp > 1:  # no outline of their own: the ep groups' here, and the columns of a stage's replicas
+        legend.append((lambda yy: None, f"tp x cp groups (a microbatch's tokens): {grid['tp_cp']}; dp x cp groups "
+                                        f"(dense gradients): {grid['dp']}"))
     for draw, text in legend:
         draw(y)
         s.label(48, y, text, size=13)
         y += 26
-    for note in [f"An ep group takes a whole stage's tp × dp ranks: the {tp * dp} ranks that attention splits "
-                 f"as tp {tp} × dp {dp} hold E/ep = {E // ep} experts each;",
-                 "dense gradients are reduced over dp, expert gradients over edp, both divided by dp (the "
-                 "replicas of the batch)."]:
+    notes = [f"An ep group takes a tp × cp block: the {tp * cp} ranks that split one microbatch's sequences as "
+             f"tp {tp} × cp {cp} hold E/ep = {E // ep} experts each;",
+             "dense gradients are reduced over dp × cp, expert gradients over edp (the dp replicas), both "
+             "divided by dp × cp."] if cp > 1 else \
+        [f"An ep group takes a whole stage's tp × dp ranks: the {tp * dp} ranks that attention splits "
+         f"as tp {tp} × dp {dp} hold E/ep = {E // ep} experts each;",
+         "dense gradients are reduced over dp, expert gradients over edp, both divided by dp (the "
+         "replicas of the batch)."]
+    for note in notes:
         s.text(16, y + 6, note, size=13, fill=GREY)
         y += 20
     s.height = y + 6
@@ -1207,6 +1226,7 @@ FIGURES = {  # name: (data, text, svg); each svg(data) is the text of NAME.svg
     "balance-megatron": (lambda: balance_data("megatron"), balance_text, balance_svg),
     "balance-lightseq": (lambda: balance_data("lightseq"), balance_text, balance_svg),
     "fold": (fold_data, fold_text, fold_svg),
+    "fold-cp": (lambda: fold_data(tp=2, cp=2, dp=2, pp=1, ep=4), fold_text, fold_svg),
     "dispatch": (dispatch_data, dispatch_text, dispatch_svg),
 }
 TIMED = {"overlap"}  # a real run's times: its SVG differs on every run

@@ -32,6 +32,7 @@ tensor_parallel, pipeline, interleaved = load("01_tensor_parallel"), load("02_pi
 data_parallel, gpt3d, zero_bubble, vocab = (load(n) for n in ("04_data_parallel", "05_3d_gpt", "06_zero_bubble",
                                                               "07_vocab_parallel"))
 context = load("08_context_parallel")
+experts = load("09_expert_parallel")
 F64 = torch.float64
 
 
@@ -420,6 +421,39 @@ def lightseq_messages():
             str(out[3]), str(out[0]), f"{context.message_bytes('out', shape, False, 8):,}", str(out[1]))
 
 
+EP_DEMO, EP_CP_DEMO = ("09_expert_parallel.py",), ("09_expert_parallel.py", "--tp", "2", "--cp", "2", "--dp", "1")
+
+
+def expert_demo(*args):
+    """09's demo as it prints: E, ep and the world from its header; layer 0's routing table, each rank's
+    pairs sent to each expert and rows received; the auxiliary loss, serial and expert-parallel."""
+    out = demo(*args)
+    E = int(re.search(r"MoEConfig\(num_experts=(\d+)", out)[1])
+    ep, world = (int(x) for x in re.search(r"-> etp=\d+ ep=(\d+) .* world=(\d+) ", out).groups())
+    rows = [[int(x) for x in m[1].split()] for m in re.finditer(r"^ +\d+ +((?:\d+ +){%d}\d+)$" % E, out, re.M)]
+    aux = re.search(r"auxiliary loss .*: serial ([\d.]+) +expert-parallel ([\d.]+)", out).groups()
+    return dict(E=E, ep=ep, world=world, sent=sum(sum(r[:E]) for r in rows), received=sum(r[E] for r in rows),
+                ranks=len(rows), aux=aux)
+
+
+def expert_groups():
+    """09.3: 09's fold of the demo's grid (tp 2 x dp 2 -> ep 4), and of 08's at tp 2 x cp 2 -> ep 4."""
+    d = experts.DemoConfig()
+    plain = experts.fold(gpt3d.rank_grid(d.tp * d.dp, d.tp, d.dp), d.ep)
+    folded = experts.fold(context.rank_grid(4, tp=2, cp=2, dp=1), ep=4)
+    return d, plain, folded
+
+
+def split_aux_loss():
+    """09.4: `load_balancing_loss` of 4 tokens (E = 2, top-1) over the whole microbatch and over each half,
+    the first half all to expert 0 (probabilities 0.75, 0.25), the second all to expert 1."""
+    probs = torch.tensor([[0.75, 0.25], [0.75, 0.25], [0.25, 0.75], [0.25, 0.75]], dtype=F64)
+    chosen = probs.argmax(-1, keepdim=True)
+    whole = float(experts.load_balancing_loss(probs, chosen, None))
+    halves = {float(experts.load_balancing_loss(p, c, None)) for p, c in zip(probs.chunk(2), chosen.chunk(2))}
+    return f"{whole:.1f}", f"{one(halves):.1f}"
+
+
 TP, SP = TP_DEMO, SP_DEMO
 CLAIMS = [
     # 01
@@ -610,7 +644,34 @@ CLAIMS = [
                   r"does (\d+/\d+) blocks against a mean of (\d+), ([\d.]+) times",
           lambda: (lambda b: (str(len(context.lightseq(4).steps[0])), str(len(context.contiguous(4).steps[0])),
                               str(max(b.totals)), str(b.ideal), f"{float(b.factor):.2f}"))(context.simulate(context.lightseq(4)))),
-
+    # 09
+    Claim("09.1", r"In the demo \(E = (\d+) experts over ep = (\d) ranks\) each rank sends (\d+) counts to each rank, "
+                  r"and cuts the rows it receives into (\d+) blocks, (\d+) local experts from each of (\d) ranks",
+          lambda: (lambda d: (str(d["E"]), str(d["ep"]), str(d["E"] // d["ep"]), str(d["ep"] * (d["E"] // d["ep"])),
+                              str(d["E"] // d["ep"]), str(d["ep"])))(expert_demo(*EP_DEMO))),
+    Claim("09.2", r"In the demo the (\w+) ranks send (\d+) \(token, expert\) pairs of layer 0 and their experts "
+                  r"receive (\d+) rows",
+          lambda: (lambda d: ({4: "four"}.get(d["ranks"], str(d["ranks"])), str(d["sent"]), str(d["received"])))(
+              expert_demo(*EP_DEMO))),
+    Claim("09.3", r"With tp (\d) x dp (\d) -> ep (\d), edp = (\d) / (\d) = (\d): expert e lives on rank e // (\d) only, "
+                  r"and its gradient, .* is summed over its edp group, (\[r\]), alone",
+          lambda: (lambda d, plain, _: (str(d.tp), str(d.dp), str(d.ep), str(d.tp * d.dp), str(d.ep),
+                                        str(len(plain["edp"][0])), str(d.num_experts // d.ep),
+                                        "[r]" if all(g == [r] for r, g in enumerate(plain["edp"])) else "more"))(
+              *expert_groups())),
+    Claim("09.3", r"Under 08's fold, tp (\d) x cp (\d) -> ep (\d) \(`--tp 2 --cp 2 --dp 1`\), the ep group (\[[\d, ]+\]) is "
+                  r"the tp x cp group \(`fold`'s `tp_cp`\), edp is (\d) again, and the router's copies are summed over "
+                  r"tp by f and over the dp x cp group, (\[[\d, ]+\]) and (\[[\d, ]+\]) \(08's \"dp\"\), by the "
+                  r"data-parallel reduction, both divided by dp x cp = (\d)",
+          lambda: (lambda g: (str(len(g["tp"][0])), str(len(g["cp"][0])), str(len(g["ep"][0])),
+                              str(g["ep"][0]) if g["ep"] == g["tp_cp"] else "not the tp x cp group",
+                              str(len(g["edp"][0])), str(g["dp"][0]), str(g["dp"][1]), str(len(g["dp"][0]))))(
+              expert_groups()[2])),
+    Claim("09.4", r"together the load is even and `load_balancing_loss` is ([\d.]+), but each half alone gives ([\d.]+)\.",
+          lambda: split_aux_loss()),
+    Claim("09.4", r"the demo at `--tp 2 --cp 2 --dp 1` prints the (same) auxiliary loss, ([\d.]+), on the serial and the "
+                  r"expert-parallel model",
+          lambda: (lambda a: ("same" if a[0] == a[1] else "different", a[0]))(expert_demo(*EP_CP_DEMO)["aux"])),
 ]
 
 

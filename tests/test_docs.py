@@ -36,6 +36,7 @@ RUNS = {
     "python3 03_interleaved.py": ("03_interleaved.py",),
     "python3 04_data_parallel.py": ("04_data_parallel.py",),
     "python3 09_expert_parallel.py": ("09_expert_parallel.py",),
+    "python3 09_expert_parallel.py --tp 2 --cp 2 --dp 1": ("09_expert_parallel.py", "--tp", "2", "--cp", "2", "--dp", "1"),
     MAIN_JOB: ("05_3d_gpt.py", "--steps", "1"),  # its eval runs at the last step: the summary is the same
     "python3 06_zero_bubble.py": ("06_zero_bubble.py",),
     "python3 07_vocab_parallel.py": ("07_vocab_parallel.py",),

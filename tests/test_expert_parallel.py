@@ -6,8 +6,12 @@ rank, in another order) and sums the same terms in another order (a bias gradien
 token's k weighted outputs, an all-reduce's tree): each result is within a few float64 ulps of the
 serial one, 1e-15 relative for one step; TOL = 1e-10 leaves room for AdamW's division by sqrt(v) over
 a few steps and is still 10^5 below the smallest real error (a token sent to the wrong expert, a
-gradient summed over the wrong ranks, a missing 1/dp). dispatch . combine with identity experts is
-exact: it moves rows and adds x / 2 + x / 2.
+gradient summed over the wrong ranks, a missing 1/dp). With context parallelism (08's ring under the
+fold tp x cp -> ep) attention's softmax is merged block by block (the online-softmax rule) and a loss
+is summed per rank before it is divided by the count: again other orders of the same float64 sums,
+a few ulps, far below 1e-10, while a wrong scale (the auxiliary loss's gradient not multiplied by cp
+as the loss is, its sums not taken over tp x cp) is O(1e-3) relative or more. dispatch . combine
+with identity experts is exact: it moves rows and adds x / 2 + x / 2.
 """
 import contextlib
 import io
@@ -26,6 +30,7 @@ from plumbing import gpt2
 from plumbing.launch import gather_rows
 
 moe_mod = load("09_expert_parallel")
+cpar = load("08_context_parallel")
 planner = load("planner")
 F64 = torch.float64
 CFG = tensor_parallel.GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -93,6 +98,20 @@ def test_the_fold_puts_ep_across_attentions_tp_and_dp_with_etp_fastest_and_the_s
 def test_a_fold_that_does_not_fit_a_stage_is_refused():
     with pytest.raises(ValueError, match=r"--ep 4 x --etp 1 = 4 does not divide a pipeline stage's tp x dp = 2"):
         moe_mod.fold(gpt3d.rank_grid(4, tp=2, dp=1, pp=2), ep=4)
+    with pytest.raises(ValueError, match=r"--ep 4 x --etp 1 = 4 does not divide a pipeline stage's tp x cp x dp = 2"):
+        moe_mod.fold(cpar.rank_grid(4, tp=1, cp=2, dp=1, pp=2), ep=4)
+
+
+def test_the_fold_onto_08s_grid_puts_each_ep_group_on_a_tp_x_cp_block_in_megatrons_order():
+    # the issue's world of 8: attention tp 2 x cp 2 x dp 2, experts etp 1 x ep 4 x edp 2 (tp-cp-ep-dp-pp)
+    grid = moe_mod.fold(cpar.rank_grid(8, tp=2, cp=2, dp=2), ep=4)
+    assert grid["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and grid["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # 08's: dense gradients over dp x cp
+    assert grid["tp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]] == grid["ep"]  # a microbatch's tokens, one all-to-all
+    assert grid["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # expert gradients over the two dp replicas
+    grid = moe_mod.fold(cpar.rank_grid(8, tp=1, cp=2, dp=2, pp=2), ep=2)  # ep over cp, the pipeline shared
+    assert grid["ep"] == grid["cp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and grid["tp_cp"] == grid["cp"]
+    assert sorted(grid["pp"]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,10 +122,11 @@ def test_a_fold_that_does_not_fit_a_stage_is_refused():
 def _parity(env, cases):
     out = []
     for name, layout, moe in cases:
-        args = SimpleNamespace(**{"tp": 1, "dp": env.world_size, "ep": 1, "etp": 1, "sequence_parallel": False,
-                                  "uneven": False, **layout})
-        groups = gpt3d.new_groups(env, moe_mod.fold(gpt3d.rank_grid(env.world_size, args.tp, args.dp), args.ep,
-                                                    args.etp))
+        args = SimpleNamespace(**{"tp": 1, "cp": 1, "dp": env.world_size, "ep": 1, "etp": 1,
+                                  "sequence_parallel": False, "uneven": False, "ignored": 0, **layout})
+        attention = cpar.rank_grid(env.world_size, args.tp, args.cp, args.dp) if args.cp > 1 else \
+            gpt3d.rank_grid(env.world_size, args.tp, args.dp)
+        groups = gpt3d.new_groups(env, moe_mod.fold(attention, args.ep, args.etp))
         full = moe_mod.moe_state_dict(CFG, moe, 7, dtype=F64, random_all=True)
         if args.uneven:  # every token the same at the layers' input: they all choose the same k experts
             for i in range(CFG.n_layer):
@@ -115,6 +135,7 @@ def _parity(env, cases):
                 full[f"transformer.h.{i}.ln_2.bias"] = torch.randn(CFG.n_embd, dtype=F64, generator=gen)
         gen = torch.Generator().manual_seed(11)
         idx, targets = torch.randint(CFG.vocab_size, (2, 2 * args.dp, 8), generator=gen)
+        targets[0, :args.ignored] = -100  # tokens not counted, all on one cp rank's blocks
         diffs, _, _, model = moe_mod.against_serial(env, CFG, moe, args, groups, full, idx, targets)
         counts = [layer.plan.counts for layer in moe_mod.moe_layers(model)]
         out.append((name, max(diffs.values()), sorted(diffs, key=diffs.get)[-1], counts))
@@ -142,6 +163,23 @@ def test_the_expert_parallel_model_equals_serial_in_float64(run_ranks, world):
             if layout.get("uneven"):  # one expert got every token (each layer), another none at all
                 for layer in counts:
                     assert max(layer) * moe.top_k == sum(layer) and min(layer) == 0, (name, layer)
+
+
+FOLDED_CP = [  # 08's context parallelism under the fold: each rank holds T/cp of every sequence (Megatron's split)
+    ("tp 2 x cp 2 -> ep 4, top-2", dict(tp=2, cp=2, dp=1, ep=4), TOP(2)),
+    ("tp 2 x cp 2 -> ep 4 with sequence parallelism, uncounted targets, top-1",
+     dict(tp=2, cp=2, dp=1, ep=4, sequence_parallel=True, ignored=3), TOP(1)),
+    ("tp 2 x cp 2 -> ep 2 x edp 2, uncounted targets, top-2", dict(tp=2, cp=2, dp=1, ep=2, ignored=5), TOP(2)),
+    ("cp 2 x dp 2 -> ep 4, uneven, top-1", dict(cp=2, dp=2, ep=4, uneven=True), TOP(1)),
+    ("tp 2 x cp 2 -> etp 2 x ep 2, top-2", dict(tp=2, cp=2, dp=1, ep=2, etp=2), TOP(2))]
+
+
+def test_the_fold_of_tp_2_x_cp_2_onto_ep_4_equals_serial_in_float64(run_ranks):
+    for rank in run_ranks(_parity, 4, FOLDED_CP):
+        for (name, worst, what, counts), (_, layout, moe) in zip(rank, FOLDED_CP):
+            assert worst <= TOL, (name, what, worst)
+            share = 2 * 8 // (layout.get("tp", 1) * layout["cp"])  # of its replica's 2 sequences of T = 8
+            assert all(sum(layer) == share * moe.top_k for layer in counts), (name, counts)  # each routes T/(tp cp)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,6 +277,22 @@ def test_the_trainer_with_experts_equals_the_same_model_at_ep_1_over_several_ada
         assert tensor_parallel.max_rel_diff(torch.tensor(losses + norms), want) <= TOL, (layout, losses, ref[m])
 
 
+# (layout on 4 ranks with 08's context parallelism: each rank T/cp of every sequence; the serial run's microbatches)
+TRAINED_CP = [(dict(tp=2, cp=2, ep=4), 2),  # the fold tp 2 x cp 2 -> ep 4: a microbatch's tokens in one all-to-all
+              (dict(cp=2, pp=2, ep=2, recompute="lightseq"), 2),  # ep over cp, 1F1B, LightSeq's kept attention
+              (dict(cp=2, dp=2, ep=4, zero1=True, cp_attention="ulysses"), 4)]  # ZeRO-1 over dp x cp and edp = 1
+
+
+def test_the_trainer_with_experts_and_cp_equals_the_same_model_at_ep_1_over_several_adamw_steps(run_ranks):
+    runs = run_ranks(_train, 4, [layout for layout, _ in TRAINED_CP])[0]
+    ms = sorted({m for _, m in TRAINED_CP})
+    ref = dict(zip(ms, run_ranks(_train, 1, [dict(microbatches=m) for m in ms])[0]))
+    for (layout, m), (losses, norms) in zip(TRAINED_CP, runs):
+        assert len(losses) == 3 and losses[-1] < losses[0]
+        want = torch.tensor(ref[m][0] + ref[m][1])
+        assert tensor_parallel.max_rel_diff(torch.tensor(losses + norms), want) <= TOL, (layout, losses, ref[m])
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: experts redistributed across ep (and etp), AdamW's state kept
 
@@ -269,6 +323,25 @@ def test_a_checkpoint_reshards_from_ep_4_to_2_to_1_and_continues_bit_for_bit_in_
     assert '"ep": 2' in manifest and '"name": "experts"' in manifest
     resumed = run_ranks(_one_rank, 1, str(tmp_path / "a"))[0]  # 4 ranks' experts onto one: ep 1, world 1
     assert tensor_parallel.max_rel_diff(torch.tensor(resumed), torch.tensor(whole[2:])) <= TOL
+
+
+def _resharded_cp(env, root):
+    quiet = lambda **kw: moe_mod.train(env, TRAIN_CFG, replace(BASE, **kw), quiet=True)["losses"]  # noqa: E731
+    folded = dict(tp=2, cp=2, ep=4)  # the fold tp 2 x cp 2 -> ep 4, m = 2
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        whole = quiet(steps=4, **folded)
+        quiet(steps=2, save=f"{root}/a", **folded)
+        again = quiet(steps=4, resume=f"{root}/a", **folded)  # the same layout: continued bit for bit
+        across = quiet(steps=4, resume=f"{root}/a", tp=2, dp=2, ep=2, microbatches=1)  # cp 2 -> 1, ep 4 -> 2
+    return whole, again, across
+
+
+def test_a_checkpoint_of_the_tp_x_cp_fold_continues_bit_for_bit_and_reshards_to_cp_1(run_ranks, tmp_path):
+    whole, again, across = run_ranks(_resharded_cp, 4, str(tmp_path))[0]
+    assert again == whole[2:]  # exactly
+    assert len(across) == 2 and tensor_parallel.max_rel_diff(torch.tensor(across), torch.tensor(whole[2:])) <= TOL
+    manifest = (tmp_path / "a" / "step_00000002" / "manifest.json").read_text()
+    assert '"cp": 2' in manifest and '"ep": 4' in manifest
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,6 +388,23 @@ BAD = {  # the trainer's flags and the demo's, each refused in a sentence before
     "the dense planner": (["--train", "--plan", "1T"], "--plan estimates 05's dense GPT-2"),
     "CUDA graphs": (["--train", "--tp", "1", "--pp", "1", "--dp", "1", "--cuda-graphs"], "--cuda-graphs: the dispatcher"),
     "a flag the layout ignores": (["--train", "--print-layout", "--steps", "3"], "--print-layout does not use --steps"),
+    # with 08's context parallelism
+    "ep x etp not dividing tp x cp x dp": (["--train", "--tp", "1", "--cp", "2", "--dp", "1", "--ep", "4",
+                                            "--num-experts", "4"], "--ep 4 x --etp 1 = 4 does not divide tp x cp x dp = "
+                                                                   "1 x 2 x 1"),
+    "zero bubble with cp": (["--train", "--tp", "1", "--cp", "2", "--dp", "1", "--schedule", "zb-h1"],
+                            "--schedule zb-h1 with --cp 2: 08's ring runs in 05's 1F1B and interleaved 1F1B"),
+    "zero bubble with lightseq": (["--train", "--tp", "1", "--dp", "1", "--recompute", "lightseq", "--schedule", "zb-v"],
+                                  "--schedule zb-v with --recompute lightseq"),
+    "a seq-len the tp x cp ranks cannot route": (["--train", "--cp", "2", "--dp", "1", "--cp-schedule", "contiguous",
+                                                  "--seq-len", "34"], "--seq-len 34 is not divisible by tp=2 x cp=2"),
+    "a demo seq-len that Megatron's split cannot cut": (["--tp", "1", "--cp", "2", "--seq-len", "30"],
+                                                        "--seq-len 30: --cp 2 cuts each sequence into Megatron's 2 cp"),
+    "a demo capacity with cp": (["--cp", "2", "--dp", "1", "--capacity-factor", "1"],
+                                "--capacity-factor 1 with --cp 2: the demo's serial reference drops"),
+    "a demo dropout with cp": (["--cp", "2", "--dp", "1", "--dropout", "0.1"], "--dropout 0.1 with --cp 2"),
+    "08's training flag to the demo": (["--cp-schedule", "lightseq"], "--cp-schedule is a flag of training, not of "
+                                                                      "the demo"),
 }
 
 
@@ -351,6 +441,19 @@ def test_print_layout_draws_both_grids_and_the_fold():
     out = proc.stdout
     assert "ep groups:  [[0, 1, 2, 3], [4, 5, 6, 7]]" in out and "dp groups:  [[0, 2], [1, 3], [4, 6], [5, 7]]" in out
     assert "an ep group spans 2 tp group(s) and 2 dp replica(s)" in out and "active per token" in out
+
+
+def test_print_layout_draws_08s_grid_and_the_fold_of_tp_x_cp_onto_ep():
+    proc = run_script("09_expert_parallel.py", "--train", "--print-layout", "--tp", 2, "--cp", 2, "--dp", 2, "--pp", 2,
+                      "--ep", 4, "--num-experts", 8, timeout=30)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "attention: tp 2 x cp 2 x dp 2 x pp 2 (08's grid" in out and "experts:   etp 1 x ep 4 x edp 2 x pp 2" in out
+    assert "tp x cp groups: [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]" in out
+    assert "ep groups:      [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]" in out
+    assert "dp x cp groups: [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]" in out
+    assert "spans 2 tp group(s), 2 cp rank(s) of each sequence and 1 dp replica(s) of attention (each ep group is " \
+           "one tp x cp block); expert gradients are summed over edp, dense ones over dp x cp" in out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -248,3 +248,13 @@ def test_the_fold_and_the_dispatch_are_drawn_from_09_and_the_doc_shows_them(figu
     svg = svg_of(figures, data, "dispatch")
     assert svg.count('class="travel"') == d["ep"] * d["N"] * d["k"]  # a line for every row that travels
     assert figures.tidy(figures.dispatch_text(d)) in DIAGRAMS
+
+
+def test_the_fold_onto_08s_grid_is_drawn_from_09_with_each_ep_group_a_tp_x_cp_block(figures, data):
+    grid, _ = data("fold-cp")
+    assert grid["ep"] == grid["tp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and grid["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    fold = figures.tidy(figures.fold_text(data("fold-cp")))
+    assert "attention: tp 2 x cp 2 x dp 2 x pp 1 (08's grid" in fold and "(each ep group is one tp x cp block)" in fold
+    assert fold in DIAGRAMS
+    svg = svg_of(figures, data, "fold-cp")
+    assert svg.count('class="ep"') == 2 and "attention: t1 · c1 · d1" in svg
