@@ -104,8 +104,7 @@ def looped(pp, chunk, rank):
 
 @dataclass
 class Schedule:
-    """Every rank's list of actions, with what it takes to read them: where each rank's chunks sit
-    in the pipeline (placement) and the kinds of action (kinds)."""
+    """Every rank's list of actions, with where each rank's chunks sit (placement) and the kinds of action."""
     lists: list  # lists[r]: rank r's actions
     placement: object = looped  # (pp, chunk, rank) -> virtual stage
     kinds: dict = field(default_factory=lambda: KINDS)
@@ -120,25 +119,22 @@ class Schedule:
 
     def needs(self, a, k):
         """(the message action a on stage k waits for, the stage that sends it), or None."""
-        flow = self.kinds[a.kind].flow
-        return (("act", k, a.mb), k - 1) if flow == "act" and k > 0 else \
-            (("grad", k, a.mb), k + 1) if flow == "grad" and k < self.S - 1 else None
+        flow, src = self.kinds[a.kind].flow, {"act": k - 1, "grad": k + 1}
+        return ((flow, k, a.mb), src[flow]) if flow and 0 <= src[flow] < self.S else None
 
     def produces(self, a, k):
         """(the message action a on stage k sends, the stage it goes to), or None."""
-        flow = self.kinds[a.kind].flow
-        return (("act", k + 1, a.mb), k + 1) if flow == "act" and k < self.S - 1 else \
-            (("grad", k - 1, a.mb), k - 1) if flow == "grad" and k > 0 else None
+        flow, dst = self.kinds[a.kind].flow, {"act": k + 1, "grad": k - 1}
+        return ((flow, dst[flow], a.mb), dst[flow]) if flow and 0 <= dst[flow] < self.S else None
 
     def groups(self, rank):
         """The actions of rank's list that run back to back, with no boundary between: one each here."""
         return [[a] for a in self.lists[rank]]
 
     def plan(self, rank):
-        """This rank's steps: ("run", action, stage), and between groups a boundary ("post", ops),
-        ("wait", ops), ops = [("send" | "recv", peer rank, message)]: the previous group's sends and
-        the next group's receives, posted as one batch so that two ranks exchanging with each other
-        both make progress (Megatron's send_forward_recv_backward), then waited for."""
+        """This rank's steps: ("run", action, stage), and between groups a boundary, ("post", ops) then
+        ("wait", ops), ops = [("send" | "recv", peer, message)]: the last group's sends and the next's
+        receives in one batch, so two ranks exchanging both progress (send_forward_recv_backward)."""
         groups, steps, sends = self.groups(rank), [], []
         receives = self.receives(rank, groups)
         for g, group in enumerate(groups):
@@ -149,19 +145,14 @@ class Schedule:
         return steps + ([("post", sends), ("wait", sends)] if sends else [])
 
     def receives(self, rank, groups):
-        """{group: the receives posted at the boundary before it}: here the group's own inputs, in the
-        order it needs them, which for 02's and 03's lists is the order their senders send in (messages
-        between two ranks match in the order they are posted)."""
+        """{group: the receives posted at the boundary before it}: here its own inputs, in the order it
+        needs them, which for 02's and 03's lists is the order they are sent in (messages match in order)."""
         return {g: self.remote(rank, group, self.needs, "recv") for g, group in enumerate(groups)}
 
     def remote(self, rank, group, messages, side):
         """[(side, peer rank, message)]: the group's messages (needs or produces) from or to another rank."""
-        out = []
-        for a in group:
-            got = messages(a, self.stage(rank, a.chunk))
-            if got and self.where[got[1]][0] != rank:  # with this rank itself: a local hand-over
-                out.append((side, self.where[got[1]][0], got[0]))
-        return out
+        got = filter(None, (messages(a, self.stage(rank, a.chunk)) for a in group))
+        return [(side, self.where[k][0], msg) for msg, k in got if self.where[k][0] != rank]  # else handed over
 
     def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
         """What runs this schedule's actions on a rank (a later file's schedule returns its own)."""
@@ -173,9 +164,8 @@ class Schedule:
 
 
 class Executor:
-    """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire: how a
-    boundary tensor travels (Wire); exchange: how a boundary is posted and waited for (Exchange);
-    deallocate: free each sent output once sent (Megatron's: backward needs its graph, not its values)."""
+    """One rank's part of one step. chunks[c] is virtual stage schedule.stage(rank, c); wire and exchange:
+    how a boundary tensor travels and is posted (Wire, Exchange); deallocate: free each output once sent."""
 
     def __init__(self, schedule, chunks, pp_group, wire, exchange=None, deallocate=True):
         self.schedule, self.chunks, self.group, self.wire = schedule, chunks, pp_group, wire
@@ -185,8 +175,7 @@ class Executor:
 
     def run(self, microbatches, valid=None, ignore_index=-100):
         """Run the plan on microbatches [(idx, targets)]. Microbatch i's loss is weighted by its share
-        valid[i] / sum(valid) of the counted tokens, so the losses sum to the serial model's mean. Pass
-        valid, counted on the host, to keep device read-backs out of the step."""
+        valid[i] / sum(valid) of counted tokens, so the losses sum to the serial mean (valid: from the host)."""
         self.micro, self.valid = microbatches, valid or [int((t != ignore_index).sum()) for _, t in microbatches]
         self.n_valid = max(sum(self.valid), 1)  # a microbatch with no counted target adds nothing
         self.box, self.inputs, self.outputs, self.sending, self.loss = {}, {}, {}, {}, None  # box: messages
@@ -239,9 +228,7 @@ class Executor:
     def wait(self, ops):
         for msg in self.exchange.wait(self.works, self.p2p, [msg for side, _, msg in ops if side == "send"]):
             self.sent(msg)
-        for side, _, msg in ops:
-            if side == "recv":
-                self.box[msg] = self.wire.unpack(self.box[msg])
+        self.box.update({msg: self.wire.unpack(self.box[msg]) for side, _, msg in ops if side == "recv"})
 
     def sent(self, msg):  # its send completed: the tensor may change or be freed now
         t = self.sending.pop(msg)
@@ -261,15 +248,13 @@ def execute(schedule, chunks, pp_group, microbatches, wire, valid=None, exchange
 def split_layers(n_layer, n_stages):
     """Contiguous, equal layer ranges; an uneven split is refused rather than silently unbalanced."""
     if n_layer % n_stages:  # more stages than layers included
-        raise ValueError(f"n_layer={n_layer} is not divisible by {n_stages} pipeline stages; "
-                         f"uneven splits are not supported")
+        raise ValueError(f"n_layer={n_layer} is not divisible by {n_stages} pipeline stages (uneven ones are refused)")
     per = n_layer // n_stages
     return [range(k * per, (k + 1) * per) for k in range(n_stages)]
 
 
 def build_chunks(cfg, pp, rank, v=1, group=None, placement=looped, **gpt_kwargs):
-    """This rank's model chunks: chunk c is virtual stage placement(pp, c, rank) of pp*v (v=1 in this
-    file). They share one tracked random stream (03's chunks hold different layers: different masks)."""
+    """This rank's chunks, c being stage placement(pp, c, rank) of pp*v, on one random stream (03's: unlike masks)."""
     ranges, S, chunks = split_layers(cfg.n_layer, pp * v), pp * v, []
     for c in range(v):
         k = placement(pp, c, rank)
@@ -279,10 +264,8 @@ def build_chunks(cfg, pp, rank, v=1, group=None, placement=looped, **gpt_kwargs)
 
 
 def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
-    """The output layer is tied to the token embedding. With pp > 1 the first and the last stage
-    each hold a copy; summing their gradients over the embedding group (Megatron's) keeps the
-    copies identical and gives both the serial model's gradient. grad_of(p) is where p's gradient
-    lives (05: 04's flat buffer); it is updated in place."""
+    """The output layer is tied to the token embedding: the first and last stage each hold a copy, and
+    summing their gradients (grad_of(p), in place) over the embedding group keeps them equal (Megatron's)."""
     grads = [grad_of(c.transformer.wte.weight) for c in chunks if "wte" in c.transformer]
     for g in grads[1:]:  # the first and the last chunk on this rank (pp=1 with v>1): added here
         grads[0].add_(g)
@@ -293,8 +276,7 @@ def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
 
 
 def pipeline_step(cfg, schedule, pp_group, embed_group, full, microbatches, deallocate=True):
-    """One forward and backward of the whole batch on this rank: its chunks built from the full
-    weights, its list of actions run, the tied embedding's gradients summed. Returns (chunks, result)."""
+    """One step of the whole batch on this rank: chunks from the full weights, list run, tied gradients summed."""
     rank, dtype = dist.get_rank(pp_group), full["transformer.wte.weight"].dtype
     chunks = build_chunks(cfg, schedule.pp, rank, schedule.v, init=False, dtype=dtype, device=microbatches[0][0].device)
     for c in chunks:

@@ -65,10 +65,9 @@ def allreduce_gradients(params, group):
 
 
 class BucketedDDP:
-    """Gradients go into one flat buffer (reverse parameter order) cut into buckets of `bucket_numel`
-    elements; under sync (the step's last microbatch) a bucket's reduction is launched the moment its
-    last parameter's gradient arrives (overlap=False: all of them in finish()). zero=True reduce-
-    scatters instead (ZeRO-1: see FlatAdamW)."""
+    """Gradients go into one flat buffer (reverse parameter order) cut into buckets of `bucket_numel`; under
+    sync (the step's last microbatch) a bucket's reduction is launched the moment its last gradient arrives
+    (overlap=False: all in finish()). zero=True reduce-scatters instead (ZeRO-1: see FlatAdamW)."""
 
     clock = time.perf_counter  # what the events are timed by (05's --trace sets its own)
 
@@ -91,8 +90,7 @@ class BucketedDDP:
         self.buckets_of, self.index, self.views = {}, {p: i for i, p in enumerate(self.params)}, {}
         for p in self.params:
             lo = self.offsets[p]
-            self.param_buffer[lo:lo + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.param_buffer[lo:lo + p.numel()].view_as(p)
+            p.data = self.param_buffer[lo:lo + p.numel()].view_as(p).copy_(p.detach())
             self.views[p] = self.grad_buffer[lo:lo + p.numel()].view_as(p)
             self.buckets_of[p] = [i for i, (a, b) in enumerate(self.buckets) if a < lo + p.numel() and lo < b]
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -110,11 +108,9 @@ class BucketedDDP:
         # Into the flat buffer (in its dtype: fp32 for bf16 weights), divided by dp, so the reduction
         # sums to the average of the replicas' mean losses. A step's first write overwrites (DDP's
         # trick: no clearing pass); later microbatches add.
-        if p in self.unwritten:
-            self.views[p].copy_(p.grad).mul_(1 / self.dp)
-            self.unwritten.discard(p)
-        else:
-            self.views[p].add_(p.grad, alpha=1 / self.dp)
+        view = self.views[p]
+        view.copy_(p.grad).mul_(1 / self.dp) if p in self.unwritten else view.add_(p.grad, alpha=1 / self.dp)
+        self.unwritten.discard(p)
         p.grad = None
         if not self.final(p):
             return  # accumulating: synchronise only on the last microbatch
@@ -124,8 +120,7 @@ class BucketedDDP:
             if self.pending[i] == 0 and self.overlap:
                 self._launch(i)
 
-    def final(self, p):
-        """Whether p's gradient is now final for this step (PipelineDDP counts microbatches)."""
+    def final(self, p):  # whether p's gradient is now final for this step (PipelineDDP counts microbatches)
         return self.sync
 
     def _launch(self, i):
@@ -148,16 +143,13 @@ class BucketedDDP:
             work.wait()
             if shard is not None:
                 self.grad_buffer[slice(*self.shard_range(i))].copy_(shard)
-        if not self.zero:  # .grad as a view of the buffer for optimizers that read it, when it is
-            for p in self.params:  # free; bf16 weights keep fp32 gradients there (FlatAdamW reads them)
-                p.grad = self.main_grad(p) if self.grad_buffer.dtype == p.dtype else None
+        for p in [] if self.zero else self.params:  # .grad: a view of the buffer, for optimizers that read it
+            p.grad = self.main_grad(p) if self.grad_buffer.dtype == p.dtype else None  # bf16: FlatAdamW's fp32
 
-    def main_grad(self, p):
-        """Where p's gradient accumulates (divided by dp): its view of the flat buffer."""
+    def main_grad(self, p):  # where p's gradient accumulates (divided by dp): its view of the flat buffer
         return self.views[p]
 
-    def shard_range(self, i):
-        """The elements [a, b) of bucket i this rank owns: its 1/dp under ZeRO-1, else all."""
+    def shard_range(self, i):  # the elements [a, b) of bucket i this rank owns: its 1/dp under ZeRO-1, else all
         (lo, hi), replicas = self.buckets[i], self.bucket_groups[i]
         n, r = (hi - lo) // dist.get_world_size(replicas), dist.get_rank(replicas)
         return (lo + r * n, lo + (r + 1) * n) if self.zero else (lo, hi)
@@ -173,9 +165,8 @@ class Piece:
 
 
 class FlatAdamW:
-    """AdamW over the elements of the flat buffer this rank owns: with ZeRO-1 (ddp.zero) its 1/dp of
-    every bucket, after which the updated parameters are all-gathered, so the state per rank is 1/dp
-    of plain data parallelism's; without, every element. Low-precision weights get fp32 masters."""
+    """AdamW over the elements of the flat buffer this rank owns: under ZeRO-1 its 1/dp of every bucket (then
+    all-gathered: 1/dp of plain data parallelism's state per rank), else all. Low-precision weights get fp32 masters."""
 
     def __init__(self, ddp, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, no_decay=()):
         self.ddp, no_decay = ddp, {id(p) for p in no_decay}
@@ -184,12 +175,11 @@ class FlatAdamW:
             a, b = ddp.shard_range(i)
             for p in ddp.params:  # the pieces of parameters that fall into this shard
                 lo, hi = max(a, ddp.offsets[p]), min(b, ddp.offsets[p] + p.numel())
-                if lo >= hi:
-                    continue
-                weights = ddp.param_buffer[lo:hi]
-                master = weights.float().clone() if weights.dtype in (torch.float16, torch.bfloat16) else weights
-                self.pieces.append(Piece(p, weights, master, ddp.grad_buffer[lo:hi]))
-                groups[id(p) not in no_decay].append(master)
+                if lo < hi:
+                    weights = ddp.param_buffer[lo:hi]
+                    master = weights.float().clone() if weights.dtype in (torch.float16, torch.bfloat16) else weights
+                    self.pieces.append(Piece(p, weights, master, ddp.grad_buffer[lo:hi]))
+                    groups[id(p) not in no_decay].append(master)
         self.optimizer = torch.optim.AdamW(
             [{"params": groups[True], "weight_decay": weight_decay}, {"params": groups[False], "weight_decay": 0.0}],
             lr=lr, betas=betas, eps=eps)
@@ -210,12 +200,10 @@ class FlatAdamW:
             self.gathers[i] = (work, mine)
         self.after_step()
 
-    def after_step(self):
-        """The updated weights are all there when step() returns (OverlappedGather: not yet)."""
+    def after_step(self):  # the updated weights are all there when step() returns (OverlappedGather: not yet)
         self.wait_gather()
 
-    def wait_gather(self, buckets=None):
-        """Wait for the all-gathers in flight of `buckets` (indices; None: every one)."""
+    def wait_gather(self, buckets=None):  # wait for the all-gathers in flight of `buckets` (None: every one)
         for i in (self.gathers.keys() if buckets is None else buckets) & self.gathers.keys():
             self.gathers.pop(i)[0].wait()
 
@@ -234,8 +222,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
     opt = FlatAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
     losses, timeline = [], None
     for idx, targets in batches:
-        idx, targets = shard_batch(idx, targets, dp, dp_rank)
-        micro = list(zip(idx.chunk(args.microbatches), targets.chunk(args.microbatches)))
+        micro = list(zip(*(t.chunk(args.microbatches) for t in shard_batch(idx, targets, dp, dp_rank))))
         total = torch.zeros((), dtype=torch.float64, device=env.device)  # NCCL reduces device tensors only
         for i, (x, y) in enumerate(micro):
             if ddp:
