@@ -65,9 +65,8 @@ def allreduce_gradients(params, group):
 
 
 class BucketedDDP:
-    """Gradients go into one flat buffer (reverse parameter order) cut into buckets of `bucket_numel`; under
-    sync (the step's last microbatch) a bucket's reduction is launched the moment its last gradient arrives
-    (overlap=False: all in finish()). zero=True reduce-scatters instead (ZeRO-1: see FlatAdamW)."""
+    """Gradients into one flat buffer (reverse parameter order), in buckets of `bucket_numel`. Under sync (the last
+    microbatch) a bucket's reduction starts once its last gradient is in (overlap=False: in finish()); zero: ZeRO-1."""
 
     clock = time.perf_counter  # what the events are timed by (05's --trace sets its own)
 
@@ -105,9 +104,8 @@ class BucketedDDP:
         self.works, self.events = {}, []  # events: ("ready", param index) / ("launch", bucket), at clock()
 
     def _on_grad(self, p):
-        # Into the flat buffer (in its dtype: fp32 for bf16 weights), divided by dp, so the reduction
-        # sums to the average of the replicas' mean losses. A step's first write overwrites (DDP's
-        # trick: no clearing pass); later microbatches add.
+        # Into the flat buffer (fp32 for bf16 weights), divided by dp: summed over replicas, it is their average.
+        # A step's first write overwrites (DDP's trick: no clearing pass); later microbatches add.
         view = self.views[p]
         view.copy_(p.grad).mul_(1 / self.dp) if p in self.unwritten else view.add_(p.grad, alpha=1 / self.dp)
         self.unwritten.discard(p)
@@ -156,8 +154,7 @@ class BucketedDDP:
 
 
 @dataclass
-class Piece:
-    """The elements of one parameter that this rank's optimizer owns, as views of the buffers."""
+class Piece:  # the elements of one parameter that this rank's optimizer owns, as views of the buffers
     param: torch.nn.Parameter  # the parameter they belong to
     weights: torch.Tensor  # in the flat parameter buffer
     master: torch.Tensor  # what AdamW updates: `weights` itself, or their fp32 copy (bf16, fp16)
@@ -189,9 +186,8 @@ class FlatAdamW:
         for piece in self.pieces:
             piece.master.grad = piece.grad.to(piece.master.dtype)
         self.optimizer.step()
-        for piece in self.pieces:
-            if piece.master is not piece.weights:
-                piece.weights.copy_(piece.master)
+        for piece in self.pieces:  # the masters back into the weights (a tensor copied onto itself: nothing)
+            piece.weights.copy_(piece.master)
         ddp = self.ddp
         # ZeRO-1: every rank's shard to every rank, from the buffer's end: the first layers, used first
         for i, (lo, hi) in reversed(list(enumerate(ddp.buckets)) if ddp.zero else []):
@@ -240,8 +236,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
         opt.step()
         ddp.zero_grad() if ddp else opt.zero_grad()
         losses.append(float(tensor_parallel.all_reduce(total, group) / dp))
-    state = demos.optimizer_state_bytes(opt)
-    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}, timeline, state, demos.checksum(model)
+    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}, timeline, opt, demos.checksum(model)
 
 
 def demo(env, cfg, args):
@@ -253,11 +248,11 @@ def demo(env, cfg, args):
         f"microbatches per replica) T={args.seq_len} bucket={args.bucket_numel} elements, float64")
     runs = {}
     for mode in ("naive", "bucketed", "zero1"):
-        losses, params, timeline, state, digest = train_replica(env, cfg, args, mode, group, full, batches)
+        losses, params, timeline, opt, digest = train_replica(env, cfg, args, mode, group, full, batches)
         worst = max([tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
                     + [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
         digests = [f"{int(d[0]):012x}" for d in gather_numbers([digest], group, env.device)]  # every replica's
-        runs[mode] = demos.DataParallelRun(losses, worst, digests, timeline, state)
+        runs[mode] = demos.DataParallelRun(losses, worst, digests, timeline, demos.optimizer_state_bytes(opt))
     return demos.report_dp(say, cfg, args, ref_losses, runs)  # True if every mode equals serial training
 
 

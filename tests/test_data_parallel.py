@@ -36,7 +36,8 @@ def _modes(env, args, batches):
     ref_losses, ref_params = data_parallel.serial_training(CFG, args, full, batches)
     out = {}
     for mode in ("naive", "bucketed", "zero1"):
-        losses, params, timeline, state, digest = data_parallel.train_replica(env, CFG, args, mode, group, full, batches)
+        losses, params, timeline, opt, digest = data_parallel.train_replica(env, CFG, args, mode, group, full, batches)
+        state = demos.optimizer_state_bytes(opt)
         diffs = [tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
         diffs += [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params]
         out[mode] = (max(diffs), digest, state, timeline)
