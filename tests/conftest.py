@@ -36,6 +36,50 @@ TEST_TIMEOUT_S = 90
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full-grid", action="store_true",
+                     help="run every case of the grids marked @pytest.mark.grid (by default, only the cases each "
+                          "names in keep=: a representative part, so the suite fits CI's 10 minutes on 2 cores)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "grid(keep): a slow grid of cases; without --full-grid only the cases "
+                                       "whose ids are in keep run")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --full-grid, each grid runs the cases it names in keep=; the others are deselected."""
+    if not config.getoption("--full-grid"):
+        items[:], dropped = grid_selection(items)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+
+
+def grid_selection(items):
+    """(kept, dropped): a case of a grid (@pytest.mark.grid(keep=[ids])) is kept when its id is in keep, every
+    other test always. A keep id that names none of its grid's cases is an error, so no grid silently runs nothing."""
+    kept, dropped, grids = [], [], {}
+    for item in items:
+        mark = item.get_closest_marker("grid")
+        if mark is None or not hasattr(item, "callspec"):
+            kept.append(item)
+            continue
+        keep = set(mark.kwargs["keep"])
+        grids.setdefault(item.originalname, (item, keep, set()))[2].add(item.callspec.id)
+        (kept if item.callspec.id in keep else dropped).append(item)
+    for name, (item, keep, ids) in grids.items():
+        if keep - ids:
+            raise pytest.UsageError(f"{item.path.name}::{name}: grid(keep=...) names {sorted(keep - ids)}, "
+                                    f"which are not among its cases {sorted(ids)}")
+    return kept, dropped
+
+
+def pytest_report_header(config):
+    if not config.getoption("--full-grid"):
+        return ("grids marked @pytest.mark.grid run their representative cases only; "
+                "python3 -m pytest --full-grid runs every case")
+
+
 def load(name):
     """Import a numbered file such as '01_tensor_parallel' (its name starts with a digit)."""
     return importlib.import_module(name)

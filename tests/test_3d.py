@@ -72,6 +72,7 @@ def reduces(tc):
 GRID = [(name, "on") for name in LAUNCHES] + [(name, "off") for name, tcs in LAUNCHES.items() if any(map(reduces, tcs))]
 
 
+@pytest.mark.grid(keep=['world 8-overlap on', 'world 4-overlap off', 'world 2-overlap off', 'world 1-overlap on'])
 @pytest.mark.parametrize("name, overlap", GRID, ids=[f"{name}-overlap {o}" for name, o in GRID])
 def test_every_layout_trains_like_the_serial_model_loss_and_grad_norm(run_ranks, serial, name, overlap):
     tcs = [tc if overlap == "on" else replace(tc, **OFF) for tc in LAUNCHES[name] if overlap == "on" or reduces(tc)]

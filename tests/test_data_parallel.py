@@ -44,6 +44,7 @@ def _modes(env, args, batches):
     return out
 
 
+@pytest.mark.grid(keep=['4-bucket-smaller-than-a-weight', '2-bucket-splits-params', '1-bucket-splits-params'])
 @pytest.mark.parametrize("bucket_numel", [300, 1000], ids=["bucket-smaller-than-a-weight", "bucket-splits-params"])
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_naive_bucketed_and_zero1_equal_serial_over_10_adamw_steps(run_ranks, dp, bucket_numel):

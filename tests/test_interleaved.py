@@ -97,6 +97,7 @@ def train_with(env, background_sends, *args):
     return pipeline_train(env, *args)
 
 
+@pytest.mark.grid(keep=['4-2-8-background-sends', '2-3-6-waited-sends', '4-1-4-background-sends', '1-2-2-waited-sends'])
 @pytest.mark.parametrize("background_sends", [True, False], ids=["background-sends", "waited-sends"])
 @pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 8), (2, 3, 6), (4, 1, 4), (1, 2, 2)])
 def test_interleaved_equals_serial_over_10_adamw_steps(run_ranks, pp, v, m, background_sends):

@@ -110,6 +110,7 @@ def train_with(env, background_sends, *args):
     return pipeline_train(env, *args)
 
 
+@pytest.mark.grid(keep=['4-9-waited-sends', '4-4-background-sends', '2-5-waited-sends', '4-1-waited-sends', '1-1-background-sends'])
 @pytest.mark.parametrize("background_sends", [True, False], ids=["background-sends", "waited-sends"])
 @pytest.mark.parametrize("pp,m", [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (4, 1), (4, 4), (4, 9)])
 def test_pipeline_equals_serial_over_10_adamw_steps_with_tied_embeddings(run_ranks, pp, m, background_sends):

@@ -323,6 +323,7 @@ SWITCHES = {"optimized": {}, "plain": dict(overlap_input_grad=False, merge_loss_
             "overlap-off": dict(overlap_input_grad=False), "merge-off": dict(merge_loss_reductions=False)}
 
 
+@pytest.mark.grid(keep=['4-sp-on-optimized', '4-sp-off-plain', '2-sp-on-plain', '1-sp-off-optimized'])
 @pytest.mark.parametrize("switches", ["optimized", "plain"])
 @pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
