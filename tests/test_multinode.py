@@ -210,7 +210,10 @@ def test_two_nodes_under_torchrun_train_exactly_as_the_single_launcher(tmp_path)
         single = run_script("05_3d_gpt.py", *flags, "--metrics", tmp_path / "single.jsonl", timeout=80)
         assert single.returncode == 0, single.stderr[-3000:]
         assert single.leftover == []
-        code = job.proc.wait(timeout=80)
+        try:
+            code = job.proc.wait(timeout=80)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the two-node job was still running 80 s after the single launcher ended:\n{job.outputs()}")
         assert code == 0, job.outputs()
         assert job.leftover() == []
     finally:
