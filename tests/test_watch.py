@@ -380,7 +380,7 @@ def test_torchruns_max_restarts_resumes_a_killed_rank_and_every_loss_is_bit_iden
     proc = torchrun(2, *common, "--snapshot-every", "1", "--snapshot-dir", tmp_path / "snap", "--rehearse-fault",
                     "kill:1:4", "--metrics", tmp_path / "restarted.jsonl", launcher=["--max-restarts", "1"])
     assert proc.returncode == 0 and not proc.leftover, proc.stderr[-3000:]
-    assert "error: rank 1 died" in proc.stderr and "resumed from" in proc.stdout
+    assert "error: rank 1 died" in proc.stderr and "resumed from" in proc.stdout, proc.stderr[-3000:] + proc.stdout[-1500:]
     whole = run_script("05_3d_gpt.py", *common, "--metrics", tmp_path / "whole.jsonl")
     assert whole.returncode == 0, whole.stderr[-2000:]
     losses = [[json.loads(line)["loss"] for line in open(tmp_path / name)] for name in ("restarted.jsonl", "whole.jsonl")]
