@@ -1,8 +1,10 @@
 """The slowest grids run a representative part by default and every case under --full-grid (conftest.py).
 
-A grid's kept cases are named by id, so a renamed case must not quietly leave a grid running nothing:
-that is an error at collection. Checked on stand-in items, and once on a real file through pytest itself.
+A grid's kept cases are named by id, so a renamed case must not quietly leave a grid running nothing: a
+test checks every keep id against the whole suite's cases. Naming one case by id runs that case.
 """
+import ast
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -27,11 +29,26 @@ def test_a_grid_keeps_the_cases_it_names_and_every_other_test_runs():
     assert kept == [plain, single, grid[1], grid[3]] and dropped == [grid[0], grid[2]]
 
 
-def test_a_kept_id_that_names_no_case_is_an_error_naming_the_grid_and_its_cases():
-    grid = [_item("test_grid", case, keep=["2", "16"]) for case in ("1", "2")]
-    with pytest.raises(pytest.UsageError, match=r"test_x.py::test_grid: grid\(keep=...\) names \['16'\], which are "
-                                                r"not among its cases \['1', '2'\]"):
-        grid_selection(grid)
+def test_a_grid_collected_in_part_runs_the_cases_asked_for():
+    grid = [_item("test_grid", case, keep=["2", "8"]) for case in ("1", "4")]  # e.g. test_grid[1] named by id
+    assert grid_selection(grid) == (grid, [])
+
+
+def test_every_kept_id_names_a_case_of_its_grid():
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "--full-grid", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-800:] + out.stderr[-800:]
+    cases = {}
+    for line in out.stdout.splitlines():
+        if "::" in line and "[" in line:
+            name, case = line.split("[", 1)
+            cases.setdefault(name, set()).add(case[:-1])
+    marks = re.findall(r"@pytest\.mark\.grid\(keep=(\[.*?\])\)\n(?:@.*\n)*def (\w+)\(", "".join(
+        f"\n# {p.name}\n" + p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py"))))
+    assert len(marks) == 8
+    for keep, func in marks:
+        ids = next(ids for name, ids in cases.items() if name.endswith("::" + func))
+        assert set(ast.literal_eval(keep)) <= ids, (func, sorted(set(ast.literal_eval(keep)) - ids))
 
 
 @pytest.mark.parametrize("flags, selected", [([], "3/6 tests collected (3 deselected)"), (["--full-grid"], "6 tests collected")])
