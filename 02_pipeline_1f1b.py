@@ -173,11 +173,13 @@ class Executor:
         self.plan, self.last = schedule.plan(dist.get_rank(pp_group)), schedule.S - 1
         self.record = StepRecord(self)  # the step's timeline, messages and memory, from outside
 
-    def run(self, microbatches, valid=None, ignore_index=-100):
-        """Run the plan on microbatches [(idx, targets)]. Microbatch i's loss is weighted by its share
-        valid[i] / sum(valid) of counted tokens, so the losses sum to the serial mean (valid: from the host)."""
+    def run(self, microbatches, valid=None, norm=None, ignore_index=-100):
+        """Run the plan on microbatches [(idx, targets)], valid[i] counted targets each (from the host).
+        norm[i] = (num, den): the sum of microbatch i's counted losses enters the loss times num / den;
+        by default 1 / sum(valid), so the losses sum to the serial per-token mean (05 passes the whole
+        batch's count: docs/LOSS.md)."""
         self.micro, self.valid = microbatches, valid or [int((t != ignore_index).sum()) for _, t in microbatches]
-        self.n_valid = max(sum(self.valid), 1)  # a microbatch with no counted target adds nothing
+        self.norm = norm or [(1, sum(self.valid))] * len(microbatches)
         self.box, self.inputs, self.outputs, self.sending, self.loss = {}, {}, {}, {}, None  # box: messages
         for kind, *step in self.plan:
             {"run": self.act, "post": self.post, "wait": self.wait}[kind](*step)
@@ -206,8 +208,9 @@ class Executor:
     def input(self, mb):  # the first stage's input: the token ids
         return self.micro[mb][0]
 
-    def output(self, mb, y):  # the last stage's (logits, loss): the loss, weighted
-        loss = y[1] * (self.valid[mb] / self.n_valid)
+    def output(self, mb, y):  # the last stage's (logits, loss): its mean, times valid num / den
+        (num, den), n = self.norm[mb], self.valid[mb]
+        loss = y[1] * (n * num / den if n else 0.0)  # no counted target: nothing (and no 0 / 0)
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
         return loss
 

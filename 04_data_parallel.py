@@ -220,10 +220,15 @@ def train_replica(env, cfg, args, mode, group, full, batches):
     for idx, targets in batches:
         micro = list(zip(*(t.chunk(args.microbatches) for t in shard_batch(idx, targets, dp, dp_rank))))
         total = torch.zeros((), dtype=torch.float64, device=env.device)  # NCCL reduces device tensors only
+        # The loss is the mean over every counted target of the global batch (docs/LOSS.md), and the
+        # replicas may count different numbers: one all-reduce of the counts gives the whole batch's
+        # n. A microbatch's mean weighs its count times dp / n, as the gradients are averaged over dp.
+        valid = [int((y != -100).sum()) for _, y in micro]
+        n = tensor_parallel.all_reduce(torch.tensor(sum(valid), device=env.device), group)
         for i, (x, y) in enumerate(micro):
             if ddp:
                 ddp.sync = i == len(micro) - 1  # accumulate; reduce only on the last microbatch
-            loss = model(x.to(env.device), y.to(env.device))[1] / len(micro)
+            loss = model(x.to(env.device), y.to(env.device))[1] * (valid[i] * dp / int(n))
             start = time.perf_counter()
             loss.backward()
             end = time.perf_counter()
@@ -330,10 +335,18 @@ def check_world(world, dp, batch_size, m):
 
 
 def training_reference(cfg, args):
-    """The demo's random batches and full weights, and serial training's losses and weights on them."""
+    """The demo's random batches and full weights, and serial training's losses and weights on them.
+    Some targets are not counted (-100), unevenly: replica 0 counts one, replica 1's first
+    microbatch none, the others about half (docs/LOSS.md: the replicas' means would not do)."""
     gen = torch.Generator().manual_seed(args.seed + 1)
     batches = [tuple(torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen))
                for _ in range(args.steps)]
+    for _, targets in batches:
+        targets[torch.rand(targets.shape, generator=gen) < 0.5] = -100
+        rows = targets.chunk(args.dp)
+        if args.dp > 1:
+            rows[0].fill_(-100)[0, 0] = 7  # one counted target in replica 0
+            rows[1].chunk(args.microbatches)[0].fill_(-100)  # none in replica 1's first microbatch
     full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
     return (batches, full, *serial_training(cfg, args, full, batches))
 

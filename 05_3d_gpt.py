@@ -217,14 +217,18 @@ def train_step(run, idx, targets, lr):
     """One iteration of PTD-P: the pipeline over this replica's microbatches (each chunk's last
     backward reducing its buckets), the tied embedding's sync, the rest of the data-parallel reduction,
     clipping, AdamW. A non-finite loss or norm (the same on every rank: both are all-reduced) skips the
-    update everywhere, as Megatron does. Returns (loss, gradient norm, 02's StepResult)."""
+    update everywhere, as Megatron does; so does a batch with no counted target. Returns (loss,
+    gradient norm, 02's StepResult, None for a batch with none)."""
     tc, groups = run.tc, run.groups
     # Checked and counted on the host, on every rank: a bad id stops every stage at once (not the
     # first stage alone, the others left waiting), and the executor reads nothing back.
     check_tokens(idx, run.cfg, tc.tp if tc.sequence_parallel else 1)
     valid = [int((t != -100).sum()) for t in targets.chunk(tc.microbatches)]
+    norm, n = normalization(run, valid)
+    if n == 0:  # no counted target in the whole batch: nothing to learn, no update (docs/LOSS.md)
+        return 0.0, 0.0, None
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), tc.microbatches)
-    res = run.forward_backward(run, micro, valid)
+    res = run.forward_backward(run, micro, valid, norm)
     pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)  # beside the buckets
     run.ddp.finish()
     norm = clip_gradients(run.opt, run.chunks, groups, tc.grad_clip, tc.zero1)
@@ -237,13 +241,28 @@ def train_step(run, idx, targets, lr):
     return loss, norm, res
 
 
-def forward_backward(run, micro, valid, chunks=None, plain=False):
+def forward_backward(run, micro, valid, norm=None, chunks=None, plain=False):
     """This replica's microbatches through the pipeline: 02's executor runs this rank's list, with
     scatter/gather on the wire and (background_sends) 02's BackgroundSends. chunks, plain
     (kernels/graphs.py): run these chunks instead, nothing left in flight, no output freed."""
     exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
     wire = run.wire or pipeline.Wire(run.act_shape)
-    return run.pipe.executor(chunks or run.chunks, run.groups.pp, wire, exchange, not plain).run(micro, valid)
+    return run.pipe.executor(chunks or run.chunks, run.groups.pp, wire, exchange, not plain).run(micro, valid, norm)
+
+
+def normalization(run, valid):
+    """The loss contract (docs/LOSS.md): ([(num, den)] for 02's executor, the whole batch's count n).
+    Each rank's summed loss of microbatch i counts num / den. token (the default): every counted
+    target of the global batch weighs 1/n, n counted by one all-reduce over the dp (x cp) group;
+    microbatch (Megatron's default): each microbatch's own mean, averaged over the dp m of them.
+    num is G, the size of that group: 04's buckets average the gradients over it."""
+    tc, G = run.tc, run.ddp.dp  # G = dp, or dp x cp (08): each replica's count is held by G / dp ranks
+    n = torch.tensor(sum(valid), device=run.env.device)
+    dist.all_reduce(n, group=run.groups.dp)
+    n = int(n) // (G // tc.dp)
+    if tc.loss_normalization == "microbatch":
+        return [(G, tc.dp * tc.microbatches * v) for v in valid], n
+    return [(G, n)] * len(valid), n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,11 +288,14 @@ def train(env, cfg, tc, quiet=False, schedule_of=None):
     resume(run, path, say)  # --resume: the newest complete checkpoint, in any layout
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
     ops, dp_rank, t_start = Operations(run, progress, start), pipe.replica(run.groups), time.perf_counter()
-    losses, norms, evals = [], [], []
+    losses, norms, evals, res = [], [], [], None
     for step in progress:
         lr = lr_at(step, tc)
         with ops.step(step):  # the watch's record, a rehearsed fault, the traced step
-            loss, norm, res = train_step(run, *replica_batch(train_tokens, step, tc, dp_rank), lr)
+            loss, norm, got = train_step(run, *replica_batch(train_tokens, step, tc, dp_rank), lr)
+        if got is None:  # every target of the batch masked: said, and not counted as a skipped step
+            progress.note(f"step {step}: no target of the global batch is counted (--loss-mask): nothing updated")
+        res = got or res
         record = ops.record(dict(step=step, loss=loss, lr=lr, grad_norm=norm))  # too many skipped stop it
         losses.append(loss)
         norms.append(norm)
@@ -285,7 +307,7 @@ def train(env, cfg, tc, quiet=False, schedule_of=None):
     busy = ops.finish(say)
     run.opt.wait_gather()  # the last step's: the report and the caller read the weights
     out = dict(losses=losses, norms=norms, evals=evals, start=start, skipped=ops.skipped, busy_ms=busy)
-    if losses:  # the last step's pipeline figures
+    if res:  # the last step's pipeline figures
         out.update(bytes_per_message=res.bytes_sent / max(res.messages, 1), peak_activation_bytes=res.peak_activation_bytes)
     report.report(run, out, time.perf_counter() - t_start, say, forward_only)
     return out
@@ -403,13 +425,14 @@ def no_decay(params):
 
 
 def shared_loss(loss, run):
-    """The batch's mean loss on every rank: from the last stage along the pipeline, then the mean
-    over the replicas (each saw an equal share of the tokens)."""
+    """The batch's loss on every rank: each rank's share (its summed losses times num / den, from
+    normalization) from the last stages, one tp rank each, summed over everyone, over G: the
+    buckets average the gradients over G, so each share was G times its part of the loss."""
     t = torch.zeros((), dtype=torch.float64, device=run.env.device)
     if loss is not None and dist.get_rank(run.groups.tp) == 0:
         t += loss.double()  # one rank per replica contributes: one all-reduce over everyone
     dist.all_reduce(t)
-    return float(t) / run.tc.dp
+    return float(t) / run.ddp.dp
 
 
 def finite_step(loss, norm):
@@ -421,24 +444,28 @@ def forward_only(run, idx, targets, chunks=None):
     """This replica's batch through the pipeline's forwards only (eval mode, no gradients); chunks:
     stand-ins for run.chunks that wrap them (the end report's probe reads the logits so)."""
     valid = [int((t != -100).sum()) for t in targets.chunk(run.tc.microbatches)]  # on the host
+    (norm, n), wire = normalization(run, valid), run.wire or pipeline.Wire(run.act_shape)
     micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
     for c in run.chunks:
         c.eval()
     try:
         with torch.no_grad():
-            return run.pipe.forward_only().executor(chunks or run.chunks, run.groups.pp,
-                                                    run.wire or pipeline.Wire(run.act_shape)).run(micro, valid)
+            res = run.pipe.forward_only().executor(chunks or run.chunks, run.groups.pp, wire).run(micro, valid, norm)
+        res.count = n  # the whole batch's counted targets
+        return res
     finally:
         for c in run.chunks:
             c.train()
 
 
 def evaluate(run, tokens):
-    """The mean loss over eval_batches held-out batches, forward only."""
-    dp_rank = run.pipe.replica(run.groups)
-    losses = [shared_loss(forward_only(run, *replica_batch(tokens, i, run.tc, dp_rank, salt=1)).loss, run)
-              for i in range(run.tc.eval_batches)]
-    return sum(losses) / len(losses)
+    """The held-out loss over eval_batches batches, forward only: each counted target weighs the same
+    (token), or each batch's loss does (microbatch); nan if none of them counts a target."""
+    dp_rank, token = run.pipe.replica(run.groups), run.tc.loss_normalization == "token"
+    results = [forward_only(run, *replica_batch(tokens, i, run.tc, dp_rank, salt=1)) for i in range(run.tc.eval_batches)]
+    weights = [r.count if token else 1.0 for r in results]  # a batch with no counted target: weight 0
+    return math.fsum(shared_loss(r.loss, run) * w for r, w in zip(results, weights)) / sum(weights) \
+        if sum(weights) else math.nan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +495,7 @@ class Optimization:
     warmup_steps: int = 20  # linear warmup from lr/(warmup+1) to lr
     weight_decay: float = 0.1  # AdamW decay of the 2-D weights (not biases or LayerNorms)
     grad_clip: float = 1.0  # clip the global gradient norm to this
+    loss_normalization: Literal["token", "microbatch"] = "token"  # the loss: every counted target of the batch alike, or each microbatch's mean alike (Megatron's default; docs/LOSS.md)
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
 
 

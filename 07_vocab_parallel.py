@@ -118,9 +118,10 @@ class VocabularyPasses:
         self.padding = rows >= shard.weight.tp_full  # padded rows: never a token
         self.stream = Stream(shard.weight.device)
 
-    def start(self, microbatches, valid):
+    def start(self, microbatches, norm):
         """The input layer: every microbatch's tokens looked up in this rank's rows, the sums
-        reduced along the pipeline to the first stage and over its tp ranks."""
+        reduced along the pipeline to the first stage and over its tp ranks. norm: 02's (num, den)
+        of each microbatch: each of its counted tokens weighs num / den."""
         self.training, m = torch.is_grad_enabled(), len(microbatches)
         self.part = self.shard(torch.cat([idx for idx, _ in microbatches]))  # (B, T, C), this rank's share
         total = self.part.detach().clone()
@@ -128,9 +129,9 @@ class VocabularyPasses:
         if self.first:
             total = tensor_parallel.all_reduce(total, self.tp_group)
             self.inputs = [x.detach().requires_grad_(self.training) for x in total.chunk(m)]
-        n_valid = max(sum(valid), 1)  # 02's weighting: each counted token 1/n_valid of the loss
         self.targets = [t.reshape(-1) for _, t in microbatches]  # (b T,) each
-        self.weights = [(t != self.ignore_index).to(total.dtype) / n_valid for t in self.targets]
+        self.weights = [(t != self.ignore_index).to(total.dtype) * (num / den if den else 0.0)
+                        for t, (num, den) in zip(self.targets, norm)]
         b, T, C = *microbatches[0][0].shape, total.shape[-1]
         self.shape, self.sent_shape = (b, T, C), (b, T // tensor_parallel.tp_size(self.tp_group) if self.sp else T, C)
         self.x, self.saved, self.stats, self.grads, self.sends = {}, {}, {}, {}, []
@@ -298,10 +299,11 @@ class VocabExecutor(zero_bubble.SplitExecutor):
         super().__init__(*args)
         self.passes = passes
 
-    def run(self, microbatches, valid=None, ignore_index=-100):
+    def run(self, microbatches, valid=None, norm=None, ignore_index=-100):
         valid = valid or [int((t != ignore_index).sum()) for _, t in microbatches]
-        self.passes.start(microbatches, valid)
-        result = super().run(microbatches, valid)
+        norm = norm or [(1, sum(valid))] * len(valid)
+        self.passes.start(microbatches, norm)
+        result = super().run(microbatches, valid, norm)
         result.loss = self.passes.finish()
         return result
 

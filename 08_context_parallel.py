@@ -638,13 +638,18 @@ def _full_logits(over_tp, sched, group, logits):
 
 
 class ContextParallelExecutor(pipeline.Executor):
-    """02's executor whose last stage weights a microbatch's loss as step() does: this rank's sum over
-    the replica's count of valid tokens (its share of the serial mean), times cp for backward."""
+    """02's executor whose last stage weights this rank's summed loss (head) by num / den (05's
+    normalization: G / n, G = dp x cp). By default as step() does: over the replica's count, times cp."""
+
+    def run(self, microbatches, valid=None, norm=None, ignore_index=-100):
+        valid = valid or [int((t != ignore_index).sum()) for _, t in microbatches]
+        return super().run(microbatches, valid, norm or [(self.schedule.cp, sum(valid))] * len(valid), ignore_index)
 
     def output(self, mb, y):
-        share = y[1] / self.n_valid
+        num, den = self.norm[mb]
+        share = y[1] * (num / den if self.valid[mb] else 0.0)  # y[1]: a sum over this rank's tokens
         self.loss = share.detach() if self.loss is None else self.loss + share.detach()
-        return share * self.schedule.cp
+        return share
 
 
 def context_schedule(tc):

@@ -81,14 +81,19 @@ def route(x, weight, k):
     return probs, top / top.sum(-1, keepdim=True), chosen
 
 
-def load_balancing_loss(probs, chosen, group):
+def load_balancing_loss(probs, chosen, group, keep=None):
     """E sum_i f_i P_i (Switch Transformer, eq. 4; GShard's, with f_i over the k choices): f_i the share of
     the N k choices that went to expert i, P_i the mean probability of expert i. 1 when the load is even.
     The tokens split over `group` (the tp ranks of a microbatch, tp x cp with 08) are summed over it first, so
     that this is the loss of the whole microbatch, as the serial model computes it; g's backward keeps its
-    gradient local."""
+    gradient local. keep (N,): the tokens whose target is counted; f_i and P_i are over those alone (both
+    over the same tokens: docs/LOSS.md), 0 when there are none."""
     N, E = probs.shape
-    n = N * size_of(group)  # the microbatch's tokens
+    if keep is None:
+        n = N * size_of(group)  # the microbatch's tokens
+    else:  # the microbatch's counted tokens
+        probs, chosen = probs * keep[:, None], chosen[keep]
+        n = tensor_parallel.all_reduce(keep.sum().to(probs.dtype), group).clamp(min=1)
     counts = tensor_parallel.all_reduce(torch.bincount(chosen.flatten(), minlength=E).to(probs.dtype), group)
     P = tensor_parallel.reduce_from_tp(probs.sum(0), group) / n  # g: all-reduce forward, identity backward
     return E * (counts / (n * chosen.shape[1]) * P).sum()
@@ -187,6 +192,7 @@ class MoELayer(nn.Module):
         self.tokens, self.ep, self.etp, self.sp = g("tp"), g("ep"), g("etp"), sp
         self.microbatch = g("tp_cp") or self.tokens  # every rank holding some of a microbatch's tokens
         self.E, self.k, self.aux_scale, self.aux = moe.num_experts, moe.top_k, moe.aux_loss_coeff, None
+        self.counted = None  # (B, T) bool: the tokens whose target counts, set per microbatch (counted_tokens)
         self.router = nn.Linear(cfg.n_embd, self.E, bias=False, **factory)  # replicated: a dense weight
         n = self.E // size_of(self.ep)
         self.experts = nn.ModuleDict({str(e): tensor_parallel.ParallelMLP(cfg, self.etp, size_of(self.etp) > 1,
@@ -204,7 +210,10 @@ class MoELayer(nn.Module):
         tokens = rearrange(x, "B T C -> (B T) C")
         weight = tensor_parallel.copy_to_tp(self.router.weight, self.tokens)  # f: each tp rank, its tokens
         probs, weights, chosen = route(tokens, weight, self.k)
-        self.aux = load_balancing_loss(probs, chosen, self.microbatch)
+        keep = self.counted
+        if keep is not None and size_of(self.tokens) > 1:  # this tp rank's T/tp of them
+            keep = keep.chunk(size_of(self.tokens), 1)[rank_of(self.tokens)]
+        self.aux = load_balancing_loss(probs, chosen, self.microbatch, None if keep is None else keep.reshape(-1))
         xs, plan = self.dispatch(tokens, chosen, T)
         y = self.combine(self.run_experts(xs, plan), weights, plan)  # (B T, C)
         if self.aux_scale and torch.is_grad_enabled():
@@ -557,6 +566,7 @@ class Experts(MoEConfig):
     ep: int = 1  # expert-parallel size: each of its ranks holds num_experts / ep experts (folded onto tp x cp x dp)
     etp: int = 1  # each expert tensor-parallel over this many ranks; ep x etp must divide tp x cp x dp
     schedule: Literal["1f1b", "zb-h1", "zb-v"] = "1f1b"  # 05's 1F1B (interleaved with --virtual-stages) or 06's
+    aux_loss_counts_all: bool = False  # the router's statistics over every token, not only those whose target counts
 
 
 @dataclass
@@ -595,8 +605,12 @@ class ExpertSchedule(zero_bubble.ZeroBubbleSchedule):
     def grid(self, world, tp, dp):
         return fold(super().grid(world, tp, dp), self.tc.ep, self.tc.etp)
 
+    def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
+        return counting(super().executor(chunks, pp_group, wire, exchange, deallocate), self)
+
     def prepare(self, chunks, groups, full):
         tc, moe = self.tc, MoEConfig.of(self.tc)
+        self.cp_rank = rank_of(getattr(groups, "cp", None))  # whose positions of a sequence (08)
         weights = expert_weights(chunks[0].cfg, moe, full, tc.seed, upcycle=bool(tc.init_from))
         for c in chunks:
             with_experts(c, moe, groups).load_full_state_dict(weights)
@@ -630,7 +644,33 @@ class ContextExpertSchedule(ExpertSchedule, context.ContextParallelSchedule):
         context.ContextParallelSchedule.prepare(self, chunks, groups, full)
 
     def executor(self, chunks, pp_group, wire, exchange=None, deallocate=True):
-        return context.ContextParallelSchedule.executor(self, chunks, pp_group, wire, exchange, deallocate)
+        return counting(context.ContextParallelSchedule.executor(self, chunks, pp_group, wire, exchange, deallocate),
+                        self)
+
+
+def counted_tokens(model, targets, split=None, rank=0):
+    """Tell model's MoE layers which tokens of the next forward count (target not -100; at this rank's
+    positions of 08's split): the load-balancing loss is over those (docs/LOSS.md). None: every token."""
+    keep = None if targets is None else targets != -100
+    if keep is not None and split is not None:
+        keep = keep[:, context.positions(split, rank, keep.shape[1], keep.device)]
+    for layer in moe_layers(model):
+        layer.counted = keep
+
+
+def counting(executor, schedule):
+    """executor whose every action first tells its chunk which of its microbatch's tokens count, for the
+    forward and for backward's recomputation (--aux-loss-counts-all: every token, as before)."""
+    if schedule.tc.aux_loss_counts_all:
+        return executor
+    act = executor.act
+
+    def act_counted(a, k):
+        counted_tokens(executor.chunks[a.chunk], executor.micro[a.mb][1], getattr(schedule, "ring", None),
+                       getattr(schedule, "cp_rank", 0))
+        act(a, k)
+    executor.act = act_counted
+    return executor
 
 
 def schedule_of(tc):

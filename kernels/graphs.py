@@ -114,7 +114,7 @@ class StageGraphs:
 
 
 class Graphed:
-    """05's forward_backward(run, micro, valid), replayed from CUDA graphs captured at the
+    """05's forward_backward(run, micro, valid, norm), replayed from CUDA graphs captured at the
     first step, when real batches give the shapes (the one seam 05 has for graphs). mode "stage":
     StageGraphs' chunks through 02's executor, nothing left in flight (a graph rewrites its outputs at
     its next replay); "step": the whole step as one StepGraph, for tp = pp = dp = 1."""
@@ -122,29 +122,29 @@ class Graphed:
     def __init__(self, mode, eager, result):
         self.mode, self.eager, self.result, self.graph = mode, eager, result, None
 
-    def __call__(self, run, micro, valid):
+    def __call__(self, run, micro, valid, norm=None):
         if self.mode is None:  # a capture failed: eager from then on
-            return self.eager(run, micro, valid)
+            return self.eager(run, micro, valid, norm)
         if self.graph is None:
             try:
                 self.graph = self.capture(run, micro)
             except Exception as e:  # noqa: BLE001 (whatever the capture raised, training goes on eagerly)
-                return self.fall_back(run, micro, valid, e)
+                return self.fall_back(run, micro, valid, norm, e)
         if self.mode == "step":
             return self.result(self.graph.replay(micro), [], 0, 0, 0)
-        return self.eager(run, micro, valid, chunks=self.graph.chunks, plain=True)
+        return self.eager(run, micro, valid, norm, chunks=self.graph.chunks, plain=True)
 
     def capture(self, run, micro):
         if self.mode == "step":
             run.ddp.sync = False  # the hooks ran at capture: the buckets are reduced after it, in finish()
-            return StepGraph(run.chunks[0], micro, run.ddp)
+            return StepGraph(run.chunks[0], micro, run.ddp, per_token=run.tc.loss_normalization == "token")
         pp_rank, v = dist.get_rank(run.groups.pp), len(run.chunks)
         samples = {c: (micro[0][0] if c == 0 and pp_rank == 0 else torch.randn(
             run.act_shape, dtype=run.dtype, device=run.env.device, requires_grad=True), micro[0][1])
             for c in range(v)}
         return StageGraphs(run.chunks, run.schedule, v - 1 if pp_rank == run.tc.pp - 1 else None, samples)
 
-    def fall_back(self, run, micro, valid, error):
+    def fall_back(self, run, micro, valid, norm, error):
         """Some operations cannot be captured: above 3,072 token ids per microbatch, for one, torch's
         embedding backward sorts them and synchronises inside (pytorch issue 82886). This rank then
         trains eagerly, as with --no-cuda-graphs, from this very step. What the failed capture left
@@ -162,18 +162,19 @@ class Graphed:
         self.mode, self.graph = None, None
         run.ddp.sync = True
         run.ddp.zero_grad()
-        return self.eager(run, micro, valid)
+        return self.eager(run, micro, valid, norm)
 
 
 class StepGraph:
     """The whole step's forward and backward over m microbatches, for tp = pp = dp = 1. The
     gradients go wherever the parameters' hooks put them (04's flat buffer); the loss is the
-    token-weighted mean, computed on the device so that nothing reads a value back in the graph."""
+    token-weighted mean (per_token; else the microbatches' means, averaged: docs/LOSS.md), computed
+    on the device so that nothing reads a value back in the graph."""
 
     WARMUP = 3  # eager iterations on a side stream before capture, as torch.cuda.graph requires
 
-    def __init__(self, chunk, micro, ddp, ignore_index=-100):
-        self.chunk, self.ddp, self.ignore_index = chunk, ddp, ignore_index
+    def __init__(self, chunk, micro, ddp, ignore_index=-100, per_token=True):
+        self.chunk, self.ddp, self.ignore_index, self.per_token = chunk, ddp, ignore_index, per_token
         self.static = [(i.clone(), t.clone()) for i, t in micro]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -195,7 +196,7 @@ class StepGraph:
         n_valid = sum(v.sum() for v in valid)
         total = torch.zeros((), device=self.static[0][0].device, dtype=torch.float32)
         for (idx, targets), v in zip(self.static, valid):
-            loss = self.chunk(idx, targets)[1] * (v.sum() / n_valid)
+            loss = self.chunk(idx, targets)[1] * (v.sum() / n_valid if self.per_token else 1 / len(valid))
             loss.backward()
             total += loss.detach().float()
         return total
