@@ -666,8 +666,9 @@ def counting(executor, schedule):
     act = executor.act
 
     def act_counted(a, k):
-        counted_tokens(executor.chunks[a.chunk], executor.micro[a.mb][1], getattr(schedule, "ring", None),
-                       getattr(schedule, "cp_rank", 0))
+        if torch.is_grad_enabled():  # the eval's forward adds no aux loss
+            counted_tokens(executor.chunks[a.chunk], executor.micro[a.mb][1], getattr(schedule, "ring", None),
+                           getattr(schedule, "cp_rank", 0))
         act(a, k)
     executor.act = act_counted
     return executor
