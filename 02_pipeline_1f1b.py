@@ -174,10 +174,8 @@ class Executor:
         self.record = StepRecord(self)  # the step's timeline, messages and memory, from outside
 
     def run(self, microbatches, valid=None, norm=None, ignore_index=-100):
-        """Run the plan on microbatches [(idx, targets)], valid[i] counted targets each (from the host).
-        norm[i] = (num, den): the sum of microbatch i's counted losses enters the loss times num / den;
-        by default 1 / sum(valid), so the losses sum to the serial per-token mean (05 passes the whole
-        batch's count: docs/LOSS.md)."""
+        """Run the plan on microbatches [(idx, targets)], valid[i] counted targets each (from the host). Microbatch
+        i's summed loss counts norm[i] = (num, den): num / den; 1 / sum(valid) by default (docs/LOSS.md)."""
         self.micro, self.valid = microbatches, valid or [int((t != ignore_index).sum()) for _, t in microbatches]
         self.norm = norm or [(1, sum(self.valid))] * len(microbatches)
         self.box, self.inputs, self.outputs, self.sending, self.loss = {}, {}, {}, {}, None  # box: messages
@@ -208,9 +206,8 @@ class Executor:
     def input(self, mb):  # the first stage's input: the token ids
         return self.micro[mb][0]
 
-    def output(self, mb, y):  # the last stage's (logits, loss): its mean, times valid num / den
-        (num, den), n = self.norm[mb], self.valid[mb]
-        loss = y[1] * (n * num / den if n else 0.0)  # no counted target: nothing (and no 0 / 0)
+    def output(self, mb, y):  # the last stage's (logits, loss): the mean times valid num / den (none: 0)
+        loss = y[1] * (self.valid[mb] * self.norm[mb][0] / self.norm[mb][1] if self.valid[mb] else 0.0)
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
         return loss
 

@@ -131,8 +131,7 @@ class BucketedDDP:
             self.works[i] = (dist.all_reduce(bucket, group=group, async_op=True), None)
 
     def finish(self):
-        """Launch what is left (e.g. after a pipeline flush) and wait for every bucket. Then
-        .grad of every parameter (DP) or of this rank's shard (ZeRO-1) is the dp-average."""
+        """Launch what is left (after a pipeline flush), wait for each bucket: .grad (ZeRO-1: the shard's) is the mean."""
         for p in self.unwritten:  # no gradient this step (unused): zero, not last step's
             self.views[p].zero_()
         for i in sorted(set(range(len(self.buckets))) - self.works.keys()):  # in order: as on every replica
@@ -188,8 +187,7 @@ class FlatAdamW:
         self.optimizer.step()
         for piece in self.pieces:  # the masters back into the weights (a tensor copied onto itself: nothing)
             piece.weights.copy_(piece.master)
-        ddp = self.ddp
-        # ZeRO-1: every rank's shard to every rank, from the buffer's end: the first layers, used first
+        ddp = self.ddp  # ZeRO-1: every rank's shard to every rank, from the buffer's end: the first layers, used first
         for i, (lo, hi) in reversed(list(enumerate(ddp.buckets)) if ddp.zero else []):
             mine = ddp.param_buffer[slice(*ddp.shard_range(i))].clone()
             work = tensor_parallel.all_gather_single(ddp.param_buffer[lo:hi], mine, ddp.bucket_groups[i], async_op=True)
@@ -209,7 +207,7 @@ class FlatAdamW:
 
 
 def train_replica(env, cfg, args, mode, group, full, batches):
-    """`args.steps` AdamW steps of this replica in `mode`; returns its figures."""
+    """An AdamW step of this replica in `mode` per batch, each counted target weighing 1/n (docs/LOSS.md)."""
     dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
     model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
     model.load_full_state_dict(full)
@@ -220,10 +218,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
     for idx, targets in batches:
         micro = list(zip(*(t.chunk(args.microbatches) for t in shard_batch(idx, targets, dp, dp_rank))))
         total = torch.zeros((), dtype=torch.float64, device=env.device)  # NCCL reduces device tensors only
-        # The loss is the mean over every counted target of the global batch (docs/LOSS.md), and the
-        # replicas may count different numbers: one all-reduce of the counts gives the whole batch's
-        # n. A microbatch's mean weighs its count times dp / n, as the gradients are averaged over dp.
-        valid = [int((y != -100).sum()) for _, y in micro]
+        valid = [int((y != -100).sum()) for _, y in micro]  # n: the global batch's, as the mean over dp is taken
         n = tensor_parallel.all_reduce(torch.tensor(sum(valid), device=env.device), group)
         for i, (x, y) in enumerate(micro):
             if ddp:

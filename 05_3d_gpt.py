@@ -53,6 +53,7 @@ from plumbing import agreement, command, report
 from plumbing.checkpoint import resume
 from plumbing.checks import acceleration, preflight
 from plumbing.data import check_tokens, replica_batch
+from plumbing.flags import Files, Loop, Speed
 from plumbing.gpt2 import import_gpt2
 from plumbing.launch import printer, run_main
 from plumbing.operations import Operations
@@ -251,11 +252,9 @@ def forward_backward(run, micro, valid, norm=None, chunks=None, plain=False):
 
 
 def normalization(run, valid):
-    """The loss contract (docs/LOSS.md): ([(num, den)] for 02's executor, the whole batch's count n).
-    Each rank's summed loss of microbatch i counts num / den. token (the default): every counted
-    target of the global batch weighs 1/n, n counted by one all-reduce over the dp (x cp) group;
-    microbatch (Megatron's default): each microbatch's own mean, averaged over the dp m of them.
-    num is G, the size of that group: 04's buckets average the gradients over it."""
+    """The loss contract (docs/LOSS.md): ([(num, den)]: microbatch i's summed loss counts num / den, the
+    global batch's count n). token: each counted target weighs 1/n (one all-reduce over dp, x cp);
+    microbatch (Megatron's default): each microbatch's mean, averaged. num = G: the buckets' mean."""
     tc, G = run.tc, run.ddp.dp  # G = dp, or dp x cp (08): each replica's count is held by G / dp ranks
     n = torch.tensor(sum(valid), device=run.env.device)
     dist.all_reduce(n, group=run.groups.dp)
@@ -470,7 +469,8 @@ def evaluate(run, tokens):
 
 # ----------------------------------------------------------------------------------------------
 # After the concept: the trainer's flags, one flat config (tc.tp, tc.lr, ...) made of groups, which
-# --help prints apart
+# --help prints apart: the model's layout and its optimization here; the chapters' speed switches,
+# the loop's and the files' in plumbing/flags.py
 
 
 @dataclass
@@ -497,54 +497,6 @@ class Optimization:
     grad_clip: float = 1.0  # clip the global gradient norm to this
     loss_normalization: Literal["token", "microbatch"] = "token"  # the loss: every counted target of the batch alike, or each microbatch's mean alike (Megatron's default; docs/LOSS.md)
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-
-
-@dataclass
-class Speed:  # the optimizations each chapter adds after its concept: each on by default here
-    overlap_input_grad: bool = True  # 01: a column-parallel input gradient's all-reduce runs beside the dW GEMM
-    merge_loss_reductions: bool = True  # 01: the cross-entropy's target-logit and sum-of-exp all-reduces as one
-    background_sends: bool = True  # 02: a boundary waits for its receives only; its sends complete meanwhile
-    overlap_grad_reduce: bool = True  # 04: reduce each gradient bucket during the chunk's last backward, not after the flush
-    overlap_param_gather: bool = True  # 04, ZeRO-1: all-gather the updated weights during the next forward, not before it
-    scatter_gather: bool = True  # 05: each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
-    bucket_numel: int = 2_000_000  # 04: gradient bucket, in elements
-    fused_kernels: bool | None = None  # kernels/ fused ops; unset: on on GPU, off on CPU
-    kernel_path: Literal["auto", "cuda", "reference"] = "auto"  # fused kernels: CUDA where they apply, forced, or the PyTorch references
-    flash_attention: bool = True  # with fused kernels: SDPA attention, or (off) matmul + fused causal softmax
-    cuda_graphs: bool | None = None  # unset: on on GPU where the layout allows (tp = 1, no recompute)
-    graph_scope: Literal["auto", "stage", "step"] = "auto"  # auto: the whole step at tp = pp = dp = 1, else per stage
-
-
-@dataclass
-class Loop:
-    eval_every: int = 50  # steps between eval losses on the held-out split (0: never)
-    eval_batches: int = 2  # held-out batches per eval loss
-    seed: int = 1337  # weights, data order, dropout and sampling
-    timeout_s: float = 120.0  # every collective's timeout, in seconds (at most 3600)
-    max_skipped_steps: int = 5  # stop after this many steps in a row skipped for a non-finite loss or gradient norm
-    hang_s: float | None = None  # no rank progressing this long while one waits: name the rank it waits for, stop (0: off; unset: half of --timeout-s, at least 1)
-    straggler_every: int = 0  # compare every rank's busy time with its stage's every N steps (0: only at the end)
-    rehearse_fault: list[str] = field(default_factory=list)  # KIND:RANK:ARG: slow:R:MS, hang:R:STEP, kill:R:STEP, stop:R:STEP
-    watch: bool = True  # each rank's record on the side channel: the hang report, the straggler report (off: neither)
-
-
-@dataclass
-class Files:
-    data: str = ""  # a text file (its bytes), or a uint16 .bin (scripts/prepare_data.py); none: the built-in corpus
-    save: str = ""  # write checkpoints under this directory
-    save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
-    keep: int = 2  # checkpoints kept, the newest
-    save_timeout_s: float = 1800.0  # a save's own timeout: every rank's shard written and fsynced, and the rotation
-    async_save: bool = False  # save in two stages: a snapshot in host memory (the only pause), then written in the background
-    snapshot_every: int = 0  # steps between snapshots to --snapshot-dir, for --restarts (0: none)
-    snapshot_dir: str = ""  # where snapshots go: node-local and fast, e.g. /dev/shm/snapshots
-    restarts: int = 0  # when a rank dies or hangs, restart this many times from the newest snapshot or checkpoint (under torchrun: its --max-restarts)
-    resume: str = ""  # continue from the newest complete checkpoint here (any layout)
-    data_changed_ok: bool = False  # with --resume: go on although --data is not the checkpoint's data (said, not refused)
-    init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
-    metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
-    trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
-    overwrite: bool = False  # let --metrics, --trace and the exports replace files this run did not write
 
 
 @dataclass

@@ -86,8 +86,7 @@ def load_balancing_loss(probs, chosen, group, keep=None):
     the N k choices that went to expert i, P_i the mean probability of expert i. 1 when the load is even.
     The tokens split over `group` (the tp ranks of a microbatch, tp x cp with 08) are summed over it first, so
     that this is the loss of the whole microbatch, as the serial model computes it; g's backward keeps its
-    gradient local. keep (N,): the tokens whose target is counted; f_i and P_i are over those alone (both
-    over the same tokens: docs/LOSS.md), 0 when there are none."""
+    gradient local. keep (N,): the tokens whose target counts, f_i and P_i over them alone (docs/LOSS.md)."""
     N, E = probs.shape
     if keep is None:
         n = N * size_of(group)  # the microbatch's tokens
@@ -313,19 +312,21 @@ def against_serial(env, cfg, moe, args, groups, full, idx, targets):
     """One forward and backward of the serial model with experts, on each replica's rows with its auxiliary
     losses added to the loss, and of this rank's part of the expert-parallel one, whose auxiliary losses
     join inside the layers (WithAuxLoss) and whose gradients are reduced as 04's naive data parallelism
-    does, experts over edp, the rest over dp (dp x cp: 08's step). Returns ({what: relative difference},
-    serial (loss, aux), parallel (loss, aux), the parallel model)."""
+    does, experts over edp, the rest over dp (dp x cp: 08's step). The loss is the batch's per-token mean
+    and each replica's aux loss is over its counted tokens (docs/LOSS.md). Returns ({what: relative
+    difference}, serial (loss, aux), parallel (loss, aux), the parallel model)."""
     dt, dp, cp = full["transformer.wte.weight"].dtype, args.dp, getattr(args, "cp", 1)
     serial = with_experts(tensor_parallel.GPT(cfg, init=False, dtype=dt), moe, token_groups=args.tp)
     serial.load_full_state_dict(full)
     for layer in moe_layers(serial):
         layer.aux_scale = 0.0  # the serial reference adds its auxiliary losses to the loss itself
-    ref = torch.zeros(2, dtype=torch.float64)
+    ref, n = torch.zeros(2, dtype=torch.float64), int((targets != -100).sum())  # each counted target: 1/n
     for rows_idx, rows_targets in zip(idx.chunk(dp), targets.chunk(dp)):  # each replica's rows
-        loss = serial(rows_idx, rows_targets)[1]
-        aux = sum(layer.aux for layer in moe_layers(serial))
-        ((loss + moe.aux_loss_coeff * aux) / dp).backward()
-        ref += torch.stack([loss.detach(), aux.detach()]).double() / dp
+        counted_tokens(serial, rows_targets)
+        loss = serial(rows_idx, rows_targets)[1] * (int((rows_targets != -100).sum()) / n)
+        aux = sum(layer.aux for layer in moe_layers(serial)) / dp
+        (loss + moe.aux_loss_coeff * aux).backward()
+        ref += torch.stack([loss.detach(), aux.detach()]).double()
     model = with_experts(tensor_parallel.GPT(cfg, groups.tp, sequence_parallel=args.sequence_parallel, init=False,
                                              dtype=dt, device=env.device), moe, groups)
     if cp > 1:  # 08's seams: this rank's T/cp of each sequence (Megatron's split), ring attention, its loss
@@ -335,13 +336,14 @@ def against_serial(env, cfg, moe, args, groups, full, idx, targets):
         layer.aux_scale = moe.aux_loss_coeff * cp
     rows = dist.get_rank(groups.dp) // cp  # this replica's rows (08's dp groups are its dp x cp ranks)
     x, y = idx.chunk(dp)[rows].to(env.device), targets.chunk(dp)[rows].to(env.device)
-    loss = model(x, y)[1] / ((y != -100).sum() if cp > 1 else 1)  # 08's head sums its tokens' losses
+    counted_tokens(model, y, context.megatron(cp) if cp > 1 else None, rank_of(groups.cp) if cp > 1 else 0)
+    loss = model(x, y)[1] * (1 if cp > 1 else int((y != -100).sum())) / n  # this rank's summed losses, over n
     aux = sum(layer.aux for layer in moe_layers(model)).detach()
-    (loss * cp).backward()  # the auxiliary losses' gradients join inside the layers
+    (loss * dp * cp).backward()  # averaged over dp x cp below; the auxiliary losses' gradients join inside
     for p in model.parameters():  # data parallelism, naive (04): experts over edp, the rest over dp (x cp)
         dist.all_reduce(p.grad, group=getattr(p, "replica_group", groups.dp))
         p.grad /= dp * cp  # 08: summed over cp (each rank's share of the loss), averaged over dp
-    both = torch.stack([loss.detach(), aux / cp]).double().to(env.device)  # a tp x cp block's ranks: one aux
+    both = torch.stack([loss.detach() * dp, aux / cp]).double().to(env.device)  # a tp x cp block's ranks: one aux
     got = tensor_parallel.all_reduce(both, groups.dp).cpu() / dp
     named = dict(serial.named_parameters())
     diffs = {what: (abs(got[i] - ref[i]) / abs(ref[i])).item() for i, what in enumerate(("loss", "aux"))}
@@ -364,6 +366,9 @@ def demo(env, cfg, args):
     full = moe_state_dict(cfg, moe, args.seed, dtype=torch.float64, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
+    # Counted unevenly (docs/LOSS.md): replica 0 counts one target, the last row loses its first third.
+    targets.chunk(args.dp)[0].fill_(-100)[0, 1] = 3
+    targets[-1, :args.seq_len // 3] = -100
     diffs, (ref_loss, ref_aux), (loss, aux), model = against_serial(env, cfg, moe, args, groups, full, idx, targets)
     worst = max(x[0] for x in gather_numbers([max(diffs.values())], device=env.device))
     report_routing(env, say, cfg, args, model)
@@ -649,8 +654,8 @@ class ContextExpertSchedule(ExpertSchedule, context.ContextParallelSchedule):
 
 
 def counted_tokens(model, targets, split=None, rank=0):
-    """Tell model's MoE layers which tokens of the next forward count (target not -100; at this rank's
-    positions of 08's split): the load-balancing loss is over those (docs/LOSS.md). None: every token."""
+    """Tell model's MoE layers which tokens of the next forward count: target not -100, at this rank's
+    positions of 08's split; the load-balancing loss is over those. targets None: every token."""
     keep = None if targets is None else targets != -100
     if keep is not None and split is not None:
         keep = keep[:, context.positions(split, rank, keep.shape[1], keep.device)]
@@ -659,8 +664,7 @@ def counted_tokens(model, targets, split=None, rank=0):
 
 
 def counting(executor, schedule):
-    """executor whose every action first tells its chunk which of its microbatch's tokens count, for the
-    forward and for backward's recomputation (--aux-loss-counts-all: every token, as before)."""
+    """executor whose every action first tells its chunk which tokens count (--aux-loss-counts-all: all)."""
     if schedule.tc.aux_loss_counts_all:
         return executor
     act = executor.act
