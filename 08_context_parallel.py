@@ -381,7 +381,8 @@ def demo(env, cfg, args):
     full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, T), generator=gen).to(env.device)
-    targets[0, :T // 3] = -100  # some tokens not counted, unevenly over the ranks
+    targets[0, :T // 3] = -100  # some tokens not counted, unevenly over the ranks: the first row
+    targets[0, T // 3 + 1:] = -100  # counts one target alone, which one rank holds (docs/LOSS.md)
     serial = tensor_parallel.GPT(cfg, None, init=False, dtype=dt, device=env.device)
     serial.load_full_state_dict(full)
     ref_logits, ref_loss = serial(idx, targets)
