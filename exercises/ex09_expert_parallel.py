@@ -47,14 +47,15 @@ def dispatch(x, chosen, E, group):
 # 09.2 The auxiliary load-balancing loss (Switch Transformer, eq. 4; GShard)
 
 
-def load_balancing_loss(probs, chosen, group):
+def load_balancing_loss(probs, chosen, group, keep=None):
     """E sum_i f_i P_i over one microbatch's tokens: probs (N, E) the router's softmax over every expert
     (a tensor with gradient), chosen (N, k) the experts each token was sent to. f_i: the share of the
     microbatch's N k choices that went to expert i (no gradient); P_i: expert i's mean probability.
     1 when the load is even. The microbatch's tokens are split over `group` (the tp ranks; None: not
     split): sum the counts, the probabilities and N over it first, so that every rank returns the loss of
     the whole microbatch, the serial model's; in backward each rank's probabilities get their own
-    gradient (01's g: all-reduce forward, identity backward)."""
+    gradient (01's g: all-reduce forward, identity backward). keep (N,) bool, or None: the tokens whose
+    target is counted, over which f_i and P_i both go (docs/LOSS.md); the checks pass None."""
     raise NotImplementedError("09.2 load_balancing_loss: f_i from the counts, P_i from the probabilities, both over "
                               "the whole microbatch. Read Fedus et al. 2022 (Switch), Section 2.2, eq. 4; then run: "
                               "python3 -m exercises check 09.2")

@@ -65,7 +65,7 @@ FIELDS = {
     # at once, and lr 1e308 makes every weight infinite. (weight decay: check_config, with lr)
     "lr": [_POSITIVE, (lambda v: v <= 1, "at most 1 (AdamW moves each weight by about lr per step)")],
     "weight_decay": _at_least(0), "grad_clip": _POSITIVE, "bucket_numel": _at_least(1),
-    "zero1": _ANY, "scatter_gather": _ANY, "recompute": _ANY, "dtype": _ANY,
+    "zero1": _ANY, "scatter_gather": _ANY, "recompute": _ANY, "dtype": _ANY, "loss_normalization": _ANY,
     "overlap_grad_reduce": _ANY, "overlap_param_gather": _ANY, "overlap_input_grad": _ANY,
     "merge_loss_reductions": _ANY, "background_sends": _ANY,
     "eval_every": _at_least(0), "eval_batches": _at_least(1), "data": _ANY, "metrics": _ANY,
@@ -84,7 +84,7 @@ FIELDS = {
     "graph_scope": _ANY,
     # 09's experts (the model's and the layout's); top_k is sampling's, below, and the router's
     "num_experts": _at_least(1), "moe_every": _at_least(1), "capacity_factor": _POSITIVE,
-    "aux_loss_coeff": _at_least(0), "ep": _at_least(1), "etp": _at_least(1),
+    "aux_loss_coeff": _at_least(0), "aux_loss_counts_all": _ANY, "ep": _at_least(1), "etp": _at_least(1),
     # sampling (plumbing/sample.py)
     # Tokens are printed as they come; a million is hours of a CPU's sampling, 10**9 would never end.
     "sample": _ANY, "max_new_tokens": [_at_least(1), (lambda v: v <= MAX_NEW_TOKENS, f"at most {MAX_NEW_TOKENS:,}")],

@@ -182,7 +182,7 @@ class StepCaptureFailsHalfway:
     """StepGraph as it fails on a GPU: a warm-up forward and backward ran (the hooks wrote the first
     microbatch's gradients into the flat buffer), then the capture raised."""
 
-    def __init__(self, chunk, micro, ddp):
+    def __init__(self, chunk, micro, ddp, **options):
         chunk(*micro[0])[1].backward()
         try:  # as torch raises it: the capture's own error, then capture_end's, with advice below each
             raise RuntimeError(f"{CAPTURE_ERROR}\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1")

@@ -45,7 +45,7 @@ def test_every_kept_id_names_a_case_of_its_grid():
             cases.setdefault(name, set()).add(case[:-1])
     marks = re.findall(r"@pytest\.mark\.grid\(keep=(\[.*?\])\)\n(?:@.*\n)*def (\w+)\(", "".join(
         f"\n# {p.name}\n" + p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py"))))
-    assert len(marks) == 8
+    assert len(marks) >= 9  # every marked grid of the suite is found (9 when the loss contract landed)
     for keep, func in marks:
         ids = next(ids for name, ids in cases.items() if name.endswith("::" + func))
         assert set(ast.literal_eval(keep)) <= ids, (func, sorted(set(ast.literal_eval(keep)) - ids))
