@@ -503,6 +503,7 @@ class Loop:
 @dataclass
 class Files:
     data: str = ""  # a text file (its bytes), or a uint16 .bin (scripts/prepare_data.py); none: the built-in corpus
+    loss_mask: str = ""  # one byte per token of --data, 0 where that target is not counted (SFT: scripts/prepare_data.py --sft)
     save: str = ""  # write checkpoints under this directory
     save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
     keep: int = 2  # checkpoints kept, the newest
