@@ -7,7 +7,8 @@ and a resume on another mask (or with one where there was none) is refused.
 Everything here runs in this process (the loader, preflight, the agreement's items, a manifest read
 back) but one short training run that saves a checkpoint with a mask (the manifest must record it).
 The refusal of a bad mask by the trainer's own command line, before any collective, is a row of
-tests/test_bad_input.py's table. The loss arithmetic over the masked targets is tests/test_3d.py's.
+tests/test_bad_input.py's table. This file tests the masked targets only; the loss over them (per token,
+across replicas) is issue 41's other points, tested with them.
 """
 import json
 import os
