@@ -12,7 +12,8 @@ resolved by the flags and the device (--hang-s, --dtype, --fused-kernels, --cuda
 --graph-scope), so that a default and the value it stands for agree; paths resolved (links
 followed, from each rank's working directory); the data by its identity (size and a hash of its
 head and tail, plumbing/data.identity), not by its path, so that a copy of the same file
-elsewhere agrees; the checkpoint resumed (resolved) and the step it holds.
+elsewhere agrees, and --loss-mask's the same way; the checkpoint resumed (resolved) and the step it
+holds.
 
 Two exchanges, both of fixed size, so that they cannot fail on ranks that disagree about sizes
 or layouts (they run on the default group, before any other group exists): every rank's SHA-256
@@ -67,6 +68,10 @@ def items(cfg, tc, resumed, start, device=torch.device("cpu")):
             where = value or "the built-in corpus"
             out["--data"] = [json.dumps(ident, sort_keys=True),
                              f"{where} ({ident['bytes']:,} bytes, head and tail {ident['head_tail_sha256'][:12]})"]
+        elif f.name == "loss_mask":  # by identity, as the data: a copy of the same mask agrees
+            ident = identity(value) if value else None
+            out["--loss-mask"] = [json.dumps(ident, sort_keys=True), f"{value} ({ident['bytes']:,} bytes, head and "
+                                  f"tail {ident['head_tail_sha256'][:12]})" if value else "none"]
         elif f.name == "resume":
             real = os.path.realpath(resumed) if resumed else ""
             out["--resume"] = [f"{real} {start}", f"{real} (step {start})" if resumed else

@@ -448,7 +448,14 @@ def _manifest(run, step):
                 **({"extension": {k: ext[k] for k in ("name", "file", "model")}} if ext else {}),
                 train={k: getattr(tc, k) for k in KEPT_FIELDS}, noted={k: getattr(tc, k) for k in NOTED_FIELDS},
                 dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data), outputs=outputs,
-                data=data_identity(tc.data))  # as it was loaded: a resume on other data is refused (read_manifest)
+                data=data_identity(tc.data),  # as it was loaded: a resume on other data is refused (read_manifest)
+                loss_mask=_mask_identity(tc))  # and on another mask, or with one where there was none (or none)
+
+
+def _mask_identity(tc):
+    """--loss-mask's identity (plumbing/data.identity), or None for a run without a mask."""
+    mask = getattr(tc, "loss_mask", "")
+    return data_identity(mask) if mask else None
 
 
 OUTPUTS = ("metrics", "trace")  # the manifest's outputs: what the run that wrote it wrote besides checkpoints
@@ -593,7 +600,21 @@ def _manifest_problems(m):
         wrong.append(f"data {data!r} (an object: bytes, a whole number, and head_tail_sha256, 64 hex digits)")
     if "tokenizer" in m and m["tokenizer"] not in TOKENIZERS:
         wrong.append(f"tokenizer (one of {', '.join(TOKENIZERS)}; got {m['tokenizer']!r})")
+    wrong += _mask_problems(m)
     return wrong
+
+
+def _is_identity(v):
+    return (isinstance(v, dict) and set(v) == {"bytes", "head_tail_sha256"} and _whole(v["bytes"], 0)
+            and isinstance(v["head_tail_sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", v["head_tail_sha256"]))
+
+
+def _mask_problems(m):
+    """The manifest's loss_mask: absent (written before it was kept), null (no mask), or an identity."""
+    mask = m.get("loss_mask")
+    if mask is not None and not _is_identity(mask):
+        return [f"loss_mask {mask!r} (null, or an object: bytes, a whole number, and head_tail_sha256, 64 hex digits)"]
+    return []
 
 
 def read_manifest(path, cfg=None, tc=None, say=None):
@@ -634,7 +655,36 @@ def read_manifest(path, cfg=None, tc=None, say=None):
             if say and getattr(tc, k, v) != v:
                 say(f"note: the checkpoint was trained with --{k} {v!r}; this run continues with {getattr(tc, k)!r}")
         _check_same_data(path, manifest, tc, say)
+        _check_same_mask(path, manifest, tc, say)
     return manifest
+
+
+def _check_same_mask(path, manifest, tc, say):
+    """Refuse to resume with another --loss-mask than the checkpoint's (by identity), with one where
+    it had none or none where it had one, unless --data-changed-ok (the mask is part of the data),
+    which says it. A manifest from before masks were kept is not compared."""
+    if "loss_mask" not in manifest or not hasattr(tc, "data"):
+        return
+    then, now = manifest["loss_mask"], _mask_identity(tc)
+    if now == then:
+        return
+    mask = getattr(tc, "loss_mask", "")
+    if then is None:
+        how = f"--loss-mask {mask}: the checkpoint {path} was trained without a loss mask (every target counted)"
+    elif now is None:
+        how = (f"no --loss-mask: the checkpoint {path} was trained with one ({then['bytes']:,} bytes, head and tail "
+               f"{then['head_tail_sha256'][:12]}), and this run would count every target")
+    else:
+        what = (f"{then['bytes']:,} bytes then, {now['bytes']:,} now" if now["bytes"] != then["bytes"] else
+                f"the same {now['bytes']:,} bytes, other contents at its head or tail")
+        how = f"--loss-mask {mask} is not the mask the checkpoint {path} was trained with ({what})"
+    if getattr(tc, "data_changed_ok", False):
+        if say:
+            say(f"note: {how}; continuing (--data-changed-ok): other targets are counted from here on")
+        return
+    fix = "drop --loss-mask" if then is None else "give --loss-mask the mask it was trained with"
+    raise ValueError(f"{how}: a resumed run would count other targets than the run it continues; {fix}, or give "
+                     f"--data-changed-ok to continue all the same")
 
 
 def _check_same_data(path, manifest, tc, say):

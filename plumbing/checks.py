@@ -68,7 +68,7 @@ FIELDS = {
     "zero1": _ANY, "scatter_gather": _ANY, "recompute": _ANY, "dtype": _ANY, "loss_normalization": _ANY,
     "overlap_grad_reduce": _ANY, "overlap_param_gather": _ANY, "overlap_input_grad": _ANY,
     "merge_loss_reductions": _ANY, "background_sends": _ANY,
-    "eval_every": _at_least(0), "eval_batches": _at_least(1), "data": _ANY, "metrics": _ANY,
+    "eval_every": _at_least(0), "eval_batches": _at_least(1), "data": _ANY, "loss_mask": _ANY, "metrics": _ANY,
     # Below a second not even the groups' own set-up completes: every run would fail at its first collective.
     "timeout_s": [(lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"), _A_SECOND],
     "max_skipped_steps": _at_least(1),
@@ -307,13 +307,15 @@ def check_paths(tc, writer=True):
 
 
 def read_paths(tc, resumed=None):
-    """[(flag, path)] of every file a run of tc reads: the data and its sidecar, --init-from's
+    """[(flag, path)] of every file a run of tc reads: the data, its sidecar and its mask, --init-from's
     files, the checkpoint it resumes (resumed: its directory)."""
     reads = []
     if getattr(tc, "data", ""):
         reads.append(("--data", tc.data))
         if tc.data.endswith(".bin"):
             reads.append(("--data's sidecar", tc.data[: -len(".bin")] + ".json"))
+    if getattr(tc, "loss_mask", ""):
+        reads.append(("--loss-mask", tc.loss_mask))
     init = getattr(tc, "init_from", "")
     if init:
         names = ("config.json", "model.safetensors", "pytorch_model.bin") if os.path.isdir(init) else ("",)
@@ -422,7 +424,8 @@ USES = {  # besides the action's own flag
     "sample": {"resume", "init_from", "seed", *MODEL_SHAPE, *SAMPLING},
     "export": {"resume", "overwrite", "export_hf", "export_state_dict"},
 }
-PATH_FLAGS = {"data": "file to train on", "resume": "checkpoint directory to resume from",
+PATH_FLAGS = {"data": "file to train on", "loss_mask": "mask file (one byte, 0 or 1, per token of --data)",
+              "resume": "checkpoint directory to resume from",
               "init_from": "GPT-2 directory or .pt to start from", "metrics": "file to write",
               "trace": "file to write", "save": "directory to save into", "snapshot_dir": "directory to snapshot into",
               "export_hf": "directory to write", "export_state_dict": "file to write"}
@@ -448,6 +451,8 @@ DEPENDS = {
     "hang_s": (lambda a: a.watch, _WATCH.format("the hang report")),
     "data_changed_ok": (lambda a: bool(a.resume), "needs --resume DIR: only a resumed checkpoint's data is compared "
                                                   "with --data; without it it would be ignored: drop it"),
+    "loss_mask": (lambda a: bool(a.data), "needs --data FILE: the mask has one byte per token of a data file, and the "
+                                          "built-in corpus has no mask; add --data FILE, or drop --loss-mask"),
 }
 
 
@@ -521,7 +526,8 @@ def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
     check_outputs(tc, path, writer)
     check_paths(tc, writer)
     check_memory(cfg, tc, device, world if ranks_here is None else ranks_here)
-    train_tokens, eval_tokens = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len, tc.data)
+    tokens = load_tokens(tc.data, cfg.vocab_size, tc.seq_len, getattr(tc, "loss_mask", ""))  # Masked with a mask
+    train_tokens, eval_tokens = split_tokens(tokens, tc.seq_len, tc.data)
     manifest = read_manifest(path, cfg, tc, say) if path else dict(step=0)
     if path:
         check_shards(path, manifest, tensors=writer)

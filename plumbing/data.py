@@ -5,14 +5,21 @@
     --data train.bin     nanoGPT's format: token ids as uint16, little-endian, no header, read as
                          sampled; scripts/prepare_data.py writes one (byte-level, or GPT-2 BPE with
                          tiktoken) and a sidecar train.json naming its tokenizer
+    --loss-mask m.mask   beside --data: one uint8 per token, 0 where the target at that position is not
+                         counted (its label is -100: a prompt's tokens in SFT); prepare_data.py --sft
+                         writes one from prompt/response pairs. Split with the tokens, applied in
+                         global_batch, so every caller (train, eval) gets the masked targets
 
 The last 10% of the tokens are held out for the eval loss. Batch `step` is a function of (seed,
 step) alone, so a resumed run, in any layout, reads exactly the batches it would have read.
 
 A .bin is read window by window (TokenFile: os.pread, not a memory map), so a file truncated
 while a run trains on it is a sentence naming it, not a rank killed by SIGBUS. identity(path) is
-what a data file is for the checkpoints and for the ranks' agreement (plumbing/agreement.py): its
-size and a hash of its head and tail, taken when it is loaded.
+what a data file (or a mask) is for the checkpoints and for the ranks' agreement
+(plumbing/agreement.py): its size and a hash of its head and tail, taken when it is loaded. A mask
+is read the same way (MaskFile), and travels with its tokens as one object (Masked: tokens[a:b]
+gives token ids as before, .mask the mask's bytes), so the callers of split_tokens and
+global_batch pass one thing whether there is a mask or not.
 """
 import functools
 import hashlib
@@ -22,6 +29,8 @@ import torch
 
 from plumbing.paths import describe
 from plumbing.tokenizer import read_sidecar, sidecar_of
+
+IGNORE_INDEX = -100  # a target the loss does not count (01's GPT and F.cross_entropy's default)
 
 # Sums the built-in corpus never states, in either order: the end-of-run probe asks for them too, to
 # tell what the model memorised from what it worked out.
@@ -71,14 +80,18 @@ def check_tokens(idx, cfg, sp_tp=1):
         raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
 
 
-def load_tokens(path, vocab_size, seq_len):
+def load_tokens(path, vocab_size, seq_len, mask=""):
     """All tokens of the data: a nanoGPT .bin as a TokenFile (uint16 ids, read as they are needed)
-    or any other file as bytes (a 1-D tensor). Refuses, naming the file, what cannot train: missing,
+    or any other file as bytes (a 1-D tensor); with mask (--loss-mask), both as one Masked
+    (load_mask checks the mask). Refuses, naming the file, what cannot train: missing,
     not a regular file (a FIFO or a device: never a whole file), empty, a file whose size reads as 0
     but that holds data (made up as it is read, as under /proc), a .BIN in another case than .bin,
     too short, too large for memory (text), ids >= vocab_size, a .bin whose sidecar lies
     (plumbing/tokenizer.read_sidecar) or names a vocabulary larger than --vocab-size. Its identity
     is recorded as it is loaded (identity())."""
+    if mask and not path:
+        raise ValueError(f"--loss-mask {mask} needs --data FILE: the mask has one byte per token of a data file, and "
+                         f"the built-in corpus has no mask; add --data FILE, or drop --loss-mask")
     if not path:
         tokens = torch.frombuffer(bytearray(builtin_corpus().encode()), dtype=torch.uint8)
     else:
@@ -132,7 +145,7 @@ def load_tokens(path, vocab_size, seq_len):
             raise ValueError(f"--data {path or '(the built-in corpus)'}: the data holds token id {top} >= "
                              f"vocab_size={vocab_size} (token {at:,} of the file); give --vocab-size {top + 1} or "
                              f"more, or check that the file is the right one")
-    return tokens
+    return Masked(tokens, load_mask(mask, len(tokens), path)) if mask else tokens
 
 
 def is_bin(path):
@@ -160,6 +173,7 @@ class TokenFile:
     need no shared state, so forked ranks share the open file; a read that comes back short (the
     file truncated since it was opened) is a ValueError naming the file, where a memory map would
     kill the rank with SIGBUS."""
+    ITEM, DTYPE, FLAG = 2, torch.uint16, "--data"  # bytes per entry, its dtype, the flag that names the file
 
     def __init__(self, path, count, start=0, file=None):
         self.path, self.count, self.start = path, count, start
@@ -169,23 +183,92 @@ class TokenFile:
         return self.count
 
     def part(self, lo, hi):
-        return TokenFile(self.path, hi - lo, self.start + lo, self.file)
+        return type(self)(self.path, hi - lo, self.start + lo, self.file)
 
     def __getitem__(self, key):
         if not isinstance(key, slice) or key.step not in (None, 1):
-            raise TypeError("a TokenFile gives windows: tokens[a:b]")
+            raise TypeError(f"a {type(self).__name__} gives windows: tokens[a:b]")
         lo, hi, _ = key.indices(self.count)
-        n = max(hi - lo, 0)
+        n, item = max(hi - lo, 0), self.ITEM
         if not n:
-            return torch.zeros(0, dtype=torch.uint16)
-        data = os.pread(self.file.fd, 2 * n, 2 * (self.start + lo))
-        if len(data) < 2 * n:
+            return torch.zeros(0, dtype=self.DTYPE)
+        data = os.pread(self.file.fd, item * n, item * (self.start + lo))
+        if len(data) < item * n:
             size = os.fstat(self.file.fd).st_size
-            raise ValueError(f"--data {self.path}: the file is {size:,} bytes now, shorter than the "
-                             f"{2 * (self.start + hi):,} bytes this run reads tokens from: it was truncated while the "
+            raise ValueError(f"{self.FLAG} {self.path}: the file is {size:,} bytes now, shorter than the "
+                             f"{item * (self.start + hi):,} bytes this run reads from: it was truncated while the "
                              f"run trained on it; the run stops here (its checkpoints so far are intact); restore the "
-                             f"file, or give --data a copy that nothing writes to")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint16)
+                             f"file, or give {self.FLAG} a copy that nothing writes to")
+        return torch.frombuffer(bytearray(data), dtype=self.DTYPE)
+
+
+class MaskFile(TokenFile):
+    """A --loss-mask file: one uint8 per token of --data (1: the target at that position is
+    counted, 0: it is not), read window by window as a TokenFile is."""
+    ITEM, DTYPE, FLAG = 1, torch.uint8, "--loss-mask"
+
+
+class Masked:
+    """Tokens and their loss mask, one object that split_tokens and global_batch understand:
+    tokens[a:b] and len() are the tokens', as for tokens alone (so a caller that only reads ids
+    needs nothing new); .mask[a:b] the mask's bytes at the same positions; part(a, b) both cut."""
+
+    def __init__(self, tokens, mask):
+        self.tokens, self.mask = tokens, mask
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, key):
+        return self.tokens[key]
+
+    def part(self, lo, hi):
+        return Masked(_part(self.tokens, lo, hi), _part(self.mask, lo, hi))
+
+
+def _part(tokens, lo, hi):
+    """tokens [lo, hi): a TokenFile's (or a Masked's) part, a tensor's slice."""
+    return tokens.part(lo, hi) if hasattr(tokens, "part") else tokens[lo:hi]
+
+
+def load_mask(path, n_tokens, data_path):
+    """--loss-mask PATH as a MaskFile, checked against the n_tokens of --data data_path: a regular
+    file of exactly n_tokens bytes, each 0 or 1 (the first other value is named with its position),
+    not all 0. Read in pieces, never whole; its identity is recorded as it is loaded (identity())."""
+    if os.path.isdir(path):
+        raise ValueError(f"--loss-mask {path}: it is a directory, not a mask file (one byte, 0 or 1, per token of "
+                         f"--data {data_path})")
+    what = describe(path)
+    if what:
+        raise ValueError(f"--loss-mask {path}: it is {what}, not a regular file: the mask is read window by window "
+                         f"beside --data; write it to a file first")
+    try:
+        size = os.path.getsize(path)
+        if size != n_tokens:
+            raise ValueError(f"--loss-mask {path}: it is {size:,} bytes, but --data {data_path} holds {n_tokens:,} "
+                             f"tokens: the mask must have exactly one byte (0 or 1) per token; is it the mask "
+                             f"scripts/prepare_data.py --sft wrote with this data?")
+        _identities[path] = _identity_of_file(path, size)
+        mask = MaskFile(path, size)
+    except OSError as e:
+        raise ValueError(f"--loss-mask {path}: cannot read the mask file: {e.strerror or e}") from None
+    counted = 0
+    for i, piece in enumerate(_pieces(mask, 1 << 24)):
+        bad = piece > 1
+        if bool(bad.any()):
+            at = int(bad.to(torch.uint8).argmax())
+            raise ValueError(f"--loss-mask {path}: byte {i * (1 << 24) + at:,} is {int(piece[at])}, but every byte "
+                             f"must be 0 (the target at that position is not counted) or 1 (it is)")
+        counted += int(piece.sum(dtype=torch.int64))
+    if not counted:
+        raise ValueError(f"--loss-mask {path}: every one of its {size:,} bytes is 0: no target of --data "
+                         f"{data_path} would be counted, and there would be nothing to train on")
+    return mask
+
+
+def _counts_a_target(mask, lo, hi):
+    """Whether mask[lo:hi] holds a 1 (read in pieces, stopping at the first)."""
+    return any(bool(piece.any()) for piece in _pieces(_part(mask, lo, hi), 1 << 24))
 
 
 class _Descriptor:
@@ -246,24 +329,35 @@ def identity(path):
 
 
 def split_tokens(tokens, seq_len, path=""):
-    """90% to train on, the last 10% held out for the eval loss (each at least one sequence)."""
+    """90% to train on, the last 10% held out for the eval loss (each at least one sequence). A
+    Masked splits its mask at the same place, and each split must count at least one target (the
+    first token of a split is never a target: no window predicts it)."""
     n_eval = max(len(tokens) // 10, seq_len + 1)
     if len(tokens) - n_eval < seq_len + 1:
         raise ValueError(f"--data {path or '(the built-in corpus)'}: {len(tokens)} tokens cannot hold a sequence of "
                          f"seq_len + 1 = {seq_len + 1} to train on and another held out for the eval loss; need at "
                          f"least {2 * (seq_len + 1)}")
     cut = len(tokens) - n_eval
-    if isinstance(tokens, TokenFile):
-        return tokens.part(0, cut), tokens.part(cut, len(tokens))
-    return tokens[:cut], tokens[cut:]
+    if isinstance(tokens, Masked):
+        for what, lo, hi in (("train split", 1, cut), ("held-out eval split", cut + 1, len(tokens))):
+            if not _counts_a_target(tokens.mask, lo, hi):  # the targets a window of the split can have
+                raise ValueError(f"--loss-mask {tokens.mask.path}: the {what}'s targets (tokens {lo:,} to {hi - 1:,} "
+                                 f"of --data {path}) are all masked: its bytes there are all 0, and each split needs "
+                                 f"at least one 1 (the last 10% of the tokens are held out for the eval loss)")
+    return _part(tokens, 0, cut), _part(tokens, cut, len(tokens))
 
 
 def global_batch(tokens, step, tc, salt=0):
-    """Batch `step`: B random windows (B, T) and their next-token targets, the same on every rank."""
+    """Batch `step`: B random windows (B, T) and their next-token targets, the same on every rank.
+    Tokens with a mask (Masked): a target whose position's mask byte is 0 is -100 (not counted)."""
     g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 2 + salt)
-    starts = torch.randint(len(tokens) - tc.seq_len, (tc.batch_size,), generator=g)
-    window = torch.stack([tokens[s: s + tc.seq_len + 1].to(torch.int64) for s in starts.tolist()])
-    return window[:, :-1], window[:, 1:]
+    starts = torch.randint(len(tokens) - tc.seq_len, (tc.batch_size,), generator=g).tolist()
+    window = torch.stack([tokens[s: s + tc.seq_len + 1].to(torch.int64) for s in starts])
+    idx, targets = window[:, :-1], window[:, 1:]
+    if isinstance(tokens, Masked):  # targets[b, j] is token s + 1 + j: its mask byte is mask[s + 1 + j]
+        counted = torch.stack([tokens.mask[s + 1: s + tc.seq_len + 1] for s in starts]).bool()  # (B, T)
+        targets = targets.masked_fill(~counted, IGNORE_INDEX)
+    return idx, targets
 
 
 def replica_batch(tokens, step, tc, dp_rank, salt=0):

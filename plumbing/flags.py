@@ -37,6 +37,7 @@ class Loop:
 @dataclass
 class Files:
     data: str = ""  # a text file (its bytes), or a uint16 .bin (scripts/prepare_data.py); none: the built-in corpus
+    loss_mask: str = ""  # one byte per token of --data, 0 where that target is not counted (SFT: scripts/prepare_data.py --sft)
     save: str = ""  # write checkpoints under this directory
     save_every: int = 0  # steps between checkpoints (0: only at the end); needs --save
     keep: int = 2  # checkpoints kept, the newest
@@ -46,7 +47,7 @@ class Files:
     snapshot_dir: str = ""  # where snapshots go: node-local and fast, e.g. /dev/shm/snapshots
     restarts: int = 0  # when a rank dies or hangs, restart this many times from the newest snapshot or checkpoint (under torchrun: its --max-restarts)
     resume: str = ""  # continue from the newest complete checkpoint here (any layout)
-    data_changed_ok: bool = False  # with --resume: go on although --data is not the checkpoint's data (said, not refused)
+    data_changed_ok: bool = False  # with --resume: go on although --data (or --loss-mask) is not the checkpoint's (said, not refused)
     init_from: str = ""  # start from GPT-2 weights: a Hugging Face GPT-2 directory, or a .pt state dict
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
     trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)

@@ -29,7 +29,8 @@ def serial_train(cfg, tc):
     tensor_parallel = importlib.import_module("01_tensor_parallel")
     gpt3d = importlib.import_module("05_3d_gpt")  # at call time: 05 imports plumbing
     dtype = getattr(torch, tc.dtype)
-    train_tokens, _ = split_tokens(load_tokens(tc.data, cfg.vocab_size, tc.seq_len), tc.seq_len)
+    tokens = load_tokens(tc.data, cfg.vocab_size, tc.seq_len, getattr(tc, "loss_mask", ""))  # its mask too, if any
+    train_tokens, _ = split_tokens(tokens, tc.seq_len, tc.data)
     model = tensor_parallel.GPT(cfg, None, seed=tc.seed, dtype=dtype)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},

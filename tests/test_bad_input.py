@@ -166,6 +166,15 @@ CASES = {
     "data shorter than a sequence": ("05", ["--data", "{file}"], "fewer than one sequence of seq_len + 1 = 65"),
     "data too short for the eval split": ("05", ["--data", "{file}", "--seq-len", "16"], "cannot hold a sequence of seq_len + 1 = 17 to train on and another held out"),
     "data ids beyond the vocabulary": ("05", ["--data", "{file}"], "token id 1000 >= vocab_size=256"),
+    # 05: a loss mask beside the data (issue 41; every refusal in process: tests/test_loss_mask.py)
+    "data with a mask a byte short": ("05", ["--data", "{file}", "--loss-mask", "{file}.mask"],
+                                      "--loss-mask {file}.mask: it is 1,999 bytes, but --data {file} holds 2,000 tokens: "
+                                      "the mask must have exactly one byte (0 or 1) per token"),
+    "data with a mask holding a 2": ("05", ["--data", "{file}", "--loss-mask", "{file}.mask"],
+                                     "--loss-mask {file}.mask: byte 3 is 2, but every byte must be 0"),
+    "data with a mask all 0": ("05", ["--data", "{file}", "--loss-mask", "{file}.mask"],
+                               "--loss-mask {file}.mask: every one of its 2,000 bytes is 0"),
+    "mask without data": ("05", ["--loss-mask", "{tmp}/m.mask"], "--loss-mask {tmp}/m.mask needs --data FILE"),
     # 05: output paths
     "save is a file": ("05", ["--save", "{file}"], "it is a file, not a directory for checkpoints"),
     "save under a file": ("05", ["--save", "{file}/ckpt"], "cannot write checkpoints there"),
@@ -280,6 +289,13 @@ def _setup(case, tmp, ckpt):
     if case in writes:
         with open(file, "wb") as f:
             f.write(writes[case])
+    masks = {"data with a mask a byte short": bytes([1] * 1999), "data with a mask holding a 2": bytes([1, 1, 1, 2] * 500),
+             "data with a mask all 0": bytes(2000)}
+    if case in masks:  # beside 2,000 bytes of text
+        with open(file, "wb") as f:
+            f.write(b"ab" * 1000)
+        with open(file + ".mask", "wb") as f:
+            f.write(masks[case])
     if case == "init from a .pt holding a list":
         file += ".pt"
         torch.save([1, 2, 3], file)

@@ -168,10 +168,91 @@ def test_bad_paths_are_refused_by_name_before_anything_is_written(tmp_path, case
     assert {p.name: p.is_file() and p.read_bytes() for p in work.iterdir()} == before
 
 
+# ----------------------------------------------------------------------------------------------
+# prepare_data.py --sft: prompt/response pairs, and the mask 05's --loss-mask reads (issue 41)
+
+PAIRS = [{"prompt": "2 plus 3 is ", "response": "5."}, {"prompt": "q: hi\n", "response": "café"}]
+
+
+def _jsonl(path, rows, blank=True):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + ("\n\n" if blank else "\n"))  # a blank line skipped
+    return path
+
+
+def test_sft_pairs_become_the_bin_and_a_mask_that_counts_the_response_and_its_end_of_text(tmp_path):
+    proc = run_script("prepare_data.py", _jsonl(tmp_path / "p.jsonl", PAIRS), "--sft", "--tokenizer", "bytes")
+    assert proc.returncode == 0, proc.stderr
+    prepare_data = import_script("prepare_data")
+    ids, mask = prepare_data.read_bin(tmp_path / "p.bin"), list((tmp_path / "p.mask").read_bytes())
+    want_ids, want_mask = [], []
+    for pair in PAIRS:
+        prompt, response = pair["prompt"].encode(), pair["response"].encode()
+        want_ids += [*prompt, *response, 0]  # 0: the byte-level end-of-text
+        want_mask += [0] * len(prompt) + [1] * (len(response) + 1)
+    assert (ids, mask) == (want_ids, want_mask)
+    meta = json.loads((tmp_path / "p.json").read_text())
+    assert (meta["tokens"], meta["loss_mask"], meta["pairs"], meta["separator"]) == (len(ids), str(tmp_path / "p.mask"),
+                                                                                    2, 0)
+    assert (f"and its loss mask {tmp_path / 'p.mask'} (2 pairs; {sum(want_mask)} of the {len(ids)} targets counted"
+            in proc.stdout), proc.stdout
+    assert (f"python3 05_3d_gpt.py --data {tmp_path / 'p.bin'} --loss-mask {tmp_path / 'p.mask'} --vocab-size 256"
+            in proc.stdout), proc.stdout
+    # the trainer's loader reads the pair of files: a target is counted exactly under a response
+    from plumbing import data
+    tokens = data.load_tokens(str(tmp_path / "p.bin"), 256, 4, str(tmp_path / "p.mask"))
+    assert tokens.mask[0:len(ids)].tolist() == want_mask
+
+
+def test_sft_under_gpt2_ends_each_response_with_endoftext_50256(tmp_path):
+    proc = run_script("prepare_data.py", _jsonl(tmp_path / "p.jsonl", [{"prompt": "one two", "response": "three"}]),
+                      "--sft", "--tokenizer", "gpt2", fakes=fakes(tmp_path, FAKE_TIKTOKEN))
+    assert proc.returncode == 0, proc.stderr
+    assert import_script("prepare_data").read_bin(tmp_path / "p.bin") == [1003, 1003, 1005, 50256]
+    assert (tmp_path / "p.mask").read_bytes() == bytes([0, 0, 1, 1])
+
+
+BAD_PAIRS = {  # case: (the JSONL's text, what the message says)
+    "a line that is not JSON": ('{"prompt": "a", "response": "b"}\n{"prompt": \n',
+                                "the input {src!r}, line 2 is not JSON (Expecting value: line 1 column 12 (char 11))"),
+    "a line that is a list": ('\n["a", "b"]\n', "the input {src!r}, line 2 is a JSON list, not an object; --sft "
+                                                 "reads one {{\"prompt\": ..., \"response\": ...}} object a line"),
+    "a line without its response": ('{"prompt": "a", "answer": "b"}\n', "the input {src!r}, line 1 has no 'response' "
+                                    "field (it has 'prompt', 'answer'); each line is {{\"prompt\": ..., "
+                                    "\"response\": ...}}"),
+    "a line without its prompt": ('{"response": "b"}\n', "line 1 has no 'prompt' field (it has 'response')"),
+    "a prompt that is a number": ('{"prompt": 3, "response": "b"}\n', "the input {src!r}, line 1: 'prompt' is a "
+                                                                      "JSON int, not text"),
+    "a response that is null": ('{"prompt": "a", "response": null}\n', "line 1: 'response' is a JSON NoneType, "
+                                                                       "not text"),
+    "a line that is not UTF-8": ('{"prompt": "a", "response": "b"}\n{"prompt": "\xe9"}\n'.encode("latin-1"),
+                                 "the input {src!r}, line 2: byte 12 of the line is 0xe9, not UTF-8"),
+    "no pair at all": ("\n  \n\n", "the input {src!r} holds no prompt/response pair"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PAIRS)
+def test_a_bad_jsonl_line_is_refused_by_its_number_and_nothing_is_written(tmp_path, case):
+    text, message = BAD_PAIRS[case]
+    src = tmp_path / "p.jsonl"
+    src.write_bytes(text if isinstance(text, bytes) else text.encode())
+    prepare_data = import_script("prepare_data")
+    with pytest.raises(prepare_data.Refused) as e:
+        prepare_data.prepare(str(src), str(tmp_path / "p.bin"), "bytes", say=None, sft=True)
+    assert message.format(src=str(src)) in str(e.value), str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
+
+
+def test_sft_refuses_a_mask_that_would_replace_a_file_it_did_not_write(tmp_path):
+    (tmp_path / "p.mask").write_bytes(b"mine")
+    proc = run_script("prepare_data.py", _jsonl(tmp_path / "p.jsonl", PAIRS), "--sft", "--tokenizer", "bytes")
+    assert refused(proc, "-o's mask", "p.mask"), proc.stderr
+    assert (tmp_path / "p.mask").read_bytes() == b"mine" and not (tmp_path / "p.bin").exists()
+
+
 def test_help_names_every_flag_with_its_default_and_choices():
     text = " ".join(run_script("prepare_data.py", "--help").stdout.split())  # argparse wraps lines
     for expected in ["-o OUT.bin", "--output", "default: the input with its suffix replaced by .bin",
-                     "{auto,bytes,gpt2}", "default: auto", "vocab-size"]:
+                     "{auto,bytes,gpt2}", "default: auto", "vocab-size", "--sft", "OUT.mask", "--loss-mask"]:
         assert expected in text, expected
 
 
