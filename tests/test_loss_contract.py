@@ -320,3 +320,60 @@ def test_04s_demo_masks_its_replicas_unevenly_and_passes():
     counts = [int((t != -100).sum()) for t in batches[0][1].chunk(args.dp)]
     assert counts[0] == 1 and len(set(counts)) == args.dp
     assert int((batches[0][1].chunk(args.dp)[1].chunk(args.microbatches)[0] != -100).sum()) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer as a user runs it: --loss-mask on a data file, the losses read back from --metrics
+
+
+def _masked_data(folder):
+    """A text file of 6,000 random bytes and its mask: about half of the targets not counted, in runs
+    (a prompt's worth at a time) and one long run, so that replicas and cp blocks count unequally."""
+    g = torch.Generator().manual_seed(7)
+    text, mask = os.path.join(folder, "d.txt"), os.path.join(folder, "d.mask")
+    with open(text, "wb") as f:
+        f.write(bytes(torch.randint(32, 127, (6000,), generator=g).tolist()))
+    keep = (torch.rand(6000 // 8, generator=g) < 0.5).repeat_interleave(8)
+    keep[1000:1400] = False
+    with open(mask, "wb") as f:
+        f.write(bytes(keep.to(torch.uint8).tolist()))
+    return text, mask
+
+
+SMALL_RUN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--vocab-size", "256", "--block-size", "16",
+             "--seq-len", "16", "--batch-size", "8", "--steps", "4", "--lr", "1e-2", "--warmup-steps", "1",
+             "--dtype", "float64", "--eval-every", "2", "--eval-batches", "2", "--tp", "1", "--pp", "1"]
+
+
+def _losses(tmp_path, script, name, *flags):
+    from conftest import run_script
+    text, mask = _masked_data(tmp_path)
+    metrics = tmp_path / f"{name}.jsonl"
+    proc = run_script(script, *SMALL_RUN, "--data", text, "--loss-mask", mask, "--metrics", metrics, *flags,
+                      timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [__import__("json").loads(x) for x in metrics.read_text().splitlines()]
+    return [x["loss"] for x in lines] + [x["grad_norm"] for x in lines] + [x["eval_loss"] for x in lines
+                                                                          if "eval_loss" in x]
+
+
+def test_the_trainer_with_a_loss_mask_at_dp_2_gives_dp_1s_losses_norms_and_eval_losses(tmp_path):
+    one = _losses(tmp_path, "05_3d_gpt.py", "dp1", "--dp", "1", "--microbatches", "2")
+    two = _losses(tmp_path, "05_3d_gpt.py", "dp2", "--dp", "2", "--microbatches", "1")
+    assert len(one) == 4 + 4 + 2
+    assert tensor_parallel.max_rel_diff(torch.tensor(two), torch.tensor(one)) <= 1e-9, (one, two)
+
+
+def test_microbatch_normalization_from_the_command_line_at_dp_2_gives_dp_1_with_the_same_microbatches(tmp_path):
+    flags = ("--loss-normalization", "microbatch")
+    one = _losses(tmp_path, "05_3d_gpt.py", "dp1", "--dp", "1", "--microbatches", "4", *flags)
+    two = _losses(tmp_path, "05_3d_gpt.py", "dp2", "--dp", "2", "--microbatches", "2", *flags)
+    token = _losses(tmp_path, "05_3d_gpt.py", "token", "--dp", "1", "--microbatches", "4")
+    assert tensor_parallel.max_rel_diff(torch.tensor(two), torch.tensor(one)) <= 1e-9, (one, two)
+    assert abs(one[0] - token[0]) > 1e-3  # a different loss: the flag reached the trainer
+
+
+def test_08s_trainer_with_a_loss_mask_at_cp_2_gives_cp_1s_losses(tmp_path):
+    one = _losses(tmp_path, "08_context_parallel.py", "cp1", "--train", "--cp", "1", "--dp", "1")
+    two = _losses(tmp_path, "08_context_parallel.py", "cp2", "--train", "--cp", "2", "--dp", "1")
+    assert tensor_parallel.max_rel_diff(torch.tensor(two), torch.tensor(one)) <= 1e-9, (one, two)
