@@ -377,3 +377,55 @@ def test_08s_trainer_with_a_loss_mask_at_cp_2_gives_cp_1s_losses(tmp_path):
     one = _losses(tmp_path, "08_context_parallel.py", "cp1", "--train", "--cp", "1", "--dp", "1")
     two = _losses(tmp_path, "08_context_parallel.py", "cp2", "--train", "--cp", "2", "--dp", "1")
     assert tensor_parallel.max_rel_diff(torch.tensor(two), torch.tensor(one)) <= 1e-9, (one, two)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every gradient, not only their norm: one step of the trainer's own pieces against serial's
+
+
+def _step_grads(env, cases):
+    """For each (chapter, flags): this rank's gradients after one masked step (train_step's pieces, before
+    clipping) against the serial model's, {name: relative difference}."""
+    g = torch.Generator().manual_seed(11)
+    idx, targets = torch.randint(TRAINER_CFG.vocab_size, (2, BASE.batch_size, BASE.seq_len), generator=g)
+    targets = contract_mask(targets, 0)
+    full = tensor_parallel.init_state_dict(TRAINER_CFG, BASE.seed, dtype=torch.float64)
+    serial_model = tensor_parallel.GPT(TRAINER_CFG, init=False, dtype=torch.float64)
+    serial_model.load_full_state_dict(full)
+    serial_model(idx, targets)[1].backward()
+    ref = {n: p.grad for n, p in serial_model.named_parameters()}
+    out = []
+    for chapter, kw in cases:
+        tc = config(chapter, **kw)
+        pipe = cpar.context_schedule(tc) if chapter == "08" else gpt3d.interleaved_schedule(tc)
+        groups = gpt3d.new_groups(env, pipe.grid(env.world_size, tc.tp, tc.dp))
+        run = gpt3d.build(env, TRAINER_CFG, tc, groups, pipe)
+        r = pipe.replica(groups)
+        rows = idx.chunk(tc.dp)[r], targets.chunk(tc.dp)[r]
+        valid = [int((t != -100).sum()) for t in rows[1].chunk(tc.microbatches)]
+        norm, _ = gpt3d.normalization(run, valid)
+        gpt3d.forward_backward(run, gpt3d.pipeline.split_batch(*rows, tc.microbatches), valid, norm)
+        gpt3d.pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)
+        run.ddp.finish()
+        diffs = {}
+        if tc.zero1:  # this rank's shard of the flat gradient, against the same elements of serial's
+            owner = {id(p): n for c in run.chunks for n, p in c.named_parameters()}
+            for piece in run.opt.pieces:
+                start = piece.weights.storage_offset() - run.ddp.offsets[piece.param]
+                want = ref[owner[id(piece.param)]].reshape(-1)[start:start + piece.grad.numel()]
+                diffs[owner[id(piece.param)]] = tensor_parallel.max_rel_diff(piece.grad, want)
+        else:
+            diffs.update({n: tensor_parallel.max_rel_diff(g, ref[n]) for c in run.chunks for n, g in c.full_grads().items()})
+        out.append(diffs)
+    return out
+
+
+GRADS = [("05", dict(dp=4)), ("05", dict(tp=2, dp=2, sequence_parallel=True)), ("05", dict(pp=2, dp=2, zero1=True)),
+         ("08", dict(cp=2, dp=2)), ("08", dict(cp=2, dp=2, cp_attention="ulysses", zero1=True))]
+
+
+def test_every_gradient_of_one_masked_step_is_the_serial_per_token_means(run_ranks):
+    for rank in run_ranks(_step_grads, 4, GRADS):
+        for case, diffs in zip(GRADS, rank):
+            bad = {k: d for k, d in diffs.items() if not d <= TOL}
+            assert not bad and len(diffs) > 1, (case, bad)
