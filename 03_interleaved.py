@@ -10,8 +10,10 @@ the stage boundaries a microbatch crosses (7/3 at pp=4, v=2). Only the schedule 
 validator, simulator, executor and timelines read its lists unchanged.
 
 The schedule is Megatron's (the paper's Figure 4). Microbatches go through the chunks in groups
-of pp, and m must be divisible by pp (the paper's requirement; other m are refused). v=1 returns
-02's 1F1B lists exactly.
+of pp, and m must be divisible by pp (the paper's requirement, kept here; other m are refused;
+Megatron Core now groups by microbatch_group_size_per_vp_stage, pp by default, and lets the last
+group be shorter). v=1 returns 02's
+1F1B lists exactly.
 
 Run it:
     python 03_interleaved.py                         # pp=4 CPU ranks, v=2, m=8

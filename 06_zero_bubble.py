@@ -2,8 +2,8 @@
 Parallelism", Sections 2 and 6).
 
 What this file adds on top of 02-05: a backward B is two computations that depend on different
-things. I, the gradient of the input (dX = dY W for a linear layer), is what the previous stage
-waits for; W, the gradient of the weights (dW = dY^T X), nobody waits for until the optimizer.
+things. I, the gradient of the input (dX = dY W for a linear layer; Qi et al. call it B, and here
+B is the whole backward, I + W), is what the previous stage waits for; W, the gradient of the weights (dW = dY^T X), nobody waits for until the optimizer.
 Running W later, in the time a rank would otherwise sit idle, shrinks the pipeline's bubble:
   - BackwardSplit: every linear layer's backward computes dX at I and keeps X and dY for W, which
     computes dW and accumulates it as B would have (float64-equal); each weight's gradient hook

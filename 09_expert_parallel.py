@@ -373,8 +373,8 @@ def demo(env, cfg, args):
     worst = max(x[0] for x in gather_numbers([max(diffs.values())], device=env.device))
     report_routing(env, say, cfg, args, model)
     say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {loss:.12f}\nauxiliary loss (the sum over "
-        f"{len(moe_layers(model))} MoE layers; each 1 when the load is even, up to E = {moe.num_experts} when every "
-        f"token goes to one expert): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
+        f"{len(moe_layers(model))} MoE layers; each 1 when the load is even, up to E/k = {moe.num_experts / moe.top_k:g} when "
+        f"every token picks the same {moe.top_k}): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
     largest = sorted(diffs.items(), key=lambda x: -x[1])[:3]
     say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in largest))
     say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference over every rank {worst:.2e} "
