@@ -197,9 +197,9 @@ def compiler():
     return cxx, version
 
 
-def _inputs(family):
+def _inputs(family, cu):
     """Every file a build depends on, {name: text}."""
-    files = {f"{family}.cu": KERNELS_DIR / f"{family}.cu", "common.cuh": KERNELS_DIR / "common.cuh",
+    files = {f"{family}.cu": Path(cu), "common.cuh": KERNELS_DIR / "common.cuh",
              "simt.h": HERE / "simt.h", "rewrite.py": HERE / "rewrite.py"}
     files.update({f"include/{p.name}": p for p in sorted((HERE / "include").glob("*.h"))})
     return {name: path.read_text() for name, path in files.items()}
@@ -208,18 +208,21 @@ def _inputs(family):
 _extensions = {}
 
 
-def extension(family, binding, functions, flags=()):
-    """The family's kernels compiled for the emulator, loaded (cached on disk and in the process)."""
+def extension(family, binding, functions, flags=(), cu=None):
+    """The family's kernels compiled for the emulator, loaded (cached on disk and in the process).
+    cu: another .cu than kernels/<family>.cu (the emulator's own tests plant bugs in theirs);
+    flags: g++'s, added to CXX_FLAGS (SANITIZE_FLAGS: load the result under LD_PRELOAD of libasan)."""
     from .. import build
 
-    key = (family, binding, tuple(flags))
+    cu = Path(cu) if cu else KERNELS_DIR / f"{family}.cu"
+    key = (family, binding, tuple(flags), str(cu))
     if key in _extensions:
         return _extensions[key]
     cxx, version = compiler()
     tu = source(family, binding, functions)
-    inputs = _inputs(family)
+    inputs = _inputs(family, cu)
     command = [cxx, *CXX_FLAGS, *flags]
-    digest = hashlib.sha1("\0".join([*inputs.values(), tu, *command, version, str(KERNELS_DIR)]).encode()).hexdigest()
+    digest = hashlib.sha1("\0".join([*inputs.values(), tu, *command, version, str(cu)]).encode()).hexdigest()
     directory = build.build_directory(f"megatron_ref_simt_{family}_{digest[:12]}")
     library = os.path.join(directory, f"{family}_simt.so")
     os.makedirs(directory, exist_ok=True)
@@ -227,8 +230,8 @@ def extension(family, binding, functions, flags=()):
         if not os.path.exists(library):
             t0 = time.monotonic()
             print(f"kernels: building {family}.cu for the CPU emulator (simt; cached afterwards)", flush=True)
-            for name in (f"{family}.cu", "common.cuh"):
-                Path(directory, name).write_text(rewriter.rewrite(inputs[name], str(KERNELS_DIR / name)))
+            for name, original in ((f"{family}.cu", cu), ("common.cuh", KERNELS_DIR / "common.cuh")):
+                Path(directory, name).write_text(rewriter.rewrite(inputs[name], str(original)))
             Path(directory, "unit.cpp").write_text(tu)
             partial = f"{library}.{os.getpid()}.tmp"
             out = subprocess.run([*command, f"-I{HERE / 'include'}", f"-I{KERNELS_DIR}", os.path.join(directory, "unit.cpp"),

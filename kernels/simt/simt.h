@@ -78,10 +78,17 @@ struct Settings {
   int order = 0;                       // 0 forward, 1 reverse, 2 shuffled from seed
   unsigned long long seed = 0;
 };
-inline Settings& settings() {
-  static Settings s;
-  return s;
+// Each emulated configuration (device and SM count) is a device index of its own, so that what a
+// launcher caches per device (common.cuh's SM counts) is never another configuration's.
+struct Devices {
+  Settings seen[64];
+  int count = 0, current = 0;
+};
+inline Devices& devices() {
+  static Devices d;
+  return d;
 }
+inline Settings& settings() { return devices().seen[devices().current]; }
 constexpr long long DEFAULT_BLOCK_SMEM = 48 * 1024;
 constexpr int MAX_THREADS = 1024;
 
@@ -440,8 +447,9 @@ inline uint64_t warp_exchange(const char* what, Shuffle kind, unsigned mask, uin
     Group& g = w.groups[i];
     if (g.mask == mask) group = &g;
     else if (g.mask & mask) {  // a lane named by both waits with the other mask
-      const int other = __builtin_ctz(g.mask);
-      const Fiber& o = lane0[(g.mask >> lane & 1) ? lane : other];
+      int other = 0;
+      while (!(lane0[other].state == AT_WARP && lane0[other].mask == g.mask)) ++other;
+      const Fiber& o = lane0[other];
       fault(f, format("mismatched masks in warp %d of a %s: lane %d waits in %s at %s:%d with mask 0x%08x, lane %d "
                       "in %s at %s:%d with mask 0x%08x", warp, block_name(b).c_str(), o.linear & 31, o.what, o.file,
                       o.line, g.mask, lane, what, file, line, mask));
@@ -798,16 +806,19 @@ inline const char* cudaGetErrorString(cudaError_t e) {
   return e == last.described && e != cudaSuccess ? last.sentence.c_str() : simt::cuda_name(e);
 }
 inline cudaError_t cudaGetDevice(int* device) {
-  *device = 0;
+  *device = simt::devices().current;
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
-  if (device != 0) return simt::fail(cudaErrorInvalidValue, simt::format("device %d: the emulator has device 0 only", device));
+  if (device < 0 || device >= simt::devices().count)
+    return simt::fail(cudaErrorInvalidValue, simt::format("device %d: the emulator has devices 0..%d", device,
+                                                          simt::devices().count - 1));
+  const simt::Settings& d = simt::devices().seen[device];
   switch (attr) {
     case cudaDevAttrMaxThreadsPerBlock: *value = simt::MAX_THREADS; break;
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = (int)simt::DEFAULT_BLOCK_SMEM; break;
-    case cudaDevAttrMultiProcessorCount: *value = simt::settings().sms; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)simt::settings().optin_bytes; break;
+    case cudaDevAttrMultiProcessorCount: *value = d.sms; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)d.optin_bytes; break;
     default: return simt::fail(cudaErrorInvalidValue, simt::format("device attribute %d is not emulated", (int)attr));
   }
   return cudaSuccess;
@@ -845,12 +856,21 @@ inline cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute 
 // What Python calls (kernels/simt/__init__.py): the emulated device and thread order, the hook.
 extern "C" inline __attribute__((used)) void simt_configure(const char* device, int sms, long long optin_bytes, int order,
                                       unsigned long long seed) {
-  simt::Settings& s = simt::settings();
-  snprintf(s.device, sizeof s.device, "%s", device);
-  s.sms = sms;
-  s.optin_bytes = optin_bytes;
-  s.order = order;
-  s.seed = seed;
+  simt::Devices& all = simt::devices();
+  int i = 0;
+  while (i < all.count && !(strcmp(all.seen[i].device, device) == 0 && all.seen[i].sms == sms &&
+                            all.seen[i].optin_bytes == optin_bytes))
+    ++i;
+  if (i == all.count) {
+    if (all.count == 64) { fprintf(stderr, "simt: more than 64 emulated device configurations\n"); abort(); }
+    snprintf(all.seen[i].device, sizeof all.seen[i].device, "%s", device);
+    all.seen[i].sms = sms;
+    all.seen[i].optin_bytes = optin_bytes;
+    all.count++;
+  }
+  all.current = i;
+  all.seen[i].order = order;  // the thread order and seed are the run's, not the device's
+  all.seen[i].seed = seed;
 }
 extern "C" inline __attribute__((used)) void simt_set_attribute_hook(void (*hook)(long long)) { simt::attribute_hook() = hook; }
 extern "C" inline __attribute__((used)) void simt_reset_attributes() {
