@@ -46,6 +46,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "grid(keep): a slow grid of cases; without --full-grid only the cases "
                                        "whose ids are in keep run")
+    config.addinivalue_line("markers", "deadline(seconds): this test's own limit instead of TEST_TIMEOUT_S")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -92,11 +93,16 @@ def load(name):
 
 @pytest.fixture(autouse=True)
 def _test_deadline(request):
+    """Every test's limit: TEST_TIMEOUT_S, or its own (@pytest.mark.deadline(seconds), for a test whose work
+    is a compiler's and so scales with the machine's load; its reason is written beside it)."""
+    mark = request.node.get_closest_marker("deadline")
+    limit = mark.args[0] if mark else TEST_TIMEOUT_S
+
     def expire(signum, frame):
-        raise TimeoutError(f"{request.node.nodeid} ran past its {TEST_TIMEOUT_S} s limit")
+        raise TimeoutError(f"{request.node.nodeid} ran past its {limit} s limit")
 
     old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_TIMEOUT_S)
+    signal.alarm(limit)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 KERNELS_DIR = HERE.parent
 CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
              "-Wno-unused-function", "-Wno-unused-variable")
-SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-O1")
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-O1", "-g")
 
 
 @dataclasses.dataclass(frozen=True)
