@@ -43,7 +43,7 @@ def test_every_kept_id_names_a_case_of_its_grid():
         if "::" in line and "[" in line:
             name, case = line.split("[", 1)
             cases.setdefault(name, set()).add(case[:-1])
-    marks = re.findall(r"@pytest\.mark\.grid\(keep=(\[.*?\])\)\n(?:@.*\n)*def (\w+)\(", "".join(
+    marks = re.findall(r"@pytest\.mark\.grid\(keep=(\[.*?\])\)\n(?:[@# ].*\n)*def (\w+)\(", "".join(
         f"\n# {p.name}\n" + p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py"))))
     assert len(marks) == 13
     for keep, func in marks:
