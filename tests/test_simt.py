@@ -319,3 +319,44 @@ def test_05_with_the_kernels_emulated_trains_like_the_reference_path_in_float32(
     for key in ("losses", "norms"):
         got, want = torch.tensor(out["simt"][key]), torch.tensor(out["reference"][key])
         assert tensor_parallel.max_rel_diff(got, want) <= 1e-4, (key, got - want)
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU: each kernel's GPU output against its CPU execution, on the same inputs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_kernels_gpu_output_equals_its_cpu_execution(dtype):
+    """The emulated H100 is given the GPU's SM count, so both launch the same grid. fp32 1e-5 and bf16
+    one rounding (1e-2) apart: the GPU's fused multiply-adds, expf and rsqrtf are not g++'s; the
+    dropout masks are integer hashes and must agree exactly."""
+    from conftest import GPU_TOL, kernel_extension
+    from kernels import bias_dropout_add as bda, bias_gelu, softmax
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x, g = randn(300, 1000, seed=0, dtype=dtype), randn(300, 1000, seed=1, dtype=dtype)
+    w, b = randn(1000, seed=2, dtype=dtype), randn(1000, seed=3, dtype=dtype)
+    s = randn(2, 3, 100, 100, seed=4, dtype=dtype)
+    seed = torch.tensor([77])
+
+    def run(mode, device):
+        put = lambda t: t.to(device)  # noqa: E731
+        xs, gs, ws, bs, ss = map(put, (x, g, w, b, s))
+        outs = [torch.empty_like(xs) for _ in range(6)]
+        bias_gelu.kernel_forward(kernel_extension(mode, bias_gelu), xs, bs, outs[0])
+        bda.kernel_forward(kernel_extension(mode, bda), xs, bs, gs, put(seed), 0.3, outs[1])
+        mean, rstd = torch.empty(300, device=device), torch.empty(300, device=device)
+        layernorm.kernel_forward(kernel_extension(mode, layernorm), xs, ws, bs, 1e-5, outs[2], mean, rstd)
+        partial = torch.empty(2, layernorm.backward_blocks(300, xs.device), 1000, device=device)
+        layernorm.kernel_backward(kernel_extension(mode, layernorm), gs, xs, ws, mean, rstd, outs[3], partial)
+        probs = torch.empty_like(ss)
+        softmax.kernel_forward(kernel_extension(mode, softmax), ss, 0.125, probs)
+        return [o.cpu() for o in (*outs[:4], mean, rstd, partial, probs)]
+
+    gpu = run("cuda", "cuda")
+    with simt.emulating(sms=sms):
+        cpu = run("simt", "cpu")
+    assert torch.equal(gpu[1] == 0, cpu[1] == 0)  # the same dropout mask
+    for a, c in zip(gpu, cpu):
+        assert rel(a, c) <= GPU_TOL[dtype if a.dtype == dtype else torch.float32]
