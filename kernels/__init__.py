@@ -62,7 +62,8 @@ def prebuild(mode="auto"):
 class FusedOps:
     """Every elementwise piece of a block fused. mode: "auto" (kernels on CUDA tensors, the
     references elsewhere), "cuda" (kernels or an error), "reference" (the references: same math,
-    PyTorch), "simt" (the kernels' CUDA source run on CPU tensors by kernels/simt). flash=True keeps attention in PyTorch's scaled_dot_product_attention; flash=False
+    PyTorch), "simt" (the kernels' CUDA source run on CPU tensors by kernels/simt, for tests).
+    flash=True keeps attention in PyTorch's scaled_dot_product_attention; flash=False
     computes it as matmul -> fused scaled causal softmax -> dropout -> matmul, as Megatron does
     without flash attention."""
 
