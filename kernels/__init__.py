@@ -38,7 +38,14 @@ def prebuild(mode="auto"):
     build takes minutes, and meanwhile the other pipeline stages would sit in posted receives
     under the collective timeout. The four build at once, each in a thread of its own (each
     compile is a process of torch's ninja: the threads only wait), on this thread's device.
-    Nothing to do for mode "reference" or without CUDA. Returns the families built."""
+    Nothing to do for mode "reference" or without CUDA; mode "simt" builds the emulator's, one
+    after another (g++ processes on the CPU the run itself needs). Returns the families built."""
+    if mode == "simt":
+        from . import simt
+
+        for family in families():
+            simt.extension(family.__name__.split(".")[-1], family.BINDING, family.FUNCTIONS)
+        return list(FAMILY_NAMES)
     if mode == "reference" or not torch.cuda.is_available():
         return []
     device = torch.cuda.current_device()
@@ -55,7 +62,8 @@ def prebuild(mode="auto"):
 class FusedOps:
     """Every elementwise piece of a block fused. mode: "auto" (kernels on CUDA tensors, the
     references elsewhere), "cuda" (kernels or an error), "reference" (the references: same math,
-    PyTorch). flash=True keeps attention in PyTorch's scaled_dot_product_attention; flash=False
+    PyTorch), "simt" (the kernels' CUDA source run on CPU tensors by kernels/simt, for tests).
+    flash=True keeps attention in PyTorch's scaled_dot_product_attention; flash=False
     computes it as matmul -> fused scaled causal softmax -> dropout -> matmul, as Megatron does
     without flash attention."""
 

@@ -105,10 +105,10 @@ void backward(torch::Tensor grad, torch::Tensor seed, torch::Tensor dy, int64_t 
 FUNCTIONS = ("forward", "backward")
 
 
-def unsupported(y, b, residual):
+def unsupported(y, b, residual, target="cuda"):
     if y.numel() >= MAX_NUMEL:
         return f"the dropout hash takes a 32-bit element index: {y.numel()} elements, at most 2**32 - 1"
-    return build.unsupported(y, b, residual)
+    return build.unsupported(y, b, residual, target=target)
 
 
 def kernel_forward(ext, y, b, residual, seed, p, out):
@@ -171,5 +171,6 @@ def bias_dropout_add(y, b, residual, p, mode="auto", seed=None):
     elif seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != y.device:
         raise ValueError(f"seed must be an int or a one-element int64 tensor on {y.device}, "
                          f"got {seed.dtype} {tuple(seed.shape)} on {seed.device}")
-    ext = build.use_kernel(mode, "bias_dropout_add", unsupported(y, b, residual), BINDING, FUNCTIONS)
+    reason = unsupported(y, b, residual, build.target(mode))
+    ext = build.use_kernel(mode, "bias_dropout_add", reason, BINDING, FUNCTIONS)
     return BiasDropoutAdd.apply(y, b, residual, seed, p, ext)

@@ -53,8 +53,8 @@ void backward(torch::Tensor grad, torch::Tensor y, torch::Tensor b, torch::Tenso
 FUNCTIONS = ("forward", "backward")
 
 
-def unsupported(y, b):
-    return build.unsupported(y, b) or (None if y.shape[-1] == b.numel() else
+def unsupported(y, b, target="cuda"):
+    return build.unsupported(y, b, target=target) or (None if y.shape[-1] == b.numel() else
                                        f"the bias has {b.numel()} elements, the rows {y.shape[-1]}")
 
 
@@ -98,5 +98,5 @@ class BiasGelu(torch.autograd.Function):
 
 def bias_gelu(y, b, mode="auto"):
     """gelu_tanh(y + b) for y (..., n) and b (n,); mode as in kernels/build.py."""
-    ext = build.use_kernel(mode, "bias_gelu", unsupported(y, b), BINDING, FUNCTIONS)
+    ext = build.use_kernel(mode, "bias_gelu", unsupported(y, b, build.target(mode)), BINDING, FUNCTIONS)
     return BiasGelu.apply(y, b, ext)

@@ -14,7 +14,9 @@ there, at start, with "no kernel image is available", and mode "auto" falls back
 
 Dispatch, per call: mode "auto" runs the kernel for CUDA tensors of a supported dtype (fp32,
 fp16, bf16) and shape and the reference otherwise; "cuda" runs the kernel or raises, saying why
-it cannot; "reference" always runs the reference. `calls` counts which path each family took.
+it cannot; "reference" always runs the reference; "simt" runs the same kernels' source on CPU
+tensors through the emulator of kernels/simt (for tests: "auto" never picks it), with the launch
+configuration the wrappers compute for the emulated device. `calls` counts which path each family took.
 """
 import collections
 import contextlib
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 KERNELS_DIR = Path(__file__).resolve().parent
-MODES = ("auto", "cuda", "reference")
+MODES = ("auto", "cuda", "reference", "simt")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # common.cuh's enum DType
 ARCHS = ("80", "90")  # A100 and H100/H200: what the compile check targets
 # What the build passes nvcc besides torch's own flags (cpp_extension.COMMON_NVCC_FLAGS, the arch
@@ -57,7 +59,7 @@ extern "C" const char* kernels_probe(void* stream);
 void probe(int64_t stream) { check(kernels_probe(as_stream(stream)), "kernels_probe"); }
 """
 
-calls = collections.defaultdict(collections.Counter)  # family -> {"cuda": n, "reference": n}
+calls = collections.defaultdict(collections.Counter)  # family -> {"cuda": n, "reference": n, "simt": n}
 _extensions, _failed = {}, {}
 
 
@@ -272,14 +274,22 @@ def one_build_at_a_time(family, directory):
         os.close(fd)  # releases the lock
 
 
-def unsupported(*tensors):
-    """Why the kernels cannot take these tensors, or None if they can."""
-    if not torch.cuda.is_available():
+def target(mode):
+    """Where mode's kernels run: "simt" (the emulator, on CPU tensors) or "cuda"."""
+    return "simt" if mode == "simt" else "cuda"
+
+
+def unsupported(*tensors, target="cuda"):
+    """Why the kernels cannot take these tensors, or None if they can; target "simt": the
+    emulator's, which takes CPU tensors."""
+    if target == "cuda" and not torch.cuda.is_available():
         return "no CUDA device is available"
     t0 = tensors[0]
     for t in tensors:
-        if not t.is_cuda:
+        if target == "cuda" and not t.is_cuda:
             return f"a tensor is on {t.device}, not on a CUDA device"
+        if target == "simt" and t.device.type != "cpu":
+            return f"a tensor is on {t.device}: mode 'simt' runs the kernels on CPU tensors"
         if t.dtype not in DTYPE_CODES:
             return f"dtype {t.dtype} is not one of fp32, fp16, bf16"
         if t.dtype != t0.dtype or t.device != t0.device:
@@ -296,7 +306,13 @@ def use_kernel(mode, family, reason, binding, functions):
         calls[family]["reference"] += 1
         return None
     if reason:
-        raise ValueError(f"{family}: the CUDA kernel was forced (mode 'cuda') but {reason}")
+        what = "CUDA kernel" if mode == "cuda" else "kernel, emulated on the CPU,"
+        raise ValueError(f"{family}: the {what} was forced (mode {mode!r}) but {reason}")
+    if mode == "simt":
+        from . import simt
+
+        calls[family]["simt"] += 1
+        return simt.extension(family, binding, functions)
     ext = built(mode, family, binding, functions)
     calls[family]["cuda" if ext else "reference"] += 1
     return ext
@@ -330,7 +346,19 @@ def code(t):
 
 
 def stream(t):
-    return torch.cuda.current_stream(t.device).cuda_stream
+    """The current stream of t's device, as the launchers take it (0 for the emulator's CPU tensors)."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def device_properties(device):
+    """torch.cuda.get_device_properties for a CUDA device; for a CPU one (mode "simt"), the
+    emulated GPU's, so that the wrappers compute the launch they would compute there."""
+    device = torch.device(device) if isinstance(device, str) else device
+    if isinstance(device, torch.device) and device.type == "cpu":
+        from . import simt
+
+        return simt.properties()
+    return torch.cuda.get_device_properties(device)
 
 
 def aligned(*tensors):
@@ -340,7 +368,7 @@ def aligned(*tensors):
 
 def report():
     """Which path each family took so far, e.g. {'bias_gelu': 'cuda', 'layer_norm': 'reference'}."""
-    return {f: "+".join(k for k in ("cuda", "reference") if c[k]) for f, c in sorted(calls.items())}
+    return {f: "+".join(k for k in ("cuda", "simt", "reference") if c[k]) for f, c in sorted(calls.items())}
 
 
 # ----------------------------------------------------------------------------------------------

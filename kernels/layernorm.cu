@@ -94,12 +94,29 @@ __global__ void layernorm_backward_kernel(const T* __restrict__ g, const T* __re
   }
 }
 
+// The most dynamic shared memory a block of a kernel with `static_bytes` of its own may have on
+// the current device with the opt-in (163 KiB on A100, 227 KiB on H100, in all), asked once per device.
+static int max_dynamic_bytes(size_t static_bytes) {
+  static int optin_of[64] = {0};
+  int device = 0, optin = 0;
+  cudaGetDevice(&device);
+  if (device < 64) optin = optin_of[device];
+  if (optin == 0) {
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (device < 64) optin_of[device] = optin;
+  }
+  return optin - (int)static_bytes;
+}
+
 // Launch `kernel` with `bytes` of dynamic shared memory, raising its limit first when the block's
-// whole shared memory needs more than the default (up to 163 KiB on A100, 227 KiB on H100; above
-// that this fails and says so). The whole is dynamic plus static: each kernel's scratch[32] is
-// 128 B of its own (ptxas -v says so), and without the opt-in a launch whose total passes 48 KiB
-// fails with "invalid argument" (forward at C = 12257..12288, backward at 6129..6144, before this
-// counted it). cudaFuncGetAttributes reads the static size from the compiled kernel itself.
+// whole shared memory needs more than the default (above the device's opt-in the launch fails and
+// says so). The whole is dynamic plus static: each kernel's scratch[32] is 128 B of its own (ptxas
+// -v says so), and without the opt-in a launch whose total passes 48 KiB fails with "invalid
+// argument" (forward at C = 12257..12288, backward at 6129..6144, before this counted it).
+// cudaFuncGetAttributes reads the static size from the compiled kernel itself. The limit is raised
+// to the device's maximum, the same value for every launch, and never lowered: set to this
+// launch's bytes, two host threads launching the kernel at once could lower it between the other's
+// setting and its launch, which would then fail (kernels/simt's tests show it).
 template <typename Kernel, typename... Args>
 static const char* launch(Kernel kernel, int blocks, int threads, int bytes, cudaStream_t stream,
                           Args... args) {
@@ -108,7 +125,8 @@ static const char* launch(Kernel kernel, int blocks, int threads, int bytes, cud
   if (error) return error;
   const size_t static_bytes = attributes.sharedSizeBytes;
   if (bytes + static_bytes > DEFAULT_SMEM_BYTES) {
-    error = call_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    error = call_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             max_dynamic_bytes(static_bytes)));
     if (error) return error;
   }
   kernel<<<blocks, threads, bytes, stream>>>(args...);

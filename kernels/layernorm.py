@@ -35,10 +35,18 @@ def max_columns(block_smem_bytes):
     return (block_smem_bytes - STATIC_SMEM_BYTES) // (2 * 4)
 
 
+def block_smem_limit(device):
+    """(shared memory one block may use on this GPU with the opt-in, in bytes; the GPU's name);
+    a CPU device: the GPU mode "simt" emulates."""
+    if isinstance(device, torch.device) and device.type == "cpu":
+        props = build.device_properties(device)
+        return props.shared_memory_per_block_optin, props.name
+    return _cuda_block_smem_limit(device.index if isinstance(device, torch.device) else device)
+
+
 @functools.lru_cache(maxsize=None)
-def block_smem_limit(device_index):
-    """(shared memory one block may use on this GPU with the opt-in, in bytes; the GPU's name)."""
-    props = torch.cuda.get_device_properties(device_index)
+def _cuda_block_smem_limit(device_index):
+    props = torch.cuda.get_device_properties(device_index if device_index is not None else torch.cuda.current_device())
     return getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_BYTES), props.name
 
 
@@ -96,18 +104,20 @@ void backward(torch::Tensor g, torch::Tensor x, torch::Tensor w, torch::Tensor m
 FUNCTIONS = ("forward", "backward")
 
 
-def unsupported(x, w, b):
+def unsupported(x, w, b, target="cuda"):
     """Why the kernel cannot take these tensors, or None. The shape checks come first: they hold
-    on any device, so they can be tested without a GPU; the row length's limit is the GPU's."""
+    on any device, so they can be tested without a GPU; the row length's limit is the GPU's (for
+    target "simt", the emulated one's)."""
     if x.dim() == 0 or x.numel() == 0:
         return "x has no rows to normalise"
     C = x.shape[-1]
     if w.shape != (C,) or b.shape != (C,):
         return f"w and b must have shape ({C},), got {tuple(w.shape)} and {tuple(b.shape)}"
-    reason = build.unsupported(x, w, b)
+    reason = build.unsupported(x, w, b, target=target)
     if reason:
         return reason
-    limit, name = block_smem_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    limit, name = block_smem_limit(x.device if target == "simt" else
+                                   (x.device.index if x.device.index is not None else torch.cuda.current_device()))
     if C > max_columns(limit):
         return (f"rows of {C} elements need {2 * 4 * C + STATIC_SMEM_BYTES:,} bytes of shared memory per block "
                 f"(the backward's), more than this GPU ({name}) allows one block, {limit:,}: rows of up to "
@@ -117,7 +127,7 @@ def unsupported(x, w, b):
 
 def backward_blocks(rows, device):
     """G, the backward grid: about 2 blocks per SM, never more than there are rows."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = build.device_properties(device).multi_processor_count
     return max(1, min(rows, BACKWARD_BLOCKS_PER_SM * sms))
 
 
@@ -175,5 +185,5 @@ class LayerNorm(torch.autograd.Function):
 def layer_norm(x, w, b, eps=1e-5, mode="auto"):
     """(x - mean) * rstd * w + b over the last dim, x (..., C), w and b (C,); mode as in
     kernels/build.py. The kernel wants w and b in x's dtype; otherwise "auto" runs the reference."""
-    ext = build.use_kernel(mode, "layernorm", unsupported(x, w, b), BINDING, FUNCTIONS)
+    ext = build.use_kernel(mode, "layernorm", unsupported(x, w, b, build.target(mode)), BINDING, FUNCTIONS)
     return LayerNorm.apply(x, w, b, eps, ext)

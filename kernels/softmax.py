@@ -65,14 +65,14 @@ void backward(torch::Tensor grad, torch::Tensor y, torch::Tensor dx, double scal
 FUNCTIONS = ("forward", "backward")
 
 
-def unsupported(x):
+def unsupported(x, target="cuda"):
     """Why the kernel cannot take x, or None. Shape first, so the reason names it on any device."""
     T, rows = x.shape[-1], x.numel() // max(x.shape[-1], 1)
     if T > MAX_T:
         return f"T={T} is above the kernel's limit of {MAX_T} (a row must fit in shared memory)"
     if rows >= 2**31:
         return f"{rows} rows exceed the 2^31 - 1 blocks of one launch"
-    return build.unsupported(x)
+    return build.unsupported(x, target=target)
 
 
 def kernel_forward(ext, x, scale, out):
@@ -117,5 +117,5 @@ def scaled_masked_softmax(x, scale, mode="auto"):
     kernels/build.py. Row i of each (T, T) block is query i; keys j > i get probability 0."""
     if x.dim() < 2 or x.shape[-1] != x.shape[-2] or x.shape[-1] == 0:
         raise ValueError(f"attention scores must be (..., T, T) with T >= 1, got shape {tuple(x.shape)}")
-    ext = build.use_kernel(mode, "softmax", unsupported(x), BINDING, FUNCTIONS)
+    ext = build.use_kernel(mode, "softmax", unsupported(x, build.target(mode)), BINDING, FUNCTIONS)
     return ScaledMaskedSoftmax.apply(x, float(scale), ext)

@@ -252,6 +252,9 @@ def check_device(tc, device):
     if tc.fused_kernels is not False and tc.kernel_path == "cuda" and device.type != "cuda":
         raise ValueError(f"--kernel-path cuda forces the CUDA kernels, and this run is on {device.type}; "
                          f"use --kernel-path reference (same math, PyTorch) or auto")
+    if tc.fused_kernels is not False and tc.kernel_path == "simt" and device.type != "cpu":
+        raise ValueError(f"--kernel-path simt runs the CUDA kernels' source on the CPU (kernels/simt), and this "
+                         f"run is on {device.type}; use --kernel-path cuda or auto")
 
 
 def check_paths(tc, writer=True):

@@ -15,7 +15,7 @@ class Speed:  # the optimizations each chapter adds after its concept: each on b
     scatter_gather: bool = True  # 05: each tp rank sends 1/tp of a stage's output (Section 4.1); tp > 1 without sp
     bucket_numel: int = 2_000_000  # 04: gradient bucket, in elements
     fused_kernels: bool | None = None  # kernels/ fused ops; unset: on on GPU, off on CPU
-    kernel_path: Literal["auto", "cuda", "reference"] = "auto"  # fused kernels: CUDA where they apply, forced, or the PyTorch references
+    kernel_path: Literal["auto", "cuda", "reference", "simt"] = "auto"  # fused kernels: CUDA where they apply, forced, the PyTorch references, or (for tests, on a CPU) the CUDA source emulated (kernels/simt)
     flash_attention: bool = True  # with fused kernels: SDPA attention, or (off) matmul + fused causal softmax
     cuda_graphs: bool | None = None  # unset: on on GPU where the layout allows (tp = 1, no recompute)
     graph_scope: Literal["auto", "stage", "step"] = "auto"  # auto: the whole step at tp = pp = dp = 1, else per stage

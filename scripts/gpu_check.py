@@ -127,7 +127,7 @@ LARGE = ["--n-layer", "2", "--n-head", "4", "--n-embd", "256", "--block-size", "
 BUILD_RANKS = 8  # a node's ranks, each building at start (05's prebuild) into one cold directory
 KERNEL_TESTS = ["tests/test_kernels.py",
                 *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernel_*.py")),
-                "tests/test_graphs.py"]
+                "tests/test_simt.py", "tests/test_graphs.py"]
 BUILD = ('import time, kernels; t = time.perf_counter(); built = kernels.prebuild("cuda"); '
          'print("built and probed:", *built, "in", f"{time.perf_counter() - t:.1f}", "s")')
 FOREIGN = ('import torch; from kernels import bias_gelu, build; '
@@ -203,7 +203,7 @@ def items(plan):
                                         *KERNEL_TESTS, *(["-n", "8"] if p.xdist else [])])]],
              "every test passes, none skipped for want of a GPU (the layernorm rows up to this GPU's longest, "
              "20480 and 25600 among them; the kernels' graph replays; 05 with graphs and kernels against "
-             "eager and the references)", judge_kernel_tests),
+             "eager and the references; each kernel's GPU output against its CPU execution, tests/test_simt.py)", judge_kernel_tests),
         Item("bench-kernels", "fused kernels against the unfused ops, B=8 T=1024 C=1024", 40, 3,
              [[Command("bench_kernels", [*bench, "--only", "kernels", "--shape", "8", "1024", "1024", "16"])]],
              f"each family, forward and backward: >= {GOAL_SPEEDUP}x the unfused PyTorch and >= {GOAL_COPY:.0%} of "

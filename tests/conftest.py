@@ -10,6 +10,7 @@ A rank that raises or dies fails the test with that rank's traceback (RankFailur
 collective times out after COLLECTIVE_TIMEOUT_S and every test, single- or multi-rank, after
 TEST_TIMEOUT_S, so no test can hang.
 """
+import fnmatch
 import importlib
 import io
 import os
@@ -45,6 +46,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "grid(keep): a slow grid of cases; without --full-grid only the cases "
                                        "whose ids are in keep run")
+    config.addinivalue_line("markers", "deadline(seconds): this test's own limit instead of TEST_TIMEOUT_S")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,8 +57,14 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=dropped)
 
 
+def kept(case, keep):
+    """Whether a grid's keep list names this case id: an id, or a pattern of fnmatch's ("cuda-*": every case
+    on the GPU, which runs them all where there is one)."""
+    return any(fnmatch.fnmatchcase(case, k) for k in keep)
+
+
 def grid_selection(items):
-    """(kept, dropped): a case of a grid (@pytest.mark.grid(keep=[ids])) is kept when its id is in keep, every
+    """(kept, dropped): a case of a grid (@pytest.mark.grid(keep=[ids])) is kept when keep names its id, every
     other test always. A grid collected only in part (cases named by id, or -k) runs what was collected: the
     cases asked for. test_grid checks that every keep id names a case of its grid."""
     grids = {}
@@ -64,12 +72,12 @@ def grid_selection(items):
         mark = item.get_closest_marker("grid")
         if mark is not None and hasattr(item, "callspec"):
             grids.setdefault(item.originalname, (set(mark.kwargs["keep"]), set()))[1].add(item.callspec.id)
-    kept, dropped = [], []
+    kept_items, dropped = [], []
     for item in items:
         keep, ids = grids.get(getattr(item, "originalname", None), (None, None))
-        whole = keep is not None and hasattr(item, "callspec") and keep <= ids
-        (dropped if whole and item.callspec.id not in keep else kept).append(item)
-    return kept, dropped
+        whole = keep is not None and hasattr(item, "callspec") and all(any(kept(i, [k]) for i in ids) for k in keep)
+        (dropped if whole and not kept(item.callspec.id, keep) else kept_items).append(item)
+    return kept_items, dropped
 
 
 def pytest_report_header(config):
@@ -85,11 +93,16 @@ def load(name):
 
 @pytest.fixture(autouse=True)
 def _test_deadline(request):
+    """Every test's limit: TEST_TIMEOUT_S, or its own (@pytest.mark.deadline(seconds), for a test whose work
+    is a compiler's and so scales with the machine's load; its reason is written beside it)."""
+    mark = request.node.get_closest_marker("deadline")
+    limit = mark.args[0] if mark else TEST_TIMEOUT_S
+
     def expire(signum, frame):
-        raise TimeoutError(f"{request.node.nodeid} ran past its {TEST_TIMEOUT_S} s limit")
+        raise TimeoutError(f"{request.node.nodeid} ran past its {limit} s limit")
 
     old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_TIMEOUT_S)
+    signal.alarm(limit)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)
@@ -315,6 +328,37 @@ CPU_TOL = 1e-12
 GPU_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_nvcc = pytest.mark.skipif(not shutil.which("nvcc"), reason="nvcc is not on the PATH")
+
+# The kernel tests run each kernel twice: on the GPU (mode "cuda", where there is one) and, always, from
+# the same source on the CPU (mode "simt", kernels/simt), on CPU tensors. The emulated H100 has 4 SMs
+# here rather than 132, so that every grid-stride loop (grid_for's, the layernorm backward's) loops.
+KERNEL_MODES = [pytest.param("cuda", marks=needs_cuda), "simt"]
+SIMT_SMS = 4
+
+
+def kernel_device(mode):
+    return "cuda" if mode == "cuda" else "cpu"
+
+
+def kernel_extension(mode, family):
+    """family's compiled kernels for mode: the torch extension on the GPU, or the emulator's build."""
+    from kernels import build, simt
+
+    name = family.__name__.split(".")[-1]
+    return (build.extension if mode == "cuda" else simt.extension)(name, family.BINDING, family.FUNCTIONS)
+
+
+@pytest.fixture(autouse=True)
+def _simt_grid_stride(request):
+    """A test parametrised with mode "simt" runs on an emulated H100 of SIMT_SMS SMs (above)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("mode") != "simt":
+        yield
+        return
+    from kernels import simt
+
+    with simt.emulating(sms=SIMT_SMS):
+        yield
 
 
 def rel(a, b):

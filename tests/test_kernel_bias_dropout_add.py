@@ -20,7 +20,7 @@ import torch
 from conftest import load
 from kernels import bias_dropout_add as bda
 from kernels import build
-from conftest import CPU_TOL, GPU_TOL, check_against_unfused, needs_cuda, randn, rel
+from conftest import CPU_TOL, GPU_TOL, KERNEL_MODES, check_against_unfused, kernel_device, kernel_extension, needs_cuda, randn, rel
 
 tensor_parallel = load("01_tensor_parallel")
 M32 = 0xFFFFFFFF
@@ -197,32 +197,34 @@ def test_2_to_the_32_elements_are_refused_the_hash_index_is_32_bit():
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernel (GPU only)
+# The kernel: on a GPU (mode "cuda") and from the same source on the CPU (mode "simt")
 
 GPU_SHAPES = [(8, 1024), (3, 1000), (777, 4097), (1, 7), (2, 5, 96)]  # non-multiples of 256 and of 8
 
 
-def _cuda_input(shape, seed, dtype, offset):
-    """randn on the GPU, starting `offset` elements into its storage (offset 1: not 16-byte aligned)."""
-    flat = torch.empty(math.prod(shape) + offset, dtype=dtype, device="cuda")
+def _cuda_input(shape, seed, dtype, offset, device="cuda"):
+    """randn on the device, starting `offset` elements into its storage (offset 1: not 16-byte aligned)."""
+    flat = torch.empty(math.prod(shape) + offset, dtype=dtype, device=device)
     t = flat[offset:].view(shape)
-    return t.copy_(randn(*shape, seed=seed, dtype=dtype, device="cuda"))
+    return t.copy_(randn(*shape, seed=seed, dtype=dtype, device=device))
 
 
-def _cuda_fp32(shapes):
-    return [randn(*s, seed=i, dtype=torch.float32, device="cuda") for i, s in enumerate(shapes)]
+def _cuda_fp32(shapes, device="cuda"):
+    return [randn(*s, seed=i, dtype=torch.float32, device=device) for i, s in enumerate(shapes)]
 
 
-@needs_cuda
+@pytest.mark.grid(keep=["cuda-*", "simt-shape0-torch.float32-0.3-0", "simt-shape1-torch.bfloat16-0.0-1", "simt-shape2-torch.bfloat16-0.3-1", "simt-shape3-torch.float32-0.3-1", "simt-shape4-torch.bfloat16-0.3-0"])
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_the_kernel_draws_the_references_mask_and_matches_its_values(shape, dtype, p, offset):
-    ext = build.extension("bias_dropout_add", bda.BINDING, bda.FUNCTIONS)
-    y, r, g = (_cuda_input(shape, i, dtype, offset) for i in range(3))
-    b = _cuda_input(shape[-1:], 3, dtype, offset)
-    seed = seed_tensor(987654321, "cuda")
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_the_kernel_draws_the_references_mask_and_matches_its_values(mode, shape, dtype, p, offset):
+    device = kernel_device(mode)
+    ext = kernel_extension(mode, bda)
+    y, r, g = (_cuda_input(shape, i, dtype, offset, device) for i in range(3))
+    b = _cuda_input(shape[-1:], 3, dtype, offset, device)
+    seed = seed_tensor(987654321, device)
     out, dy = torch.full_like(y, float("nan")), torch.full_like(y, float("nan"))  # poisoned
     bda.kernel_forward(ext, y, b, r, seed, p, out)
     bda.kernel_backward(ext, g, seed, p, dy)
@@ -233,12 +235,13 @@ def test_the_kernel_draws_the_references_mask_and_matches_its_values(shape, dtyp
     assert rel(dy, ref_dy) <= GPU_TOL[dtype]
 
 
-@needs_cuda
-def test_the_kernels_autograd_path_matches_the_references():
-    ins = _cuda_fp32([(64, 96), (96,), (64, 96)])
-    g, seed = randn(64, 96, seed=9, dtype=torch.float32, device="cuda"), seed_tensor(11, "cuda")
+@pytest.mark.parametrize("kernel", KERNEL_MODES)
+def test_the_kernels_autograd_path_matches_the_references(kernel):
+    device = kernel_device(kernel)
+    ins = _cuda_fp32([(64, 96), (96,), (64, 96)], device)
+    g, seed = randn(64, 96, seed=9, dtype=torch.float32, device=device), seed_tensor(11, device)
     results = []
-    for mode in ["cuda", "reference"]:
+    for mode in [kernel, "reference"]:
         y, b, r = (t.clone().requires_grad_() for t in ins)
         out = bda.bias_dropout_add(y, b, r, 0.2, mode=mode, seed=seed)
         out.backward(g)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import build, layernorm
-from conftest import CPU_TOL, GPU_TOL, needs_cuda, needs_nvcc, randn, rel
+from conftest import CPU_TOL, GPU_TOL, KERNEL_MODES, kernel_device, kernel_extension, needs_cuda, needs_nvcc, randn, rel
 
 F64 = torch.float64
 TOL = {**GPU_TOL, torch.float16: 1e-3}
@@ -107,7 +107,7 @@ def on_gpu(monkeypatch):
     """A GPU of the given opt-in shared memory per block, as unsupported() sees it: the device checks
     pass (build.unsupported) and the limit is the one given (the GPU's properties)."""
     def gpu(block_smem_bytes, name):
-        monkeypatch.setattr(build, "unsupported", lambda *tensors: None)
+        monkeypatch.setattr(build, "unsupported", lambda *tensors, target="cuda": None)
         monkeypatch.setattr(layernorm, "block_smem_limit", lambda device_index: (block_smem_bytes, name))
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return gpu
@@ -242,30 +242,36 @@ def test_the_longest_row_a_gpu_takes_fits_its_opt_in_shared_memory_and_one_more_
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernel, on a GPU
+# The kernel, on a GPU (mode "cuda") and from the same source on the CPU (mode "simt")
 
 
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def longest_row(mode):
+    device = torch.device("cpu") if mode == "simt" else torch.cuda.current_device()
+    return layernorm.max_columns(layernorm.block_smem_limit(device)[0])
+
+
+@pytest.mark.grid(keep=["cuda-*", "simt-1-1-torch.float32", "simt-3-7-torch.bfloat16", "simt-777-1000-torch.float16", "simt-3-6144-torch.float32", "simt-1-12289-torch.bfloat16", "simt-3-longest-torch.float16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 # 6144 and 12288 (the paper's 18.4B and 145.6B models): the backward's and the forward's dynamic
 # shared memory is exactly 48 KiB there, which with the static 128 B needs the opt-in. 20480 and
 # 25600 (its 530B and 1T models), and "longest", this GPU's longest row (layernorm.max_columns).
 @pytest.mark.parametrize("C", [1, 7, 768, 1000, 1024, 4096, 4097, 6144, 12288, 12289, 16384, 20480, 25600,
                                "longest"])
 @pytest.mark.parametrize("rows", [1, 3, 777])
-def test_kernel_matches_the_float64_reference(rows, C, dtype):
-    ext = build.extension("layernorm", layernorm.BINDING, layernorm.FUNCTIONS)
-    longest = layernorm.max_columns(layernorm.block_smem_limit(torch.cuda.current_device())[0])
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_kernel_matches_the_float64_reference(mode, rows, C, dtype):
+    ext, device = kernel_extension(mode, layernorm), kernel_device(mode)
+    longest = longest_row(mode)
     C = longest if C == "longest" else C
     if C > longest:
         pytest.skip(f"rows of {C} exceed this GPU's longest, {longest}")
-    x, w, b = inputs((rows,), C, seed=C + rows, dtype=dtype, device="cuda")
-    g = randn(rows, C, seed=7, dtype=dtype, device="cuda")
+    x, w, b = inputs((rows,), C, seed=C + rows, dtype=dtype, device=device)
+    g = randn(rows, C, seed=7, dtype=dtype, device=device)
     nan = float("nan")  # every output poisoned: a value the kernel forgets to write stays NaN
     y, dx = torch.full_like(x, nan), torch.full_like(x, nan)
-    mean = torch.full((rows,), nan, device="cuda")
+    mean = torch.full((rows,), nan, device=device)
     rstd = torch.full_like(mean, nan)
-    partial = torch.full((2, layernorm.backward_blocks(rows, x.device), C), nan, device="cuda")
+    partial = torch.full((2, layernorm.backward_blocks(rows, x.device), C), nan, device=device)
     layernorm.kernel_forward(ext, x, w, b, EPS, y, mean, rstd)
     layernorm.kernel_backward(ext, g, x, w, mean, rstd, dx, partial)
     dw, db = partial.sum(1)
@@ -279,26 +285,26 @@ def test_kernel_matches_the_float64_reference(rows, C, dtype):
         assert rel(out, ref) <= TOL[dtype]
 
 
-@needs_cuda
-def test_public_function_runs_the_kernel_forward_and_backward_on_any_leading_shape():
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_public_function_runs_the_kernel_forward_and_backward_on_any_leading_shape(mode):
     build.calls.clear()
-    x, w, b = (t.requires_grad_() for t in inputs((2, 5), 96, seed=1, dtype=torch.float32, device="cuda"))
-    y = layernorm.layer_norm(x, w, b, EPS, mode="cuda")
-    grad = randn(2, 5, 96, seed=2, dtype=torch.float32, device="cuda")
+    x, w, b = (t.requires_grad_() for t in inputs((2, 5), 96, seed=1, dtype=torch.float32, device=kernel_device(mode)))
+    y = layernorm.layer_norm(x, w, b, EPS, mode=mode)
+    grad = randn(2, 5, 96, seed=2, dtype=torch.float32, device=kernel_device(mode))
     dx, dw, db = torch.autograd.grad(y, (x, w, b), grad)
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
     y64 = F.layer_norm(x64, (96,), w64, b64, EPS)
     for out, ref in zip((y, dx, dw, db), (y64, *torch.autograd.grad(y64, (x64, w64, b64), grad.double()))):
         assert out.shape == ref.shape and rel(out, ref) <= TOL[torch.float32]
-    assert build.report() == {"layernorm": "cuda"}
+    assert build.report() == {"layernorm": mode}
 
 
-@needs_cuda
-def test_fp32_weights_with_bf16_activations_fall_back_in_auto():
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_fp32_weights_with_bf16_activations_fall_back_in_auto(mode):
     build.calls.clear()
-    x, _, _ = inputs((4,), 32, seed=0, dtype=torch.bfloat16, device="cuda")
-    _, w, b = inputs((4,), 32, seed=0, dtype=torch.float32, device="cuda")
-    assert "mixed dtypes" in layernorm.unsupported(x, w, b)
+    x, _, _ = inputs((4,), 32, seed=0, dtype=torch.bfloat16, device=kernel_device(mode))
+    _, w, b = inputs((4,), 32, seed=0, dtype=torch.float32, device=kernel_device(mode))
+    assert "mixed dtypes" in layernorm.unsupported(x, w, b, build.target(mode))
     assert layernorm.layer_norm(x, w, b).dtype == torch.bfloat16
     assert build.report() == {"layernorm": "reference"}
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import build, softmax
-from conftest import CPU_TOL, GPU_TOL, needs_cuda, randn, rel
+from conftest import CPU_TOL, GPU_TOL, KERNEL_MODES, kernel_device, kernel_extension, needs_cuda, randn, rel
 
 F64 = torch.float64
 
@@ -115,7 +115,7 @@ def test_rows_longer_than_the_kernel_limit_send_auto_to_the_reference():
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel (GPU)
+# Kernel: on a GPU (mode "cuda") and from the same source on the CPU (mode "simt")
 
 GPU_SHAPES = [(1, 1), (2, 3, 1, 1), (3, 7, 7), (2, 4, 128, 128), (2, 1000, 1000), (1, 2, 1024, 1024),
               (1, 1, 2048, 2048)]  # T = 1, 7, and T not a multiple of the block's 32-thread warps
@@ -125,12 +125,14 @@ def _ext():
     return build.extension("softmax", softmax.BINDING, softmax.FUNCTIONS)
 
 
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.grid(keep=["cuda-*", "simt-(1, 1)-torch.float32", "simt-(3, 7, 7)-torch.bfloat16", "simt-(2, 4, 128, 128)-torch.float32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-def test_kernel_matches_the_float64_reference_forward_and_backward(shape, dtype):
-    ext, scale, mask = _ext(), 1 / math.sqrt(64), softmax.causal_mask(shape[-1], "cuda")
-    x, g = (randn(*shape, seed=s, dtype=dtype, device="cuda") * 4 for s in (0, 1))
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_kernel_matches_the_float64_reference_forward_and_backward(mode, shape, dtype):
+    device = kernel_device(mode)
+    ext, scale, mask = kernel_extension(mode, softmax), 1 / math.sqrt(64), softmax.causal_mask(shape[-1], device)
+    x, g = (randn(*shape, seed=s, dtype=dtype, device=device) * 4 for s in (0, 1))
     y = softmax.reference_forward(x, scale)  # the backward's input, the same for kernel and reference
     out, dx = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))  # poisoned
     softmax.kernel_forward(ext, x, scale, out)
@@ -140,23 +142,24 @@ def test_kernel_matches_the_float64_reference_forward_and_backward(shape, dtype)
     assert not out.masked_select(mask).any() and not dx.masked_select(mask).any()  # exact zeros, no NaN
 
 
-@needs_cuda
-def test_kernel_keeps_large_magnitude_scores_finite():
-    x = randn(2, 300, 300, seed=2, device="cuda", dtype=torch.float32) * 1e4
-    out = softmax.scaled_masked_softmax(x, 1.0, mode="cuda")
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_kernel_keeps_large_magnitude_scores_finite(mode):
+    x = randn(2, 300, 300, seed=2, device=kernel_device(mode), dtype=torch.float32) * 1e4
+    out = softmax.scaled_masked_softmax(x, 1.0, mode=mode)
     assert torch.isfinite(out).all()
     assert rel(out, softmax.reference_forward(x.double(), 1.0)) <= GPU_TOL[torch.float32]
 
 
-@needs_cuda
-def test_kernel_attention_path_matches_sdpa_forward_and_gradients():
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_kernel_attention_path_matches_sdpa_forward_and_gradients(mode):
     """The autograd wiring of the kernel path: FusedOps(mode='cuda', flash=False) against PyTorch."""
-    qkv = [randn(2, 3, 200, 64, seed=s, device="cuda", dtype=torch.float32) for s in (3, 4, 5)]
+    T = 200 if mode == "cuda" else 70  # the emulator: fewer rows, the same code path
+    qkv = [randn(2, 3, T, 64, seed=s, device=kernel_device(mode), dtype=torch.float32) for s in (3, 4, 5)]
     a = [t.clone().requires_grad_() for t in qkv]
     b = [t.double().requires_grad_() for t in qkv]
-    out_a = kernels.FusedOps(mode="cuda", flash=False).attention(*a, 0.0)
+    out_a = kernels.FusedOps(mode=mode, flash=False).attention(*a, 0.0)
     out_b = F.scaled_dot_product_attention(*b, is_causal=True)
-    grad = randn(2, 3, 200, 64, seed=6, device="cuda", dtype=torch.float32)
+    grad = randn(2, 3, T, 64, seed=6, device=kernel_device(mode), dtype=torch.float32)
     out_a.backward(grad)
     out_b.backward(grad.double())
     # 1e-4, not 1e-5: the fp32 matmuls around the softmax (sums of 64 and 200 terms) add their rounding
@@ -165,14 +168,14 @@ def test_kernel_attention_path_matches_sdpa_forward_and_gradients():
         assert rel(ta.grad, tb.grad) <= 1e-4
 
 
-@needs_cuda
-def test_rows_above_the_limit_run_the_reference_in_auto_and_raise_in_cuda_mode():
-    x = randn(softmax.MAX_T + 1, softmax.MAX_T + 1, seed=7, device="cuda", dtype=torch.float32)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_rows_above_the_limit_run_the_reference_in_auto_and_raise_in_cuda_mode(mode):
+    x = randn(softmax.MAX_T + 1, softmax.MAX_T + 1, seed=7, device=kernel_device(mode), dtype=torch.float32)
     build.calls.clear()
     softmax.scaled_masked_softmax(x, 1.0)
     assert build.report() == {"softmax": "reference"}
     with pytest.raises(ValueError, match=f"T={softmax.MAX_T + 1}"):
-        softmax.scaled_masked_softmax(x, 1.0, mode="cuda")
+        softmax.scaled_masked_softmax(x, 1.0, mode=mode)
 
 
 @needs_cuda
