@@ -279,7 +279,7 @@ def check_paths(tc, writer=True):
         probe = os.path.join(root, f".write_test_{os.getpid()}_{os.uname().nodename}")
         try:
             os.makedirs(root, exist_ok=True)
-            with open(probe, "w"):
+            with paths.create_new(probe, "w"):  # never a file or link planted under its name
                 pass
             os.remove(probe)
         except OSError as e:

@@ -274,8 +274,10 @@ def _replace(path, write):
     """Write path whole or not at all: into a file beside it, then renamed over it (so a link at
     path is replaced, not followed)."""
     tmp = f"{path}.tmp-{os.getpid()}"
+    made = False
     try:
-        with open(tmp, "wb") as f:
+        with paths.create_new(tmp, "wb") as f:  # a file or link planted under the name is never written
+            made = True
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -283,7 +285,7 @@ def _replace(path, write):
     except OSError as e:
         raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
-        if os.path.exists(tmp):
+        if made and os.path.lexists(tmp):
             os.remove(tmp)
 
 

@@ -11,6 +11,8 @@ nothing heavier than the standard library (scripts/prepare_data.py and plot_metr
                                      this run did not write without --overwrite
     lock_save_dir(root)              one run at a time saves into a directory (an flock on it,
                                      released when the run's processes exit)
+    create_new(path, mode)           open a new file exclusively, never through a link (O_EXCL,
+                                     O_NOFOLLOW): how every output is opened
     fresh(path)                      the name of a new file: what was at path (a file allowed to
                                      be replaced, or a link) removed, so that writing never goes
                                      through a link or a second name (a hard link) into another file
@@ -131,6 +133,24 @@ def fresh(path):
     if os.path.lexists(path) and not os.path.isdir(path):
         os.unlink(path)
     return path
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def create_new(path, mode="wb"):
+    """Open a new file at path for writing ("w" or "wb"): created here (O_CREAT | O_EXCL, which
+    never opens a file or a link that is there) and never through a link (O_NOFOLLOW). Mode "a" or
+    "ab" appends to the file at path (a run's own earlier metrics), refusing a link there all the
+    same. Every file a run writes is opened so, or written so and renamed over its name."""
+    append = mode.startswith("a")
+    flags = os.O_WRONLY | _NOFOLLOW | (os.O_APPEND | os.O_CREAT if append else os.O_CREAT | os.O_EXCL)
+    fd = os.open(path, flags, 0o644)
+    try:
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def looks_like_metrics(path, lines=1):
