@@ -415,21 +415,24 @@ def check_memory(cfg, tc, device, ranks_here):
 
 SAMPLING = ("max_new_tokens", "temperature", "top_k")
 MODEL_SHAPE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")  # what weights decide
-ACTIONS = ("print_layout", "self_check", "sample", "export_hf", "export_state_dict")
+ACTIONS = ("print_layout", "self_check", "sample", "export_hf", "export_state_dict", "verify")
 USES = {  # besides the action's own flag
     "print_layout": {"tp", "pp", "dp", "schedule"},
     "self_check": {"tp", "pp", "dp", "timeout_s", "rehearse_fault"},
     "sample": {"resume", "init_from", "seed", *MODEL_SHAPE, *SAMPLING},
     "export": {"resume", "overwrite", "export_hf", "export_state_dict"},
+    "verify": set(),
 }
 PATH_FLAGS = {"data": "file to train on", "resume": "checkpoint directory to resume from",
               "init_from": "GPT-2 directory or .pt to start from", "metrics": "file to write",
               "trace": "file to write", "save": "directory to save into", "snapshot_dir": "directory to snapshot into",
-              "export_hf": "directory to write", "export_state_dict": "file to write"}
+              "export_hf": "directory to write", "export_state_dict": "file to write",
+              "verify": "checkpoint directory to check", "resume_if_present": "checkpoint directory to resume from"}
 WHY = {"print_layout": "it prints the rank grid of --tp, --pp and --dp and starts nothing",
        "self_check": "it tries every rank, group and link of --tp, --pp and --dp and trains nothing",
        "sample": "it samples on one process from the weights, which decide the model",
-       "export": "it writes --resume's newest checkpoint and trains nothing"}
+       "export": "it writes --resume's newest checkpoint and trains nothing",
+       "verify": "it checks the checkpoint it names and loads nothing into a model"}
 
 
 # Training flags that do nothing without another: (is the other on?, the other, why). Given
@@ -446,7 +449,7 @@ DEPENDS = {
                                                        "and it would be ignored: drop it, or add --snapshot-every N"),
     "straggler_every": (lambda a: a.watch, _WATCH.format("the straggler report")),
     "hang_s": (lambda a: a.watch, _WATCH.format("the hang report")),
-    "data_changed_ok": (lambda a: bool(a.resume), "needs --resume DIR: only a resumed checkpoint's data is compared "
+    "data_changed_ok": (lambda a: bool(a.resume or getattr(a, "resume_if_present", None)), "needs --resume DIR: only a resumed checkpoint's data is compared "
                                                   "with --data; without it it would be ignored: drop it"),
 }
 

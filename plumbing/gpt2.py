@@ -91,6 +91,9 @@ def import_gpt2(path, cfg=None):
         raise ValueError(f"--init-from {path}: it is {paths.describe(path)}, not a .pt file or a GPT-2 directory")
     if not os.path.isdir(path):
         raise ValueError(f"--init-from {path}: no such file or directory")
+    if paths.is_checkpoint(path) or latest_checkpoint(path):
+        raise ValueError(f"--init-from {path}: this is a checkpoint of this trainer (step_N with its manifest.json), "
+                         f"not a GPT-2 directory: use --resume {path} to continue it")
     config = os.path.join(path, "config.json")
     try:
         paths.regular_file(config, "--init-from's config")
