@@ -80,9 +80,9 @@ def model_parameters(manifest, device="meta"):
     ext = manifest.get("extension")
     if ext:
         if ext["name"] not in EXTENSIONS:
-            raise ValueError(f"the checkpoint holds a GPT-2 with {ext['name']} ({', '.join(f'{k}={v}' for k, v in ext['model'].items())}), "
-                             f"which {ext['file']} builds and this command does not: resume, sample or export it "
-                             f"with python3 {ext['file']}")
+            raise ValueError(f"the checkpoint holds a GPT-2 with {paths.shown(ext['name'])} ({_fields(ext['model'])}), "
+                             f"which this command does not build: resume, sample or export it with the chapter "
+                             f"that trains it (its manifest names the file {paths.shown(ext['file'])})")
         model = EXTENSIONS[ext["name"]](model, ext)
     return dict(model.named_parameters())
 
@@ -92,9 +92,14 @@ def only_gpt2(path, what):
     only 01's GPT-2 can take (an export to GPT-2's formats, sampling with 01's serial model)."""
     ext = read_manifest(path).get("extension")
     if ext:
-        raise ValueError(f"{what}: the checkpoint {path} holds a GPT-2 with {ext['name']} "
-                         f"({', '.join(f'{k}={v}' for k, v in ext['model'].items())}), and 01's GPT-2 has no "
-                         f"{ext['name']}; {ext['file']} trains and resumes it")
+        raise ValueError(f"{what}: the checkpoint {path} holds a GPT-2 with {paths.shown(ext['name'])} "
+                         f"({_fields(ext['model'])}), and 01's GPT-2 has no {paths.shown(ext['name'])}; the chapter "
+                         f"that trains it resumes it (its manifest names the file {paths.shown(ext['file'])})")
+
+
+def _fields(model):
+    """An extension's fields (k=v, ...), as a message prints them: names from a file, escaped."""
+    return ", ".join(f"{paths.shown(k)}={paths.shown(v)}" for k, v in model.items())
 
 
 CKPT = re.compile(r"step_(\d+)$")
@@ -287,15 +292,23 @@ class Saver:
 
     def _rotate(self, say):
         """Remove this run's own saves beyond the newest `keep` (only those: never another run's). One
-        already gone is fine; one that cannot be removed stays, and is said."""
+        already gone is fine; one that cannot be removed stays, and is said; one that another process
+        reads (its shared lock, hold()) stays until a later save finds it free."""
+        busy = []
         for old in self.written[:-self.keep]:
             try:
-                shutil.rmtree(old)
+                with _exclusive(old) as free:
+                    if not free:
+                        say(f"note: keeping {old} for now: another process is reading it (--resume, an export); "
+                            f"a later save removes it")
+                        busy.append(old)
+                        continue
+                    shutil.rmtree(old)
             except FileNotFoundError:
                 pass
             except OSError as e:
                 say(f"note: could not remove {old}, an older checkpoint of this run ({e.strerror or e}); it stays")
-        self.written = self.written[-self.keep:]
+        self.written = busy + self.written[-self.keep:]
 
     def _commit(self, tmp, final, manifest):
         """Rank 0: the manifest, then the one rename that makes the step visible."""
@@ -436,6 +449,53 @@ class Saver:
         if self.failed is not None:
             failed, self.failed = self.failed, None
             raise failed
+
+
+class _exclusive:
+    """with _exclusive(folder) as free: an exclusive flock on the directory, taken without waiting;
+    free is False when a reader holds its shared lock (hold()). No locks on the filesystem: free."""
+
+    def __init__(self, folder):
+        self.fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # FileNotFoundError: already gone
+
+    def __enter__(self):
+        import fcntl
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)
+        return True
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+
+_reading = {}  # realpath of a checkpoint this process reads -> its directory's fd, flocked shared
+
+
+def hold(path, flag="--resume"):
+    """Take a shared flock on the checkpoint directory path for the rest of this process (and its
+    forked ranks), so that another run's --keep rotation does not remove it while it is read; refuse,
+    naming it, a checkpoint removed between being chosen and being locked. Returns path."""
+    import fcntl
+    key = os.path.realpath(path)
+    if key in _reading:
+        return path
+    gone = (f"{flag} {path}: the checkpoint was removed after this run chose it (another run's --keep rotating "
+            f"its saves); run again to take the newest there")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        raise ValueError(gone) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a rotation holds its lock only while it removes the directory
+    except OSError:
+        pass  # no locks on this filesystem
+    if not os.path.exists(os.path.join(path, "manifest.json")):
+        os.close(fd)
+        raise ValueError(gone)
+    _reading[key] = fd
+    return path
 
 
 def _inode(path):
@@ -725,7 +785,7 @@ def read_manifest(path, cfg=None, tc=None, say=None):
                  if getattr(tc, k, v) != v]
         ours, theirs = extension_of(tc), manifest.get("extension")
         if (ours or {}).get("model") != (theirs or {}).get("model") or (ours or {}).get("name") != (theirs or {}).get("name"):
-            what = lambda e: f"a GPT-2 with {e['name']} ({', '.join(f'{k}={v}' for k, v in e['model'].items())})" \
+            what = lambda e: f"a GPT-2 with {paths.shown(e['name'])} ({_fields(e['model'])})" \
                 if e else "01's GPT-2"  # noqa: E731
             diff.append(f"{what(theirs)} (this run {what(ours)})")
         if diff:
@@ -749,7 +809,7 @@ def _check_same_data(path, manifest, tc, say):
     how = (f"{then['bytes']:,} bytes then, {now['bytes']:,} now" if now["bytes"] != then["bytes"] else
            f"the same {now['bytes']:,} bytes, other contents at its head or tail")
     trained = manifest.get("noted", {}).get("data")
-    was = f"{trained or 'the built-in corpus'}" if trained is not None else "its data"
+    was = f"{paths.shown(trained) if trained else 'the built-in corpus'}" if trained is not None else "its data"
     where = f"--data {tc.data or '(the built-in corpus)'}"
     if getattr(tc, "data_changed_ok", False):
         if say:

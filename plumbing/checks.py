@@ -296,12 +296,8 @@ def check_paths(tc, writer=True):
             raise ValueError(f"{flag(name)} {path}: the directory {folder} does not exist")
         if not writer:
             continue
-        existed = os.path.exists(path)
-        try:
-            with open(path, "a"):
-                pass
-            if not existed:
-                os.remove(path)
+        try:  # made now (or locked, if it is there): a second run started with it is refused, not interleaved
+            paths.claim(path, flag(name))
         except OSError as e:
             raise ValueError(f"{flag(name)} {path}: cannot write it ({e.strerror or e})") from None
 
@@ -516,11 +512,12 @@ def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
     reads every tensor of the checkpoint to resume, and locks the --save directory.
     Returns (train tokens, eval tokens, the checkpoint to resume or None, the steps it holds)."""
     # Imported here: 01-04 import this module for check_config, and these import 01.
-    from plumbing.checkpoint import check_save_dir, check_shards, latest_checkpoint, read_manifest
+    from plumbing.checkpoint import check_save_dir, check_shards, hold, latest_checkpoint, read_manifest
     from plumbing.data import load_tokens, split_tokens
     check_config(cfg, tc, world)
     check_device(tc, device)
     path = latest_checkpoint(tc.resume, say, flag="--resume") if tc.resume else None
+    path = hold(path) if path else None  # read under a shared lock: another run's --keep leaves it
     check_outputs(tc, path, writer)
     check_paths(tc, writer)
     check_memory(cfg, tc, device, world if ranks_here is None else ranks_here)

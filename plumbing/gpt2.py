@@ -25,7 +25,7 @@ import re
 import torch
 
 from plumbing import checks, paths
-from plumbing.checkpoint import latest_checkpoint, only_gpt2, read_checkpoint, unusable
+from plumbing.checkpoint import hold, latest_checkpoint, load_error, only_gpt2, read_checkpoint, unusable
 from plumbing.tokenizer import TOKENIZERS
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")

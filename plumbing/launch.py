@@ -287,7 +287,7 @@ def _lost_peer(error, side, rank, world, timeout_s):
         failure = RankFailure((f"{gone}{'' if step is None else f' at step {step}'}; " if gone else "")
                               + f"rank {rank} of {world} stopped{' as its consequence' if gone else ''}: {cause}\n"
                               + _where(error))
-        print(f"\nerror: {failure}", file=sys.stderr, flush=True)  # before the agent's SIGTERM can end this rank
+        print(f"\nerror: {printable(failure)}", file=sys.stderr, flush=True)  # before the agent's SIGTERM ends it
         failure.said = True
         return failure
     finally:
@@ -742,6 +742,13 @@ def _interrupt_once(signum, frame):
     raise KeyboardInterrupt
 
 
+def printable(text):
+    """A message with its control characters escaped (plumbing/paths.py): what a file or the side
+    channel put in it prints as its escape and never acts on the terminal."""
+    from plumbing.paths import printable as escaped
+    return escaped(text)
+
+
 def run_main(main):
     """Call main() and turn its result into the exit code: 0 if it returned True, else 1; 130 (the
     shell's code for Ctrl-C) with one line saying where it stopped, not a traceback, on Ctrl-C; 143
@@ -752,14 +759,16 @@ def run_main(main):
     try:
         ok = main()
     except (RankFailure, *SENTENCES) as e:  # a rank stopped mid-bar leaves its progress line open
+        from plumbing.paths import release_claims
+        release_claims()  # an output this refused run made at its checks, and never wrote, goes
         if getattr(e, "said", False):  # a rank that lost its peer under torchrun: said at once, and
             sys.stdout.flush()  # the watch's threads may be inside the store's C++ client, which an
             sys.stderr.flush()  # interpreter's teardown then aborts ("terminate called"): no teardown
             os._exit(1)
-        print(f"{chr(10) if isinstance(e, RankFailure) else ''}error: {e}", file=sys.stderr)
+        print(f"{chr(10) if isinstance(e, RankFailure) else ''}error: {printable(e)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:
-        print(f"\n{e if isinstance(e, Interrupted) and str(e) else 'interrupted'}", file=sys.stderr)
+        print(f"\n{printable(e) if isinstance(e, Interrupted) and str(e) else 'interrupted'}", file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
     sys.exit(0 if ok else 1)
 

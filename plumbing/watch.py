@@ -475,7 +475,8 @@ class _WatchdogThread(threading.Thread):
             except Exception:
                 return
             if diagnosis:
-                print(f"\nerror: {describe(diagnosis, self.where_is, self.dog.hang_s, self.dog.dump_dir)}",
+                from plumbing.paths import printable  # the records' phases came through the store
+                print(f"\nerror: {printable(describe(diagnosis, self.where_is, self.dog.hang_s, self.dog.dump_dir))}",
                       file=sys.stderr, flush=True)
                 _claim(self.dog.store, diagnosis)
                 _end_stopped(self.dog.store, diagnosis.culprits)
@@ -596,6 +597,8 @@ def with_restarts(launch_run, tc, grid):
                 if reached <= done else f"{reached - done} finished step(s) lost: steps {done} to {reached - 1} run again"
             lines = str(failure).splitlines() or [""]
             headline = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "rank 2 failed:" says no cause
+            from plumbing.paths import printable
+            headline = printable(headline)
             print(f"\n{headline}\nrestart {attempt + 1} of {tc.restarts}: resuming from {newest or 'the start'} at "
                   f"step {done}; {lost}", file=sys.stderr, flush=True)
             # Its outputs are this run's own now (overwrite), and the faults were the first attempt's,
