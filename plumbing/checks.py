@@ -271,6 +271,7 @@ def check_paths(tc, writer=True):
         if is_dir is False:
             raise ValueError(f"{flag(name)} {root}: it is {paths.describe(root) or 'a file'}, not a directory for "
                              f"checkpoints")
+        paths.refuse_source_directory(root, flag(name))
         inside = paths.enclosing_checkpoint(os.path.join(root, "step"))
         if inside:
             where = "is" if os.path.realpath(root) == inside else "lies inside"
@@ -549,3 +550,61 @@ def acceleration(tc, device):
     if tc.graph_scope != "auto":
         return fused, tc.graph_scope
     return fused, "step" if world_size(tc) == tc.virtual_stages == 1 else "stage"
+
+
+# ----------------------------------------------------------------------------------------------
+# The library's own arguments, refused by name where torch would compute something else silently:
+# 08's context-parallel splits, 09's router, 01's model sizes and device.
+
+
+def check_split(sched, T, where):
+    """Refuse T tokens that 08's split sched does not cut into equal blocks: T // n would drop the
+    last T mod n tokens without a word."""
+    if T % sched.n:
+        raise ValueError(f"{where}: T={T} tokens do not split into the {sched.name} split's {sched.n} equal blocks "
+                         f"(cp={sched.cp}); T must be a multiple of {sched.n}")
+
+
+def check_rows(sched, rank, q, k, v, where):
+    """q, k and v (B, nh, rows, hs) of one rank of 08's split: the same rows, which split into the rank's
+    blocks (rank given), or which make a T the split cuts (rank None: every rank holds as many)."""
+    rows = q.shape[2]
+    if k.shape[2] != rows or v.shape[2] != rows:
+        raise ValueError(f"{where}: q, k and v hold {rows}, {k.shape[2]} and {v.shape[2]} rows; they must be the same")
+    if rank is None:
+        return check_split(sched, rows * sched.cp, where)
+    if rows % len(sched.split[rank]):
+        raise ValueError(f"{where}: rank {rank}'s {rows} rows do not split into its {len(sched.split[rank])} blocks of "
+                         f"the {sched.name} split; T must be a multiple of {sched.n}")
+
+
+def check_router(logits, weight, x):
+    """Refuse router logits that hold NaN or inf (09's route): top-k of NaN picks any expert, with NaN
+    weights. Names where it came from: the router's weight, or the tokens."""
+    import torch
+    if not bool(torch.isfinite(logits).all()):
+        where = "the router's weight" if not bool(torch.isfinite(weight).all()) else "the tokens x"
+        raise FloatingPointError(f"route: the router's logits hold NaN or inf (from {where}; weight "
+                                 f"{tuple(weight.shape)}, x {tuple(x.shape)}): no expert can be chosen for such a token")
+
+
+MODEL_SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+
+
+def check_model(cfg, tp=1, device="cpu"):
+    """01's GPT: every size a whole number of at least 1 (naming the field: torch would say "negative
+    dimension"), heads that split over C (hs = C / nh) and over the tp ranks, and a CUDA device only
+    where torch has one (its own error is a generator's). Returns tp."""
+    import torch
+    for name in MODEL_SIZES:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"GPTConfig.{name}={value!r} must be a whole number, at least 1")
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+    if cfg.n_head % tp:
+        raise ValueError(f"n_head={cfg.n_head} must be divisible by tp={tp}")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: this machine has no GPU that torch can use (torch.cuda.is_available() "
+                         f"is False: no CUDA device or driver, or a CPU-only build of torch); use device='cpu'")
+    return tp

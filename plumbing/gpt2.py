@@ -164,7 +164,7 @@ def _load(file, read):
     try:
         raw = read(file)
     except Exception as e:  # a truncated or garbage file: torch and safetensors raise many kinds
-        raise ValueError(f"{file} cannot be read as weights: {type(e).__name__}: {e}") from None
+        raise ValueError(f"{file} cannot be read as weights: {type(e).__name__}: {load_error(e)}") from None
     if not isinstance(raw, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in raw.items()):
         raise ValueError(f"{file} is not a state dict (names to tensors)")
     return raw
@@ -178,7 +178,7 @@ def _import_state_dict(path, flags_cfg=None):
         full = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"--init-from {path}: not a state dict that --export-state-dict writes "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                         f"({type(e).__name__}: {load_error(e)})") from None
     if not isinstance(full, dict):
         raise ValueError(f"--init-from {path}: holds a {type(full).__name__}, not a state dict")
     cfg = None
@@ -300,9 +300,12 @@ def export_checkpoint(root, hf_dir=None, state_dict_path=None, overwrite=False):
     path = latest_checkpoint(root, flag="--resume") if root else None
     if not path:
         raise ValueError(f"exporting needs --resume DIR with a complete checkpoint; got {root!r}")
+    hold(path)  # read under a shared lock: another run's --keep rotation leaves it
     only_gpt2(path, "--export-hf" if hf_dir else "--export-state-dict")  # GPT-2's formats hold no experts
     if hf_dir and os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ValueError(f"--export-hf {hf_dir}: it is {paths.describe(hf_dir) or 'a file'}, not a directory")
+    if hf_dir:
+        paths.refuse_source_directory(hf_dir, "--export-hf")
     outputs = [("--export-hf", os.path.join(hf_dir, n)) for n in ("config.json", "model.safetensors",
                                                                      "pytorch_model.bin")] if hf_dir else []
     outputs += [("--export-state-dict", state_dict_path)] if state_dict_path else []

@@ -563,8 +563,12 @@ def _failure_report(failures, deaths, stopped):
         return "\n".join(lines)
     first = order[0] if first is None else first
     # A death, or the hang report ("the run"), names itself in its first line: that line is the cause.
-    lines = [failures[first].strip() if first in deaths or isinstance(first, str) else
-             f"{who(first)} failed:\n{failures[first]}"]
+    # A sentence (bad input, a file changed under the run: "ValueError: --data x.bin: ...") on the first
+    # line, where the cause is read; a traceback below it.
+    text = failures[first]
+    lines = [text.strip() if first in deaths or isinstance(first, str) else f"{who(first)} failed: {text.strip()}"
+             if not text.startswith("Traceback") and len(text.strip().splitlines()) == 1 else
+             f"{who(first)} failed:\n{text}"]
     lines += [f"{who(r)} also failed: {failures[r].strip().splitlines()[-1]}"
               for r in order if r != first and r not in lost]
     victims = sorted(r for r in lost if r != first)

@@ -64,6 +64,23 @@ def _inside(path, folder):
     return real != top and os.path.commonpath([real, top]) == top
 
 
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # this package's checkout
+
+
+def refuse_source_directory(path, flag):
+    """Refuse a directory (links followed) inside this repository that holds its Python source: a
+    checkpoint or an export there would lie among the code (and a later --keep rotation, a clean-up,
+    or a `git clean` would act beside it). A subdirectory of its own (ckpt/) is fine."""
+    real = os.path.realpath(path)
+    if not os.path.isdir(real) or not (real == REPOSITORY or _inside(real, REPOSITORY)):
+        return
+    source = sorted(n for n in os.listdir(real) if n.endswith(".py") and os.path.isfile(os.path.join(real, n)))
+    if source:
+        raise ValueError(f"{flag} {path}: it is a directory of this repository's source (it holds "
+                         f"{', '.join(source[:3])}{', ...' if len(source) > 3 else ''}); give a directory of its own, "
+                         f"such as {os.path.join(path, 'ckpt')}")
+
+
 def is_checkpoint(folder):
     """A directory 05's Saver wrote (or is writing): its manifest and rank 0's shard."""
     return os.path.isfile(os.path.join(folder, "manifest.json")) or \

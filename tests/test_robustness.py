@@ -386,7 +386,8 @@ def test_a_bad_output_path_is_refused_by_every_rank_before_any_collective(run_ra
     with pytest.raises(RankFailure) as failure:
         run_ranks(_clean, 2, tc)
     text = str(failure.value)
-    assert text.splitlines()[1].startswith("ValueError: --metrics")  # the cause first, not "Connection reset"
+    assert re.match(r"rank \d failed: ValueError: --metrics", text.splitlines()[0])  # the cause first, on the
+    # report's first line (a sentence: issue 48), not "Connection reset"
     # Both ranks refuse it; or, when the first to refuse exits while the other is still connecting its
     # default group (gloo's handshake, before any of our code runs), the other is its consequence.
     assert "also failed: ValueError: --metrics" in text or "as its consequences" in text
