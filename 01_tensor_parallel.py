@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from plumbing import cli, demos
+from plumbing.checks import check_model
 from plumbing.data import check_tokens
 from plumbing.launch import launch, new_tp_group, printer, run_main  # the first two: for the README
 from plumbing.shards import FullWeights, gather_full, init_full, join_shards, load_full_state_dict, max_rel_diff, \
@@ -326,7 +327,7 @@ class GPT(FullWeights, nn.Module):
                  device="cpu", vocab_divisible_by=1, layers=None, pre_process=True, post_process=True,
                  rng=None, check_inputs=True):
         super().__init__()
-        tp = check_heads(cfg, tp_size(group))
+        tp = check_heads(cfg, tp_size(group), device)
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and tp > 1
         self.pre_process, self.post_process, self.check_inputs = pre_process, post_process, check_inputs
         factory = dict(dtype=dtype, device=device)
@@ -508,13 +509,10 @@ def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
     return init_full(GPT(cfg, device="meta").named_parameters(), cfg.n_layer, seed, dtype, random_all)
 
 
-def check_heads(cfg, tp):
-    """Refuse a model whose heads do not split: over C (hs = C / nh) or over the tp ranks. Returns tp."""
-    if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
-    if cfg.n_head % tp:
-        raise ValueError(f"n_head={cfg.n_head} must be divisible by tp={tp}")
-    return tp
+def check_heads(cfg, tp, device="cpu"):
+    """Refuse a model whose heads do not split (over C, hs = C / nh, or over the tp ranks), a size below 1
+    or a GPU device where there is none, naming it (plumbing/checks.check_model). Returns tp."""
+    return check_model(cfg, tp, device)
 
 
 def check_targets(logits, target, group, n_vocab, ignore_index):

@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plumbing import cli
+from plumbing.checks import check_rows, check_split
 from plumbing.launch import gather_numbers, printer, run_main
 from plumbing.meter import ActivationMeter
 
@@ -122,6 +123,7 @@ SPLITS = {"contiguous": contiguous, "megatron": megatron, "lightseq": lightseq}
 
 def positions(sched, rank, T, device=None):
     """The true positions of rank's rows: its blocks of T / n tokens each, in row order."""
+    check_split(sched, T, "positions")  # T // n would drop the last T mod n tokens without a word
     c = T // sched.n
     return torch.cat([torch.arange(b * c, (b + 1) * c, device=device) for b in sched.split[rank]])
 
@@ -224,6 +226,7 @@ def ring_forward(q, k, v, sched, group):
     dtype = q.dtype  # bf16 and fp16 are computed in float32, as FlashAttention-2 keeps its sums, and travel so
     q, k, v = (t.float() if dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
     r, hs = dist.get_rank(group), q.shape[-1]
+    check_rows(sched, r, q, k, v, "ring_forward")  # T comes from the shapes: it must split as the schedule does
     c, scale = q.shape[2] // len(sched.split[r]), 1 / math.sqrt(hs)
     rows = {b: slice(i * c, (i + 1) * c) for i, b in enumerate(sched.split[r])}  # my blocks' rows
     mine = lambda t, b: t[:, :, rows[b]]  # noqa: E731
@@ -253,6 +256,7 @@ def ring_backward(q, k, v, o, lse, do, sched, group):
     dtype = q.dtype  # in float32, as ring_forward
     q, k, v, o, do = (t.float() if dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v, o, do))
     r, hs = dist.get_rank(group), q.shape[-1]
+    check_rows(sched, r, q, k, v, "ring_backward")  # T comes from the shapes: it must split as the schedule does
     c, scale = q.shape[2] // len(sched.split[r]), 1 / math.sqrt(hs)
     rows = {b: slice(i * c, (i + 1) * c) for i, b in enumerate(sched.split[r])}
     mine = lambda t, b: t[:, :, rows[b]]  # noqa: E731
@@ -509,6 +513,7 @@ def ulysses(chunk, sched, group):
 def ulysses_core(sched, group, q, k, v, p):
     """q, k, v (B, nh/tp, T/cp, hs): heads out, rows in (B, nh/(tp cp), T, hs), the rows put in true
     order (the split's order is not, for Megatron's split), causal attention, and back."""
+    check_rows(sched, None, q, k, v, "ulysses_core")  # T comes from the shapes: it must split as sched does
     T = q.shape[2] * sched.cp
     order = torch.cat([positions(sched, r, T, q.device) for r in range(sched.cp)])  # gathered row -> position
     true = torch.argsort(order)  # position -> gathered row
@@ -639,8 +644,7 @@ def _full_logits(over_tp, sched, group, logits):
 
 
 class ContextParallelExecutor(pipeline.Executor):
-    """02's executor whose last stage weights this rank's summed loss (head) by num / den (05's
-    normalization: G / n, G = dp x cp). By default as step() does: over the replica's count, times cp."""
+    """02's executor weighting this rank's summed loss by num / den (05's normalization), by default as step()."""
 
     def run(self, microbatches, valid=None, norm=None, ignore_index=-100):
         valid = valid or [int((t != ignore_index).sum()) for _, t in microbatches]

@@ -58,6 +58,7 @@ from einops import rearrange
 
 import planner
 from plumbing import cli, shards
+from plumbing.checks import check_router
 from plumbing.checkpoint import EXTENSIONS
 from plumbing.launch import gather_numbers, printer, run_main
 
@@ -76,6 +77,7 @@ def route(x, weight, k):
     """x (N, C) tokens -> (probs (N, E) of every expert, weights (N, k) of the k chosen, chosen (N, k)):
     softmax over E, the top k, their probabilities renormalised to sum to 1."""
     logits = F.linear(x, weight)  # (N, E); in float32 when the weights are bf16 (Megatron's router too)
+    check_router(logits, weight, x)  # top-k of NaN would pick any expert, with NaN weights: refused
     probs = F.softmax(logits.float() if logits.element_size() < 4 else logits, dim=-1)  # (N, E)
     top, chosen = probs.topk(k, dim=-1)  # (N, k) each, the likeliest first
     return probs, top / top.sum(-1, keepdim=True), chosen
@@ -665,12 +667,10 @@ def counted_tokens(model, targets, split=None, rank=0):
 
 def counting(executor, schedule):
     """executor whose every action first tells its chunk which tokens count (--aux-loss-counts-all: all)."""
-    if schedule.tc.aux_loss_counts_all:
-        return executor
     act = executor.act
 
     def act_counted(a, k):
-        if torch.is_grad_enabled():  # the eval's forward adds no aux loss
+        if torch.is_grad_enabled() and not schedule.tc.aux_loss_counts_all:  # the eval adds no aux loss
             counted_tokens(executor.chunks[a.chunk], executor.micro[a.mb][1], getattr(schedule, "ring", None),
                            getattr(schedule, "cp_rank", 0))
         act(a, k)

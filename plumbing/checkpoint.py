@@ -11,6 +11,9 @@
                                             asynchronous: a snapshot in host memory, then the same
                                             protocol in a background writer; wait() for it
     latest_checkpoint(root)                 the newest complete step under root (or root itself)
+    resumable(root)                         that, or a refusal naming --resume when there is none
+    hold(path)                              a shared lock on a checkpoint being read: --keep leaves it
+    verify_checkpoint(root)                 --verify: every check a load makes, without a model
     read_manifest(path, cfg, tc)            the manifest, checked field by field (types, ranges,
                                             known names), and refused if it is of another model or
                                             batch, or of other data (--data-changed-ok: said)
@@ -24,13 +27,17 @@
     load_checkpoint(run, path)              into a running trainer: same layout, the shards as they
                                             are (random streams too); another, split anew
 
-A crash during a save leaves the previous checkpoint intact (the partial step_N.tmp is skipped on
-resume). A run never deletes or shadows a checkpoint it did not write, and never writes one that
-holds a non-finite value. The data position and the LR schedule follow from the step, so they need
+Every shard is hashed as it is written (sha256); the manifest records each shard's digest, the step
+and the run's id, and each shard the same step and id. Every load checks them before it unpickles a
+shard (a flipped bit, an edit, a shard of another step or run, a link are refused by file name),
+and the optimizer's step counts and the random streams' sizes after. A crash during a save leaves
+the previous checkpoint intact (the partial step_N.tmp is skipped on resume). A run never deletes
+or shadows a checkpoint it did not write, and never writes one that holds a non-finite value. The data position and the LR schedule follow from the step, so they need
 no state of their own. `run` is 05's Run: its chunks, its ZeRO-aware optimizer pieces (04), groups.
 """
 import dataclasses
 import errno
+import hashlib
 import importlib
 import json
 import math
@@ -73,9 +80,9 @@ def model_parameters(manifest, device="meta"):
     ext = manifest.get("extension")
     if ext:
         if ext["name"] not in EXTENSIONS:
-            raise ValueError(f"the checkpoint holds a GPT-2 with {ext['name']} ({', '.join(f'{k}={v}' for k, v in ext['model'].items())}), "
-                             f"which {ext['file']} builds and this command does not: resume, sample or export it "
-                             f"with python3 {ext['file']}")
+            raise ValueError(f"the checkpoint holds a GPT-2 with {paths.shown(ext['name'])} ({_fields(ext['model'])}), "
+                             f"which this command does not build: resume, sample or export it with the chapter "
+                             f"that trains it (its manifest names the file {paths.shown(ext['file'])})")
         model = EXTENSIONS[ext["name"]](model, ext)
     return dict(model.named_parameters())
 
@@ -85,9 +92,14 @@ def only_gpt2(path, what):
     only 01's GPT-2 can take (an export to GPT-2's formats, sampling with 01's serial model)."""
     ext = read_manifest(path).get("extension")
     if ext:
-        raise ValueError(f"{what}: the checkpoint {path} holds a GPT-2 with {ext['name']} "
-                         f"({', '.join(f'{k}={v}' for k, v in ext['model'].items())}), and 01's GPT-2 has no "
-                         f"{ext['name']}; {ext['file']} trains and resumes it")
+        raise ValueError(f"{what}: the checkpoint {path} holds a GPT-2 with {paths.shown(ext['name'])} "
+                         f"({_fields(ext['model'])}), and 01's GPT-2 has no {paths.shown(ext['name'])}; the chapter "
+                         f"that trains it resumes it (its manifest names the file {paths.shown(ext['file'])})")
+
+
+def _fields(model):
+    """An extension's fields (k=v, ...), as a message prints them: names from a file, escaped."""
+    return ", ".join(f"{paths.shown(k)}={paths.shown(v)}" for k, v in model.items())
 
 
 CKPT = re.compile(r"step_(\d+)$")
@@ -95,22 +107,43 @@ INTERRUPTED = re.compile(r"step_(\d+)\.tmp$")
 SAVED_FILES = re.compile(r"rank_\d{5}\.pt|manifest\.json")  # all a save writes into step_N
 KEPT_FIELDS = ("batch_size", "seq_len")  # a resumed run must cut the data exactly as before
 NOTED_FIELDS = ("seed", "data")  # may change on resume (new data, a new order), but it is said
-_open = open  # tests put a full disk here
+_open = paths.create_new  # exclusive, never through a link; tests put a full disk here
 
 
 # ----------------------------------------------------------------------------------------------
 # Writing
 
 
+class _Hashed:
+    """A file being written, and the sha256 of every byte written to it, in the order written: the
+    shard's checksum costs no second read."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data):
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+    def __getattr__(self, name):  # the file's own (its name, its descriptor)
+        return getattr(self.f, name)
+
+
 def _write(path, write):
-    """Write a file durably (write(f), flush, fsync); a full disk or any other OS error becomes a
-    plain sentence naming the file, also when torch.save reports it as its own RuntimeError (a
-    disk that fills in the middle of a shard: inline_container's "unexpected pos")."""
+    """Write a new file durably (write(f), flush, fsync) and return the sha256 of its bytes (hex);
+    a full disk or any other OS error becomes a plain sentence naming the file, also when
+    torch.save reports it as its own RuntimeError (a disk that fills in the middle of a shard:
+    inline_container's "unexpected pos"). The file is created here, never opened through a link."""
     try:
         with _open(path, "wb") as f:
-            write(f)
+            hashed = _Hashed(f)
+            write(hashed)
             f.flush()
             os.fsync(f.fileno())
+        return hashed.sha.hexdigest()
     except (OSError, RuntimeError) as e:
         cause = _os_error(e)
         if cause is None:  # torch failed for a reason of its own: its first line, not its traceback
@@ -191,6 +224,11 @@ class Saver:
         self.writer, self.in_flight, self.failed = None, None, None
         os.makedirs(root, exist_ok=True)  # (05's preflight made it already)
         self.identity = _inode(root)  # a directory deleted or replaced mid-run is not saved into
+        # This run's id, rank 0's draw, in every shard and manifest it saves: a shard of another run (or
+        # another step, which each shard records too) in a checkpoint is refused at load.
+        drawn = torch.tensor(list(os.urandom(8)), dtype=torch.uint8)
+        dist.broadcast(drawn, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.run_id = bytes(drawn.tolist()).hex()
 
     def _barrier(self, step, after):
         """Return once every rank has done `after`; raise, naming who had not, after timeout_s."""
@@ -235,6 +273,13 @@ class Saver:
         raise ValueError(f"not saving step {step}: rank(s) {culprits} failed {after} (their own errors say why); "
                          f"the previous checkpoint is intact")
 
+    def _gather_digests(self, run, digest):
+        """Every rank's shard's sha256 (hex), in rank order, on every rank (the save's gloo group)."""
+        mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(run.env.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [bytes(d.tolist()).hex() for d in every]
+
     def _gone(self, step):
         """Why root cannot take step `step` (deleted, or replaced, since this run began), or None."""
         now = _inode(self.root)
@@ -247,15 +292,23 @@ class Saver:
 
     def _rotate(self, say):
         """Remove this run's own saves beyond the newest `keep` (only those: never another run's). One
-        already gone is fine; one that cannot be removed stays, and is said."""
+        already gone is fine; one that cannot be removed stays, and is said; one that another process
+        reads (its shared lock, hold()) stays until a later save finds it free."""
+        busy = []
         for old in self.written[:-self.keep]:
             try:
-                shutil.rmtree(old)
+                with _exclusive(old) as free:
+                    if not free:
+                        say(f"note: keeping {old} for now: another process is reading it (--resume, an export); "
+                            f"a later save removes it")
+                        busy.append(old)
+                        continue
+                    shutil.rmtree(old)
             except FileNotFoundError:
                 pass
             except OSError as e:
                 say(f"note: could not remove {old}, an older checkpoint of this run ({e.strerror or e}); it stays")
-        self.written = self.written[-self.keep:]
+        self.written = busy + self.written[-self.keep:]
 
     def _commit(self, tmp, final, manifest):
         """Rank 0: the manifest, then the one rename that makes the step visible."""
@@ -302,10 +355,10 @@ class Saver:
         except OSError as e:
             error = ValueError(f"not saving step {step}: cannot make {tmp} ({e.strerror or e}); the previous "
                                f"checkpoint is intact")
-        shard = _shard(run, snapshot=self.store is not None)
+        shard = dict(_shard(run, snapshot=self.store is not None), step=step, run=self.run_id)
         if self.store is not None:
             self._settle(run, step, f"making {tmp}", error, tmp)  # before the writers: each fails alone there
-            manifest = _manifest(run, step) if run.env.rank == 0 else None
+            manifest = _manifest(run, step, self.run_id) if run.env.rank == 0 else None
             self.in_flight = step
             self.writer = threading.Thread(target=self._stage_2, daemon=True, name="checkpoint writer",
                                            args=(run.env.rank, run.env.world_size, step, tmp, final, shard, manifest, say, t0))
@@ -314,16 +367,19 @@ class Saver:
                 say(f"saving step {step} to {final} in the background; training paused "
                     f"{time.perf_counter() - t0:.3f} s for the snapshot")
             return
+        digest = None
         try:
             if error is None:
-                _write(os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"), lambda f: torch.save(shard, f))
+                digest = _write(os.path.join(tmp, f"rank_{run.env.rank:05d}.pt"), lambda f: torch.save(shard, f))
         except ValueError as e:
             error = e
         self._settle(run, step, f"writing its shard to {tmp}", error, tmp)  # every shard on disk, or none is used
+        digests = self._gather_digests(run, digest)  # through the save's barrier: into the manifest
         error = None
         if run.env.rank == 0:
             try:
-                self._commit(tmp, final, json.dumps(_manifest(run, step), indent=1).encode())
+                manifest = _manifest(run, step, self.run_id, digests)
+                self._commit(tmp, final, json.dumps(manifest, indent=1).encode())
             except ValueError as e:
                 error = e
             else:
@@ -350,11 +406,11 @@ class Saver:
         key = f"save/{self.root}/{step}/{{}}"
         try:
             try:
-                _write(os.path.join(tmp, f"rank_{rank:05d}.pt"), lambda f: torch.save(shard, f))
+                digest = _write(os.path.join(tmp, f"rank_{rank:05d}.pt"), lambda f: torch.save(shard, f))
             except ValueError:
                 self.store.set(key.format(rank), "failed")  # rank 0 need not wait out the timeout for it
                 raise
-            self.store.set(key.format(rank), "done")
+            self.store.set(key.format(rank), f"done {digest}")  # a forged one is refused at load, by name
             if rank != 0:
                 return
             deadline, missing = time.monotonic() + self.timeout_s, list(range(world))
@@ -369,6 +425,8 @@ class Saver:
                             f"(--save-timeout-s)")
                 say(f"abandoned step {step}: {why}; the newest checkpoint stays {newest}")
                 return
+            said = [self.store.get(key.format(r)).decode(errors="replace").split() for r in range(world)]
+            manifest = _with_digests(manifest, [d[1] if len(d) == 2 and d[0] == "done" else "" for d in said])
             self._commit(tmp, final, json.dumps(manifest, indent=1).encode())
             size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
             say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB, durable {time.perf_counter() - t0:.2f} s "
@@ -391,6 +449,53 @@ class Saver:
         if self.failed is not None:
             failed, self.failed = self.failed, None
             raise failed
+
+
+class _exclusive:
+    """with _exclusive(folder) as free: an exclusive flock on the directory, taken without waiting;
+    free is False when a reader holds its shared lock (hold()). No locks on the filesystem: free."""
+
+    def __init__(self, folder):
+        self.fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # FileNotFoundError: already gone
+
+    def __enter__(self):
+        import fcntl
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)
+        return True
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+
+_reading = {}  # realpath of a checkpoint this process reads -> its directory's fd, flocked shared
+
+
+def hold(path, flag="--resume"):
+    """Take a shared flock on the checkpoint directory path for the rest of this process (and its
+    forked ranks), so that another run's --keep rotation does not remove it while it is read; refuse,
+    naming it, a checkpoint removed between being chosen and being locked. Returns path."""
+    import fcntl
+    key = os.path.realpath(path)
+    if key in _reading:
+        return path
+    gone = (f"{flag} {path}: the checkpoint was removed after this run chose it (another run's --keep rotating "
+            f"its saves); run again to take the newest there")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        raise ValueError(gone) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a rotation holds its lock only while it removes the directory
+    except OSError:
+        pass  # no locks on this filesystem
+    if not os.path.exists(os.path.join(path, "manifest.json")):
+        os.close(fd)
+        raise ValueError(gone)
+    _reading[key] = fd
+    return path
 
 
 def _inode(path):
@@ -439,7 +544,12 @@ def _layout(run):
                 **(extension_of(tc) or {}).get("layout", {}))  # 09's ep and etp
 
 
-def _manifest(run, step):
+def _with_digests(manifest, digests):
+    """The manifest with each shard's sha256 (digests: in rank order)."""
+    return dict(manifest, shards={f"rank_{r:05d}.pt": d for r, d in enumerate(digests)})
+
+
+def _manifest(run, step, run_id=None, digests=None):
     tc = run.tc
     # outputs: the files this run writes, so that a resume knows them as its own (checks.check_outputs)
     outputs = {name: os.path.realpath(getattr(tc, name)) if getattr(tc, name, "") else "" for name in OUTPUTS}
@@ -449,7 +559,9 @@ def _manifest(run, step):
                 train={k: getattr(tc, k) for k in KEPT_FIELDS}, noted={k: getattr(tc, k) for k in NOTED_FIELDS},
                 dtype=str(run.dtype), tokenizer=tokenizer_of(tc.data), outputs=outputs,
                 data=data_identity(tc.data),  # as it was loaded: a resume on other data is refused (read_manifest)
-                loss_mask=_mask_identity(tc))  # and on another mask, or with one where there was none (or none)
+                loss_mask=_mask_identity(tc),  # and on another mask, or with one where there was none (or none)
+                **({"run_id": run_id} if run_id else {}),
+                **({"shards": {f"rank_{r:05d}.pt": d for r, d in enumerate(digests)}} if digests else {}))
 
 
 def _mask_identity(tc):
@@ -503,6 +615,42 @@ def latest_checkpoint(root, say=None, flag=None):
     for d in sorted(set(steps) - set(complete)):
         say(f"ignoring {os.path.join(root, d)}: it has no manifest.json")
     return os.path.join(root, complete[-1]) if complete else None
+
+
+def resumable(root, flag="--resume", lenient=None):
+    """The newest complete checkpoint that --resume root names, or a ValueError naming the flag: a path
+    that does not exist, or that holds no complete checkpoint, is refused (a mistyped --resume would
+    otherwise start over from step 0 and say it resumed). lenient: the flag that allows "none yet"
+    (--resume-if-present, for a restart wrapper): then None for a directory with none, said by resume()."""
+    if lenient is None and not os.path.exists(root):
+        parent = os.path.dirname(os.path.normpath(root)) or "."
+        near = sorted(d for d in os.listdir(parent) if CKPT.match(d))[-3:] if os.path.isdir(parent) else []
+        raise ValueError(f"{flag} {root}: no such file or directory"
+                         + (f" ({parent} holds {', '.join(near)})" if near else "")
+                         + "; to start from step 0 when no checkpoint is there yet, give --resume-if-present instead")
+    path = latest_checkpoint(root, flag=flag)
+    if path is None and lenient is None:
+        what = "a GPT-2 directory (config.json): start from it with --init-from" if os.path.isfile(
+            os.path.join(root, "config.json")) else "no complete checkpoint (a step_N directory with its manifest.json)"
+        raise ValueError(f"{flag} {root}: it holds {what}; to start from step 0 when no checkpoint is there yet, "
+                         f"give --resume-if-present instead")
+    return path
+
+
+def verify_checkpoint(root, say=print):
+    """--verify: the newest complete checkpoint under root checked as every load checks it, without
+    a model: each shard a file of its own (no link), its bytes as the save wrote them (sha256, as its
+    manifest records), of the manifest's step and run, every tensor finite and of the shape its layout
+    holds, the optimizer's step counts and the random streams as a save writes them."""
+    path = resumable(root, "--verify")
+    manifest = read_manifest(path)
+    check_shards(path, manifest, tensors=True)
+    sums = "each as its save wrote it (sha256)" if manifest.get("shards") else \
+        "their bytes unchecked: the manifest was written before checksums were kept"
+    say(f"verified {path}: step {manifest['step']}, {manifest['world']} shards, {sums}"
+        + (f", of run {manifest['run_id']}" if manifest.get("run_id") else "")
+        + "; every tensor finite and shaped as its layout holds")
+    return True
 
 
 def newest_checkpoint(*roots):
@@ -598,6 +746,12 @@ def _manifest_problems(m):
                             and _whole(data["bytes"], 0) and isinstance(data["head_tail_sha256"], str)
                             and re.fullmatch(r"[0-9a-f]{64}", data["head_tail_sha256"])):
         wrong.append(f"data {data!r} (an object: bytes, a whole number, and head_tail_sha256, 64 hex digits)")
+    shards = m.get("shards")  # absent from a manifest written before checksums were kept
+    if "shards" in m and not (isinstance(shards, dict) and set(shards) == {f"rank_{r:05d}.pt" for r in range(m["world"])}
+                              and all(isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for v in shards.values())):
+        wrong.append(f"shards {_short(shards)} (an object: each rank's rank_NNNNN.pt and its sha256, 64 hex digits)")
+    if "run_id" in m and not (isinstance(m["run_id"], str) and re.fullmatch(r"[0-9a-f]{16}", m["run_id"])):
+        wrong.append(f"run_id {_short(m['run_id'])} (16 hex digits)")
     if "tokenizer" in m and m["tokenizer"] not in TOKENIZERS:
         wrong.append(f"tokenizer (one of {', '.join(TOKENIZERS)}; got {m['tokenizer']!r})")
     wrong += _mask_problems(m)
@@ -615,6 +769,12 @@ def _mask_problems(m):
     if mask is not None and not _is_identity(mask):
         return [f"loss_mask {mask!r} (null, or an object: bytes, a whole number, and head_tail_sha256, 64 hex digits)"]
     return []
+
+
+def _short(value, limit=120):
+    """repr(value), cut at limit characters: a field of a file, said without its control characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def read_manifest(path, cfg=None, tc=None, say=None):
@@ -646,7 +806,7 @@ def read_manifest(path, cfg=None, tc=None, say=None):
                  if getattr(tc, k, v) != v]
         ours, theirs = extension_of(tc), manifest.get("extension")
         if (ours or {}).get("model") != (theirs or {}).get("model") or (ours or {}).get("name") != (theirs or {}).get("name"):
-            what = lambda e: f"a GPT-2 with {e['name']} ({', '.join(f'{k}={v}' for k, v in e['model'].items())})" \
+            what = lambda e: f"a GPT-2 with {paths.shown(e['name'])} ({_fields(e['model'])})" \
                 if e else "01's GPT-2"  # noqa: E731
             diff.append(f"{what(theirs)} (this run {what(ours)})")
         if diff:
@@ -699,7 +859,7 @@ def _check_same_data(path, manifest, tc, say):
     how = (f"{then['bytes']:,} bytes then, {now['bytes']:,} now" if now["bytes"] != then["bytes"] else
            f"the same {now['bytes']:,} bytes, other contents at its head or tail")
     trained = manifest.get("noted", {}).get("data")
-    was = f"{trained or 'the built-in corpus'}" if trained is not None else "its data"
+    was = f"{paths.shown(trained) if trained else 'the built-in corpus'}" if trained is not None else "its data"
     where = f"--data {tc.data or '(the built-in corpus)'}"
     if getattr(tc, "data_changed_ok", False):
         if say:
@@ -722,9 +882,10 @@ def check_shards(path, manifest, tensors=False):
         if what or not zipfile.is_zipfile(file):
             raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: "
                              f"{'it is ' + what if what else 'not a complete archive'}")
+        _verify_bytes(file, {} if not tensors else manifest)  # a link, always; the checksum with the tensors
         if tensors and file not in _checked:  # a launcher's check is its forked ranks' too
             meta = meta or model_parameters(manifest)
-            _check_shapes(file, _load_shard(file, mmap=True), manifest["layout"]["tp"], meta)
+            _check_shapes(file, _load_shard(file, mmap=True, manifest=manifest), manifest["layout"]["tp"], meta)
             _checked.add(file)
 
 
@@ -761,17 +922,81 @@ _checked = set()  # the shards this process (or the one that forked it) has read
 # Reading
 
 
-def _load_shard(file, mmap=False):
+def sha256_of(file, block=1 << 22):
+    """The sha256 (hex) of a file's bytes."""
+    sha = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(block):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+_verified = {}  # (file, inode, size, mtime): its checksum checked, in this process or the one that forked it
+
+
+def _verify_bytes(file, manifest):
+    """Refuse a shard that is a link, or whose bytes are not those the save wrote (the manifest's
+    sha256 of it): a flipped bit, an edit, a shard copied in from another step or run. Before the
+    shard is unpickled. A manifest from before checksums were kept has none to compare."""
+    if os.path.islink(file):
+        raise ValueError(f"checkpoint shard {file} is a link (to {_short(os.readlink(file))}): a save writes every "
+                         f"shard as a file of its own, and a link could bring in another checkpoint's shard; copy "
+                         f"the file in its place, or resume the checkpoint it belongs to")
+    want = (manifest.get("shards") or {}).get(os.path.basename(file))
+    if not want:
+        return
+    st = os.stat(file)
+    key = (os.path.realpath(file), st.st_ino, st.st_size, st.st_mtime_ns)
+    if _verified.get(key) == want:
+        return
+    got = sha256_of(file)
+    if got != want:
+        raise ValueError(f"checkpoint shard {file} is not the file its save wrote: its sha256 is {got[:16]}..., "
+                         f"where {os.path.join(os.path.dirname(file), 'manifest.json')} records {want[:16]}... "
+                         f"(a changed byte on disk, an edit, or a shard copied from another checkpoint); it cannot "
+                         f"be resumed, sampled or exported: resume an earlier step")
+    _verified[key] = want
+
+
+def _load_shard(file, mmap=False, manifest=None):
+    """A shard, checked: its bytes (_verify_bytes), its form, its step and run (those of its
+    manifest), its numbers (_check_shard). manifest: its checkpoint's, read here unless given."""
+    if manifest is None:
+        try:
+            manifest = read_manifest(os.path.dirname(file))
+        except ValueError:
+            manifest = {}
+    what = paths.describe(file)
+    if what or not os.path.isfile(file) or not zipfile.is_zipfile(file):  # said as such, not as a checksum
+        raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: " + (
+            f"it is {what}" if what else "no such file" if not os.path.isfile(file) else "not a complete archive"))
+    _verify_bytes(file, manifest)
     try:
         paths.regular_file(file, "checkpoint shard")
         shard = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated zip, a missing file, garbage: all the same to us
-        raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: {e}") from None
+        raise ValueError(f"checkpoint shard {file} is missing, truncated or corrupt: {load_error(e)}") from None
     if not (isinstance(shard, dict) and isinstance(shard.get("coords"), dict) and isinstance(shard.get("chunks"), list)
             and isinstance(shard.get("pieces"), list) and isinstance(shard.get("rng"), dict)):
         raise ValueError(f"checkpoint shard {file} is malformed: not a shard this trainer writes")
-    _check_shard(file, shard)
+    for field, own in (("step", "step"), ("run", "run_id")):
+        if own in manifest and field in shard and shard[field] != manifest[own]:
+            raise ValueError(f"checkpoint shard {file} is of {field} {_short(shard[field])}, and its manifest of "
+                             f"{own.replace('_', ' ')} {manifest[own]!r}: a shard of another save was put in this "
+                             f"checkpoint; it cannot be resumed, sampled or exported")
+    _check_shard(file, shard, manifest.get("step"))
     return shard
+
+
+def load_error(error):
+    """What torch.load's error says, without its advice to load the file with weights_only=False
+    (which would run whatever code the file holds): for a pickle of Python objects, the object."""
+    text = str(error).strip()
+    if "weights_only" not in text:
+        return text.splitlines()[0] if text else type(error).__name__
+    named = re.search(r"(?:GLOBAL|global|Unsupported class) ([\w.]+)", text)
+    return (f"it holds Python objects besides tensors ({named[1] if named else 'an object weights_only loading refuses'}), "
+            f"which a file of weights never holds, so it is not loaded")
 
 
 # The largest magnitude every training dtype holds (bfloat16's, just below float32's): a float64
@@ -792,7 +1017,23 @@ def unusable(t):
     return ""
 
 
-def _check_shard(file, shard):
+def _rng_problem(rng):
+    """What is wrong with a shard's random streams (the sizes torch's generators take), or None."""
+    size = torch.get_rng_state().numel()
+    tracked = rng.get("tracked")
+    streams = [("cpu", rng.get("cpu"))] + [("tracked", t) for t in (tracked if isinstance(tracked, list) else [tracked])]
+    for name, t in streams:
+        if not (torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1):
+            return f"its {name} random stream is {type(t).__name__ if not torch.is_tensor(t) else t.dtype}, not a byte tensor"
+        if (name == "cpu" or rng.get("device", "cpu") == "cpu") and t.numel() != size:
+            return f"its {name} random stream holds {t.numel()} bytes, where a CPU generator's state is {size}"
+    cuda = rng.get("cuda")
+    if cuda is not None and not (torch.is_tensor(cuda) and cuda.dtype == torch.uint8 and cuda.dim() == 1):
+        return "its cuda random stream is not a byte tensor"
+    return None
+
+
+def _check_shard(file, shard, step=None):
     """Refuse a shard whose numbers cannot be trained on: every weight and every piece of AdamW's
     state a floating-point tensor of finite values, the second moments (exp_avg_sq) not negative,
     the step count at least 0. Found here, at load, not as every step skipped or a save refused
@@ -826,6 +1067,14 @@ def _check_shard(file, shard):
                                  f"values for the {end - start} elements {start} to {end} it is the state of")
             if key in ("exp_avg_sq", "step") and bool((t < 0).any()):
                 refuse(f"AdamW's {key} of {name}", "is negative (a sum of squares, or a count, cannot be)")
+            if key == "step" and step is not None and (t.numel() != 1 or float(t) != int(float(t)) or float(t) > step):
+                raise ValueError(f"checkpoint shard {file}: AdamW's step count of {name} is {t.flatten()[:1].tolist()}, "
+                                 f"in a checkpoint of step {step}: a count of the optimizer's steps is a whole number "
+                                 f"no larger than the steps done, so a resume would not continue this run; resume "
+                                 f"an earlier step")
+    why = _rng_problem(shard["rng"])
+    if why:
+        raise ValueError(f"checkpoint shard {file} is malformed: {why}; it cannot be resumed")
 
 
 def read_checkpoint(path, cfg=None, tc=None):
@@ -838,7 +1087,7 @@ def read_checkpoint(path, cfg=None, tc=None):
     count = {}  # name -> how many shards it has: tp, or (07's vocabulary shard) its own group's size
     for r in range(manifest["world"]):
         file = os.path.join(path, f"rank_{r:05d}.pt")
-        shard = _load_shard(file)
+        shard = _load_shard(file, manifest=manifest)
         try:
             splits = shard.get("splits", {})
             for chunk in shard["chunks"]:

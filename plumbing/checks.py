@@ -274,6 +274,7 @@ def check_paths(tc, writer=True):
         if is_dir is False:
             raise ValueError(f"{flag(name)} {root}: it is {paths.describe(root) or 'a file'}, not a directory for "
                              f"checkpoints")
+        paths.refuse_source_directory(root, flag(name))
         inside = paths.enclosing_checkpoint(os.path.join(root, "step"))
         if inside:
             where = "is" if os.path.realpath(root) == inside else "lies inside"
@@ -282,7 +283,7 @@ def check_paths(tc, writer=True):
         probe = os.path.join(root, f".write_test_{os.getpid()}_{os.uname().nodename}")
         try:
             os.makedirs(root, exist_ok=True)
-            with open(probe, "w"):
+            with paths.create_new(probe, "w"):  # never a file or link planted under its name
                 pass
             os.remove(probe)
         except OSError as e:
@@ -299,12 +300,8 @@ def check_paths(tc, writer=True):
             raise ValueError(f"{flag(name)} {path}: the directory {folder} does not exist")
         if not writer:
             continue
-        existed = os.path.exists(path)
-        try:
-            with open(path, "a"):
-                pass
-            if not existed:
-                os.remove(path)
+        try:  # made now (or locked, if it is there): a second run started with it is refused, not interleaved
+            paths.claim(path, flag(name))
         except OSError as e:
             raise ValueError(f"{flag(name)} {path}: cannot write it ({e.strerror or e})") from None
 
@@ -420,22 +417,25 @@ def check_memory(cfg, tc, device, ranks_here):
 
 SAMPLING = ("max_new_tokens", "temperature", "top_k")
 MODEL_SHAPE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")  # what weights decide
-ACTIONS = ("print_layout", "self_check", "sample", "export_hf", "export_state_dict")
+ACTIONS = ("print_layout", "self_check", "sample", "export_hf", "export_state_dict", "verify")
 USES = {  # besides the action's own flag
     "print_layout": {"tp", "pp", "dp", "schedule"},
     "self_check": {"tp", "pp", "dp", "timeout_s", "rehearse_fault"},
     "sample": {"resume", "init_from", "seed", *MODEL_SHAPE, *SAMPLING},
     "export": {"resume", "overwrite", "export_hf", "export_state_dict"},
+    "verify": set(),
 }
 PATH_FLAGS = {"data": "file to train on", "loss_mask": "mask file (one byte, 0 or 1, per token of --data)",
               "resume": "checkpoint directory to resume from",
               "init_from": "GPT-2 directory or .pt to start from", "metrics": "file to write",
               "trace": "file to write", "save": "directory to save into", "snapshot_dir": "directory to snapshot into",
-              "export_hf": "directory to write", "export_state_dict": "file to write"}
+              "export_hf": "directory to write", "export_state_dict": "file to write",
+              "verify": "checkpoint directory to check", "resume_if_present": "checkpoint directory to resume from"}
 WHY = {"print_layout": "it prints the rank grid of --tp, --pp and --dp and starts nothing",
        "self_check": "it tries every rank, group and link of --tp, --pp and --dp and trains nothing",
        "sample": "it samples on one process from the weights, which decide the model",
-       "export": "it writes --resume's newest checkpoint and trains nothing"}
+       "export": "it writes --resume's newest checkpoint and trains nothing",
+       "verify": "it checks the checkpoint it names and loads nothing into a model"}
 
 
 # Training flags that do nothing without another: (is the other on?, the other, why). Given
@@ -452,7 +452,7 @@ DEPENDS = {
                                                        "and it would be ignored: drop it, or add --snapshot-every N"),
     "straggler_every": (lambda a: a.watch, _WATCH.format("the straggler report")),
     "hang_s": (lambda a: a.watch, _WATCH.format("the hang report")),
-    "data_changed_ok": (lambda a: bool(a.resume), "needs --resume DIR: only a resumed checkpoint's data is compared "
+    "data_changed_ok": (lambda a: bool(a.resume or getattr(a, "resume_if_present", None)), "needs --resume DIR: only a resumed checkpoint's data is compared "
                                                   "with --data; without it it would be ignored: drop it"),
     "loss_mask": (lambda a: bool(a.data), "needs --data FILE: the mask has one byte per token of a data file, and the "
                                           "built-in corpus has no mask; add --data FILE, or drop --loss-mask"),
@@ -521,11 +521,12 @@ def preflight(cfg, tc, world, device, say=None, ranks_here=None, writer=True):
     reads every tensor of the checkpoint to resume, and locks the --save directory.
     Returns (train tokens, eval tokens, the checkpoint to resume or None, the steps it holds)."""
     # Imported here: 01-04 import this module for check_config, and these import 01.
-    from plumbing.checkpoint import check_save_dir, check_shards, latest_checkpoint, read_manifest
+    from plumbing.checkpoint import check_save_dir, check_shards, hold, latest_checkpoint, read_manifest
     from plumbing.data import load_tokens, split_tokens
     check_config(cfg, tc, world)
     check_device(tc, device)
     path = latest_checkpoint(tc.resume, say, flag="--resume") if tc.resume else None
+    path = hold(path) if path else None  # read under a shared lock: another run's --keep leaves it
     check_outputs(tc, path, writer)
     check_paths(tc, writer)
     check_memory(cfg, tc, device, world if ranks_here is None else ranks_here)
@@ -558,3 +559,61 @@ def acceleration(tc, device):
     if tc.graph_scope != "auto":
         return fused, tc.graph_scope
     return fused, "step" if world_size(tc) == tc.virtual_stages == 1 else "stage"
+
+
+# ----------------------------------------------------------------------------------------------
+# The library's own arguments, refused by name where torch would compute something else silently:
+# 08's context-parallel splits, 09's router, 01's model sizes and device.
+
+
+def check_split(sched, T, where):
+    """Refuse T tokens that 08's split sched does not cut into equal blocks: T // n would drop the
+    last T mod n tokens without a word."""
+    if T % sched.n:
+        raise ValueError(f"{where}: T={T} tokens do not split into the {sched.name} split's {sched.n} equal blocks "
+                         f"(cp={sched.cp}); T must be a multiple of {sched.n}")
+
+
+def check_rows(sched, rank, q, k, v, where):
+    """q, k and v (B, nh, rows, hs) of one rank of 08's split: the same rows, which split into the rank's
+    blocks (rank given), or which make a T the split cuts (rank None: every rank holds as many)."""
+    rows = q.shape[2]
+    if k.shape[2] != rows or v.shape[2] != rows:
+        raise ValueError(f"{where}: q, k and v hold {rows}, {k.shape[2]} and {v.shape[2]} rows; they must be the same")
+    if rank is None:
+        return check_split(sched, rows * sched.cp, where)
+    if rows % len(sched.split[rank]):
+        raise ValueError(f"{where}: rank {rank}'s {rows} rows do not split into its {len(sched.split[rank])} blocks of "
+                         f"the {sched.name} split; T must be a multiple of {sched.n}")
+
+
+def check_router(logits, weight, x):
+    """Refuse router logits that hold NaN or inf (09's route): top-k of NaN picks any expert, with NaN
+    weights. Names where it came from: the router's weight, or the tokens."""
+    import torch
+    if not bool(torch.isfinite(logits).all()):
+        where = "the router's weight" if not bool(torch.isfinite(weight).all()) else "the tokens x"
+        raise FloatingPointError(f"route: the router's logits hold NaN or inf (from {where}; weight "
+                                 f"{tuple(weight.shape)}, x {tuple(x.shape)}): no expert can be chosen for such a token")
+
+
+MODEL_SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+
+
+def check_model(cfg, tp=1, device="cpu"):
+    """01's GPT: every size a whole number of at least 1 (naming the field: torch would say "negative
+    dimension"), heads that split over C (hs = C / nh) and over the tp ranks, and a CUDA device only
+    where torch has one (its own error is a generator's). Returns tp."""
+    import torch
+    for name in MODEL_SIZES:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"GPTConfig.{name}={value!r} must be a whole number, at least 1")
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+    if cfg.n_head % tp:
+        raise ValueError(f"n_head={cfg.n_head} must be divisible by tp={tp}")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: this machine has no GPU that torch can use (torch.cuda.is_available() "
+                         f"is False: no CUDA device or driver, or a CPU-only build of torch); use device='cpu'")
+    return tp

@@ -12,7 +12,7 @@ import torch
 
 import planner
 from plumbing import cli, report, sample, selfcheck, watch
-from plumbing.checkpoint import newest_checkpoint
+from plumbing.checkpoint import newest_checkpoint, resumable, verify_checkpoint
 from plumbing.checks import SAMPLING, check_action, check_fields, check_model_flags, check_plan_flags, \
     layout_sizes, preflight, world_size
 from plumbing.gpt2 import export_checkpoint, import_gpt2
@@ -33,6 +33,12 @@ def parser(doc, groups, model_defaults):
                          "Hugging Face GPT-2 directory and exit")
     actions.add_argument("--export-state-dict", metavar="FILE", help="write --resume's newest checkpoint "
                          "as a plain serial state dict (.pt) and exit")
+    actions.add_argument("--verify", metavar="CKPT", help="check the newest checkpoint under CKPT as a load "
+                         "does (every shard's sha256, step and run, no links, every tensor finite and of its "
+                         "shape, the optimizer's step counts, the random streams) without loading it, and exit")
+    p.add_argument("--resume-if-present", metavar="DIR", help="as --resume DIR, but start from step 0 when DIR "
+                   "holds no checkpoint yet (or does not exist): for a restart wrapper that submits the same "
+                   "command again; a plain --resume that finds nothing is refused")
     cli.add_dataclass_args(p, tensor_parallel.GPTConfig, "model", **model_defaults)
     for group, title in groups:
         cli.add_dataclass_args(p, group, title)
@@ -53,6 +59,14 @@ def main(p, config, train, schedule_of, rank_grid):
     tc, cfg, sc = (cli.from_args(c, args) for c in (config, tensor_parallel.GPTConfig, sample.SampleConfig))
     check_fields(tc, cfg, sc)  # every flag's type and range, whatever the action
     given = cli.given(p)  # the flags on the command line: no action may ignore one
+    lenient = getattr(args, "resume_if_present", None)
+    if lenient is not None:  # one flag of the two: the same checkpoint, with "none yet" allowed
+        for other in ("resume", "init_from"):
+            if getattr(tc, other):
+                raise ValueError(f"--resume-if-present {lenient} and --{other.replace('_', '-')} {getattr(tc, other)} "
+                                 f"both give the starting point; give one of them")
+        tc = dataclasses.replace(tc, resume=lenient)
+        args.resume = lenient
     own = {f.name for f in dataclasses.fields(config)}  # a flag of the trainer's is not sampling's (09's --top-k)
     action = check_action(args, given, [k for k, _ in layout_sizes(tc)], [n for n in SAMPLING if n not in own])
     grid = lambda tc: schedule_of(tc).grid(world_size(tc), tc.tp, tc.dp)  # noqa: E731  (the schedule's groups)
@@ -64,7 +78,11 @@ def main(p, config, train, schedule_of, rank_grid):
         sample.from_weights(cfg, tc, sc, given)
     elif action == "export":
         export_checkpoint(tc.resume, args.export_hf, args.export_state_dict, tc.overwrite)
+    elif action == "verify":
+        verify_checkpoint(args.verify)
     else:
+        if tc.resume and lenient is None:  # a --resume that finds nothing is refused, not a run from step 0
+            resumable(tc.resume)
         if tc.init_from:  # the imported weights decide the model's shape
             imported = import_gpt2(tc.init_from, cfg)[0]
             if imported:

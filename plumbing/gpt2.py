@@ -25,7 +25,7 @@ import re
 import torch
 
 from plumbing import checks, paths
-from plumbing.checkpoint import latest_checkpoint, only_gpt2, read_checkpoint, unusable
+from plumbing.checkpoint import hold, latest_checkpoint, load_error, only_gpt2, read_checkpoint, unusable
 from plumbing.tokenizer import TOKENIZERS
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -91,6 +91,9 @@ def import_gpt2(path, cfg=None):
         raise ValueError(f"--init-from {path}: it is {paths.describe(path)}, not a .pt file or a GPT-2 directory")
     if not os.path.isdir(path):
         raise ValueError(f"--init-from {path}: no such file or directory")
+    if paths.is_checkpoint(path) or latest_checkpoint(path):
+        raise ValueError(f"--init-from {path}: this is a checkpoint of this trainer (step_N with its manifest.json), "
+                         f"not a GPT-2 directory: use --resume {path} to continue it")
     config = os.path.join(path, "config.json")
     try:
         paths.regular_file(config, "--init-from's config")
@@ -161,7 +164,7 @@ def _load(file, read):
     try:
         raw = read(file)
     except Exception as e:  # a truncated or garbage file: torch and safetensors raise many kinds
-        raise ValueError(f"{file} cannot be read as weights: {type(e).__name__}: {e}") from None
+        raise ValueError(f"{file} cannot be read as weights: {type(e).__name__}: {load_error(e)}") from None
     if not isinstance(raw, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in raw.items()):
         raise ValueError(f"{file} is not a state dict (names to tensors)")
     return raw
@@ -175,7 +178,7 @@ def _import_state_dict(path, flags_cfg=None):
         full = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"--init-from {path}: not a state dict that --export-state-dict writes "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                         f"({type(e).__name__}: {load_error(e)})") from None
     if not isinstance(full, dict):
         raise ValueError(f"--init-from {path}: holds a {type(full).__name__}, not a state dict")
     cfg = None
@@ -274,8 +277,10 @@ def _replace(path, write):
     """Write path whole or not at all: into a file beside it, then renamed over it (so a link at
     path is replaced, not followed)."""
     tmp = f"{path}.tmp-{os.getpid()}"
+    made = False
     try:
-        with open(tmp, "wb") as f:
+        with paths.create_new(tmp, "wb") as f:  # a file or link planted under the name is never written
+            made = True
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -283,7 +288,7 @@ def _replace(path, write):
     except OSError as e:
         raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
-        if os.path.exists(tmp):
+        if made and os.path.lexists(tmp):
             os.remove(tmp)
 
 
@@ -295,9 +300,12 @@ def export_checkpoint(root, hf_dir=None, state_dict_path=None, overwrite=False):
     path = latest_checkpoint(root, flag="--resume") if root else None
     if not path:
         raise ValueError(f"exporting needs --resume DIR with a complete checkpoint; got {root!r}")
+    hold(path)  # read under a shared lock: another run's --keep rotation leaves it
     only_gpt2(path, "--export-hf" if hf_dir else "--export-state-dict")  # GPT-2's formats hold no experts
     if hf_dir and os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ValueError(f"--export-hf {hf_dir}: it is {paths.describe(hf_dir) or 'a file'}, not a directory")
+    if hf_dir:
+        paths.refuse_source_directory(hf_dir, "--export-hf")
     outputs = [("--export-hf", os.path.join(hf_dir, n)) for n in ("config.json", "model.safetensors",
                                                                      "pytorch_model.bin")] if hf_dir else []
     outputs += [("--export-state-dict", state_dict_path)] if state_dict_path else []

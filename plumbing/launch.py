@@ -30,7 +30,6 @@ import pickle
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -89,6 +88,10 @@ def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None):
         count = None
     if count is None or isinstance(nprocs, bool) or count < 1:
         raise ValueError(f"launch: nprocs={nprocs!r} must be a whole number of ranks, at least 1")
+    if _nested:
+        raise ValueError(f"launch({getattr(worker, '__name__', worker)!r}, {count}) was called inside a rank that "
+                         f"launch() (or torchrun) started: launches do not nest; a worker makes process groups "
+                         f"of its own ranks with torch.distributed.new_group instead")
     ranks = launcher_ranks()
     if ranks is not None:
         return [_run_launched_rank(worker, args, *ranks, timeout_s)]
@@ -160,11 +163,16 @@ def _run_launched_rank(worker, args, rank, world, local_rank, timeout_s):
         # torchrun starts each rank in a session of its own, so a signal to the agent's process
         # group (a kill of the agent) would otherwise leave this rank training on, headless.
         _die_with_parent()
+    global _nested
     env = _join_launcher_group(rank, world, local_rank, timeout_s)
     side = _announce(rank)
     try:
         try:
-            result = worker(env, *args)
+            _nested = True
+            try:
+                result = worker(env, *args)
+            finally:
+                _nested = False
             # No rank tears its groups down while a peer may still be in a collective with it:
             # NCCL runs collectives asynchronously, so a rank's last ones may still be in flight
             # when its worker returns, and destroying the group would abort them under its peers.
@@ -279,7 +287,7 @@ def _lost_peer(error, side, rank, world, timeout_s):
         failure = RankFailure((f"{gone}{'' if step is None else f' at step {step}'}; " if gone else "")
                               + f"rank {rank} of {world} stopped{' as its consequence' if gone else ''}: {cause}\n"
                               + _where(error))
-        print(f"\nerror: {failure}", file=sys.stderr, flush=True)  # before the agent's SIGTERM can end this rank
+        print(f"\nerror: {printable(failure)}", file=sys.stderr, flush=True)  # before the agent's SIGTERM ends it
         failure.said = True
         return failure
     finally:
@@ -436,6 +444,41 @@ def side_channel(timeout_s=30.0):
 
 
 _side = None  # (host, port) of the local launcher's store, in a local rank
+_nested = False  # this process runs a rank's worker: a launch() here is refused
+
+
+def loopback_store(nprocs, timeout_s):
+    """The local launcher's rendezvous store, listening on 127.0.0.1 only. TCPStore's own server
+    binds the wildcard address whatever host it is given (every interface: a laptop's run would
+    offer its unauthenticated key-value store to the network), so the socket is made and bound here
+    and handed over (master_listen_fd, which the store then owns and closes). The port is the OS's
+    choice: no free-port race. Any local process can still reach it: nothing is ever read from it as
+    a path or a command (plumbing/watch.py)."""
+    last = None
+    for libuv in (True, False):  # libuv's server takes a listening fd from torch 2.4; the old one always did
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(max(128, 2 * nprocs))
+            port = listener.getsockname()[1]
+            return dist.TCPStore("127.0.0.1", port, nprocs, is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach(),
+                                 use_libuv=libuv)
+        except (RuntimeError, TypeError, ValueError) as e:
+            last = e
+        finally:
+            listener.close()  # detached: a no-op; else the socket that could not be handed over
+    raise RankFailure(f"the local launcher could not start its store on 127.0.0.1: {last}")
+
+
+def loopback_interface():
+    """The name of the loopback interface (Linux's lo, macOS's lo0), or None: the local ranks' gloo
+    groups listen there (GLOO_SOCKET_IFNAME), not on the address the host name resolves to."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
@@ -452,13 +495,11 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
         pipes.append(ours)
     # The rendezvous store is made after the forks (its server thread must not be forked) on a
     # port the OS picks, so there is no free-port race; the children learn the port by pipe.
-    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = loopback_store(nprocs, timeout_s)
     for pipe in pipes:
         pipe.send(store.port)
     from plumbing import watch as watching  # not at the top: watch imports nothing of ours but health
-    dog = watching.Watchdog(store, nprocs, watch.hang_s, os.path.join(tempfile.gettempdir(),
-                            f"hang-{os.getpid()}-{int(time.time())}")) if watch else None
+    dog = watching.Watchdog(store, nprocs, watch.hang_s) if watch else None
     results, failures, interrupted, deaths, terminated = {}, {}, {}, set(), False
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
     try:
@@ -522,8 +563,12 @@ def _failure_report(failures, deaths, stopped):
         return "\n".join(lines)
     first = order[0] if first is None else first
     # A death, or the hang report ("the run"), names itself in its first line: that line is the cause.
-    lines = [failures[first].strip() if first in deaths or isinstance(first, str) else
-             f"{who(first)} failed:\n{failures[first]}"]
+    # A sentence (bad input, a file changed under the run: "ValueError: --data x.bin: ...") on the first
+    # line, where the cause is read; a traceback below it.
+    text = failures[first]
+    lines = [text.strip() if first in deaths or isinstance(first, str) else f"{who(first)} failed: {text.strip()}"
+             if not text.startswith("Traceback") and len(text.strip().splitlines()) == 1 else
+             f"{who(first)} failed:\n{text}"]
     lines += [f"{who(r)} also failed: {failures[r].strip().splitlines()[-1]}"
               for r in order if r != first and r not in lost]
     victims = sorted(r for r in lost if r != first)
@@ -631,7 +676,11 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     code = 0
     try:
         _die_with_parent(parent)  # rather than linger until a timeout when the launching process dies
-        global _side
+        global _side, _nested
+        _nested = True  # a launch() in this rank's worker is refused (launch): it would fork from a rank
+        loopback = loopback_interface()
+        if loopback:  # every gloo group of this rank, the training's and the save's, listens on loopback only
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
         _side = ("127.0.0.1", pipe.recv())
         store = dist.TCPStore(*_side, world, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
@@ -642,7 +691,7 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
         store.set(f"launch/ready/{rank}", "1")
         store.wait([f"launch/ready/{r}" for r in range(world)])
         result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)
-        pipe.send_bytes(pickle.dumps(("ok", result)))
+        pipe.send_bytes(_pickled_result(rank, worker, result))
     except SENTENCES as e:  # bad input found on a rank: its sentence and where, not a traceback
         code = 1
         frame = traceback.extract_tb(e.__traceback__)[-1]
@@ -659,6 +708,34 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     os._exit(code)  # skip interpreter teardown in a forked child
 
 
+def _pickled_result(rank, worker, result):
+    """("ok", result) pickled for the launching process, or a ValueError naming what in the result
+    cannot be pickled (a lambda, an open file, a process group): the first such part, by its place."""
+    try:
+        return pickle.dumps(("ok", result))
+    except Exception as e:
+        where, what = unpicklable(result)
+        raise ValueError(f"rank {rank}: the result of {getattr(worker, '__name__', 'the worker')} cannot be sent "
+                         f"back to the launching process: {where} is {what}, which pickle cannot copy "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); return plain values "
+                         f"(numbers, strings, tensors, lists and dicts of them)") from None
+
+
+def unpicklable(obj, where="the result", depth=0):
+    """(its place, what it is) of the first part of obj that pickle cannot copy: looked for inside
+    lists, tuples, sets and dicts (keys and values), depth-first; obj itself when none is found."""
+    if depth < 20 and isinstance(obj, (list, tuple, set, frozenset, dict)):
+        items = [(f"{where} key {k!r}", k) for k in obj] + [(f"{where}[{k!r}]", v) for k, v in obj.items()] \
+            if isinstance(obj, dict) else [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
+        for place, item in items:
+            try:
+                pickle.dumps(item)
+            except Exception:
+                return unpicklable(item, place, depth + 1)
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    return where, f"a {type(obj).__module__}.{type(obj).__qualname__}" + (f" ({name})" if isinstance(name, str) else "")
+
+
 def _terminate_once(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: what follows is the stopping itself
     raise Terminated("terminated (SIGTERM)")
@@ -667,6 +744,13 @@ def _terminate_once(signum, frame):
 def _interrupt_once(signum, frame):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def printable(text):
+    """A message with its control characters escaped (plumbing/paths.py): what a file or the side
+    channel put in it prints as its escape and never acts on the terminal."""
+    from plumbing.paths import printable as escaped
+    return escaped(text)
 
 
 def run_main(main):
@@ -679,14 +763,16 @@ def run_main(main):
     try:
         ok = main()
     except (RankFailure, *SENTENCES) as e:  # a rank stopped mid-bar leaves its progress line open
+        from plumbing.paths import release_claims
+        release_claims()  # an output this refused run made at its checks, and never wrote, goes
         if getattr(e, "said", False):  # a rank that lost its peer under torchrun: said at once, and
             sys.stdout.flush()  # the watch's threads may be inside the store's C++ client, which an
             sys.stderr.flush()  # interpreter's teardown then aborts ("terminate called"): no teardown
             os._exit(1)
-        print(f"{chr(10) if isinstance(e, RankFailure) else ''}error: {e}", file=sys.stderr)
+        print(f"{chr(10) if isinstance(e, RankFailure) else ''}error: {printable(e)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:
-        print(f"\n{e if isinstance(e, Interrupted) and str(e) else 'interrupted'}", file=sys.stderr)
+        print(f"\n{printable(e) if isinstance(e, Interrupted) and str(e) else 'interrupted'}", file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
     sys.exit(0 if ok else 1)
 

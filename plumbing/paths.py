@@ -11,6 +11,9 @@ nothing heavier than the standard library (scripts/prepare_data.py and plot_metr
                                      this run did not write without --overwrite
     lock_save_dir(root)              one run at a time saves into a directory (an flock on it,
                                      released when the run's processes exit)
+    shown(text), printable(message)  text from a file, printed with its control characters escaped
+    create_new(path, mode)           open a new file exclusively, never through a link (O_EXCL,
+                                     O_NOFOLLOW): how every output is opened
     fresh(path)                      the name of a new file: what was at path (a file allowed to
                                      be replaced, or a link) removed, so that writing never goes
                                      through a link or a second name (a hard link) into another file
@@ -59,6 +62,23 @@ def _same(a, b):
 def _inside(path, folder):
     real, top = os.path.realpath(path), os.path.realpath(folder)
     return real != top and os.path.commonpath([real, top]) == top
+
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # this package's checkout
+
+
+def refuse_source_directory(path, flag):
+    """Refuse a directory (links followed) inside this repository that holds its Python source: a
+    checkpoint or an export there would lie among the code (and a later --keep rotation, a clean-up,
+    or a `git clean` would act beside it). A subdirectory of its own (ckpt/) is fine."""
+    real = os.path.realpath(path)
+    if not os.path.isdir(real) or not (real == REPOSITORY or _inside(real, REPOSITORY)):
+        return
+    source = sorted(n for n in os.listdir(real) if n.endswith(".py") and os.path.isfile(os.path.join(real, n)))
+    if source:
+        raise ValueError(f"{flag} {path}: it is a directory of this repository's source (it holds "
+                         f"{', '.join(source[:3])}{', ...' if len(source) > 3 else ''}); give a directory of its own, "
+                         f"such as {os.path.join(path, 'ckpt')}")
 
 
 def is_checkpoint(folder):
@@ -119,7 +139,7 @@ def check_outputs(writes, reads=(), protected=(), overwrite=False, own=(), write
         what = describe(real)
         if what:
             raise ValueError(f"{flag} {path}{via}: it is {what}; give a file name")
-        if writer and flag not in own and not overwrite and os.path.lexists(path):
+        if writer and flag not in own and not overwrite and os.path.lexists(path) and not _claimed_file(path):
             raise ValueError(f"{flag} {path}{via} already exists, and this run did not write it: give "
                              f"--overwrite to replace it, or another path")
 
@@ -127,10 +147,128 @@ def check_outputs(writes, reads=(), protected=(), overwrite=False, own=(), write
 def fresh(path):
     """path, with whatever was there removed (check_outputs allowed replacing it): the file written
     next is a new one, so a link at path is replaced rather than followed, and a file with a second
-    name (a hard link) elsewhere keeps its contents there."""
+    name (a hard link) elsewhere keeps its contents there. A file this run made when it claimed the
+    path (claim) is its own already, and stays."""
+    made = _claimed_file(path)
+    if made and _claimed[made[1]][3]:
+        return path
     if os.path.lexists(path) and not os.path.isdir(path):
         os.unlink(path)
     return path
+
+
+def shown(value):
+    """A string that came from a file (a manifest's field, a name in a config), as a message prints it:
+    as it is when every character is printable, else quoted with its control characters escaped
+    (repr), so that a file cannot move the cursor, clear the screen or retitle the terminal."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)
+
+
+def printable(text):
+    """A whole message with every control character but newline and tab escaped (C0, DEL and C1:
+    an escape sequence from a file, or from the side channel, prints as its escape, never acts)."""
+    return "".join(c if c in "\n\t" or c.isprintable() or not _control(c) else repr(c)[1:-1] for c in str(text))
+
+
+def _control(c):
+    code = ord(c)
+    return code < 0x20 or 0x7F <= code <= 0x9F
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+_claimed = {}  # realpath of an output -> (its fd, flocked, inode, made here): claimed at check time
+
+
+def claim(path, name):
+    """Claim the output at path for this run when its checks pass, so that a second run started at the
+    same moment cannot pass them too (issue 48: two runs on one new --metrics lost one's lines): a
+    file that is not there is made now (O_EXCL: of two runs, one makes it and the other is refused);
+    one that is (this run's own, or --overwrite) is locked. Either way an exclusive flock on it, held
+    by this process and its forked ranks, refuses a second run naming its pid. create_new then opens
+    the claimed file itself; release_claims removes one made here that a refused run never wrote."""
+    import fcntl
+    key = os.path.realpath(path)
+    if key in _claimed:
+        return
+    made = not os.path.lexists(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | _NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0), 0o644)
+    except FileExistsError:
+        raise ValueError(f"{name} {path} already exists: another run made it just now, and this run did not "
+                         f"write it; give another path") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            holder = _lock_holder(key)
+            raise ValueError(f"{name} {path}: another run{f' (pid {holder})' if holder else ''} is writing it; two "
+                             f"runs would interleave or lose each other's lines: give another path") from None
+        locked = False  # no locks on this filesystem: the O_EXCL above is the only guard
+    else:
+        locked = True
+    _claimed[key] = (fd, locked, os.fstat(fd).st_ino, made)
+
+
+def release_claims():
+    """A refused run's claimed outputs: each that it made and never wrote (empty, still the same
+    file) removed, every lock let go. run_main calls it on a refusal."""
+    for key, (fd, _, inode, made) in list(_claimed.items()):
+        try:
+            st = os.stat(key, follow_symlinks=False)
+            if made and st.st_ino == inode and st.st_size == 0:
+                os.unlink(key)
+        except OSError:
+            pass
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        del _claimed[key]
+
+
+def _claimed_file(path):
+    """(fd, entry key) of the claim on path when it still names the claimed file, else None."""
+    key = os.path.realpath(path)
+    entry = _claimed.get(key)
+    if entry is None:
+        return None
+    try:
+        same = os.stat(path, follow_symlinks=False).st_ino == entry[2]
+    except OSError:
+        same = False
+    return (entry[0], key) if same else None
+
+
+def create_new(path, mode="wb"):
+    """Open a new file at path for writing ("w" or "wb"): created here (O_CREAT | O_EXCL, which
+    never opens a file or a link that is there) and never through a link (O_NOFOLLOW). Mode "a" or
+    "ab" appends to the file at path (a run's own earlier metrics), refusing a link there all the
+    same. Every file a run writes is opened so, or written so and renamed over its name."""
+    append = mode.startswith("a")
+    claimed = _claimed_file(path)
+    if claimed:  # this run's claim (claim): the file it made, or locked, at check time
+        fd = os.dup(claimed[0])
+        if not append:
+            os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_END)
+        return open(path, mode, opener=lambda name, _: fd)
+    flags = os.O_WRONLY | _NOFOLLOW | (os.O_APPEND | os.O_CREAT if append else os.O_CREAT | os.O_EXCL)
+    f = open(path, mode, opener=lambda name, _: os.open(name, flags, 0o644))  # a file named by its path
+    key = os.path.realpath(path)
+    if key in _claimed:  # the claim was on the file this one replaced (--overwrite): it moves to the new one
+        import fcntl
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+        old_fd = _claimed[key][0]
+        _claimed[key] = (os.dup(f.fileno()), True, os.fstat(f.fileno()).st_ino, False)
+        os.close(old_fd)
+    return f
 
 
 def looks_like_metrics(path, lines=1):

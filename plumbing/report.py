@@ -31,7 +31,7 @@ from plumbing.data import sum_probe as probe_batches
 from plumbing.launch import Interrupted, gather_numbers
 
 pipeline = importlib.import_module("02_pipeline_1f1b")
-_open = open  # tests put a full disk here
+_open = paths.create_new  # exclusive, never through a link; tests put a full disk here
 
 
 LISTED_WORLD = 4096  # --print-layout lists every rank and group up to this world; beyond, a summary

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plumbing.checkpoint import latest_checkpoint, only_gpt2, read_checkpoint
+from plumbing.checkpoint import hold, latest_checkpoint, only_gpt2, read_checkpoint
 from plumbing.checks import check_model_flags
 from plumbing.gpt2 import import_gpt2
 from plumbing.launch import Interrupted
@@ -197,6 +197,7 @@ def from_weights(cfg, tc, sc, given=()):
     the flags on the command line; model flags among them must agree with the weights' own model."""
     if tc.resume:
         path = latest_checkpoint(tc.resume, flag="--resume")
+        path = hold(path) if path else path  # read under a shared lock: another run's --keep leaves it
         if not path:
             raise ValueError(f"--resume {tc.resume!r} holds no complete checkpoint to sample from")
         only_gpt2(path, "--sample")  # 01's serial GPT-2 samples: it has no experts

@@ -109,11 +109,20 @@ def init_full(named_params, n_layer, seed, dtype=torch.float32, random_all=False
 
 def max_rel_diff(a, b):
     """max |a - b| / max |b|: relative to the tensor's scale, so tiny entries do not blow it up. The
-    shapes must be equal: broadcasting would compare a (4, 1) gradient with a (4,) one and say 0."""
+    shapes must be equal: broadcasting would compare a (4, 1) gradient with a (4,) one and say 0.
+    Equal entries differ by 0, infinities included (the scale is then b's largest finite entry); two
+    empty tensors by 0.0; a NaN in either is a difference (the result is NaN, below no tolerance)."""
     if a.shape != b.shape:
         raise ValueError(f"max_rel_diff: shapes {tuple(a.shape)} and {tuple(b.shape)} differ; compare tensors of "
                          f"one shape")
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+    if a.numel() == 0:  # nothing differs
+        return 0.0
+    if bool(a.isnan().any() | b.isnan().any()):  # a NaN is never equal to anything, itself included
+        return math.nan
+    diff = torch.where(a == b, (a - b).new_zeros(()), (a - b).abs())  # equal entries, inf included: 0
+    finite = b.abs()[torch.isfinite(b)]
+    scale = finite.max().clamp_min(1e-300) if finite.numel() else b.abs().new_ones(())
+    return (diff.max() / scale).item()
 
 
 class FullWeights:

@@ -169,7 +169,7 @@ def write_chrome_trace(path, processes):
             events += [{"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid,
                         "ts": float(s) * 1e6, "dur": float(e - s) * 1e6}
                        for s, e, name, cat in spans]
-    with open(paths.fresh(path), "w") as f:
+    with paths.create_new(paths.fresh(path), "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 

@@ -39,8 +39,9 @@ from plumbing import health
 BEAT_S = 0.25  # how often a rank's record reaches the side channel
 SILENT_S = 2.0  # a rank whose heartbeat has not changed for this long is silent (stopped, or stuck in C)
 STALE_S = 4 * BEAT_S  # a record not rewritten for longer is not trusted for a diagnosis (until it is silent)
-KEY = "watch/rank/{}"  # the side channel's keys: each rank's record, and the watchdog's request
-DUMP_KEY = "watch/dump"
+KEY = "watch/rank/{}"  # the side channel's keys: each rank's record, the watchdog's request for the
+DUMP_KEY = "watch/dump"  # stacks (a number: no path is ever read from the store, which any local
+STACK_KEY = "watch/stack/{}"  # process can reach), and each rank's stacks, as text
 _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
                 "reduce_scatter_single", "all_gather", "broadcast", "barrier", "monitored_barrier")
 
@@ -299,28 +300,50 @@ class Heartbeat(threading.Thread):
                 self.stopped.set()
 
     def run(self):
-        dumped = None
+        asked = None
         while not self.stopped.wait(BEAT_S):
             self.write()
             try:
                 with self.lock:
-                    path = self.store.get(DUMP_KEY).decode() if self.store.check([DUMP_KEY]) else dumped
-                if path != dumped:
-                    dumped = path
-                    with open(os.path.join(path, f"rank{self.recorder.rank}.txt"), "w") as f:
-                        faulthandler.dump_traceback(f, all_threads=True)
+                    request = self.store.get(DUMP_KEY) if self.store.check([DUMP_KEY]) else asked
+                if request != asked:  # its value is a request's number, never a place: read for nothing else
+                    asked = request
+                    stacks = own_stacks()
+                    with self.lock:
+                        self.store.set(STACK_KEY.format(self.recorder.rank), stacks)
             except Exception:  # the store went away with the job: nothing left to watch
                 return
+
+
+def own_stacks():
+    """This process's Python stacks, as text: faulthandler writes them to a file of its own, which
+    no other process can name (an unlinked temporary file), and they are read back from it."""
+    with tempfile.TemporaryFile() as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+def write_new(path, data):
+    """Write data to a new file at path: created here (O_EXCL, so never a file or a link that was
+    there), readable by its owner only, and never through a link (O_NOFOLLOW)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 class Watchdog:
     """Reads every rank's record from the store (call check() every few tenths of a second). When
     no rank has made progress for hang_s while some rank waits in communication, it diagnoses the
-    hang (health.diagnose), asks every rank for its stacks (written under dump_dir) and returns the
-    report; else None. A rank whose heartbeat stopped for SILENT_S is silent."""
+    hang (health.diagnose), asks every rank for its stacks, writes them into a directory of its own
+    (dump_dir: made then by tempfile.mkdtemp under parent, the temporary directory unless given:
+    private, and a name no other process can have planted) and returns the report; else None. A
+    rank whose heartbeat stopped for SILENT_S is silent. The ranks send their stacks as text through
+    the store: they never take a path from it, since any process on the host can set its keys."""
 
-    def __init__(self, store, world, hang_s, dump_dir):
-        self.store, self.world, self.hang_s, self.dump_dir = store, world, hang_s, dump_dir
+    def __init__(self, store, world, hang_s, parent=None):
+        self.store, self.world, self.hang_s, self.parent = store, world, hang_s, parent
+        self.dump_dir, self.asked = None, 0
         self.seen = {}  # rank -> (beat, progress, when the beat last changed, when progress did)
 
     def records(self):
@@ -329,7 +352,9 @@ class Watchdog:
             key = KEY.format(r)
             if not self.store.check([key]):
                 continue
-            rec = json.loads(self.store.get(key))
+            rec = _record(self.store.get(key))
+            if rec is None:  # not a heartbeat's record (the store is open to every local process): not trusted
+                continue
             beat, progress, beat_at, progress_at = self.seen.get(r, (None, None, now, now))
             if rec["beat"] != beat:
                 beat_at = now
@@ -345,7 +370,7 @@ class Watchdog:
     def last(self, rank):
         """The rank's last record, or None."""
         key = KEY.format(rank)
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return _record(self.store.get(key)) if self.store.check([key]) else None
 
     def check(self, acting=None):
         """The diagnosis of a hang, its stacks written; else None. acting(records): whether to report
@@ -362,16 +387,40 @@ class Watchdog:
         diagnosis = health.diagnose(records, self.world)
         if diagnosis.kind == "none" or (acting is not None and not acting(records)):
             return None  # every rank computing for long: slow, not stuck
-        os.makedirs(self.dump_dir, exist_ok=True)
-        self.store.set(DUMP_KEY, self.dump_dir)
+        self.asked += 1
+        self.store.set(DUMP_KEY, str(self.asked))
         deadline = time.monotonic() + 3 * BEAT_S + 1.0
         alive = [r for r, rec in records.items() if rec.get("state") == "running"]
-        while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(self.dump_dir, f"rank{r}.txt")) for r in alive):
+        while time.monotonic() < deadline and not self.store.check([STACK_KEY.format(r) for r in alive]):
             time.sleep(0.05)
-        written = [r for r in range(self.world) if os.path.exists(os.path.join(self.dump_dir, f"rank{r}.txt"))]
+        written = self._write_stacks()
         diagnosis.stacks = None if len(written) == self.world else written  # None: every rank's
         return diagnosis
+
+    def _write_stacks(self):
+        """The stacks the ranks sent, each written as rank<N>.txt into this watchdog's own new
+        directory; returns the ranks written."""
+        written = [r for r in range(self.world) if self.store.check([STACK_KEY.format(r)])]
+        if written:
+            parent = self.parent or tempfile.gettempdir()
+            os.makedirs(parent, exist_ok=True)
+            self.dump_dir = tempfile.mkdtemp(prefix="hang-", dir=parent)
+            for r in written:
+                write_new(os.path.join(self.dump_dir, f"rank{r}.txt"), self.store.get(STACK_KEY.format(r)))
+        return written
+
+
+def _record(raw):
+    """A heartbeat's record from the store's bytes, or None when it is not one (the fields health
+    reads, of their types)."""
+    try:
+        rec = json.loads(raw)
+    except ValueError:
+        return None
+    ok = isinstance(rec, dict) and isinstance(rec.get("beat"), int) and isinstance(rec.get("progress"), int) \
+        and isinstance(rec.get("groups", {}), dict) and isinstance(rec.get("waiting_for", []), list) \
+        and (rec.get("step") is None or isinstance(rec.get("step"), int))
+    return rec if ok else None
 
 
 def describe(diagnosis, grid_of, hang_s, dump_dir):
@@ -413,10 +462,9 @@ class _WatchdogThread(threading.Thread):
     def __init__(self, world, hang_s, where_is, deputy=False):
         from plumbing.launch import side_channel  # its own client: one per thread
         super().__init__(daemon=True, name="watchdog")
-        # The stacks go where the local launcher's go: a temporary directory, not the working one
+        # The stacks go where the local launcher's go: a new temporary directory, not the working one
         # (often a checkout).
-        self.dog = Watchdog(side_channel(), world, hang_s, os.path.join(
-            tempfile.gettempdir(), f"hang-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}-{int(time.time())}"))
+        self.dog = Watchdog(side_channel(), world, hang_s)
         self.where_is, self.stopped, self.deputy = where_is, threading.Event(), deputy
 
     def run(self):
@@ -427,7 +475,8 @@ class _WatchdogThread(threading.Thread):
             except Exception:
                 return
             if diagnosis:
-                print(f"\nerror: {describe(diagnosis, self.where_is, self.dog.hang_s, self.dog.dump_dir)}",
+                from plumbing.paths import printable  # the records' phases came through the store
+                print(f"\nerror: {printable(describe(diagnosis, self.where_is, self.dog.hang_s, self.dog.dump_dir))}",
                       file=sys.stderr, flush=True)
                 _claim(self.dog.store, diagnosis)
                 _end_stopped(self.dog.store, diagnosis.culprits)
@@ -548,6 +597,8 @@ def with_restarts(launch_run, tc, grid):
                 if reached <= done else f"{reached - done} finished step(s) lost: steps {done} to {reached - 1} run again"
             lines = str(failure).splitlines() or [""]
             headline = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "rank 2 failed:" says no cause
+            from plumbing.paths import printable
+            headline = printable(headline)
             print(f"\n{headline}\nrestart {attempt + 1} of {tc.restarts}: resuming from {newest or 'the start'} at "
                   f"step {done}; {lost}", file=sys.stderr, flush=True)
             # Its outputs are this run's own now (overwrite), and the faults were the first attempt's,

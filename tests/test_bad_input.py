@@ -339,10 +339,12 @@ def _setup(case, tmp, ckpt):
             os.remove(shard0)
         if case == "resume a shard that is not a shard":
             torch.save({"weights": torch.zeros(3)}, shard0)
+            _reseal(copy)
         if case == "sample from a shard of wrong shapes":
             shard = torch.load(shard0, weights_only=True)
             shard["chunks"][0]["transformer.wpe.weight"] = torch.zeros(3, 3)
             torch.save(shard, shard0)
+            _reseal(copy)
     return {"{tmp}": tmp, "{ckpt}": copy, "{file}": file, "{hf}": hf}
 
 
@@ -368,12 +370,21 @@ def test_bad_input_is_refused_by_name_within_seconds_and_leaves_nothing_running(
 # checkpoint; a setup may add its own names. Every file of the case must be unchanged afterwards.
 
 def _edit_shard(rank, edit):
+    """A shard edited and its manifest's checksum of it made to agree: a save that wrote what it should
+    not have, which the load's checks of the contents refuse (a changed byte alone: FOURTH)."""
     def setup(tmp, subs):
         file = os.path.join(subs["{ckpt}"], f"rank_{rank:05d}.pt")
         shard = torch.load(file, weights_only=True)
         edit(shard)
         torch.save(shard, file)
+        _reseal(subs["{ckpt}"])
     return setup
+
+
+def _reseal(ckpt):
+    """The manifest's sha256 of each shard, as the shards now are."""
+    from plumbing.checkpoint import sha256_of
+    _edit_manifest(ckpt, lambda m: m.update(shards={n: sha256_of(os.path.join(ckpt, n)) for n in m["shards"]}))
 
 
 def _first_weight(shard):
@@ -1293,3 +1304,125 @@ def test_max_rel_diff_refuses_tensors_of_two_shapes_instead_of_broadcasting():
     with pytest.raises(ValueError, match=r"max_rel_diff: shapes \(4, 1\) and \(4,\) differ"):
         tensor_parallel.max_rel_diff(torch.ones(4, 1), torch.ones(4))
     assert tensor_parallel.max_rel_diff(torch.ones(4), torch.ones(4)) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The fourth hostile pass (issue 48), with the same promises: checkpoints whose bytes changed since
+# their save, a --resume that finds nothing, text from files that would act on the terminal. A
+# changed byte is left as it is (the manifest's sha256 finds it); a shard of another save, or counts
+# that cannot be, come with a manifest that agrees with them (_reseal), as a save that wrote what it
+# should not have would leave. Security of the launcher, and the library: tests/test_security.py.
+
+
+def _flip(rank, where=0.5):
+    """One bit flipped in a shard, at `where` of its length (the tensors' bytes), the manifest untouched."""
+    def setup(tmp, subs):
+        file = os.path.join(subs["{ckpt}"], f"rank_{rank:05d}.pt")
+        with open(file, "r+b") as f:
+            f.seek(int(os.path.getsize(file) * where))
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+    return setup
+
+
+def _shard_linked(tmp, subs):
+    """rank_00001.pt replaced by a link to a copy of itself elsewhere: the same bytes, by a link."""
+    file = os.path.join(subs["{ckpt}"], "rank_00001.pt")
+    shutil.copy(file, os.path.join(tmp, "elsewhere.pt"))
+    os.remove(file)
+    os.symlink(os.path.join(tmp, "elsewhere.pt"), file)
+
+
+def _hostile_extension(tmp, subs):
+    _edit_manifest(subs["{ckpt}"], lambda m: m.update(extension={
+        "name": "experts\x1b]0;owned\x07\x1b[2J", "file": "rm -rf ~; 09_expert_parallel.py", "model": {"num_experts": 4}}))
+
+
+def _step_edit(value):
+    def edit(shard):
+        for piece in shard["pieces"]:
+            piece[4]["step"] = torch.tensor(value)
+    return edit
+
+
+FOURTH = {
+    # 3. Checkpoints carry checksums: a changed byte, a shard of another save, counts that cannot be
+    "resume a bit flipped in stage 0's shard": ("05", [*T05, "--resume", "{ckpt}"],
+        "checkpoint shard {ckpt}/rank_00000.pt is not the file its save wrote: its sha256 is", _flip(0), None),
+    "export a bit flipped in stage 1's shard": ("05", ["--resume", "{ckpt}", "--export-state-dict", "{tmp}/out.pt"],
+        "checkpoint shard {ckpt}/rank_00001.pt is not the file its save wrote", _flip(1), None),
+    "resume a bit flipped in an optimizer moment": ("05", [*T05, "--resume", "{ckpt}"],
+        "checkpoint shard {ckpt}/rank_00001.pt is not the file its save wrote", _flip(1, 0.9), None),
+    "verify a bit flipped": ("05", ["--verify", "{ckpt}"],
+        "checkpoint shard {ckpt}/rank_00000.pt is not the file its save wrote", _flip(0, 0.3), None),
+    "resume a shard of another step": ("05", [*T05, "--resume", "{ckpt}"],
+        "checkpoint shard {ckpt}/rank_00001.pt is of step 1, and its manifest of step 2: a shard of another save",
+        _edit_shard(1, lambda s: s.update(step=1)), None),
+    "export a shard of another run": ("05", ["--resume", "{ckpt}", "--export-hf", "{tmp}/hf-out"],
+        "checkpoint shard {ckpt}/rank_00000.pt is of run '0123456789abcdef', and its manifest of run id",
+        _edit_shard(0, lambda s: s.update(run="0123456789abcdef")), None),
+    "resume a shard that is a link": ("05", [*T05, "--resume", "{ckpt}"],
+        "checkpoint shard {ckpt}/rank_00001.pt is a link (to", _shard_linked, None),
+    "resume AdamW step counts of 1e9": ("05", [*T05, "--resume", "{ckpt}"],
+        "checkpoint shard {ckpt}/rank_00000.pt: AdamW's step count of", _edit_shard(0, _step_edit(1e9)), None),
+    "resume a random stream of the wrong size": ("05", [*T05, "--resume", "{ckpt}"],
+        "checkpoint shard {ckpt}/rank_00001.pt is malformed: its cpu random stream holds 100 bytes, where a CPU "
+        "generator's state is 5056", _edit_shard(1, lambda s: s["rng"].update(cpu=torch.zeros(100, dtype=torch.uint8))),
+        None),
+    "resume a manifest whose checksums are not": ("05", [*T05, "--resume", "{ckpt}"],
+        "manifest.json is malformed: missing or wrong shards {'rank_00000.pt': 'x'}",
+        _manifest(lambda m: m.update(shards={"rank_00000.pt": "x"})), None),
+    # 4. A --resume that finds nothing is refused; --init-from a checkpoint says to resume it
+    "resume a step one digit short": ("05", [*T05, "--resume", "{tmp}/step_0000002"],
+        "--resume {tmp}/step_0000002: no such file or directory; to start from step 0 when no checkpoint is there "
+        "yet, give --resume-if-present instead", None, None),
+    "resume a path that does not exist": ("05", [*T05, "--resume", "/nonexistent"],
+        "--resume /nonexistent: no such file or directory", None, None),
+    "resume a GPT-2 directory": ("05", [*T05, "--resume", "{hf}"],
+        "--resume {hf}: it holds a GPT-2 directory (config.json): start from it with --init-from", None, None),
+    "resume a directory of no checkpoint": ("05", [*T05, "--resume", "{tmp}"],
+        "--resume {tmp}: it holds no complete checkpoint (a step_N directory with its manifest.json)", None, None),
+    "init from a checkpoint": ("05", ["--init-from", "{ckpt}"],
+        "--init-from {ckpt}: this is a checkpoint of this trainer (step_N with its manifest.json), not a GPT-2 "
+        "directory: use --resume {ckpt} to continue it", None, None),
+    "resume if present and resume": ("05", ["--resume", "{ckpt}", "--resume-if-present", "{ckpt}"],
+        "--resume-if-present {ckpt} and --resume {ckpt} both give the starting point", None, None),
+    "verify a directory of no checkpoint": ("05", ["--verify", "{tmp}"],
+        "--verify {tmp}: it holds no complete checkpoint", None, None),
+    # 2. Text from files reaches the terminal escaped, and is never offered as a command
+    "resume a manifest whose extension holds escape sequences": ("05", [*T05, "--resume", "{ckpt}"],
+        r"a GPT-2 with 'experts\x1b]0;owned\x07\x1b[2J' (num_experts=4)", _hostile_extension, None),
+    "export a manifest whose extension holds escape sequences": ("05", ["--resume", "{ckpt}", "--export-hf", "{tmp}/o"],
+        r"holds a GPT-2 with 'experts\x1b]0;owned\x07\x1b[2J' (num_experts=4), and 01's GPT-2 has no", _hostile_extension,
+        None),
+}
+
+
+@pytest.mark.parametrize("case", list(FOURTH))
+def test_fourth_pass_input_is_refused_by_name_in_seconds_and_every_file_is_left_as_it_was(case, tmp_path,
+                                                                                          checkpoint_dir):
+    script, args, message, setup, env = FOURTH[case]
+    tmp = str(tmp_path)
+    subs = _hostile_files(tmp, checkpoint_dir)
+    if setup:
+        setup(tmp, subs)
+    fill = lambda text: functools.reduce(lambda t, kv: t.replace(*kv), subs.items(), text)  # noqa: E731
+    args, message = [fill(a) for a in args], fill(message)
+    before = _snapshot(tmp)
+    proc = run_script(SCRIPTS[script], *args, timeout=30, env=env)
+    _refused_and_untouched(proc, message, tmp, before)
+    said = proc.stdout + proc.stderr
+    assert not [c for c in said if c not in "\n\t" and (ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F)], said[-2000:]
+    assert "python3 rm" not in said and "with python3" not in said  # no file's name offered as a command
+
+
+def test_a_checkpoint_verifies_and_a_restart_wrapper_starts_afresh_with_resume_if_present(tmp_path, checkpoint_dir):
+    subs = _hostile_files(str(tmp_path), checkpoint_dir)
+    proc = run_script(SCRIPTS["05"], "--verify", subs["{ckpt}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"verified {subs['{ckpt}']}: step 2, 2 shards, each as its save wrote it (sha256), of run " in proc.stdout
+    nothing = str(tmp_path / "ckpt-none")
+    proc = run_script(SCRIPTS["05"], *T05_RUN, "--steps", "1", "--resume-if-present", nothing, "--save", nothing)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"no complete checkpoint in {nothing}: starting from step 0" in proc.stdout + proc.stderr

@@ -281,7 +281,7 @@ def _async_against_blocking(env, root):
     reads, real = [], checkpoint._load_shard
     # Counted in this rank: the shards the resume loads (the start-up check of every tensor, memory-
     # mapped, is the launching process's, once; here, without one, rank 0's).
-    checkpoint._load_shard = lambda file, mmap=False: (mmap or reads.append(file)) and None or real(file, mmap)
+    checkpoint._load_shard = lambda file, mmap=False, **kw: (mmap or reads.append(file)) and None or real(file, mmap, **kw)
     half = gpt3d.train(env, CFG, replace(layout, resume=os.path.join(root, "async", "step_00000003")), quiet=True)
     return whole["losses"][3:], half["losses"], len(reads)
 
