@@ -31,23 +31,189 @@ Layer split: n_layer must be divisible by the number of stages; uneven splits ar
 import importlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from fractions import Fraction
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from plumbing import cli, demos
+from plumbing.checks import check_world, split_batch  # noqa: F401 (02's, re-exported)
 from plumbing.launch import printer, run_main
 from plumbing.meter import ActivationMeter, StepRecord, StepResult  # noqa: F401 (the step's figures, re-exported)
 from plumbing.reference import pipeline_reference
+from plumbing.simulate import Simulation, peak_in_flight, simulate  # noqa: F401 (02's, re-exported)
 from plumbing.validate import ScheduleError, check_lists, check_plans, validate  # noqa: F401 (02's, re-exported)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedules as data
+# The lesson: GPipe and 1F1B as the loops one writes on a whiteboard. Rank s of the world is stage s
+# of pp = the world size. Every rank holds the whole batch, cut into microbatches [(idx, targets)]:
+# the first stage reads the token ids, the last the targets. Every message between stages is here.
+
+
+def split_layers(n_layer, n_stages):
+    """Contiguous, equal layer ranges; an uneven split is refused rather than silently unbalanced."""
+    if n_layer % n_stages:  # more stages than layers included
+        raise ValueError(f"n_layer={n_layer} is not divisible by {n_stages} pipeline stages (uneven ones are refused)")
+    per = n_layer // n_stages
+    return [range(k * per, (k + 1) * per) for k in range(n_stages)]
+
+
+def stage_model(cfg, **gpt_kwargs):
+    """This rank's stage: 01's GPT cut to its layers; the first holds the embeddings, the last ln_f,
+    the output layer (tied to wte: the last stage holds a copy) and the loss."""
+    s, pp = dist.get_rank(), dist.get_world_size()
+    return tensor_parallel.GPT(cfg, layers=split_layers(cfg.n_layer, pp)[s], pre_process=s == 0,
+                               post_process=s == pp - 1, **gpt_kwargs)
+
+
+def loss_weights(microbatches, ignore_index=-100):
+    """What microbatch i's mean loss weighs: valid_i / sum(valid), so that the step's loss is the
+    batch's mean over its counted targets (docs/LOSS.md), not the mean of the means (1/m). One that
+    counts no target weighs 0 (01's head gives it a mean of 0): no 0/0."""
+    valid = [int((t != ignore_index).sum()) for _, t in microbatches]
+    return [v / sum(valid) if v else 0.0 for v in valid]
+
+
+def recv_from(src, like):
+    """dist.recv of a tensor shaped like `like` from stage src; None where src is no stage (before
+    the first, after the last): the first stage reads tokens, the last starts backward from its loss."""
+    if not 0 <= src < dist.get_world_size():
+        return None
+    buf = torch.empty_like(like)
+    dist.recv(buf, src)  # blocks until it arrived
+    return buf
+
+
+def send_to(t, dst):
+    """dist.send of t to stage dst, if there is one (the last stage's output is the loss: kept)."""
+    if 0 <= dst < dist.get_world_size():
+        dist.send(t.detach(), dst)
+
+
+def send_recv(t, peer, like):
+    """Send t to stage peer and receive a tensor shaped like `like` from it, as one batch: 1F1B's
+    send_forward_recv_backward (peer: the next stage) and send_backward_recv_forward (the previous).
+    Two neighbours that each sent first, waiting for the other to receive, would wait forever."""
+    if not 0 <= peer < dist.get_world_size():
+        return None
+    buf = torch.empty_like(like)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t.detach(), peer), dist.P2POp(dist.irecv, buf, peer)]):
+        work.wait()
+    return buf
+
+
+def forward_step(stage, mb, x, weight, losses):
+    """Microbatch mb = (idx, targets) through this stage. x: the previous stage's output (b, T, C),
+    None on the first stage (it reads idx). Returns (input, output): the output is (b, T, C), or on the
+    last stage weight x the mean loss, also appended (detached) to losses."""
+    x = mb[0] if x is None else x.requires_grad_()  # backward wants the gradient of a received input
+    if not stage.post_process:
+        return x, stage(x)
+    loss = stage(x, mb[1])[1] * weight
+    losses.append(loss.detach())
+    return x, loss
+
+
+def backward_step(x, y, dy):
+    """Backward of one microbatch through this stage, from dy, its output's gradient (None on the last
+    stage, whose output is the loss). Returns its input's gradient (None on the first: token ids)."""
+    torch.autograd.backward(y, dy)
+    return x.grad
+
+
+def sum_tied_grads(stage):
+    """The output layer is tied to wte, and with pp > 1 the first and the last stage each hold a copy:
+    they swap their gradients and add them, so both copies take the same step (Megatron all-reduces
+    over an embedding group of those two ranks: the same sum)."""
+    s, pp = dist.get_rank(), dist.get_world_size()
+    if pp > 1 and s in (0, pp - 1):
+        g = stage.transformer.wte.weight.grad
+        g += send_recv(g, pp - 1 - s, g)
+
+
+def boundary(stage, microbatches):
+    """An empty tensor shaped as a stage's output, (b, T, C), in its dtype: what travels between stages."""
+    return next(stage.parameters()).new_empty(*microbatches[0][0].shape, stage.cfg.n_embd)
+
+
+def gpipe_step(stage, microbatches):
+    """GPipe (Huang et al. 2019) on this rank's stage: every microbatch forward (receive, forward,
+    send), then every one backward in the same order. All m stay in flight. Returns the loss on the
+    last stage (None on the others); the gradients are in the stage's .grad."""
+    s, w, out, losses, flight = dist.get_rank(), loss_weights(microbatches), boundary(stage, microbatches), [], []
+    for i, mb in enumerate(microbatches):
+        flight.append(forward_step(stage, mb, recv_from(s - 1, out), w[i], losses))
+        send_to(flight[-1][1], s + 1)
+    while flight:
+        x, y = flight.pop(0)
+        send_to(backward_step(x, y, recv_from(s + 1, out)), s - 1)
+    sum_tied_grads(stage)
+    return sum(losses) if stage.post_process else None
+
+
+def one_f_one_b_step(stage, microbatches):
+    """1F1B (PipeDream-Flush) on this rank's stage: warm up with forwards, then alternate the forward
+    of a new microbatch and the backward of the oldest in flight, then drain the backwards left. At
+    most pp - s microbatches are in flight on stage s (GPipe: m). Returns what gpipe_step returns."""
+    s, pp, m = dist.get_rank(), dist.get_world_size(), len(microbatches)
+    w, out, losses, flight = loss_weights(microbatches), boundary(stage, microbatches), [], []
+    # Stage s runs pp - s - 1 forwards before the steady state: how long microbatch 0 takes to reach
+    # the last stage and come back. The steady state's first forward makes pp - s in flight.
+    warmup = min(pp - s - 1, m)
+    for i in range(warmup):
+        flight.append(forward_step(stage, microbatches[i], recv_from(s - 1, out), w[i], losses))
+        send_to(flight[-1][1], s + 1)
+    x = recv_from(s - 1, out) if warmup < m else None
+    for i in range(warmup, m):  # steady: forward microbatch i, then backward the oldest in flight
+        flight.append(forward_step(stage, microbatches[i], x, w[i], losses))
+        dy = send_recv(flight[-1][1], s + 1, out)  # send forward, receive backward
+        dx = backward_step(*flight.pop(0), dy)
+        if i + 1 < m:  # send backward, receive forward: the next microbatch's input
+            x = send_recv(dx, s - 1, out)
+        else:
+            send_to(dx, s - 1)
+    while flight:  # drain: the backwards left, oldest first
+        x, y = flight.pop(0)
+        send_to(backward_step(x, y, recv_from(s + 1, out)), s - 1)
+    sum_tied_grads(stage)
+    return sum(losses) if stage.post_process else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: the lesson against the serial model, then the machine below against the lesson; float64, the
+# same weights and the same batch, whose microbatches count unequal numbers of targets (one none).
+
+
+LESSONS = {"gpipe": gpipe_step, "1f1b": one_f_one_b_step}
+
+
+def demo(env, cfg, args):
+    pp, m, say = args.pp, args.microbatches, printer(env)
+    check_world(pp, env.world_size)  # every check runs before the first collective
+    split_layers(cfg.n_layer, pp)
+    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device, unequal=True)
+    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    say(f"targets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
+    ok, lessons, names = True, {}, ["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]
+    for name in names:
+        stage = stage_model(cfg, init=False, dtype=torch.float64, device=env.device)
+        stage.load_full_state_dict(full)  # the serial model's weights
+        loss = LESSONS[name](stage, microbatches)
+        lessons[name] = loss, {n: p.grad for n, p in stage.named_parameters()}
+        worst = demos.worst_difference(lessons[name], ref_loss, ref_grads)
+        say(f"the lesson, {name}_step: max relative difference against serial (loss and every gradient): "
+            f"{worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+        ok &= worst <= 1e-10
+    return prove_machine(env, cfg, args, names, (microbatches, full, ref_loss, ref_grads), lessons, say) and ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: the machine, the general form of the lesson that 03 and 05-09 build on. Schedules as
+# data: a schedule is a pure function (pp, m, stage) -> that stage's list of actions.
 
 
 @dataclass(frozen=True)
@@ -81,7 +247,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 # ----------------------------------------------------------------------------------------------
-# Messages. Chunk c of rank r is virtual stage placement(pp, c, r) of S = pp*v. The forward of
+# Read second: messages. Chunk c of rank r is virtual stage placement(pp, c, r) of S = pp*v. The forward of
 # stage k sends its output to stage k+1 as message ("act", k+1, mb); the backward of stage k sends
 # the gradient of its input to stage k-1 as ("grad", k-1, mb). Stages on one rank hand over locally.
 
@@ -160,7 +326,7 @@ class Schedule:
 
 
 # ----------------------------------------------------------------------------------------------
-# The executor: runs exactly one rank's plan. Receive -> compute -> send, for each action.
+# Read second: the executor. It runs exactly one rank's plan. Receive -> compute -> send, for each action.
 
 
 class Executor:
@@ -242,15 +408,7 @@ def execute(schedule, chunks, pp_group, microbatches, wire, valid=None, exchange
 
 
 # ----------------------------------------------------------------------------------------------
-# Stages: the GPT-2 of 01, cut into contiguous chunks of layers; one step on one rank.
-
-
-def split_layers(n_layer, n_stages):
-    """Contiguous, equal layer ranges; an uneven split is refused rather than silently unbalanced."""
-    if n_layer % n_stages:  # more stages than layers included
-        raise ValueError(f"n_layer={n_layer} is not divisible by {n_stages} pipeline stages (uneven ones are refused)")
-    per = n_layer // n_stages
-    return [range(k * per, (k + 1) * per) for k in range(n_stages)]
+# Read second: the machine's stages (v chunks a rank, 03's) and one step on one rank.
 
 
 def build_chunks(cfg, pp, rank, v=1, group=None, placement=looped, **gpt_kwargs):
@@ -288,8 +446,9 @@ def pipeline_step(cfg, schedule, pp_group, embed_group, full, microbatches, deal
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch. Printing the
-# figures is plumbing (plumbing/demos.py); the step and the comparison are here.
+# Read second: the demo's machine part. It runs each schedule's lists through the executor on the
+# lesson's weights and batch, prints the figures (plumbing/demos.py), and checks loss and gradients
+# against serial and against the lesson.
 
 
 def differences(chunks, result, ref_loss, ref_grads):
@@ -298,16 +457,12 @@ def differences(chunks, result, ref_loss, ref_grads):
     return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
 
 
-def demo(env, cfg, args):
-    pp, m, say = args.pp, args.microbatches, printer(env)
-    check_world(pp, env.world_size)  # every check runs before the first collective
-    split_layers(cfg.n_layer, pp)
-    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device)
-    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
-        f"world={env.world_size} ({dist.get_backend()})")
+def prove_machine(env, cfg, args, names, reference, lessons, say):
+    """Each schedule as lists, validated, executed, reported; its loss and gradients against the lesson's."""
+    (microbatches, full, ref_loss, ref_grads), pp, m = reference, args.pp, args.microbatches
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
     ok, measured = True, {}
-    for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
+    for name in names:
         schedule = Schedule([SCHEDULES[name](pp, m, s) for s in range(pp)])
         validate(schedule, m)
         dist.barrier()  # the ranks start together, so their measured timelines line up
@@ -316,71 +471,12 @@ def demo(env, cfg, args):
         worst = differences(chunks, result, ref_loss, ref_grads)
         good, _, measured[name] = demos.report_pipeline(env, name, schedule.lists, simulate(schedule), worst,
                                                         result, kept, say)
-        ok &= good
+        same = demos.worst_difference((result.loss, {n: p.grad for n, p in chunks[0].named_parameters()}), *lessons[name])
+        say(f"the machine (execute) against the lesson's {name}_step (loss and every gradient): {same:.2e} "
+            f"{'PASS' if same <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
+        ok &= good and same <= 1e-12
     demos.write_trace(env, args.trace, measured, say)
     return ok
-
-
-# ----------------------------------------------------------------------------------------------
-# After the concept: the simulator. It replays the lists with per-action times, t_f and t_b one for
-# every rank or a list of each rank's; sends are buffered (a stage starts once its input arrived).
-# Exact with ints and Fractions: the demo prints its bubble beside the paper's formula.
-
-
-@dataclass
-class Simulation:
-    step_time: object
-    idle: list  # per rank: the step time less its busy time
-    bubble: object  # total idle / total busy time: (pp - 1) / m for uniform times
-    peak_in_flight: list  # per rank: most microbatches (x chunks) forwarded but not yet backwarded
-    timeline: list  # per rank: [(start, end, action)]
-    span_idle: list  # per rank: idle between its own first start and last end
-
-
-def peak_in_flight(actions, kinds=KINDS):
-    """The most microbatches (x chunks) forwarded ("act") and not yet backwarded ("grad")."""
-    live = peak = 0
-    for a in actions:
-        live += {"act": 1, "grad": -1}.get(kinds[a.kind].flow, 0)
-        peak = max(peak, live)
-    return peak
-
-
-def simulate(schedule, t_f=1, t_b=2, t_comm=0, times=None):
-    """Deterministic replay: each action starts when its rank is free and what it waits for has
-    ended: its input (t_comm later from another rank), the action of kind Kind.after on its stage,
-    and any actions of other ranks (Kind.waits; t_comm later). times: {kind: time} for kinds
-    other than F and B (a later file's), each a number or a list per rank, as t_f and t_b are."""
-    pp, lists = schedule.pp, schedule.lists
-    per_rank = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * pp  # noqa: E731
-    times = {kind: per_rank(t) for kind, t in {"F": t_f, "B": t_b, **(times or {})}.items()}
-    done, clock, nxt, timeline = {}, [0] * pp, [0] * pp, [[] for _ in range(pp)]
-    while any(nxt[r] < len(lists[r]) for r in range(pp)):
-        moved = False
-        for r in range(pp):
-            while nxt[r] < len(lists[r]):
-                a = lists[r][nxt[r]]
-                k, kind = schedule.stage(r, a.chunk), schedule.kinds[a.kind]
-                got = schedule.needs(a, k)  # (key of what it waits for, delay once that ended)
-                deps = ([((kind.flow, got[1], a.mb), t_comm * (schedule.where[got[1]][0] != r))] if got else []) \
-                    + ([((kind.after, k, a.mb), 0)] if kind.after else []) \
-                    + [(w, t_comm) for w in (kind.waits(a, r, schedule) if kind.waits else [])]
-                if any(dep not in done for dep, _ in deps):
-                    break
-                start = max([clock[r]] + [done[dep] + delay for dep, delay in deps])
-                end = clock[r] = start + times[a.kind][r]
-                done[(a.kind, k, a.mb)] = done[(kind.flow, k, a.mb)] = done[(r, a)] = end
-                timeline[r].append((start, end, a))
-                nxt[r] += 1
-                moved = True
-        if not moved:
-            raise ScheduleError("deadlock: no rank can start its next action")
-    step = max(clock)
-    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
-    idle = [step - b for b in busy]
-    bubble = Fraction(sum(idle), sum(busy)) if all(isinstance(x, int) for x in idle + busy) else sum(idle) / sum(busy)
-    span_idle = [tl[-1][1] - tl[0][0] - b if tl else 0 for tl, b in zip(timeline, busy)]
-    return Simulation(step, idle, bubble, [peak_in_flight(acts, schedule.kinds) for acts in lists], timeline, span_idle)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,22 +547,7 @@ class BackgroundSends(Exchange):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the demo's command line, and its checks.
-
-
-def check_world(pp, world_size):
-    if pp != world_size:
-        raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
-
-
-def split_batch(idx, targets, m):
-    """Cut the global batch (B, T) into m microbatches of B/m rows."""
-    B = idx.shape[0]
-    if m < 1:
-        raise ValueError(f"the number of microbatches m={m} must be at least 1")
-    if B % m:
-        raise ValueError(f"the global batch of {B} sequences is not divisible by m={m} microbatches")
-    return list(zip(idx.chunk(m), targets.chunk(m)))
+# After the concept: the demo's command line.
 
 
 @dataclass

@@ -555,3 +555,21 @@ def acceleration(tc, device):
     if tc.graph_scope != "auto":
         return fused, tc.graph_scope
     return fused, "step" if world_size(tc) == tc.virtual_stages == 1 else "stage"
+
+
+# 02's pipeline demo (re-exported by 02; 03, 06 and the exercises call them through it).
+
+
+def check_world(pp, world_size):
+    if pp != world_size:
+        raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
+
+
+def split_batch(idx, targets, m):
+    """Cut the global batch (B, T) into m microbatches of B/m rows."""
+    B = idx.shape[0]
+    if m < 1:
+        raise ValueError(f"the number of microbatches m={m} must be at least 1")
+    if B % m:
+        raise ValueError(f"the global batch of {B} sequences is not divisible by m={m} microbatches")
+    return list(zip(idx.chunk(m), targets.chunk(m)))
