@@ -161,6 +161,12 @@ def gather_figures(env, schedule, worst, result, kept):
             for r, row in enumerate(gather_numbers(flat, device=env.device))]
 
 
+def differences(chunks, result, ref_loss, ref_grads):
+    """02's, 03's and 06's demos: the largest relative difference of this rank's loss (on the last stage) and gradients from serial."""
+    diffs = [max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
+    return max(diffs + ([max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
+
+
 def worst_difference(got, ref_loss, ref_grads):
     """The largest relative difference over every rank of got = (loss or None, {name: grad}) from the reference."""
     loss, grads = got
