@@ -46,8 +46,8 @@ tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# The lesson: GPipe and 1F1B as the loops one writes on a whiteboard. Rank s is stage s of pp = the world
-# size; each holds the batch's microbatches [(idx, targets)]. Every message between stages is here.
+# The lesson: GPipe and 1F1B as the loops one writes on a whiteboard. Rank s is stage s of pp, the
+# world size; each holds the batch's microbatches [(idx, targets)]. Every message is in this section.
 
 
 def split_layers(n_layer, n_stages):
