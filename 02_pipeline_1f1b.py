@@ -1,53 +1,205 @@
-"""02 - Pipeline parallelism: GPipe and 1F1B as pure data (Narayanan et al. 2021, Section 2.2).
+"""02 - Pipeline parallelism: GPipe and 1F1B (Narayanan et al. 2021, Section 2.2).
 
-What this file adds on top of 01: the GPT-2 is cut into pp stages of contiguous layers (the first
-holds the embeddings, the last ln_f, the tied output layer and the loss). A schedule is a pure
-function (pp, m, stage) -> that stage's ordered list of actions, "F3" = forward of microbatch 3,
-"B3" = its backward. Everything else only reads those lists:
-  - Schedule.plan() derives the point-to-point messages around each action, batched per boundary;
-  - Executor runs one rank's plan over real batched isend/irecv; pipeline_step() is one training
-    step's forward and backward on a rank: build its chunks, execute its list, sync the tied embedding.
-After the concept: simulate(), which replays the lists with per-action times (step time, idle
-time, bubble, microbatches in flight: Section 2.2.1's bubble (pp - 1) / m for GPipe and 1F1B alike),
-and one optimization, BackgroundSends, which 05's trainer turns on. The demo first runs validate()
-(plumbing/validate.py), the proof that every microbatch runs once each way, in order, and that the
-messages match without deadlock even if every send waits for its receive.
-GPipe (Huang et al. 2019: all forwards, then all backwards) keeps all m microbatches' activations
-alive; 1F1B (PipeDream-Flush: Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN
-Training") starts backwards as soon as possible and keeps at most pp - stage alive.
-This file knows two kinds of action, F and B (KINDS). A later file adds kinds of its own by giving
-its Schedule a larger table and its Executor a method for each.
+What this file adds on top of 01: the GPT-2 cut into pp stages of contiguous layers, one per rank,
+and the batch into m microbatches that flow through them. GPipe (Huang et al. 2019) runs all forwards,
+then all backwards, and keeps all m microbatches' activations; 1F1B (PipeDream-Flush: Narayanan et al.
+2021b) starts backwards as soon as it can and keeps at most pp - stage. Both idle (pp - 1) / m.
+  - The lesson, read first: gpipe_step and one_f_one_b_step, the loops one writes on a whiteboard
+    (receive, forward, send; 1F1B's warm-up, its steady send-forward/receive-backward, its drain),
+    every dist.send and dist.recv inline, each microbatch's loss weighted by its counted targets.
+  - The machine, read second, which 03 and 05-09 build on: a schedule is a pure function (pp, m,
+    stage) -> that stage's actions ("F3": forward of microbatch 3, "B3" its backward); Schedule.plan()
+    derives each rank's messages, batched per boundary; Executor runs a plan. It knows the kinds F
+    and B (KINDS); a later file gives its Schedule a larger table and its Executor a method a kind.
+After the concept: Wire, Exchange and BackgroundSends (05's trainer turns it on). plumbing/simulate.py
+(the bubble) and plumbing/validate.py (no deadlock, even if each send waits for its receive) read the lists.
 
 Run it:
     python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules
     python 02_pipeline_1f1b.py --pp 2 --microbatches 3 --schedule 1f1b --trace pipe.json
     torchrun --nproc-per-node 4 02_pipeline_1f1b.py             # one stage per GPU
 
-The demo checks GPipe and 1F1B against the serial model in float64 (loss and every gradient within
-1e-10, else exit 1), draws the simulated and measured timelines, and prints the bubble against its
-formula and each stage's peak stored activation bytes, with and without Megatron's deallocation.
-Layer split: n_layer must be divisible by the number of stages; uneven splits are refused.
+The demo runs the lesson against the serial model in float64 on a batch whose microbatches count
+unequal numbers of targets, one none (loss and every gradient within 1e-10, else exit 1); then each
+schedule on the machine: simulated and measured timelines, the bubble against its formula, peak
+activation bytes per stage (with and without Megatron's deallocation), and its difference from
+serial and from the lesson (1e-12). n_layer must be divisible by pp.
 """
 import importlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from fractions import Fraction
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from plumbing import cli, demos
+from plumbing.demos import differences  # noqa: F401 (03's and 06's demos call it as 02's)
+from plumbing.checks import check_world, split_batch  # noqa: F401 (02's, re-exported)
 from plumbing.launch import printer, run_main
 from plumbing.meter import ActivationMeter, StepRecord, StepResult  # noqa: F401 (the step's figures, re-exported)
 from plumbing.reference import pipeline_reference
+from plumbing.simulate import Simulation, peak_in_flight, simulate  # noqa: F401 (02's, re-exported)
 from plumbing.validate import ScheduleError, check_lists, check_plans, validate  # noqa: F401 (02's, re-exported)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedules as data
+# The lesson: GPipe and 1F1B as the loops one writes on a whiteboard. Rank s is stage s of pp, the
+# world size; each holds the batch's microbatches [(idx, targets)]. Every message is in this section.
+
+
+def split_layers(n_layer, n_stages):
+    """Contiguous, equal layer ranges; an uneven split is refused rather than silently unbalanced."""
+    if n_layer % n_stages:  # more stages than layers included
+        raise ValueError(f"n_layer={n_layer} is not divisible by {n_stages} pipeline stages (uneven ones are refused)")
+    per = n_layer // n_stages
+    return [range(k * per, (k + 1) * per) for k in range(n_stages)]
+
+
+def stage_model(cfg, **gpt_kwargs):
+    """This rank's stage: 01's GPT cut to its layers; the first holds the embeddings, the last ln_f,
+    the output layer (tied to wte, of which it holds a copy) and the loss."""
+    s, pp = dist.get_rank(), dist.get_world_size()
+    return tensor_parallel.GPT(cfg, layers=split_layers(cfg.n_layer, pp)[s], pre_process=s == 0,
+                               post_process=s == pp - 1, **gpt_kwargs)
+
+
+def loss_weights(microbatches, ignore_index=-100):
+    """Microbatch i's mean loss weighs valid_i / sum(valid): the step's loss is the batch's mean over its
+    counted targets (docs/LOSS.md), not the means' mean (1/m). One counting none weighs 0: no 0/0."""
+    valid = [int((t != ignore_index).sum()) for _, t in microbatches]
+    return [v / sum(valid) if v else 0.0 for v in valid]
+
+
+def recv_from(src, like):
+    """dist.recv of a tensor shaped like `like` from stage src; None where there is none (before the
+    first stage, which reads tokens; after the last, whose backward starts from its loss)."""
+    if not 0 <= src < dist.get_world_size():
+        return None
+    buf = torch.empty_like(like)
+    dist.recv(buf, src)  # blocks until it arrived
+    return buf
+
+
+def send_to(t, dst):
+    """dist.send of t to stage dst, if there is one (the last stage's output is the loss: kept)."""
+    if 0 <= dst < dist.get_world_size():
+        dist.send(t.detach(), dst)
+
+
+def send_recv(t, peer, like):
+    """Send t to stage peer and receive a tensor shaped like `like` from it, as one batch: 1F1B's
+    send_forward_recv_backward (to the next stage) and send_backward_recv_forward (to the previous).
+    Two neighbours that each sent first, waiting for the other to receive, would wait forever."""
+    if not 0 <= peer < dist.get_world_size():
+        return None
+    buf = torch.empty_like(like)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t.detach(), peer), dist.P2POp(dist.irecv, buf, peer)]):
+        work.wait()
+    return buf
+
+
+def forward_step(stage, mb, x, weight, losses):
+    """Microbatch mb = (idx, targets) through this stage from x, the previous stage's output (b, T, C), or
+    idx on the first (x None). Returns (input, output (b, T, C)); on the last stage output = weight x its
+    mean loss, also appended to losses."""
+    x = mb[0] if x is None else x.requires_grad_()  # backward wants the gradient of a received input
+    if not stage.post_process:
+        return x, stage(x)
+    loss = stage(x, mb[1])[1] * weight
+    losses.append(loss.detach())
+    return x, loss
+
+
+def backward_step(x, y, dy):
+    """Backward of one microbatch through this stage, from dy, its output's gradient (None on the last
+    stage, whose output is the loss). Returns its input's gradient (None on the first: token ids)."""
+    torch.autograd.backward(y, dy)
+    return x.grad
+
+
+def sum_tied_grads(stage):
+    """The output layer is tied to wte; with pp > 1 the first and the last stage hold a copy each, and
+    swap and add their gradients (Megatron: an all-reduce over the two, the same sum)."""
+    s, pp = dist.get_rank(), dist.get_world_size()
+    if pp > 1 and s in (0, pp - 1):
+        g = stage.transformer.wte.weight.grad
+        g += send_recv(g, pp - 1 - s, g)
+
+
+def gpipe_step(stage, microbatches):
+    """GPipe (Huang et al. 2019) on this rank's stage: every microbatch forward (receive, forward, send),
+    then each backward in the same order; all m in flight. Returns the loss on the last stage, else None."""
+    s, w, losses, flight = dist.get_rank(), loss_weights(microbatches), [], []
+    out = next(stage.parameters()).new_empty(*microbatches[0][0].shape, stage.cfg.n_embd)  # (b, T, C) travels
+    for i, mb in enumerate(microbatches):
+        flight.append(forward_step(stage, mb, recv_from(s - 1, out), w[i], losses))
+        send_to(flight[-1][1], s + 1)
+    while flight:
+        x, y = flight.pop(0)
+        send_to(backward_step(x, y, recv_from(s + 1, out)), s - 1)
+    sum_tied_grads(stage)
+    return sum(losses) if stage.post_process else None
+
+
+def one_f_one_b_step(stage, microbatches):
+    """1F1B (PipeDream-Flush) on this rank's stage: warm up with forwards, then alternate a new forward
+    and the oldest backward, then drain the backwards left: at most pp - s in flight (GPipe: m)."""
+    s, pp, m = dist.get_rank(), dist.get_world_size(), len(microbatches)
+    w, losses, flight = loss_weights(microbatches), [], []
+    out = next(stage.parameters()).new_empty(*microbatches[0][0].shape, stage.cfg.n_embd)  # (b, T, C) travels
+    # Stage s runs pp - s - 1 forwards before the steady state: how long microbatch 0 takes to reach
+    # the last stage and come back. The steady state's first forward makes pp - s in flight.
+    warmup = min(pp - s - 1, m)
+    for i in range(warmup):
+        flight.append(forward_step(stage, microbatches[i], recv_from(s - 1, out), w[i], losses))
+        send_to(flight[-1][1], s + 1)
+    x = recv_from(s - 1, out) if warmup < m else None
+    for i in range(warmup, m):  # steady: forward microbatch i, then backward the oldest in flight
+        flight.append(forward_step(stage, microbatches[i], x, w[i], losses))
+        dy = send_recv(flight[-1][1], s + 1, out)  # send forward, receive backward
+        dx = backward_step(*flight.pop(0), dy)
+        if i + 1 < m:  # send backward, receive forward: the next microbatch's input
+            x = send_recv(dx, s - 1, out)
+        else:
+            send_to(dx, s - 1)
+    while flight:  # drain: the backwards left, oldest first
+        x, y = flight.pop(0)
+        send_to(backward_step(x, y, recv_from(s + 1, out)), s - 1)
+    sum_tied_grads(stage)
+    return sum(losses) if stage.post_process else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: the lesson against the serial model, then the machine below against the lesson; float64, the
+# same weights and the same batch, whose microbatches count unequal numbers of targets (one none).
+
+
+def demo(env, cfg, args):
+    pp, m, say = args.pp, args.microbatches, printer(env)
+    check_world(pp, env.world_size)  # every check runs before the first collective
+    split_layers(cfg.n_layer, pp)
+    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device, unequal=True)
+    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    say(f"targets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
+    ok, lessons, names = True, {}, ["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]
+    for name in names:
+        stage = stage_model(cfg, init=False, dtype=torch.float64, device=env.device)
+        stage.load_full_state_dict(full)  # the serial model's weights
+        loss = {"gpipe": gpipe_step, "1f1b": one_f_one_b_step}[name](stage, microbatches)
+        lessons[name] = loss, {n: p.grad for n, p in stage.named_parameters()}
+        worst = demos.worst_difference(lessons[name], ref_loss, ref_grads)
+        say(f"the lesson, {name}_step: max relative difference against serial (loss and every gradient): "
+            f"{worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+        ok &= worst <= 1e-10
+    return prove_machine(env, cfg, args, names, (microbatches, full, ref_loss, ref_grads), lessons, say) and ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: the machine, the lesson's general form, which 03 and 05-09 build on. Schedules as data.
 
 
 @dataclass(frozen=True)
@@ -68,9 +220,7 @@ def gpipe(pp, m, stage):
 
 def one_f_one_b(pp, m, stage):
     """PipeDream-Flush: warm up, then alternate one forward and one backward, then drain."""
-    # Stage s runs pp - s - 1 forwards before the steady state: how long microbatch 0 takes to reach
-    # the last stage and come back. The steady state's first F makes pp - s in flight when B0 arrives.
-    warmup = min(pp - stage - 1, m)
+    warmup = min(pp - stage - 1, m)  # the lesson's warm-up (one_f_one_b_step)
     acts = [Action("F", i) for i in range(warmup)]
     for i in range(m - warmup):  # steady state: the forward of a new microbatch, the oldest backward
         acts += [Action("F", warmup + i), Action("B", i)]
@@ -81,9 +231,9 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 # ----------------------------------------------------------------------------------------------
-# Messages. Chunk c of rank r is virtual stage placement(pp, c, r) of S = pp*v. The forward of
-# stage k sends its output to stage k+1 as message ("act", k+1, mb); the backward of stage k sends
-# the gradient of its input to stage k-1 as ("grad", k-1, mb). Stages on one rank hand over locally.
+# Read second: messages. Chunk c of rank r is virtual stage placement(pp, c, r) of S = pp*v. The
+# forward of stage k sends its output to stage k+1 as message ("act", k+1, mb); the backward of stage
+# k sends the gradient of its input to stage k-1 as ("grad", k-1, mb). One rank's stages hand over locally.
 
 
 @dataclass(frozen=True)
@@ -160,7 +310,7 @@ class Schedule:
 
 
 # ----------------------------------------------------------------------------------------------
-# The executor: runs exactly one rank's plan. Receive -> compute -> send, for each action.
+# Read second: the executor. It runs exactly one rank's plan. Receive -> compute -> send, for each action.
 
 
 class Executor:
@@ -242,15 +392,8 @@ def execute(schedule, chunks, pp_group, microbatches, wire, valid=None, exchange
 
 
 # ----------------------------------------------------------------------------------------------
-# Stages: the GPT-2 of 01, cut into contiguous chunks of layers; one step on one rank.
-
-
-def split_layers(n_layer, n_stages):
-    """Contiguous, equal layer ranges; an uneven split is refused rather than silently unbalanced."""
-    if n_layer % n_stages:  # more stages than layers included
-        raise ValueError(f"n_layer={n_layer} is not divisible by {n_stages} pipeline stages (uneven ones are refused)")
-    per = n_layer // n_stages
-    return [range(k * per, (k + 1) * per) for k in range(n_stages)]
+# Read second: the machine's stages (v chunks a rank, 03's), one step on one rank, and the demo's part
+# that runs each schedule's lists on the lesson's weights and batch (plumbing/demos.py prints).
 
 
 def build_chunks(cfg, pp, rank, v=1, group=None, placement=looped, **gpt_kwargs):
@@ -287,111 +430,36 @@ def pipeline_step(cfg, schedule, pp_group, embed_group, full, microbatches, deal
     return chunks, result
 
 
-# ----------------------------------------------------------------------------------------------
-# Demo: GPipe and 1F1B against the serial model, float64, same weights, same batch. Printing the
-# figures is plumbing (plumbing/demos.py); the step and the comparison are here.
-
-
-def differences(chunks, result, ref_loss, ref_grads):
-    """The largest relative difference of this rank's loss (on the last stage) and gradients from serial."""
-    diffs = [tensor_parallel.max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
-    return max(diffs + ([tensor_parallel.max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
-
-
-def demo(env, cfg, args):
-    pp, m, say = args.pp, args.microbatches, printer(env)
-    check_world(pp, env.world_size)  # every check runs before the first collective
-    split_layers(cfg.n_layer, pp)
-    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device)
-    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
-        f"world={env.world_size} ({dist.get_backend()})")
+def prove_machine(env, cfg, args, names, reference, lessons, say):
+    """Each schedule as lists, validated, executed, reported; its loss and gradients against the lesson's."""
+    (microbatches, full, ref_loss, ref_grads), pp, m = reference, args.pp, args.microbatches
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
     ok, measured = True, {}
-    for name in (["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]):
+    for name in names:
         schedule = Schedule([SCHEDULES[name](pp, m, s) for s in range(pp)])
         validate(schedule, m)
         dist.barrier()  # the ranks start together, so their measured timelines line up
         chunks, result = pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches)
         kept = pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches, deallocate=False)[1]
-        worst = differences(chunks, result, ref_loss, ref_grads)
+        worst = demos.differences(chunks, result, ref_loss, ref_grads)
         good, _, measured[name] = demos.report_pipeline(env, name, schedule.lists, simulate(schedule), worst,
                                                         result, kept, say)
-        ok &= good
+        got = result.loss, {n: p.grad for n, p in chunks[0].named_parameters()}
+        same = demos.worst_difference(got, *lessons[name])
+        say(f"the machine (execute) against the lesson's {name}_step (loss and every gradient): {same:.2e} "
+            f"{'PASS' if same <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
+        ok &= good and same <= 1e-12
     demos.write_trace(env, args.trace, measured, say)
     return ok
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the simulator. It replays the lists with per-action times, t_f and t_b one for
-# every rank or a list of each rank's; sends are buffered (a stage starts once its input arrived).
-# Exact with ints and Fractions: the demo prints its bubble beside the paper's formula.
-
-
-@dataclass
-class Simulation:
-    step_time: object
-    idle: list  # per rank: the step time less its busy time
-    bubble: object  # total idle / total busy time: (pp - 1) / m for uniform times
-    peak_in_flight: list  # per rank: most microbatches (x chunks) forwarded but not yet backwarded
-    timeline: list  # per rank: [(start, end, action)]
-    span_idle: list  # per rank: idle between its own first start and last end
-
-
-def peak_in_flight(actions, kinds=KINDS):
-    """The most microbatches (x chunks) forwarded ("act") and not yet backwarded ("grad")."""
-    live = peak = 0
-    for a in actions:
-        live += {"act": 1, "grad": -1}.get(kinds[a.kind].flow, 0)
-        peak = max(peak, live)
-    return peak
-
-
-def simulate(schedule, t_f=1, t_b=2, t_comm=0, times=None):
-    """Deterministic replay: each action starts when its rank is free and what it waits for has
-    ended: its input (t_comm later from another rank), the action of kind Kind.after on its stage,
-    and any actions of other ranks (Kind.waits; t_comm later). times: {kind: time} for kinds
-    other than F and B (a later file's), each a number or a list per rank, as t_f and t_b are."""
-    pp, lists = schedule.pp, schedule.lists
-    per_rank = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * pp  # noqa: E731
-    times = {kind: per_rank(t) for kind, t in {"F": t_f, "B": t_b, **(times or {})}.items()}
-    done, clock, nxt, timeline = {}, [0] * pp, [0] * pp, [[] for _ in range(pp)]
-    while any(nxt[r] < len(lists[r]) for r in range(pp)):
-        moved = False
-        for r in range(pp):
-            while nxt[r] < len(lists[r]):
-                a = lists[r][nxt[r]]
-                k, kind = schedule.stage(r, a.chunk), schedule.kinds[a.kind]
-                got = schedule.needs(a, k)  # (key of what it waits for, delay once that ended)
-                deps = ([((kind.flow, got[1], a.mb), t_comm * (schedule.where[got[1]][0] != r))] if got else []) \
-                    + ([((kind.after, k, a.mb), 0)] if kind.after else []) \
-                    + [(w, t_comm) for w in (kind.waits(a, r, schedule) if kind.waits else [])]
-                if any(dep not in done for dep, _ in deps):
-                    break
-                start = max([clock[r]] + [done[dep] + delay for dep, delay in deps])
-                end = clock[r] = start + times[a.kind][r]
-                done[(a.kind, k, a.mb)] = done[(kind.flow, k, a.mb)] = done[(r, a)] = end
-                timeline[r].append((start, end, a))
-                nxt[r] += 1
-                moved = True
-        if not moved:
-            raise ScheduleError("deadlock: no rank can start its next action")
-    step = max(clock)
-    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
-    idle = [step - b for b in busy]
-    bubble = Fraction(sum(idle), sum(busy)) if all(isinstance(x, int) for x in idle + busy) else sum(idle) / sum(busy)
-    span_idle = [tl[-1][1] - tl[0][0] - b if tl else 0 for tl, b in zip(timeline, busy)]
-    return Simulation(step, idle, bubble, [peak_in_flight(acts, schedule.kinds) for acts in lists], timeline, span_idle)
-
-
-# ----------------------------------------------------------------------------------------------
-# After the concept: how a boundary tensor travels (Wire; 05's scatter/gather plugs in here) and how
-# a boundary's messages are posted and waited for (Exchange), and an optimization of it, which 05's
-# trainer turns on (--background-sends, the default).
+# After the concept: how a boundary tensor travels (Wire; 05's scatter/gather plugs in) and is posted
+# (Exchange), and BackgroundSends, which 05's trainer turns on (--background-sends, the default).
 
 
 class Exchange:
-    """A boundary's sends and receives, posted as one batch, then all waited for; wait returns the
-    messages whose sends completed (their tensors may now change, or be freed)."""
+    """A boundary's messages posted as one batch, then all waited for; wait returns those sent (now free)."""
 
     def post(self, ops):
         return dist.batch_isend_irecv(ops)
@@ -419,14 +487,11 @@ class Wire:
 
 class BackgroundSends(Exchange):
     """Exchange, with the sends left in flight. Before: a boundary waits for its sends as for its
-    receives, so a rank whose peer is busy sits idle until that peer posts the matching receive.
-    Now: a boundary waits for its receives only (the next action needs them); its sends complete
-    while that action runs, and are waited for at the next boundary or the step's end, when their
-    tensors may change or be freed. MegaScale (Jiang et al. 2024, Section 3.3) decouples the sends
-    and receives of pipeline parallelism so. check_plans' rendezvous model is the conservative one:
-    this only relaxes it (a wait moved later), so what validates runs either way. NCCL returns one
-    handle for a whole batch, which the receives need: there the sends are waited for with them,
-    and this gains nothing (gloo returns one per op)."""
+    receives, so a rank whose peer is busy idles until that peer posts the matching receive. Now: it
+    waits for its receives only; its sends complete while the next action runs, and are waited for at
+    the next boundary or the step's end (MegaScale, Jiang et al. 2024, Section 3.3). check_plans'
+    rendezvous model is the conservative one, so what validates runs either way. NCCL returns one
+    handle for a whole batch: there the sends are waited for with the receives (gloo: one per op)."""
 
     def __init__(self):
         self.in_flight = []  # [(work, message)] from the previous boundary
@@ -451,22 +516,7 @@ class BackgroundSends(Exchange):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the demo's command line, and its checks.
-
-
-def check_world(pp, world_size):
-    if pp != world_size:
-        raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
-
-
-def split_batch(idx, targets, m):
-    """Cut the global batch (B, T) into m microbatches of B/m rows."""
-    B = idx.shape[0]
-    if m < 1:
-        raise ValueError(f"the number of microbatches m={m} must be at least 1")
-    if B % m:
-        raise ValueError(f"the global batch of {B} sequences is not divisible by m={m} microbatches")
-    return list(zip(idx.chunk(m), targets.chunk(m)))
+# After the concept: the demo's command line.
 
 
 @dataclass

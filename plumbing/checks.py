@@ -617,3 +617,22 @@ def check_model(cfg, tp=1, device="cpu"):
         raise ValueError(f"device={str(device)!r}: this machine has no GPU that torch can use (torch.cuda.is_available() "
                          f"is False: no CUDA device or driver, or a CPU-only build of torch); use device='cpu'")
     return tp
+
+
+# ----------------------------------------------------------------------------------------------
+# 02's pipeline demo (re-exported by 02; 03, 06 and the exercises call them through it).
+
+
+def check_world(pp, world_size):
+    if pp != world_size:
+        raise ValueError(f"the world size {world_size} does not match pp={pp} (one stage per rank)")
+
+
+def split_batch(idx, targets, m):
+    """Cut the global batch (B, T) into m microbatches of B/m rows."""
+    B = idx.shape[0]
+    if m < 1:
+        raise ValueError(f"the number of microbatches m={m} must be at least 1")
+    if B % m:
+        raise ValueError(f"the global batch of {B} sequences is not divisible by m={m} microbatches")
+    return list(zip(idx.chunk(m), targets.chunk(m)))

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from plumbing import charts, trace
 from plumbing.launch import gather_numbers
+from plumbing.shards import max_rel_diff
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,6 +159,21 @@ def gather_figures(env, schedule, worst, result, kept):
     return [RankFigures(row[0], [(row[5 + 2 * i], row[6 + 2 * i], a) for i, a in enumerate(schedule[r])],
                         *(int(x) for x in row[1:5]))
             for r, row in enumerate(gather_numbers(flat, device=env.device))]
+
+
+def differences(chunks, result, ref_loss, ref_grads):
+    """02's, 03's and 06's demos: the largest relative difference of this rank's loss (on the last stage) and gradients from serial."""
+    diffs = [max_rel_diff(p.grad, ref_grads[n]) for c in chunks for n, p in c.named_parameters()]
+    return max(diffs + ([max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
+
+
+def worst_difference(got, ref_loss, ref_grads):
+    """The largest relative difference over every rank of got = (loss or None, {name: grad}) from the reference."""
+    loss, grads = got
+    diffs = [max_rel_diff(g, ref_grads[n]) for n, g in grads.items()]
+    worst = torch.tensor(max(diffs + ([max_rel_diff(loss, ref_loss)] if loss is not None else [])))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
 
 
 def report_pipeline(env, name, schedule, sim, worst, result, kept, say, t_f=1, t_b=2, end=None, width=100):

@@ -8,13 +8,16 @@ import torch
 from plumbing.data import global_batch, load_tokens, split_tokens
 
 
-def pipeline_reference(cfg, args, m, device):
+def pipeline_reference(cfg, args, m, device, unequal=False):
     """What 02's, 03's and 06's demos compare against: the batch (args.batch_size x args.seq_len
     random tokens from args.seed) cut into m microbatches, the full float64 weights, and the serial
-    model's loss and gradients on that batch: (microbatches, full, loss, {name: grad})."""
+    model's loss and gradients on that batch: (microbatches, full, loss, {name: grad}). unequal
+    (02's demo): the microbatches count unequal numbers of targets (unequal_counts)."""
     tensor_parallel = importlib.import_module("01_tensor_parallel")
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(device)
+    if unequal:
+        unequal_counts(targets, m)
     full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
     serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=device)
     serial.load_full_state_dict(full)
@@ -22,6 +25,16 @@ def pipeline_reference(cfg, args, m, device):
     loss.backward()
     micro = list(zip(idx.chunk(m), targets.chunk(m)))
     return micro, full, loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
+
+
+def unequal_counts(targets, m, ignore_index=-100):
+    """Mask targets (B, T), in place, so that its m microbatches of B/m rows count unequal numbers:
+    microbatch 0 none (when m > 1), the last one half its first row fewer than the others."""
+    rows = targets.shape[0] // m
+    if m > 1:
+        targets[:rows] = ignore_index
+    targets[(m - 1) * rows, : targets.shape[1] // 2] = ignore_index
+    return targets
 
 
 def serial_train(cfg, tc):
