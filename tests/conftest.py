@@ -380,3 +380,18 @@ def check_against_unfused(fn, unfused, inputs, tol=CPU_TOL):
     assert rel(out_a, out_b) < tol
     for x, y in zip(a, b):
         assert rel(x.grad, y.grad) < tol
+
+
+def trainer_grad_diffs(run, ref, zero1):
+    """{name: relative difference} of a trainer rank's gradients after a step against the serial model's
+    (ref: name -> gradient): under ZeRO-1 this rank's shard of the flat buffer against the same elements,
+    else each chunk's gradients gathered back to serial shapes."""
+    if not zero1:
+        return {n: tensor_parallel.max_rel_diff(g, ref[n]) for c in run.chunks for n, g in c.full_grads().items()}
+    owner, diffs = {id(p): n for c in run.chunks for n, p in c.named_parameters()}, {}
+    for piece in run.opt.pieces:
+        start = piece.weights.storage_offset() - run.ddp.offsets[piece.param]
+        want = ref[owner[id(piece.param)]].reshape(-1)[start:start + piece.grad.numel()]
+        diffs[owner[id(piece.param)]] = tensor_parallel.max_rel_diff(piece.grad, want)
+    return diffs
+

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import ROOT, TOL, TRAINER_BASE, TRAINER_CFG, load, run_script
+from conftest import ROOT, TOL, TRAINER_BASE, TRAINER_CFG, load, run_script, trainer_grad_diffs
 
 tensor_parallel = load("01_tensor_parallel")
 pipeline = load("02_pipeline_1f1b")
@@ -244,15 +244,7 @@ def _step_grads(env, cases):
         run.ddp.finish()
         diffs = {"loss": tensor_parallel.max_rel_diff(torch.tensor(gpt3d.shared_loss(res.loss, run), dtype=torch.float64),
                                                      ref_loss.detach())}
-        if tc.zero1:  # this rank's shard of the flat gradient, against the same elements of serial's
-            owner = {id(p): n for c in run.chunks for n, p in c.named_parameters()}
-            for piece in run.opt.pieces:
-                start = piece.weights.storage_offset() - run.ddp.offsets[piece.param]
-                want = ref[owner[id(piece.param)]].reshape(-1)[start:start + piece.grad.numel()]
-                diffs[owner[id(piece.param)]] = tensor_parallel.max_rel_diff(piece.grad, want)
-        else:
-            diffs.update({n: tensor_parallel.max_rel_diff(g, ref[n]) for c in run.chunks
-                          for n, g in c.full_grads().items()})
+        diffs.update(trainer_grad_diffs(run, ref, tc.zero1))
         out.append(diffs)
     return out
 

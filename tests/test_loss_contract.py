@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load
+from conftest import TOL, TRAINER_BASE, TRAINER_CFG, load, trainer_grad_diffs
 from plumbing import data
 
 tensor_parallel = load("01_tensor_parallel")
@@ -407,16 +407,7 @@ def _step_grads(env, cases):
         gpt3d.forward_backward(run, gpt3d.pipeline.split_batch(*rows, tc.microbatches), valid, norm)
         gpt3d.pipeline.sync_tied_embeddings(run.chunks, groups.embed, grad_of=run.ddp.main_grad)
         run.ddp.finish()
-        diffs = {}
-        if tc.zero1:  # this rank's shard of the flat gradient, against the same elements of serial's
-            owner = {id(p): n for c in run.chunks for n, p in c.named_parameters()}
-            for piece in run.opt.pieces:
-                start = piece.weights.storage_offset() - run.ddp.offsets[piece.param]
-                want = ref[owner[id(piece.param)]].reshape(-1)[start:start + piece.grad.numel()]
-                diffs[owner[id(piece.param)]] = tensor_parallel.max_rel_diff(piece.grad, want)
-        else:
-            diffs.update({n: tensor_parallel.max_rel_diff(g, ref[n]) for c in run.chunks for n, g in c.full_grads().items()})
-        out.append(diffs)
+        out.append(trainer_grad_diffs(run, ref, tc.zero1))
     return out
 
 
