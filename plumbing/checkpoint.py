@@ -331,7 +331,7 @@ class Saver:
                 say(f"note: could not remove {old}, an older checkpoint of this run ({e.strerror or e}); it stays")
         self.written = busy + self.written[-self.keep:]
 
-    def _commit(self, tmp, final, manifest):
+    def _commit(self, step, tmp, final, manifest):
         """Rank 0: the manifest, then the one rename that makes the step visible."""
         _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(manifest))
         try:
@@ -339,8 +339,8 @@ class Saver:
             os.replace(tmp, final)  # atomic: a crash before this line leaves the previous step intact
             _fsync_dir(self.root)
         except OSError as e:
-            raise ValueError(f"cannot make {final} from {tmp}: {e.strerror or e}; the previous checkpoint is "
-                             f"intact") from None
+            raise ValueError(self._gone(step) or f"cannot make {final} from {tmp}: {e.strerror or e}; the "
+                             f"previous checkpoint is intact") from None
 
     def save(self, run, step, say=print):
         """Write step `step` (the number of steps done) under root/step_<step>. Rank 0 says where,
@@ -373,9 +373,9 @@ class Saver:
             os.mkdir(tmp)  # not makedirs: root is not made again behind the user's back
         except FileExistsError:
             pass  # another rank made it
-        except OSError as e:
-            error = ValueError(f"not saving step {step}: cannot make {tmp} ({e.strerror or e}); the previous "
-                               f"checkpoint is intact")
+        except OSError as e:  # root removed between the check above and here: said as gone, as above
+            error = ValueError(self._gone(step) or f"not saving step {step}: cannot make {tmp} ({e.strerror or e}); "
+                               f"the previous checkpoint is intact")
         shard = dict(_shard(run, snapshot=self.store is not None), step=step, run=self.run_id)
         if self.store is not None:
             self._settle(run, step, f"making {tmp}", error, tmp)  # before the writers: each fails alone there
@@ -400,7 +400,7 @@ class Saver:
         if run.env.rank == 0:
             try:
                 manifest = _manifest(run, step, self.run_id, digests)
-                self._commit(tmp, final, json.dumps(manifest, indent=1).encode())
+                self._commit(step, tmp, final, json.dumps(manifest, indent=1).encode())
             except ValueError as e:
                 error = e
             else:
@@ -448,7 +448,7 @@ class Saver:
                 return
             said = [self.store.get(key.format(r)).decode(errors="replace").split() for r in range(world)]
             manifest = _with_digests(manifest, [d[1] if len(d) == 2 and d[0] == "done" else "" for d in said])
-            self._commit(tmp, final, json.dumps(manifest, indent=1).encode())
+            self._commit(step, tmp, final, json.dumps(manifest, indent=1).encode())
             size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
             say(f"saved step {step} to {final}: {size / 1e6:,.2f} MB, durable {time.perf_counter() - t0:.2f} s "
                 f"after the snapshot began")
