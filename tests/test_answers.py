@@ -482,7 +482,7 @@ CLAIMS = [
     # 02
     Claim("02.1", r"at pp = (\d), m = (\d), (\[[\d, ]+\]) forwards before the first backward",
           lambda: ("4", "8", forwards_before_first_backward(one_f_one_b(4, 8)))),
-    Claim("02.1", r"A warm-up one forward shorter: `validate` (accepts it) .* only the simulated bubble shows the mistake, "
+    Claim("02.1", r"A warm-up one forward shorter(?: \([^)]*\))?: `validate` (accepts it) .* only the simulated bubble shows the mistake, "
                   r"(\S+) instead of (\S+), because",
           lambda: (verdict(lambda: pipeline.validate(pipeline.Schedule(
               [planted_1f1b("warmup_too_short")(4, 8, s) for s in range(4)]), 8)),
