@@ -229,6 +229,7 @@ def _gone_peer(side, rank, wait_s=2.0):
             return side.get(GONE_KEY).decode()
         victims = set(side.get(VICTIMS_KEY).decode().split(";"))
         key = HOST_KEY.format(socket.gethostname())
+        found = []
         for entry in side.get(key).decode().split(";") if side.check([key]) else []:
             r, pid, started = entry.split(":") if entry.count(":") == 2 else (None, None, None)
             if r is None or r in victims or int(r) == rank:
@@ -239,9 +240,15 @@ def _gone_peer(side, rank, wait_s=2.0):
             how = _ended(None, None) if state == "gone" or now != started else _ended(state, code) \
                 if state in "ZX" else "is stopped (SIGSTOP, or a debugger holds it)" if state in "tT" else None
             if how:
-                side.compare_set(GONE_KEY, "", f"rank {r} {how}")  # the first finder's answer is everyone's
-                return side.get(GONE_KEY).decode()
-        if time.monotonic() >= deadline:
+                found.append(f"rank {r} {how}")
+        # A rank killed by SIGTERM is torchrun's agent stopping the job after the death that caused it
+        # (a rank it reached before that rank's collective failed): named only when no other is found.
+        cause = next((f for f in found if "SIGTERM" not in f), None)
+        last = time.monotonic() >= deadline
+        if cause or (found and last):
+            side.compare_set(GONE_KEY, "", cause or found[0])  # the first finder's answer is everyone's
+            return side.get(GONE_KEY).decode()
+        if last:
             return None
         time.sleep(0.05)
 

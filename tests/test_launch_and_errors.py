@@ -318,3 +318,36 @@ def test_under_torchrun_a_rank_whose_peer_died_says_so_in_one_line():
                              "consequence: a collective failed because a peer rank is gone."), report
     assert "in _rank1_dies" in report, report
     assert time.monotonic() - t0 < 15  # the closed connection, not the 20 s timeout
+
+
+class _Side:
+    """The side channel's calls that _gone_peer makes, on a dict."""
+    def __init__(self, **kv):
+        self.kv = {k: v.encode() for k, v in kv.items()}
+
+    def append(self, k, v):
+        self.kv[k] = self.kv.get(k, b"") + v.encode()
+
+    def check(self, keys):
+        return all(k in self.kv for k in keys)
+
+    def get(self, k):
+        return self.kv[k]
+
+    def compare_set(self, k, expected, v):
+        if self.kv.get(k, b"").decode() == expected:
+            self.kv[k] = v.encode()
+
+
+def test_a_peer_torchruns_agent_stopped_is_not_named_as_the_cause_when_the_killed_one_is_found(monkeypatch):
+    """torchrun's agent SIGTERMs the ranks after a death; a rank that looks then may find the SIGTERMed
+    rank 0 before the SIGKILLed rank 3 that caused it (CI saw "rank 0 died (killed by SIGTERM)" named
+    first): the cause is the one not killed by SIGTERM; a SIGTERMed one only when none other is found."""
+    from plumbing import launch as launching
+    host = launching.HOST_KEY.format(socket.gethostname())
+    side = _Side(**{host: "0:100:a;2:102:c;3:103:d;", launching.VICTIMS_KEY: ""})
+    exits = {100: (signal.SIGTERM, "a"), 103: (signal.SIGKILL, "d")}  # pid: (its signal, its start time)
+    monkeypatch.setattr(launching, "_process", lambda pid: ("Z", *exits[pid]) if pid in exits else ("S", None, "c"))
+    assert launching._gone_peer(side, 2, wait_s=0.2) == "rank 3 died (killed by SIGKILL)"
+    alone = _Side(**{host: "0:100:a;2:102:c;", launching.VICTIMS_KEY: ""})
+    assert launching._gone_peer(alone, 2, wait_s=0.2) == "rank 0 died (killed by SIGTERM)"
