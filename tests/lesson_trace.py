@@ -1,5 +1,6 @@
 """Issue 47's rule, tested by a trace: read-first code calls only read-first code (of its chapter and the
-earlier ones), torch, einops and Python's own functions; `demo` itself may call plumbing.
+earlier ones), torch, einops and Python's own functions; `demo` itself may call plumbing (it is exempt
+as a caller).
 
     python3 tests/lesson_trace.py OUT 03_interleaved.py [flags]   # run 03's demo, traced; OUT/<process>.json
     violations(OUT)                                                # the calls that break the rule, named
@@ -13,15 +14,20 @@ whether its worker returned or raised. The script's own record is OUT/main.json,
 
 What is recorded: a call of a repository function (a code object from a .py file under the repository's
 root, tests/ excluded) that is not on the allowed set, whose nearest repository caller on the stack is on
-it. The nearest: frames of torch, einops, the standard library, dataclasses' generated methods (their file
-is "<string>") and of tests/ are passed through, so a call made through nn.Module.__call__, an autograd
-Function, a hook that backward() fires or a map() still names the read-first function that made it. The
-allowed set of chapter N: the names on the "Read first" lists of README.md's "Reading order" for chapters
-01 to N, each resolved in its own file by `ast` as tests/test_budgets.py resolves them (a top-level
-function, class or assignment; `Class.method` that method alone), decorators included; a class covers
-every function defined inside it, a function the functions and lambdas nested in it, as their code
-objects' first lines fall inside its span. Each chapter's `demo` is exempt as a caller (its own code
-object: what it launches and prints with), not the functions nested in it.
+it; it is the lesson's call when every repository frame from that caller up to a demo is on the set too (the
+same read-first code run by the machine, by a serial reference or under a meter, plumbing's, is recorded
+but not as the lesson's). The nearest: frames of torch, einops, the standard library, dataclasses' generated
+methods (their file is "<string>"), tests/ and comprehensions (3.12 inlines most of them; 3.11 does not) are
+passed through, so a call made through nn.Module.__call__, an autograd Function or a map() still names the
+read-first function that made it. A closure or lambda of code off the set (a hook a meter registers, a
+wrapper put in torch's place) is a value handed over, not a name one calls: neither it nor
+what it calls is counted. The allowed set of chapter N: the names on the "Read first" lists of README.md's
+"Reading order" for chapters 01 to N, each resolved in its own file by `ast` as tests/test_budgets.py
+resolves them (a top-level function, class or assignment; `Class.method` that method alone), decorators
+included; a class covers every function defined inside it, a function the functions and lambdas nested in
+it, as their code objects' first lines fall inside its span. Each chapter's `demo` is exempt as a caller
+(its own code object and its comprehensions: what it launches and prints with), not the functions nested
+in it. The profiler's work is a dictionary look-up per Python call; a call off the set walks the stack.
 """
 import ast
 import json

@@ -41,12 +41,15 @@ DEMOS = {
     "06": (["--pp", "2", "--microbatches", "4", "--n-layer", "4", "--vocab-size", "64", *SMALL], 2),
     "07": (["--pp", "2", "--tp", "1", "--microbatches", "2", "--n-layer", "4", "--vocab-size", "64", *SMALL], 2),
     "08": (["--n-layer", "1", "--vocab-size", "64", *SMALL], 4),
-    "09": (["--tp", "1", "--cp", "1", "--dp", "2", "--ep", "2", "--num-experts", "4", "--n-layer", "1", "--vocab-size", "64", *SMALL], 2),
+    "09": (["--tp", "1", "--cp", "1", "--dp", "2", "--ep", "2", "--num-experts", "4", "--n-layer", "1",
+            "--vocab-size", "64", *SMALL], 2),
 }
 
 # Issue 47: the chapters whose lesson still calls code off the read-first lists. Take a chapter off when it passes.
-# 02 is converted, but its lesson runs 01's GPT, whose read-first code calls 01's checks and TPRandom and
-# plumbing's check_tokens: it passes once 01 does.
+# When the trace came in, the calls off the lists were: 01 5, 02 5, 03 1, 04 10, 06 11, 07 25, 08 8, 09 11, and
+# 05's list named no demo. 02 is converted, but its lesson runs 01's GPT, whose read-first code calls 01's
+# check_heads, padded_vocab_size, check_targets and TPRandom, and plumbing's check_tokens: those 5 are 01's,
+# and 02 passes once 01 does.
 NOT_YET_LESSON_FIRST = {"01", "02", "03", "04", "05", "06", "07", "08", "09"}
 
 
@@ -111,7 +114,7 @@ PLANTED_README = """# planted
 - Skip at first: the rest.
 """
 
-PLANTED = '''"""A planted chapter: its lesson calls code off its list, in each way the tracer must see, and code on it."""
+PLANTED = '''"""A planted chapter: its lesson calls code off its list, in each way the tracer must see, and on it."""
 import torch
 
 from helpers.tools import hidden_tool
