@@ -109,8 +109,8 @@ def test_accumulating_over_four_microbatches_with_one_counting_none_equals_seria
 @pytest.mark.parametrize("plant,fails", [("1/dp weighting", MODES), ("bucket before its last gradient", MODES[1:]),
                                          ("no all-gather", MODES[2:])])
 def test_a_planted_mistake_in_the_lesson_fails_against_serial(run_ranks, plant, fails):
-    """Each replica's own mean weighted 1/dp (replica 0's single target then weighs as much as another
-    replica's 60), a bucket all-reduced at its first gradient, or ZeRO1's updated shards not gathered:
+    """Each replica's own mean weighted 1/dp (replica 0's single target then weighs as much as all of
+    another replica's), a bucket all-reduced at its first gradient, or ZeRO1's updated shards not gathered:
     the lesson is O(1e-3) or more from serial in the modes that run the planted code, not 1e-10."""
     out = run_ranks(_lesson_and_machine, 2, _args(2, 1000), plant)
     for mode in fails:
