@@ -19,13 +19,12 @@ untouched weights) and every parameter after the steps:
 from argparse import Namespace
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from conftest import load
 
 tensor_parallel, data_parallel = load("01_tensor_parallel"), load("04_data_parallel")
-CFG = tensor_parallel.GPTConfig(vocab_size=53, block_size=16, n_layer=1, n_head=2, n_embd=16)  # 7,888 parameters
+CFG = tensor_parallel.GPTConfig(vocab_size=53, block_size=16, n_layer=1, n_head=2, n_embd=16)
 MODES = ("naive", "bucketed", "zero1")
 
 
