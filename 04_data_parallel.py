@@ -1,30 +1,36 @@
 """04 - Data parallelism from scratch: naive, bucketed and overlapped, and ZeRO-1.
 
 What this file adds on top of 01: dp replicas of the model each see 1/dp of the batch; averaging
-their gradients keeps them identical. Step by step:
-  1. naive: after backward, all-reduce every gradient and divide by dp;
-  2. bucketed and overlapped: gradients are accumulated into one flat buffer laid out in reverse
-     parameter order (the order backward produces them), cut into buckets; a hook marks each
-     parameter ready, and a bucket's all-reduce is launched asynchronously the moment its last
-     parameter is ready, while backward goes on (Li et al. 2020, Section 3.2: PyTorch DDP; Megatron's DDP);
-  3. gradient accumulation over microbatches, synchronising only on the last one;
-  4. ZeRO-1, Megatron's distributed optimizer (Rajbhandari et al. 2020, stage 1): reduce-scatter
-     instead of all-reduce, each rank keeps AdamW state (and an fp32 master copy when parameters are
-     lower precision) only for its 1/dp of every bucket, updates it, and all-gathers parameters
-     (FlatAdamW).
-05 composes this with the pipeline: each stage reduces over its own dp group (Narayanan §3). What a
-pipeline needs beyond this comes after the concept, in the last section: PipelineDDP (each chunk's
+their gradients keeps them identical and makes them train like one model on the whole batch.
+  - The lesson, read first, as one writes it on a whiteboard, every collective inline:
+    1. naive (Li et al. 2020, Section 3.2): after backward, all-reduce every gradient and divide by dp;
+    2. bucketed and overlapped (PyTorch DDP, Megatron's DDP): gradients go into one flat buffer laid
+       out in reverse parameter order (the order backward produces them), cut into buckets; a hook per
+       parameter counts its bucket down, and the bucket's all-reduce is launched asynchronously the
+       moment its last gradient is in, while backward goes on; over microbatches the gradients
+       accumulate, and only the last microbatch's backward reduces (no_sync);
+    3. ZeRO-1 (Rajbhandari et al. 2020, stage 1; Megatron's distributed optimizer): each rank keeps
+       AdamW's state for its 1/dp of the flat buffer only, updates that shard, and all-gathers the
+       updated parameters.
+    Each replica's microbatch loss weighs its counted targets over the global batch's count
+    (docs/LOSS.md), so that unevenly masked replicas train like serial training's per-token mean.
+  - The machine, read second, which 05-09, kernels/ and plumbing/ build on: BucketedDDP and FlatAdamW,
+    the same three ideas in one general form (ZeRO-1's reduce-scatter per bucket, bf16 weights with
+    fp32 gradients and masters, replica groups for 09's experts, hooks a pipeline overrides).
+After the concept, what a pipeline needs (05's trainer turns both on): PipelineDDP (each chunk's
 buckets reduced during its own last backward) and OverlappedGather (ZeRO-1's gather run into the
-next forward), both turned on by 05's trainer.
+next forward).
 
 Run it:
     python 04_data_parallel.py                    # dp=4 CPU ranks
     python 04_data_parallel.py --dp 2 --bucket-numel 1000 --steps 5
     torchrun --nproc-per-node 8 04_data_parallel.py --dp 8
 
-The demo trains a few AdamW steps three ways (naive, bucketed+overlapped, ZeRO-1) against serial
-training on the whole batch in float64 (loss and every parameter, <= 1e-10), and prints when each
-bucket's reduction launched, every replica's checksum and the optimizer state per rank.
+The demo trains a few AdamW steps the lesson's three ways (naive, bucketed+overlapped, ZeRO-1)
+against serial training on the whole batch in float64, on replicas that count unequal numbers of
+targets (one a single one, one a microbatch of none): the losses and every parameter within 1e-10,
+else exit 1. Then the same three ways on the machine: its difference from serial and from the lesson
+(1e-12), when each bucket's reduction launched, every replica's checksum and the optimizer state per rank.
 """
 import importlib
 import time
@@ -41,7 +47,8 @@ tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Naive data parallelism: every replica sees its own rows of the batch
+# The lesson: data parallelism as plain code. Every rank of `group` is a replica holding the whole
+# model; each trains on its rows of the global batch. Every collective is in this section.
 
 
 def shard_batch(idx, targets, dp, dp_rank):
@@ -60,8 +67,146 @@ def allreduce_gradients(params, group):
             p.grad.div_(dp)
 
 
+def replica_loss_weights(microbatches, group, ignore_index=-100):
+    """Microbatch i's mean loss weighs valid_i dp / n, n the GLOBAL batch's count of counted targets (one
+    all-reduce), so that the gradients' average over dp is serial's per-token mean however unevenly the
+    replicas count (docs/LOSS.md); one counting none weighs 0. A replica's own mean would not do."""
+    valid = [int((t != ignore_index).sum()) for _, t in microbatches]
+    n = tensor_parallel.all_reduce(torch.tensor(sum(valid), device=microbatches[0][1].device), group)
+    return [v * dist.get_world_size(group) / int(n) if v else 0.0 for v in valid]
+
+
+class DDP:
+    """Li et al. 2020's DDP: gradients into one flat buffer, parameters in reverse order (backward's), cut into
+    buckets of bucket_numel elements. A hook per parameter adds its gradient in, divided by dp; under sync (the
+    last microbatch) a bucket whose last gradient is in starts its all-reduce, async, while backward goes on."""
+
+    def __init__(self, params, group, bucket_numel):
+        self.params, self.group, self.dp = list(params)[::-1], group, dist.get_world_size(group)
+        self.offset, n = {}, 0
+        for p in self.params:  # last layer first
+            self.offset[p], n = n, n + p.numel()
+        self.grads = self.params[0].new_zeros(-(-n // self.dp) * self.dp)  # padded: ZeRO-1's dp equal shards
+        self.buckets = [(lo, min(lo + bucket_numel, n)) for lo in range(0, n, bucket_numel)]
+        self.buckets_of = {p: [i for i, (lo, hi) in enumerate(self.buckets)
+                               if lo < self.offset[p] + p.numel() and self.offset[p] < hi] for p in self.params}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.hook)
+        self.sync = True  # False while accumulating: a microbatch before the step's last
+        self.zero_grad()
+
+    def view(self, p):  # p's elements of the flat gradient buffer
+        return self.grads[self.offset[p]:self.offset[p] + p.numel()]
+
+    def zero_grad(self):
+        self.grads.zero_()
+        self.pending, self.works = [sum(i in b for b in self.buckets_of.values()) for i in range(len(self.buckets))], []
+        for p in self.params:  # the next backward writes a fresh .grad for the hook
+            p.grad = None
+
+    def hook(self, p):  # p.grad holds this microbatch's gradient
+        self.view(p).add_(p.grad.reshape(-1), alpha=1 / self.dp)  # summed over dp: the average
+        p.grad = None
+        if not self.sync:
+            return  # accumulating: no communication before the last microbatch
+        for i in self.buckets_of[p]:
+            self.pending[i] -= 1
+            if self.pending[i] == 0:  # the bucket's last gradient: launch, and return to backward
+                bucket = self.grads[self.buckets[i][0]:self.buckets[i][1]]
+                self.works.append(dist.all_reduce(bucket, group=self.group, async_op=True))
+
+    def finish(self):
+        """After the last backward: wait for every bucket; each .grad is then a view of the average."""
+        if any(self.pending):
+            raise RuntimeError(f"buckets {[i for i, k in enumerate(self.pending) if k]} never got all gradients")
+        for work in self.works:
+            work.wait()
+        for p in self.params:
+            p.grad = self.view(p).view_as(p)
+
+
+class ZeRO1:
+    """ZeRO-1 (Rajbhandari et al. 2020, P_os) on a DDP's flat buffer: rank r keeps AdamW's state for its 1/dp,
+    elements [r s, (r+1) s), only. step() after ddp.finish(): AdamW on that shard of the average, then an
+    all-gather of every rank's updated shard into every replica (the machine reduce-scatters: half the bytes)."""
+
+    def __init__(self, ddp, **adamw):
+        self.ddp, s = ddp, len(ddp.grads) // ddp.dp
+        self.lo, self.hi = dist.get_rank(ddp.group) * s, (dist.get_rank(ddp.group) + 1) * s
+        self.flat = torch.zeros_like(ddp.grads)  # the parameters, laid out as the gradients
+        for p in ddp.params:
+            self.flat[ddp.offset[p]:ddp.offset[p] + p.numel()] = p.detach().reshape(-1)
+        self.shard = self.flat[self.lo:self.hi].clone()  # what this rank's AdamW updates
+        self.adamw = torch.optim.AdamW([self.shard], **adamw)  # its two moments: 1/dp of plain AdamW's
+
+    def step(self):
+        self.shard.grad = self.ddp.grads[self.lo:self.hi]
+        self.adamw.step()
+        dist.all_gather(list(self.flat.chunk(self.ddp.dp)), self.shard, group=self.ddp.group)  # rank r's into [r s, ..)
+        for p in self.ddp.params:
+            p.data.copy_(self.flat[self.ddp.offset[p]:self.ddp.offset[p] + p.numel()].view_as(p))
+
+
+def train_step(model, ddp, opt, microbatches, group):
+    """One AdamW step of this replica on its microbatches [(idx, targets)]: naive (ddp None) reduces every
+    gradient after backward; a DDP during the last microbatch's backward. Returns the global batch's loss."""
+    total = 0.0
+    for i, ((x, y), w) in enumerate(zip(microbatches, replica_loss_weights(microbatches, group))):
+        if ddp is not None:
+            ddp.sync = i == len(microbatches) - 1  # accumulate; reduce during the last backward only
+        loss = model(x, y)[1] * w
+        loss.backward()
+        total = total + loss.detach()
+    allreduce_gradients(model.parameters(), group) if ddp is None else ddp.finish()
+    opt.step()
+    (opt if ddp is None else ddp).zero_grad()
+    return float(tensor_parallel.all_reduce(total, group)) / dist.get_world_size(group)
+
+
+def train_lesson(env, cfg, args, mode, group, full, batches):
+    """One AdamW step per batch of this replica, from the full weights: "naive", "bucketed" (DDP) or "zero1"
+    (DDP and ZeRO1). Returns the losses and the parameters after the steps."""
+    dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
+    model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    model.load_full_state_dict(full)
+    ddp = None if mode == "naive" else DDP(model.parameters(), group, args.bucket_numel)
+    adamw = dict(lr=args.lr, weight_decay=0.1)
+    opt = ZeRO1(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
+    losses = []
+    for idx, targets in batches:
+        rows = shard_batch(idx.to(env.device), targets.to(env.device), dp, dp_rank)
+        losses.append(train_step(model, ddp, opt, list(zip(*(t.chunk(args.microbatches) for t in rows))), group))
+    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
 # ----------------------------------------------------------------------------------------------
-# 2-4. Bucketed, overlapped gradient reduction, with accumulation, and ZeRO-1
+# Demo: the lesson's three ways against serial training, then the machine below against the lesson;
+# float64, the same weights and batches, whose replicas count unequal numbers of targets.
+
+
+def demo(env, cfg, args):
+    dp, say = args.dp, printer(env)
+    check_world(env.world_size, dp, args.batch_size, args.microbatches)  # before the first collective
+    group = dist.new_group(list(range(dp)), timeout=timedelta(seconds=60))
+    batches, full, ref_losses, ref_params = training_reference(cfg, args)  # the same on every rank
+    say(f"{cfg}\ndp={dp} steps={args.steps} global batch B={args.batch_size} (m={args.microbatches} "
+        f"microbatches per replica) T={args.seq_len} bucket={args.bucket_numel} elements, float64")
+    say(f"targets counted per replica and microbatch, step 1: {counted(batches[0][1], dp, args.microbatches)}")
+    ok, lessons = True, {}
+    for mode in ("naive", "bucketed", "zero1"):
+        lessons[mode] = train_lesson(env, cfg, args, mode, group, full, batches)
+        worst = differences(lessons[mode], (ref_losses, ref_params))
+        say(f"the lesson, {mode}: max relative difference against serial (the losses and every parameter after "
+            f"{args.steps} steps): {worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+        ok &= worst <= 1e-10
+    return prove_machine(env, cfg, args, group, (batches, full, ref_losses, ref_params), lessons, say) and ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: the machine, the lesson's DDP and ZeRO1 in the general form that 05-09, kernels/ and
+# plumbing/ build on: ZeRO-1 as a reduce-scatter per bucket into padded shards, bf16 weights with fp32
+# gradients (grad_dtype) and masters, replica groups (by_replicas: 09's experts), the hooks a pipeline
+# overrides (final, main_grad, after_step), overlap=False.
 
 
 class BucketedDDP:
@@ -203,11 +348,14 @@ class FlatAdamW:
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: three ways of training on dp replicas, each against serial training on the whole batch.
+# Read second: the demo's machine part, the lesson's training on BucketedDDP and FlatAdamW.
 
 
 def train_replica(env, cfg, args, mode, group, full, batches):
-    """An AdamW step of this replica in `mode` per batch, each counted target weighing 1/n (docs/LOSS.md)."""
+    """train_lesson on the machine: an AdamW step of this replica in `mode` per batch, naive (the lesson's
+    allreduce_gradients), bucketed (BucketedDDP) or zero1 (BucketedDDP(zero=True) and FlatAdamW), each counted
+    target weighing 1/n (replica_loss_weights). Returns (losses, parameters, the last backward's bucket
+    timeline, the optimizer, the weights' checksum)."""
     dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
     model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
     model.load_full_state_dict(full)
@@ -216,14 +364,13 @@ def train_replica(env, cfg, args, mode, group, full, batches):
     opt = FlatAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
     losses, timeline = [], None
     for idx, targets in batches:
-        micro = list(zip(*(t.chunk(args.microbatches) for t in shard_batch(idx, targets, dp, dp_rank))))
+        rows = shard_batch(idx.to(env.device), targets.to(env.device), dp, dp_rank)
+        micro = list(zip(*(t.chunk(args.microbatches) for t in rows)))
         total = torch.zeros((), dtype=torch.float64, device=env.device)  # NCCL reduces device tensors only
-        valid = [int((y != -100).sum()) for _, y in micro]  # n: the global batch's, as the mean over dp is taken
-        n = tensor_parallel.all_reduce(torch.tensor(sum(valid), device=env.device), group)
-        for i, (x, y) in enumerate(micro):
+        for i, ((x, y), w) in enumerate(zip(micro, replica_loss_weights(micro, group))):
             if ddp:
                 ddp.sync = i == len(micro) - 1  # accumulate; reduce only on the last microbatch
-            loss = model(x.to(env.device), y.to(env.device))[1] * (valid[i] * dp / int(n))
+            loss = model(x, y)[1] * w
             start = time.perf_counter()
             loss.backward()
             end = time.perf_counter()
@@ -239,21 +386,24 @@ def train_replica(env, cfg, args, mode, group, full, batches):
     return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}, timeline, opt, demos.checksum(model)
 
 
-def demo(env, cfg, args):
-    dp, say = args.dp, printer(env)
-    check_world(env.world_size, dp, args.batch_size, args.microbatches)  # before the first collective
-    group = dist.new_group(list(range(dp)), timeout=timedelta(seconds=60))
-    batches, full, ref_losses, ref_params = training_reference(cfg, args)  # the same on every rank
-    say(f"{cfg}\ndp={dp} steps={args.steps} global batch B={args.batch_size} (m={args.microbatches} "
-        f"microbatches per replica) T={args.seq_len} bucket={args.bucket_numel} elements, float64")
+def prove_machine(env, cfg, args, group, reference, lessons, say):
+    """Each mode on the machine (train_replica) against serial training (1e-10) and against the lesson's
+    train_lesson (1e-12): the same float64 operations on the same numbers, equal to the bit on a CPU today;
+    the margin is for a collective that sums in another order (ZeRO-1: the machine reduce-scatters its
+    padded buckets, the lesson all-reduces its own), a few ulps that AdamW's 1/sqrt(v) may grow over the
+    steps in parameters with tiny gradients. A mistake (a bucket reduced twice or stale, a 1/dp weighting of
+    the losses, a shard not gathered) is O(1e-3) or more."""
+    batches, full, ref_losses, ref_params = reference
+    say("\nthe machine: naive is allreduce_gradients, bucketed BucketedDDP with AdamW, zero1 BucketedDDP(zero=True) "
+        "with FlatAdamW")
     runs = {}
     for mode in ("naive", "bucketed", "zero1"):
         losses, params, timeline, opt, digest = train_replica(env, cfg, args, mode, group, full, batches)
-        worst = max([tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
-                    + [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
         digests = [f"{int(d[0]):012x}" for d in gather_numbers([digest], group, env.device)]  # every replica's
-        runs[mode] = demos.DataParallelRun(losses, worst, digests, timeline, demos.optimizer_state_bytes(opt))
-    return demos.report_dp(say, cfg, args, ref_losses, runs)  # True if every mode equals serial training
+        runs[mode] = demos.DataParallelRun(losses, differences((losses, params), (ref_losses, ref_params)), digests,
+                                           timeline, demos.optimizer_state_bytes(opt),
+                                           differences((losses, params), lessons[mode]))
+    return demos.report_dp(say, cfg, args, ref_losses, runs)  # True if every mode equals serial and the lesson
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +460,8 @@ class OverlappedGather(FlatAdamW):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: who holds a parameter's copies (by_replicas); the demo's checks, reference and flags.
+# After the concept: who holds a parameter's copies (by_replicas); the demo's checks, reference,
+# differences and flags.
 
 
 def by_replicas(params, group):
@@ -327,6 +478,18 @@ def check_world(world, dp, batch_size, m):
         raise ValueError(f"the world size {world} does not match dp={dp} (one replica per rank)")
     if batch_size % (dp * m):
         raise ValueError(f"the global batch of {batch_size} sequences is not divisible by dp x m = {dp} x {m}")
+
+
+def counted(targets, dp, m, ignore_index=-100):
+    """The counted targets of each replica's microbatches of one global batch, [[per microbatch]] per replica."""
+    return [[int((t != ignore_index).sum()) for t in rows.chunk(m)] for rows in targets.chunk(dp)]
+
+
+def differences(got, want):
+    """The largest relative difference of got = (losses, {name: parameter}) from want's."""
+    (losses, params), (ref_losses, ref_params) = got, want
+    return max([tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
+               + [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
 
 
 def training_reference(cfg, args):

@@ -1,9 +1,9 @@
 """The checks of 04's exercises (exercises/ex04_data_parallel.py), and the planted wrong answers.
 
 dp = 2 replicas on fork-started CPU ranks, a one-layer GPT-2 in float64. Each check looks at one
-step first (the gradients after the reduction, or the shards and the parameters after one ZeRO-1
-step), so that it can say which tensor went wrong and how; then it trains three AdamW steps with
-04's own train_replica, the student's function in place of 04's, against 04's serial_training on
+step first (the gradients after the reduction, or the parameters after one ZeRO-1 step), so that it
+can say which tensor went wrong and how; then it trains three AdamW steps of 2 microbatches with
+04's lesson, train_lesson, the student's function in place of 04's, against 04's serial_training on
 the whole batch (computed here, before anything is installed): every loss and every parameter.
 """
 import copy
@@ -14,18 +14,16 @@ import torch.distributed as dist
 
 from exercises.autograder import Exercise, Planted, differences, first, installed, merged, new_group, \
     numbered, random_weights, ranks
-from plumbing.launch import gather_numbers
 
 tensor_parallel = numbered("01_tensor_parallel")
 data_parallel = numbered("04_data_parallel")
 F64 = torch.float64
 DP = 2
 CFG = tensor_parallel.GPTConfig(vocab_size=53, block_size=16, n_layer=1, n_head=2, n_embd=16)
-ARGS = Namespace(lr=1e-2, bucket_numel=300, microbatches=1, steps=3)  # 300: buckets split parameters
+ARGS = Namespace(lr=1e-2, bucket_numel=300, microbatches=2, steps=3)  # 300: buckets split parameters
 REFERENCE = {"allreduce_gradients": data_parallel.allreduce_gradients,
-             "launch_bucket": data_parallel.BucketedDDP._launch,
-             "shard_range": data_parallel.BucketedDDP.shard_range,
-             "all_gather_params": None}  # None: 04's own FlatAdamW.step gathers (see install_zero1)
+             "ddp_hook": data_parallel.DDP.hook,
+             "zero1_step": data_parallel.ZeRO1.step}
 
 
 def reference():
@@ -53,8 +51,8 @@ def replica(env, ref):
 
 
 def training(env, ref, mode, group):
-    """train_replica's losses and parameters against serial training's."""
-    losses, params = data_parallel.train_replica(env, CFG, ARGS, mode, group, ref["full"], ref["batches"])[:2]
+    """train_lesson's losses and parameters against serial training's."""
+    losses, params = data_parallel.train_lesson(env, CFG, ARGS, mode, group, ref["full"], ref["batches"])
     pairs = [(f"the loss of step {i}", torch.tensor(a, dtype=F64), torch.tensor(b, dtype=F64))
              for i, (a, b) in enumerate(zip(losses, ref["losses"]))]
     pairs += [(f"{n} after {ARGS.steps} steps", p, ref["params"][n]) for n, p in params.items()]
@@ -88,114 +86,75 @@ def check_allreduce_gradients(impl):
 
 
 # ----------------------------------------------------------------------------------------------
-# 04.2 The bucket's launch
+# 04.2 The lesson's DDP hook
 
 
-def _flat(ddp, model, grads):
-    """The serial gradients laid out as ddp's flat buffer."""
-    flat = torch.zeros_like(ddp.grad_buffer)
+def _flat(ddp, model, tensors):
+    """{name: tensor} of the model's parameters laid out as ddp's flat buffer (padding: 0)."""
+    flat = torch.zeros_like(ddp.grads)
     for n, p in model.named_parameters():
-        flat[ddp.offsets[p]:ddp.offsets[p] + p.numel()] = grads[n].reshape(-1)
+        flat[ddp.offset[p]:ddp.offset[p] + p.numel()] = tensors[n].reshape(-1)
     return flat
 
 
 def _bucketed(env, ref):
     group, model, (idx, targets) = replica(env, ref)
-    out = []
-    for zero in (False, True):
-        mode = "ZeRO-1" if zero else "bucketed"
-        m = copy.deepcopy(model)
-        ddp = data_parallel.BucketedDDP(m.parameters(), group, ARGS.bucket_numel, zero=zero)
-        m(idx, targets)[1].backward()
-        launched = dict(ddp.works)
-        if len(launched) != len(ddp.buckets):
-            out.append(f"{mode}: {len(launched)} of {len(ddp.buckets)} buckets were launched during backward (every "
-                       f"bucket fills during backward, and _launch must store self.works[i])")
-            continue
-        bad = [i for i, w in launched.items() if not (isinstance(w, tuple) and len(w) == 2 and hasattr(w[0], "wait"))]
-        if bad:
-            out.append(f"{mode}: self.works[{bad[0]}] is {launched[bad[0]]!r:.60}, not (work, shard): launch the "
-                       f"collective with async_op=True, so that it returns a handle at once, and keep the handle")
-            continue
-        own = ddp.grad_buffer.clone()  # each replica's own gradients / dp; the reduction runs in the background
-        ddp.finish()
-        want = _flat(ddp, m, ref["grads"])
-        for i in range(len(ddp.buckets)):
-            a, b = ddp.shard_range(i)
-            found = differences([(f"{mode}: bucket {i}'s reduced gradient (elements {a} to {b})", ddp.grad_buffer[a:b],
-                                  want[a:b], [(own[a:b], "it is still this replica's own gradient / dp: reduce "
-                                                         "the bucket's own elements of grad_buffer, in place "
-                                                         "(a copy leaves the buffer as it was)")])],
-                                factors={"dp": env.world_size})
-            if found:
-                out += found
-                break
-    return out or training(env, ref, "bucketed", group) + training(env, ref, "zero1", group)
+    ddp = data_parallel.DDP(model.parameters(), group, ARGS.bucket_numel)
+    model(idx, targets)[1].backward()  # one microbatch, the step's last (ddp.sync)
+    n, works = len(ddp.buckets), list(ddp.works)
+    if len(works) != n or not all(hasattr(w, "wait") for w in works):
+        return [f"{len(works)} work handles in self.works after backward, for {n} buckets: when a bucket's count "
+                f"reaches 0, launch its all-reduce with async_op=True, so that it returns a handle at once, and "
+                f"append the handle to self.works"]
+    kept = [n for n, p in model.named_parameters() if p.grad is not None]
+    if kept:
+        return [f"{kept[0]}.grad is still set after its hook: set p.grad = None once it is in the buffer (the next "
+                f"microbatch's backward would add into it, and its gradient would be counted twice)"]
+    ddp.finish()
+    want = _flat(ddp, model, ref["grads"])
+    for i, (lo, hi) in enumerate(ddp.buckets):
+        found = differences([(f"bucket {i}'s averaged gradient (elements {lo} to {hi})", ddp.grads[lo:hi],
+                              want[lo:hi])], {"dp x too large": "add the gradient in divided by dp (alpha=1 / "
+                                                               "self.dp): the replicas' sum is then their average"},
+                            factors={"dp": env.world_size})
+        if found:
+            return found
+    return training(env, ref, "bucketed", group) + training(env, ref, "zero1", group)
 
 
-def check_launch_bucket(impl):
+def check_ddp_hook(impl):
     ref = reference()
-    with installed((data_parallel.BucketedDDP, "_launch", impl["launch_bucket"])):
+    with installed((data_parallel.DDP, "hook", impl["ddp_hook"])):
         return first(merged(ranks(_bucketed, DP, ref)), 4)
 
 
 # ----------------------------------------------------------------------------------------------
-# 04.3 ZeRO-1: the partition and the all-gather
-
-
-def install_zero1(impl):
-    """shard_range as the student wrote it; the all-gather too, run after 04's own optimizer update:
-    FlatAdamW.step with ddp.zero off updates this rank's pieces and stops before gathering."""
-    own_step = data_parallel.FlatAdamW.step
-    gather = impl["all_gather_params"]
-
-    def step(self):
-        zero, self.ddp.zero = self.ddp.zero, False
-        try:
-            own_step(self)
-        finally:
-            self.ddp.zero = zero
-        if zero:
-            gather(self.ddp)
-
-    return [(data_parallel.BucketedDDP, "shard_range", impl["shard_range"])] + \
-        ([(data_parallel.FlatAdamW, "step", step)] if gather is not None else [])
+# 04.3 ZeRO-1's step: AdamW on this rank's shard, then the all-gather
 
 
 def _zero(env, ref):
     group, model, (idx, targets) = replica(env, ref)
-    dp = env.world_size
-    ddp = data_parallel.BucketedDDP(model.parameters(), group, ARGS.bucket_numel, zero=True)
-    mine = [tuple(ddp.shard_range(i)) for i in range(len(ddp.buckets))]
-    # On the run's device: NCCL (a torchrun launch on GPUs) takes no CPU tensors.
-    every = [[tuple(map(int, row[2 * i:2 * i + 2])) for i in range(len(mine))]
-             for row in gather_numbers([x for ab in mine for x in ab], group, device=env.device)]
-    for i, (lo, hi) in enumerate(ddp.buckets):
-        parts = [every[q][i] for q in range(dp)]
-        want = [(lo + q * (hi - lo) // dp, lo + (q + 1) * (hi - lo) // dp) for q in range(dp)]
-        if parts != want:
-            return [f"bucket {i} = [{lo}, {hi}): the ranks' shard_range are {parts}; ZeRO-1 gives rank q the "
-                    f"q-th of dp={dp} equal parts, {want}: disjoint, covering the bucket, in rank order"]
-    opt = data_parallel.FlatAdamW(ddp, lr=ARGS.lr, weight_decay=0.1)
+    ddp = data_parallel.DDP(model.parameters(), group, ARGS.bucket_numel)
+    opt = data_parallel.ZeRO1(ddp, lr=ARGS.lr, weight_decay=0.1)
     model(idx, targets)[1].backward()
     ddp.finish()
     opt.step()
-    out = []
-    before = _flat(ddp, model, ref["full"])
-    after = _flat(ddp, model, ref["one_step"])
+    got = _flat(ddp, model, {n: p.detach() for n, p in model.named_parameters()})
+    before, after = _flat(ddp, model, ref["full"]), _flat(ddp, model, ref["one_step"])
     owned = torch.zeros_like(after, dtype=torch.bool)
-    for i in range(len(ddp.buckets)):
-        owned[slice(*ddp.shard_range(i))] = True
-    out += differences([("the flat parameters after one ZeRO-1 step", ddp.param_buffer, after,
-                         [(torch.where(owned, after, before), "they match serial training on this rank's own "
-                           "shards only; elsewhere they are the old weights: all-gather every rank's updated "
-                           "shard into the buffer")])])
-    return out or training(env, ref, "zero1", group)
+    owned[opt.lo:opt.hi] = True
+    found = differences([("the parameters after one ZeRO-1 step, laid out as the flat buffer", got, after,
+                          [(torch.where(owned, after, before), "they match serial training on this rank's own shard "
+                            "only; elsewhere they are the old weights: all-gather every rank's updated shard into "
+                            "self.flat before copying back"),
+                           (before, "they are the old weights everywhere: after AdamW on self.shard and the "
+                            "all-gather into self.flat, copy each parameter's elements of self.flat back into it")])])
+    return found or training(env, ref, "zero1", group)
 
 
 def check_zero1(impl):
     ref = reference()
-    with installed(*install_zero1(impl)):
+    with installed((data_parallel.ZeRO1, "step", impl["zero1_step"])):
         return first(merged(ranks(_zero, DP, ref)), 4)
 
 
@@ -209,19 +168,31 @@ def _no_division(params, group):
             dist.all_reduce(p.grad, group=group)
 
 
-def _launch_blocking(self, i):
-    lo, hi = self.buckets[i]
-    dist.all_reduce(self.grad_buffer[lo:hi], group=self.group)  # waits, and keeps no handle
-    self.works[i] = (None, None)
+def _hook_blocking(self, p):
+    """The lesson's hook with each bucket's all-reduce waited for at once, and no handle kept."""
+    self.view(p).add_(p.grad.reshape(-1), alpha=1 / self.dp)
+    p.grad = None
+    if self.sync:
+        for i in self.buckets_of[p]:
+            self.pending[i] -= 1
+            if self.pending[i] == 0:
+                dist.all_reduce(self.grads[self.buckets[i][0]:self.buckets[i][1]], group=self.group)
 
 
-def _same_shard_everywhere(self, i):
-    lo, hi = self.buckets[i]
-    return (lo, lo + (hi - lo) // self.dp) if self.zero else (lo, hi)
+def _no_all_gather(self):
+    """AdamW on the shard, which goes back into this rank's own place of self.flat only."""
+    self.shard.grad = self.ddp.grads[self.lo:self.hi]
+    self.adamw.step()
+    self.flat[self.lo:self.hi] = self.shard.detach()
+    for p in self.ddp.params:
+        p.data.copy_(self.flat[self.ddp.offset[p]:self.ddp.offset[p] + p.numel()].view_as(p))
 
 
-def _no_gather(ddp):
-    pass
+def _no_copy_back(self):
+    """AdamW on the shard and the all-gather, but the parameters are left as they were."""
+    self.shard.grad = self.ddp.grads[self.lo:self.hi]
+    self.adamw.step()
+    dist.all_gather(list(self.flat.chunk(self.ddp.dp)), self.shard, group=self.ddp.group)
 
 
 EXERCISES = [
@@ -230,16 +201,18 @@ EXERCISES = [
              check_allreduce_gradients, lambda: {"allreduce_gradients": REFERENCE["allreduce_gradients"]},
              [Planted("no_division_by_dp", "the gradients are summed over the replicas but not divided by dp",
                       lambda: {"allreduce_gradients": _no_division}, "is dp=2 x too large")]),
-    Exercise("04.2", "launch_bucket", "a bucket's asynchronous reduction, launched from the hook",
-             ("launch_bucket",), "Li et al. 2020 (gradient bucketing, overlapping communication)",
-             check_launch_bucket, lambda: {"launch_bucket": REFERENCE["launch_bucket"]},
-             [Planted("launch_blocking", "the bucket's all-reduce waits, and no work handle is kept",
-                      lambda: {"launch_bucket": _launch_blocking}, "launch the collective with async_op=True")]),
-    Exercise("04.3", "zero1", "ZeRO-1: each rank's shard, then the all-gather",
-             ("shard_range", "all_gather_params"), "Rajbhandari et al. 2020 (P_os, ZeRO-DP stage 1)", check_zero1,
-             lambda: {"shard_range": REFERENCE["shard_range"], "all_gather_params": REFERENCE["all_gather_params"]},
-             [Planted("same_shard_everywhere", "every rank takes the first 1/dp of each bucket",
-                      lambda: {"shard_range": _same_shard_everywhere}, "disjoint, covering the bucket"),
-              Planted("no_all_gather", "the updated shards are not gathered",
-                      lambda: {"all_gather_params": _no_gather}, "on this rank's own shards only")]),
+    Exercise("04.2", "ddp_hook", "a bucket's asynchronous reduction, launched from the hook",
+             ("ddp_hook",), "Li et al. 2020 (gradient bucketing, overlapping communication, no_sync)",
+             check_ddp_hook, lambda: {"ddp_hook": REFERENCE["ddp_hook"]},
+             [Planted("hook_blocking", "each bucket's all-reduce waits, and no work handle is kept",
+                      lambda: {"ddp_hook": _hook_blocking}, "launch its all-reduce with async_op=True")],
+             replaces=("DDP.hook",)),
+    Exercise("04.3", "zero1", "ZeRO-1: AdamW on this rank's shard, then the all-gather",
+             ("zero1_step",), "Rajbhandari et al. 2020 (P_os, ZeRO-DP stage 1)", check_zero1,
+             lambda: {"zero1_step": REFERENCE["zero1_step"]},
+             [Planted("no_all_gather", "the updated shards are not gathered",
+                      lambda: {"zero1_step": _no_all_gather}, "on this rank's own shard only"),
+              Planted("no_copy_back", "the gathered parameters are not copied back into the model",
+                      lambda: {"zero1_step": _no_copy_back}, "the old weights everywhere")],
+             replaces=("ZeRO1.step",)),
 ]

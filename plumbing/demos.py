@@ -79,20 +79,25 @@ class DataParallelRun:
     digests: list
     timeline: tuple  # (start, end, BucketedDDP.events, number of buckets), or None (naive)
     state: int
+    lesson: float | None = None  # its worst difference from the lesson's run of the same mode, if compared
 
 
 def report_dp(say, cfg, args, ref_losses, runs):
     """04's demo output, mode by mode, then the losses' drift and the optimizer state per rank: True if
-    every mode equals serial training (1e-10) with bit-identical replicas."""
+    every mode equals serial training (1e-10) with bit-identical replicas, and the lesson (1e-12) if compared."""
     ok = True
     for mode, run in runs.items():
         good = run.worst <= 1e-10 and len(set(run.digests)) == 1
-        ok &= good
+        same = run.lesson is None or run.lesson <= 1e-12
+        ok &= good and same
         say(f"\n=== {mode} ===\nlosses: {' '.join(f'{x:.6f}' for x in run.losses)}  (serial: "
             f"{' '.join(f'{x:.6f}' for x in ref_losses)})")
         say(f"replica checksums: {run.digests}")
         say(f"max relative difference of the losses and every parameter after {args.steps} steps: "
             f"{run.worst:.2e} {'PASS' if good else 'FAIL'} (tolerance 1e-10)")
+        if run.lesson is not None:
+            say(f"the machine against the lesson's {mode} (the losses and every parameter): {run.lesson:.2e} "
+                f"{'PASS' if same else 'FAIL'} (tolerance 1e-12)")
         if run.timeline:  # (start, end, events, number of buckets) of the last backward
             say(f"the last backward ('|': a gradient arrived) and each bucket's reduction (L: launched), "
                 f"in ms:\n{charts.bucket_timeline(*run.timeline)}")

@@ -160,7 +160,8 @@ def test_the_demo_refuses_a_batch_not_divisible_by_dp_times_m_and_passes_otherwi
     assert proc.returncode == 1 and "batch of 12 sequences is not divisible by dp x m = 4 x 2" in proc.stderr
     proc = run_script("04_data_parallel.py", "--dp", "2", "--steps", "2", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("PASS") == 4 and "(0.500, 1/dp = 0.500)" in proc.stdout
+    # the lesson's 3 modes against serial; the machine's 3 against serial and 3 against the lesson; the verdict
+    assert proc.stdout.count("PASS") == 10 and "FAIL" not in proc.stdout and "(0.500, 1/dp = 0.500)" in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------

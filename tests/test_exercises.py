@@ -92,7 +92,7 @@ def test_every_stub_has_the_signature_of_the_numbered_files_piece_it_replaces():
     for e in ALL:
         module = exercises.stub(e.file)
         for name, solution in e.reference().items():
-            if solution is None:  # 04.3's all-gather: inside 04's FlatAdamW.step, no function of its own
+            if solution is None:  # a piece with no function of its own in the numbered file
                 continue
             mine = getattr(module, name)
             if isinstance(solution, type):  # an autograd Function: forward and backward alike
