@@ -2,15 +2,24 @@
 
 What this file adds on top of 01-04: their composition into one trainer. Tensor parallelism (01,
 optionally with sequence parallelism) runs inside each pipeline stage; the stages run 1F1B (02) or
-interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas, each stage
-reducing over its own dp group during each model chunk's last backward. New here, in this order:
-  - the rank grid: Megatron's order, tp fastest, then dp, then pp (Section 3);
-  - the scatter/gather optimisation (Section 4.1): between stages each tp rank sends only 1/tp of
-    the boundary tensor and the receiving stage all-gathers it over tp;
-  - activation recomputation, of whole layers or of the attention core (Korthikanti et al. 2022, §5);
-  - the global gradient norm for clipping across tp, pp and dp, every element counted once;
-  - the training step and loop: AdamW with weight-decay groups, warmup then cosine decay, a held-out
-    eval loss.
+interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas.
+  - The lesson, read first: the rank grid (Megatron's order, tp fastest, then dp, then pp; Section 3)
+    and its process groups, and ptd_p_step, ONE training step as plain code from the earlier lessons:
+    this replica's rows (04's shard_batch), 02's 1F1B over this rank's pp group with 01's tp layers
+    inside each stage, the tied-embedding sum, 04's all-reduce of the gradients over dp, AdamW; each
+    counted target of the global batch weighing 1 / (its global count) (docs/LOSS.md).
+  - The machine, read second, which the main job runs and 06-09 extend: the scatter/gather
+    optimisation (Section 4.1: between stages each tp rank sends only 1/tp of the boundary tensor and
+    the receiving stage all-gathers it over tp); the global gradient norm for clipping across tp, pp
+    and dp, every element counted once; build, train_step (02's executor, 04's buckets reducing
+    during each chunk's last backward) and the loop, train: AdamW with weight-decay groups, warmup
+    then cosine decay, a held-out eval loss.
+  - After the concept: activation recomputation, of whole layers or of the attention core
+    (Korthikanti et al. 2022, §5), the flags and the command line.
+Before the main job trains, its demo checks the lesson's step at the run's layout against the serial
+model in float64 on a small model and a batch whose replicas and microbatches count unequal numbers
+of targets, one none (loss, every gradient, every weight after AdamW within 1e-10), then the machine's
+train_step against the lesson (1e-12), and exits 1 on a mismatch; a later chapter's --train does not.
 The trainer turns on every optimization the chapters add after their concepts (the "speed" flags,
 each on by default: 01's overlapped linear and merged loss reductions, 02's background sends, 04's
 pipeline buckets and overlapped ZeRO-1 gather), and, where the device allows, fused kernels and CUDA
