@@ -46,8 +46,8 @@ tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# The lesson: GPipe and 1F1B as the loops one writes on a whiteboard. Rank s is stage s of pp, the
-# world size; each holds the batch's microbatches [(idx, targets)]. Every message is in this section.
+# The lesson: GPipe and 1F1B as the loops one writes on a whiteboard. Rank s is stage s of pp, the world
+# (or pp_group's ranks: 05's); each holds the microbatches [(idx, targets)]. Every message is in this section.
 
 
 def split_layers(n_layer, n_stages):
@@ -58,10 +58,10 @@ def split_layers(n_layer, n_stages):
     return [range(k * per, (k + 1) * per) for k in range(n_stages)]
 
 
-def stage_model(cfg, **gpt_kwargs):
+def stage_model(cfg, pp_group=None, **gpt_kwargs):
     """This rank's stage: 01's GPT cut to its layers; the first holds the embeddings, the last ln_f,
-    the output layer (tied to wte, of which it holds a copy) and the loss."""
-    s, pp = dist.get_rank(), dist.get_world_size()
+    the output layer (tied to wte, of which it holds a copy) and the loss. gpt_kwargs: 01's (group: tp)."""
+    s, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     return tensor_parallel.GPT(cfg, layers=split_layers(cfg.n_layer, pp)[s], pre_process=s == 0,
                                post_process=s == pp - 1, **gpt_kwargs)
 
@@ -73,30 +73,31 @@ def loss_weights(microbatches, ignore_index=-100):
     return [v / sum(valid) if v else 0.0 for v in valid]
 
 
-def recv_from(src, like):
+def recv_from(src, like, pp_group=None):
     """dist.recv of a tensor shaped like `like` from stage src; None where there is none (before the
     first stage, which reads tokens; after the last, whose backward starts from its loss)."""
-    if not 0 <= src < dist.get_world_size():
+    if not 0 <= src < dist.get_world_size(pp_group):
         return None
     buf = torch.empty_like(like)
-    dist.recv(buf, src)  # blocks until it arrived
+    dist.recv(buf, dist.get_global_rank(pp_group or dist.group.WORLD, src), pp_group)  # blocks until it arrived
     return buf
 
 
-def send_to(t, dst):
+def send_to(t, dst, pp_group=None):
     """dist.send of t to stage dst, if there is one (the last stage's output is the loss: kept)."""
-    if 0 <= dst < dist.get_world_size():
-        dist.send(t.detach(), dst)
+    if 0 <= dst < dist.get_world_size(pp_group):
+        dist.send(t.detach(), dist.get_global_rank(pp_group or dist.group.WORLD, dst), pp_group)
 
 
-def send_recv(t, peer, like):
+def send_recv(t, peer, like, pp_group=None):
     """Send t to stage peer and receive a tensor shaped like `like` from it, as one batch: 1F1B's
     send_forward_recv_backward (to the next stage) and send_backward_recv_forward (to the previous).
     Two neighbours that each sent first, waiting for the other to receive, would wait forever."""
-    if not 0 <= peer < dist.get_world_size():
+    if not 0 <= peer < dist.get_world_size(pp_group):
         return None
-    buf = torch.empty_like(like)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t.detach(), peer), dist.P2POp(dist.irecv, buf, peer)]):
+    buf, peer = torch.empty_like(like), dist.get_global_rank(pp_group or dist.group.WORLD, peer)  # a global rank
+    ops = [dist.P2POp(dist.isend, t.detach(), peer, pp_group), dist.P2POp(dist.irecv, buf, peer, pp_group)]
+    for work in dist.batch_isend_irecv(ops):
         work.wait()
     return buf
 
@@ -120,55 +121,56 @@ def backward_step(x, y, dy):
     return x.grad
 
 
-def sum_tied_grads(stage):
+def sum_tied_grads(stage, pp_group=None):
     """The output layer is tied to wte; with pp > 1 the first and the last stage hold a copy each, and
     swap and add their gradients (Megatron: an all-reduce over the two, the same sum)."""
-    s, pp = dist.get_rank(), dist.get_world_size()
+    s, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     if pp > 1 and s in (0, pp - 1):
         g = stage.transformer.wte.weight.grad
-        g += send_recv(g, pp - 1 - s, g)
+        g += send_recv(g, pp - 1 - s, g, pp_group)
 
 
-def gpipe_step(stage, microbatches):
+def gpipe_step(stage, microbatches, pp_group=None, weights=None):
     """GPipe (Huang et al. 2019) on this rank's stage: every microbatch forward (receive, forward, send),
-    then each backward in the same order; all m in flight. Returns the loss on the last stage, else None."""
-    s, w, losses, flight = dist.get_rank(), loss_weights(microbatches), [], []
+    then each backward in the same order; all m in flight. Returns the loss on the last stage, else None.
+    weights: each microbatch mean's (05: its share of the global batch; by default loss_weights')."""
+    s, w, losses, flight, g = dist.get_rank(pp_group), weights or loss_weights(microbatches), [], [], pp_group
     out = next(stage.parameters()).new_empty(*microbatches[0][0].shape, stage.cfg.n_embd)  # (b, T, C) travels
     for i, mb in enumerate(microbatches):
-        flight.append(forward_step(stage, mb, recv_from(s - 1, out), w[i], losses))
-        send_to(flight[-1][1], s + 1)
+        flight.append(forward_step(stage, mb, recv_from(s - 1, out, g), w[i], losses))
+        send_to(flight[-1][1], s + 1, g)
     while flight:
         x, y = flight.pop(0)
-        send_to(backward_step(x, y, recv_from(s + 1, out)), s - 1)
-    sum_tied_grads(stage)
+        send_to(backward_step(x, y, recv_from(s + 1, out, g)), s - 1, g)
+    sum_tied_grads(stage, g)
     return sum(losses) if stage.post_process else None
 
 
-def one_f_one_b_step(stage, microbatches):
+def one_f_one_b_step(stage, microbatches, pp_group=None, weights=None):
     """1F1B (PipeDream-Flush) on this rank's stage: warm up with forwards, then alternate a new forward
     and the oldest backward, then drain the backwards left: at most pp - s in flight (GPipe: m)."""
-    s, pp, m = dist.get_rank(), dist.get_world_size(), len(microbatches)
-    w, losses, flight = loss_weights(microbatches), [], []
+    s, pp, m, g = dist.get_rank(pp_group), dist.get_world_size(pp_group), len(microbatches), pp_group
+    w, losses, flight = weights or loss_weights(microbatches), [], []
     out = next(stage.parameters()).new_empty(*microbatches[0][0].shape, stage.cfg.n_embd)  # (b, T, C) travels
     # Stage s runs pp - s - 1 forwards before the steady state: how long microbatch 0 takes to reach
     # the last stage and come back. The steady state's first forward makes pp - s in flight.
     warmup = min(pp - s - 1, m)
     for i in range(warmup):
-        flight.append(forward_step(stage, microbatches[i], recv_from(s - 1, out), w[i], losses))
-        send_to(flight[-1][1], s + 1)
-    x = recv_from(s - 1, out) if warmup < m else None
+        flight.append(forward_step(stage, microbatches[i], recv_from(s - 1, out, g), w[i], losses))
+        send_to(flight[-1][1], s + 1, g)
+    x = recv_from(s - 1, out, g) if warmup < m else None
     for i in range(warmup, m):  # steady: forward microbatch i, then backward the oldest in flight
         flight.append(forward_step(stage, microbatches[i], x, w[i], losses))
-        dy = send_recv(flight[-1][1], s + 1, out)  # send forward, receive backward
+        dy = send_recv(flight[-1][1], s + 1, out, g)  # send forward, receive backward
         dx = backward_step(*flight.pop(0), dy)
         if i + 1 < m:  # send backward, receive forward: the next microbatch's input
-            x = send_recv(dx, s - 1, out)
+            x = send_recv(dx, s - 1, out, g)
         else:
-            send_to(dx, s - 1)
+            send_to(dx, s - 1, g)
     while flight:  # drain: the backwards left, oldest first
         x, y = flight.pop(0)
-        send_to(backward_step(x, y, recv_from(s + 1, out)), s - 1)
-    sum_tied_grads(stage)
+        send_to(backward_step(x, y, recv_from(s + 1, out, g)), s - 1, g)
+    sum_tied_grads(stage, g)
     return sum(losses) if stage.post_process else None
 
 

@@ -2,15 +2,24 @@
 
 What this file adds on top of 01-04: their composition into one trainer. Tensor parallelism (01,
 optionally with sequence parallelism) runs inside each pipeline stage; the stages run 1F1B (02) or
-interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas, each stage
-reducing over its own dp group during each model chunk's last backward. New here, in this order:
-  - the rank grid: Megatron's order, tp fastest, then dp, then pp (Section 3);
-  - the scatter/gather optimisation (Section 4.1): between stages each tp rank sends only 1/tp of
-    the boundary tensor and the receiving stage all-gathers it over tp;
-  - activation recomputation, of whole layers or of the attention core (Korthikanti et al. 2022, §5);
-  - the global gradient norm for clipping across tp, pp and dp, every element counted once;
-  - the training step and loop: AdamW with weight-decay groups, warmup then cosine decay, a held-out
-    eval loss.
+interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas.
+  - The lesson, read first: the rank grid (Megatron's order, tp fastest, then dp, then pp; Section 3)
+    and its process groups, and ptd_p_step, ONE training step as plain code from the earlier lessons:
+    this replica's rows (04's shard_batch), 02's 1F1B over this rank's pp group with 01's tp layers
+    inside each stage, the tied-embedding sum, 04's all-reduce of the gradients over dp, AdamW; each
+    counted target of the global batch weighing 1 / (its global count) (docs/LOSS.md).
+  - The machine, read second, which the main job runs and 06-09 extend: the scatter/gather
+    optimisation (Section 4.1: between stages each tp rank sends only 1/tp of the boundary tensor and
+    the receiving stage all-gathers it over tp); the global gradient norm for clipping across tp, pp
+    and dp, every element counted once; build, train_step (02's executor, 04's buckets reducing
+    during each chunk's last backward) and the loop, train: AdamW with weight-decay groups, warmup
+    then cosine decay, a held-out eval loss.
+  - After the concept: activation recomputation, of whole layers or of the attention core
+    (Korthikanti et al. 2022, §5), the flags and the command line.
+Before the main job trains, its demo checks the lesson's step at the run's layout against the serial
+model in float64 on a small model and a batch whose replicas and microbatches count unequal numbers
+of targets, one none (loss, every gradient, every weight after AdamW within 1e-10), then the machine's
+train_step against the lesson (1e-12), and exits 1 on a mismatch; a later chapter's --train does not.
 The trainer turns on every optimization the chapters add after their concepts (the "speed" flags,
 each on by default: 01's overlapped linear and merged loss reductions, 02's background sends, 04's
 pipeline buckets and overlapped ZeRO-1 gather), and, where the device allows, fused kernels and CUDA
@@ -57,6 +66,8 @@ from plumbing.flags import Files, Loop, Speed
 from plumbing.gpt2 import import_gpt2
 from plumbing.launch import printer, run_main
 from plumbing.operations import Operations
+from plumbing.reference import unequal_counts
+from plumbing.shards import max_rel_diff
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 pipeline = importlib.import_module("02_pipeline_1f1b")
@@ -65,9 +76,9 @@ data_parallel = importlib.import_module("04_data_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# The rank grid (Section 3): tp fastest, then dp, then pp, so a tp group is adjacent ranks (one
-# node: its all-reduces stay on NVLink) and only pipeline and data-parallel traffic crosses nodes.
-# Pure: it can be checked without any process.
+# The lesson: PTD-P's composition (Section 3) as plain code. The rank grid: tp fastest, then dp, then
+# pp, so a tp group is adjacent ranks (one node: its all-reduces stay on NVLink) and only pipeline and
+# data-parallel traffic crosses nodes; then one training step built from 01's, 02's and 04's lessons.
 
 
 def rank_grid(world, tp=1, dp=1, pp=1):
@@ -102,7 +113,87 @@ def new_groups(env, grid, timeout_s=60.0):
     return Groups(**mine)
 
 
+def ptd_p_step(stage, opt, idx, targets, groups, m):
+    """One PTD-P step on this rank: its replica's rows of the global batch (idx, targets (B, T)), cut into m
+    microbatches, through 1F1B over its pipeline (02's lesson: stage is 02's stage_model, 01's layers over
+    groups.tp inside); the tied embedding's two copies summed; the gradients averaged over the replicas
+    (04's lesson); an AdamW step (opt). Returns the global batch's loss on the last stage, else None."""
+    dp = dist.get_world_size(groups.dp)
+    idx, targets = data_parallel.shard_batch(idx, targets, dp, dist.get_rank(groups.dp))  # this replica's rows
+    microbatches = list(zip(idx.chunk(m), targets.chunk(m)))
+    # The loss contract (docs/LOSS.md): every counted target of the GLOBAL batch weighs 1/n, n counted over
+    # the replicas (one all-reduce). Microbatch i's mean loss weighs valid_i / n: times dp, as the
+    # replicas' gradients are averaged below. One counting none weighs 0 (no 0/0).
+    valid = [int((t != -100).sum()) for _, t in microbatches]
+    n = torch.tensor(sum(valid), device=idx.device)
+    dist.all_reduce(n, group=groups.dp)
+    weights = [dp * v / int(n) if v else 0.0 for v in valid]
+    opt.zero_grad()
+    loss = pipeline.one_f_one_b_step(stage, microbatches, groups.pp, weights)  # and the tied-embedding sum
+    data_parallel.allreduce_gradients(list(stage.parameters()), groups.dp)  # the mean over the dp replicas
+    opt.step()
+    if loss is not None:  # each replica's loss is dp times its share of the global batch's
+        dist.all_reduce(loss, group=groups.dp)
+        loss = loss / dp
+    return loss
+
+
 # ----------------------------------------------------------------------------------------------
+# Demo: before the main job trains, the lesson's step at the run's layout against the serial model,
+# then the machine below (build, train_step) against the lesson; float64, the same weights and batch,
+# whose replicas and microbatches count unequal numbers of targets (one none).
+
+CHECK_M, CHECK_LR = 3, 1e-3  # the check's microbatches per replica and learning rate
+
+
+def adamw(params, lr=CHECK_LR):
+    """The check's AdamW, the trainer's: betas (0.9, 0.95), weight decay 0.1 on the 2-D weights only."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def demo(env, tc, say):
+    """The lesson's one step at the layout tc.tp x tc.pp x tc.dp against the serial model's on a small
+    model: the loss, every gradient and every weight after AdamW within 1e-10 (the layout only changes
+    where each sum is taken and in which order: a few ulps; a wrong weighting is off by ~1e-1); then
+    prove_machine. Collective; every rank returns whether both passed."""
+    tp, pp, dp, m, dt, dev = tc.tp, tc.pp, tc.dp, CHECK_M, torch.float64, env.device
+    cfg = tensor_parallel.GPTConfig(vocab_size=97, block_size=8, n_layer=2 * pp, n_head=2 * tp, n_embd=8 * tp)
+    groups = new_groups(env, rank_grid(env.world_size, tp, dp, pp), tc.timeout_s)
+    gen = torch.Generator().manual_seed(tc.seed)
+    idx, targets = torch.randint(cfg.vocab_size, (2, dp * m * 2, 8), generator=gen)
+    unequal_counts(targets, dp * m)  # replica 0's first microbatch counts none, the last replica's last fewer
+    idx, targets = idx.to(dev), targets.to(dev)
+    counts = [[int((t != -100).sum()) for t in r.chunk(m)] for r in targets.chunk(dp)]
+    full = tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dt, random_all=True)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=dt, device=dev)
+    stage = pipeline.stage_model(cfg, groups.pp, group=groups.tp, init=False, dtype=dt, device=dev)
+    for model in (serial, stage):
+        model.load_full_state_dict(full)
+    ref_loss = serial(idx, targets)[1]  # serial: the whole global batch at once
+    ref_loss.backward()
+    adamw(serial.parameters()).step()
+    loss = ptd_p_step(stage, adamw(stage.parameters()), idx, targets, groups, m)
+    lesson = loss, stage.full_grads(), stage.full_state_dict()  # gathered over tp to serial shapes
+    diffs = [max_rel_diff(g, serial.get_parameter(n).grad) for n, g in lesson[1].items()]
+    diffs += [max_rel_diff(w, serial.get_parameter(n).detach()) for n, w in lesson[2].items()]
+    worst = torch.tensor(max(diffs + ([max_rel_diff(loss, ref_loss.detach())] if loss is not None else [])),
+                         dtype=dt, device=dev)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank's
+    say(f"check: the lesson's PTD-P step (ptd_p_step) at tp={tp} x pp={pp} x dp={dp}, m={m}, float64, against "
+        f"serial; targets counted per replica and microbatch: {counts}")
+    say(f"check: the lesson against serial (loss, every gradient, every weight after AdamW): {float(worst):.2e} "
+        f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+    same = prove_machine(env, cfg, tc, groups, (idx, targets, full), lesson)
+    say(f"check: the machine (build, train_step) against the lesson on the same weights and batch: {same:.2e} "
+        f"{'PASS' if same <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
+    return bool(worst <= 1e-10) and same <= 1e-12
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: the machine, the lesson's general form, which the trainer runs and 06-09 extend.
 # Scatter/gather (Section 4.1). Without sequence parallelism both tp ranks of a stage hold the
 # same boundary tensor, so sending it whole from each would move tp copies of it between nodes.
 
@@ -128,7 +219,7 @@ class ScatterGather(pipeline.Wire):
 
 
 # ----------------------------------------------------------------------------------------------
-# The global gradient norm: each element of the model counted exactly once, whatever the layout.
+# Read second: the global gradient norm: each element of the model counted exactly once, whatever the layout.
 
 
 def counts_in_norm(p, chunk, tp_group):
@@ -161,7 +252,7 @@ def clip_gradients(opt, chunks, groups, max_norm, zero1):
 
 
 # ----------------------------------------------------------------------------------------------
-# Building one rank's part of the trainer: 01's layers inside 02/03's chunks, 04's DDP and AdamW
+# Read second: building one rank's part of the trainer: 01's layers inside 02/03's chunks, 04's DDP and AdamW
 
 
 def build(env, cfg, tc, groups, pipe=None):
@@ -211,7 +302,8 @@ def build(env, cfg, tc, groups, pipe=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# One step of PTD-P
+# Read second: one step of PTD-P on the machine: the lesson's step with buckets, clipping and the
+# schedule as data; and the demo's machine part (prove_machine)
 
 
 def train_step(run, idx, targets, lr):
@@ -264,19 +356,51 @@ def normalization(run, valid):
     return [(G, n)] * len(valid), n
 
 
+def prove_machine(env, cfg, tc, groups, batch, lesson):
+    """The machine as the main job runs it (build, then train_step: the executor, buckets, every speed
+    flag on; clipping off) on the lesson's weights, batch and groups: the largest relative difference over
+    every rank of its loss, gradients and weights after the step from the lesson's (0.0 today)."""
+    (idx, targets, full), (loss, grads, weights) = batch, lesson
+    mtc = TrainConfig(tp=tc.tp, pp=tc.pp, dp=tc.dp, batch_size=idx.shape[0], microbatches=CHECK_M,
+                      seq_len=idx.shape[1], dtype="float64", lr=CHECK_LR, weight_decay=0.1, grad_clip=math.inf,
+                      bucket_numel=500, fused_kernels=False, cuda_graphs=False, eval_every=0, timeout_s=tc.timeout_s)
+    run = build(env, cfg, mtc, groups)
+    for c in run.chunks:
+        c.load_full_state_dict(full)
+    got, zero_grad = {}, run.ddp.zero_grad
+
+    def read_grads():  # train_step's last call: the gradients are read just before they are cleared
+        got.update({n: g.clone() for c in run.chunks for n, g in c.full_grads().items()})
+        zero_grad()
+
+    run.ddp.zero_grad = read_grads
+    m_loss = train_step(run, *data_parallel.shard_batch(idx, targets, tc.dp, dist.get_rank(groups.dp)), CHECK_LR)[0]
+    run.ddp.zero_grad = zero_grad
+    diffs = [max_rel_diff(g, grads[n]) for n, g in got.items()]
+    diffs += [max_rel_diff(w, weights[n]) for c in run.chunks for n, w in c.full_state_dict().items()]
+    if loss is not None:
+        diffs.append(max_rel_diff(torch.tensor(m_loss, dtype=loss.dtype, device=loss.device), loss))
+    worst = torch.tensor(max(diffs), dtype=torch.float64, device=env.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
 # ----------------------------------------------------------------------------------------------
-# Training: the loop
+# Read second: training: the loop
 
 
-def train(env, cfg, tc, quiet=False, schedule_of=None):
+def train(env, cfg, tc, quiet=False, schedule_of=None, check=None):
     """Train on this rank, as nanoGPT's loop: a batch, a step, a log line, an eval, a save. What a run
     needs around it (the watch, rehearsed faults, skipped steps, the trace, saves) is plumbing's
     Operations, called at each point of the loop. schedule_of(tc): the PipelineSchedule to run (06's
-    and 07's own). Returns the losses, gradient norms and evals, and the final figures."""
+    and 07's own). check (05's main job: demo): check(env, tc, say) before anything trains; False stops
+    the run. Returns the losses, gradient norms and evals, and the final figures."""
     say = printer(env, quiet)  # everything that can be refused is, before the first collective:
     train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
                                                        writer=env.rank == 0)
     agreement.check(env, cfg, tc, path, start)  # every rank the same flags, data and checkpoint, or none trains
+    if check and not check(env, tc, say):  # the same on every rank: none trains
+        raise FloatingPointError("the check before training failed (FAIL above): nothing was trained")
     if acceleration(tc, env.device)[0]:
         kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
     pipe = (schedule_of or interleaved_schedule)(tc)
@@ -522,8 +646,11 @@ def parser():
 
 
 def main(parser=parser, config=TrainConfig, schedule_of=None):
-    """The trainer's command line (plumbing/command.py); 06 and 07 run it with their flags and schedules."""
-    return command.main(parser(), config, train, schedule_of or interleaved_schedule, rank_grid)
+    """The trainer's command line (plumbing/command.py); 06-09 run it with their flags and schedules. 05's
+    own run checks the lesson and the machine first (demo); a later chapter's --train trains at once."""
+    own = schedule_of is None and config is TrainConfig
+    return command.main(parser(), config, functools.partial(train, check=demo) if own else train,
+                        schedule_of or interleaved_schedule, rank_grid)
 
 
 if __name__ == "__main__":

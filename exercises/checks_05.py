@@ -1,6 +1,8 @@
 """The checks of 05's exercises (exercises/ex05_3d_gpt.py), and the planted wrong answers.
 
-The rank grid is pure: it is checked here, for several worlds, against its definition. The other
+The rank grid is pure: it is checked here, for several worlds, against its definition. 05.4, the
+lesson's step, runs as 05's demo does, against the serial model's step (loss, every gradient, every
+weight after AdamW) at two layouts, on a batch whose replicas count unequal numbers of targets. The other
 two run 05's own trainer (train) on tp=2 x pp=2 CPU ranks, the student's function in place of 05's,
 against plumbing.reference's serial_train on the same data (computed here, before anything is installed): every
 step's loss and global gradient norm, in float64 to 1e-10, with clipping active so that the norm
@@ -16,7 +18,7 @@ import torch
 
 from exercises.autograder import Exercise, Planted, called, differences, first, installed, merged, \
     numbered, ranks, tp_group, warm
-from plumbing.reference import serial_train
+from plumbing.reference import serial_train, unequal_counts
 
 tensor_parallel = numbered("01_tensor_parallel")
 gpt3d = numbered("05_3d_gpt")
@@ -26,7 +28,7 @@ BASE = gpt3d.TrainConfig(tp=2, pp=2, dp=1, batch_size=8, microbatches=2, seq_len
                          warmup_steps=1, grad_clip=0.5, dtype="float64", eval_every=0, bucket_numel=500,
                          timeout_s=20)
 REFERENCE = {"rank_grid": gpt3d.rank_grid, "pack": gpt3d.ScatterGather.pack, "unpack": gpt3d.ScatterGather.unpack,
-             "counts_in_norm": gpt3d.counts_in_norm}
+             "counts_in_norm": gpt3d.counts_in_norm, "ptd_p_step": gpt3d.ptd_p_step}
 GRIDS = [(1, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (8, 2, 2, 2), (16, 2, 2, 4), (12, 3, 2, 2),
          (6, 1, 3, 2), (16, 8, 1, 2), (24, 2, 3, 4)]  # (world, tp, dp, pp)
 
@@ -191,6 +193,48 @@ def check_counts_in_norm(impl):
 
 
 # ----------------------------------------------------------------------------------------------
+# 05.4 ptd_p_step: the lesson's one step, against the serial model's (05's demo, in words)
+
+LESSON_LAYOUTS = [(1, 1, 2), (2, 2, 2)]  # (tp, pp, dp)
+CONTRACT = ("each counted target of the GLOBAL batch weighs 1/n, n counted over the dp replicas (an all-reduce "
+            "over groups.dp); microbatch i's mean weighs dp x valid_i / n, as allreduce_gradients averages")
+
+
+def _lesson_step(env, layout):
+    tp, pp, dp = layout
+    m = gpt3d.CHECK_M
+    cfg = tensor_parallel.GPTConfig(vocab_size=97, block_size=8, n_layer=2 * pp, n_head=2 * tp, n_embd=8 * tp)
+    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tp, dp, pp), BASE.timeout_s)
+    full = tensor_parallel.init_state_dict(cfg, 3, dtype=F64, random_all=True)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
+    stage = gpt3d.pipeline.stage_model(cfg, groups.pp, group=groups.tp, init=False, dtype=F64)
+    for model in (serial, stage):
+        model.load_full_state_dict(full)
+    idx, targets = torch.randint(cfg.vocab_size, (2, dp * m * 2, 8), generator=torch.Generator().manual_seed(4))
+    unequal_counts(targets, dp * m)  # replica 0's first microbatch counts none: the replicas count unequally
+    ref_loss = serial(idx, targets)[1]
+    ref_loss.backward()
+    gpt3d.adamw(serial.parameters()).step()
+    loss = gpt3d.ptd_p_step(stage, gpt3d.adamw(stage.parameters()), idx, targets, groups, m)
+    pairs = [("the loss (last stage)", loss, ref_loss.detach())] if stage.post_process else []
+    pairs += [(f"the gradient of {n}", g, serial.get_parameter(n).grad) for n, g in stage.full_grads().items()]
+    pairs += [(f"{n} after the AdamW step", w, serial.get_parameter(n).detach())
+              for n, w in stage.full_state_dict().items()]
+    hints = {k: CONTRACT for k in ("other", "dp x too large", "dp x too small", "scaled")}
+    return differences(pairs, hints, factors={"dp": dp})
+
+
+def check_ptd_p_step(impl):
+    with installed((gpt3d, "ptd_p_step", impl["ptd_p_step"])):
+        for tp, pp, dp in LESSON_LAYOUTS:
+            where = f"tp={tp} x pp={pp} x dp={dp}, against the serial model's step, "
+            found = first([where + r for r in merged(ranks(_lesson_step, tp * pp * dp, (tp, pp, dp)))], 3)
+            if found:
+                return found
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
 # Planted wrong answers
 
 
@@ -217,6 +261,19 @@ def _counts_tied_copy(p, chunk, tp_group):
     return hasattr(p, "tp_dim") or torch.distributed.get_rank(tp_group) == 0
 
 
+def _step_replica_means(stage, opt, idx, targets, groups, m):  # each replica's own mean, averaged (1/dp)
+    dp = torch.distributed.get_world_size(groups.dp)
+    idx, targets = gpt3d.data_parallel.shard_batch(idx, targets, dp, torch.distributed.get_rank(groups.dp))
+    opt.zero_grad()
+    loss = gpt3d.pipeline.one_f_one_b_step(stage, list(zip(idx.chunk(m), targets.chunk(m))), groups.pp)
+    gpt3d.data_parallel.allreduce_gradients(list(stage.parameters()), groups.dp)
+    opt.step()
+    if loss is not None:
+        torch.distributed.all_reduce(loss, group=groups.dp)
+        loss = loss / dp
+    return loss
+
+
 EXERCISES = [
     Exercise("05.1", "rank_grid", "the rank grid: tp fastest, then dp, then pp", ("rank_grid",),
              "Narayanan et al. 2021, Section 3", check_rank_grid, lambda: {"rank_grid": REFERENCE["rank_grid"]},
@@ -234,4 +291,9 @@ EXERCISES = [
                       lambda: {"counts_in_norm": _counts_replicated_everywhere}, "count it on one (tp rank 0)"),
               Planted("norm_counts_tied_copy", "the last stage's copy of the tied embedding is counted too",
                       lambda: {"counts_in_norm": _counts_tied_copy}, "count it once, there")]),
+    Exercise("05.4", "ptd_p_step", "one PTD-P step from the earlier chapters' lessons", ("ptd_p_step",),
+             "Narayanan et al. 2021, Section 3; docs/LOSS.md", check_ptd_p_step,
+             lambda: {"ptd_p_step": REFERENCE["ptd_p_step"]},
+             [Planted("step_replica_means", "each replica's own mean loss, the replicas averaged (1/dp)",
+                      lambda: {"ptd_p_step": _step_replica_means}, "n counted over the dp replicas")]),
 ]

@@ -2,7 +2,8 @@
 
 The autograder puts your function in place of 05's and runs 05's own trainer on 4 CPU ranks
 (tp=2 x pp=2) against the serial GPT-2 trained on the same data with the same optimizer, in
-float64: every step's loss and gradient norm, to 1e-10.
+float64: every step's loss and gradient norm, to 1e-10 (05.4: the lesson's step, against the
+serial model's, at tp x pp x dp = 1 x 1 x 2 and 2 x 2 x 2).
 
     python3 -m exercises check 05              # your functions
     python3 -m exercises check 05 --solution   # 05's own functions
@@ -14,9 +15,12 @@ and compare with python3 05_3d_gpt.py --print-layout --tp 2 --dp 2 --pp 2.
 import importlib
 import math  # noqa: F401 (for your code)
 
+import torch  # noqa: F401 (for your code)
 import torch.distributed as dist  # noqa: F401 (for your code)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")  # all_gather_single
+pipeline = importlib.import_module("02_pipeline_1f1b")  # one_f_one_b_step (05.4)
+data_parallel = importlib.import_module("04_data_parallel")  # shard_batch, allreduce_gradients (05.4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,3 +83,27 @@ def counts_in_norm(p, chunk, tp_group):
     the token embedding chunk.transformer.wte.weight, of which the last stage holds a copy."""
     raise NotImplementedError("05.3 counts_in_norm: which parameters would be counted twice: over tp, and over "
                               "pp? Read Narayanan et al. 2021, Section 3; then run: python3 -m exercises check 05.3")
+
+
+# ----------------------------------------------------------------------------------------------
+# 05.4 One PTD-P step, from the earlier lessons (Narayanan et al. 2021, Section 3; the loss
+# contract, docs/LOSS.md)
+
+
+def ptd_p_step(stage, opt, idx, targets, groups, m):
+    """05's lesson: one training step on this rank. idx, targets (B, T): the GLOBAL batch, the same
+    on every rank. stage: 02's stage_model over the pp group groups.pp, holding 01's layers over
+    groups.tp; opt: a torch AdamW over stage's parameters; groups.dp: this rank's replicas.
+    1. this replica's rows of the batch (04's data_parallel.shard_batch), cut into m microbatches;
+    2. the loss contract: every counted target (label != -100) of the global batch weighs 1/n, n the
+       global count (count on the host, then one all-reduce over dp). Microbatch i's mean loss then
+       weighs valid_i / n; think about what 3. and 4. do to it. One counting none weighs 0;
+    3. 02's pipeline.one_f_one_b_step(stage, microbatches, groups.pp, weights) (it sums the tied
+       embedding's two copies too);
+    4. the gradients over the replicas: 04's data_parallel.allreduce_gradients(params, groups.dp),
+       which AVERAGES them; then the optimizer's step (clear the old gradients first, not after:
+       the autograder reads them).
+    Returns the global batch's loss on the last stage (where one_f_one_b_step returns one), else None."""
+    raise NotImplementedError("05.4 ptd_p_step: what does each counted target weigh when the replicas count "
+                              "unequal numbers? Read Narayanan et al. 2021, Section 3, and docs/LOSS.md; then run: "
+                              "python3 -m exercises check 05.4")

@@ -42,7 +42,7 @@ def _lesson_and_machine(env, m, plant=None):
     if plant == "weights 1/m":
         pipeline.loss_weights = lambda mbs, ignore_index=-100: [1 / len(mbs)] * len(mbs)  # this fork only
     elif plant == "no tied sum":
-        pipeline.sum_tied_grads = lambda stage: None
+        pipeline.sum_tied_grads = lambda stage, pp_group=None: None
     idx, targets = batch(m)
     full = tensor_parallel.init_state_dict(CFG, 0, dtype=torch.float64, random_all=True)
     serial = tensor_parallel.GPT(CFG, None, init=False, dtype=torch.float64)
