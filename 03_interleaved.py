@@ -55,13 +55,11 @@ pipeline = importlib.import_module("02_pipeline_1f1b")
 
 def chunk_layers(n_layer, pp, v, rank):
     """The layer ranges of rank's chunks: chunk c is virtual stage c*pp + rank of 02's pp*v stages."""
-    ranges = pipeline.split_layers(n_layer, pp * v)
-    return [ranges[c * pp + rank] for c in range(v)]
+    return pipeline.split_layers(n_layer, pp * v)[rank::pp]
 
 
 def chunk_models(cfg, v, **gpt_kwargs):
-    """This rank's v chunks, 01's GPT cut to each one's layers: virtual stage 0 holds the embeddings,
-    the last ln_f, the output layer (tied to wte, of which it holds a copy) and the loss."""
+    """This rank's v chunks, 01's GPT cut to their layers: stage 0 with the embeddings, S - 1 with the loss."""
     r, pp = dist.get_rank(), dist.get_world_size()
     return [tensor_parallel.GPT(cfg, layers=layers, pre_process=c * pp + r == 0, post_process=c * pp + r == pp * v - 1,
                                 **gpt_kwargs) for c, layers in enumerate(chunk_layers(cfg.n_layer, pp, v, r))]
@@ -75,60 +73,48 @@ def chunk_and_microbatch(k, pp, v, forward=True):
 
 
 def exchange(sends, receives, box, like):
-    """One boundary: sends {message: (tensor, rank)} and receives {message: rank} into box, as one batch_isend_irecv,
-    all waited for (Megatron's send_forward_backward_recv_forward_backward): two neighbours that each sent first
-    would wait for each other. A message to this rank itself (pp = 1) is handed over in box."""
-    me = dist.get_rank()
-    box.update({msg: t for msg, (t, peer) in sends.items() if peer == me})
-    got = {msg: torch.empty_like(like) for msg, peer in receives.items() if peer != me}
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends.values() if peer != me]
-    for work in dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, t, receives[msg]) for msg, t in got.items()]) \
-            if ops or got else []:
+    """A boundary: sends {(kind, k, i): tensor}, each to stage k's rank k mod pp, and receives {message: rank} into
+    box, as one batch_isend_irecv, all waited for: two neighbours that each sent first would wait for each other."""
+    box.update({msg: torch.empty_like(like) for msg in receives})  # filled by the time the batch is waited for
+    ops = [dist.P2POp(dist.isend, t, msg[1] % dist.get_world_size()) for msg, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, box[msg], peer) for msg, peer in receives.items()]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
-    box.update(got)
 
 
 def interleaved_step(chunks, microbatches):
-    """Interleaved 1F1B on this rank's v chunks: warm-up forwards, steady steps of a forward then a backward,
-    the drain's backwards; a step's sends and the next step's receives travel as one batch. Message (kind, k, i):
-    the input of action kind (F or B) on virtual stage k for microbatch i, from stage k - 1 (F) or k + 1 (B),
-    on rank (k -+ 1) mod pp: the last rank's chunk c feeds the first rank's chunk c + 1. Returns the loss on the
-    last rank, else None. v = 1 is 02's 1F1B."""
+    """Interleaved 1F1B on this rank's v chunks: warm-up forwards, steady forward-backward steps, the drain; the
+    loss on the last rank, else None. Message (kind, k, i): F's (B's) input on stage k, microbatch i, from k-1 (k+1)."""
     r, pp, v, m = dist.get_rank(), dist.get_world_size(), len(chunks), len(microbatches)
     if v == 1:
         return pipeline.one_f_one_b_step(chunks[0], microbatches)
     if m % pp:  # refused before any message, as check_interleaving refuses it
-        raise ValueError(f"interleaving sends microbatches through the chunks in groups of pp: "
-                         f"m={m} must be divisible by pp={pp}")
+        raise ValueError(f"interleaving runs microbatches in groups of pp: m={m} must be divisible by pp={pp}")
     S, n, w, losses = pp * v, m * v, pipeline.loss_weights(microbatches), []
     like = next(chunks[0].parameters()).new_empty(*microbatches[0][0].shape, chunks[0].cfg.n_embd)  # (b, T, C)
-    fwd = [chunk_and_microbatch(k, pp, v) for k in range(n)]  # (chunk, microbatch) of the k-th forward
-    bwd = [chunk_and_microbatch(k, pp, v, forward=False) for k in range(n)]
-    # (v - 1) pp forwards bring microbatch 0 to this rank's last chunk; its gradient is back 2 (pp - r - 1)
-    # forwards later, one hop a step to the last rank and back: a steady step's B, which runs right after its
-    # F with no boundary between, then finds its gradient received.
+    # (v - 1) pp forwards bring microbatch 0 to this rank's last chunk, and its gradient comes back 2 (pp - r - 1)
+    # forwards later (to the last rank and back): then a steady B, with no boundary after its F, has it received.
     warmup = min(2 * (pp - r - 1) + (v - 1) * pp, n)
-    steps = [[("F", *fwd[k])] for k in range(warmup)] + [[("F", *fwd[warmup + k]), ("B", *bwd[k])]
-                                                          for k in range(n - warmup)]
-    box, flight, sends, src = {}, {}, {}, {"F": -1, "B": 1}  # F's input from the stage before, B's from the one after
-    for step in steps + [[("B", *bwd[k])] for k in range(n - warmup, n)] + [[]]:  # the drain; [], its last sends
+    fwd, bwd = ([(kind, *chunk_and_microbatch(k, pp, v, kind == "F")) for k in range(n)] for kind in "FB")
+    steps = [[f] for f in fwd[:warmup]] + [[f, b] for f, b in zip(fwd[warmup:], bwd)] + [[b] for b in bwd[n - warmup:]]
+    box, flight, sends, src = {}, {}, {}, {"F": -1, "B": 1}  # F's input comes from the stage before, B's from after
+    for step in steps + [[]]:  # [[]]: the last backward's send
         exchange(sends, {(kind, c * pp + r, i): (r + src[kind]) % pp for kind, c, i in step
-                         if 0 <= c * pp + r + src[kind] < S}, box, like)
+                         if pp > 1 and 0 <= c * pp + r + src[kind] < S}, box, like)
         sends = {}
         for kind, c, i in step:
-            k = c * pp + r
+            k, x = c * pp + r, box.pop((kind, c * pp + r, i), None)  # F's input, B's output gradient (None at the ends)
             if kind == "F":
-                x, y = flight[c, i] = pipeline.forward_step(chunks[c], microbatches[i], box.pop(("F", k, i), None),
-                                                            w[i], losses)
-                out, dst = y.detach(), k + 1
+                flight[c, i] = pipeline.forward_step(chunks[c], microbatches[i], x, w[i], losses)
+                out, dst = flight[c, i][1].detach(), k + 1
             else:
-                out, dst = pipeline.backward_step(*flight.pop((c, i)), box.pop(("B", k, i), None)), k - 1
+                out, dst = pipeline.backward_step(*flight.pop((c, i)), x), k - 1
             if 0 <= dst < S:
-                sends[(kind, dst, i)] = out, dst % pp
-    if pp > 1:  # the tied embedding's two copies: on virtual stage 0 (rank 0's chunk 0) and S - 1 (rank pp - 1's last)
+                (sends if pp > 1 else box)[(kind, dst, i)] = out  # pp = 1: handed over on this rank
+    if pp > 1:  # the tied embedding's copies: on stage 0 (rank 0's chunk 0) and S - 1 (rank pp - 1's chunk v - 1)
         pipeline.sum_tied_grads(chunks[0] if r == 0 else chunks[-1])
-    else:  # both on this rank
-        first, last = chunks[0].transformer.wte.weight.grad, chunks[-1].transformer.wte.weight.grad
+    else:  # both on this rank: added
+        first, last = (c.transformer.wte.weight.grad for c in (chunks[0], chunks[-1]))
         last.copy_(first.add_(last))
     return sum(losses) if r == pp - 1 else None
 
@@ -141,16 +127,13 @@ def interleaved_step(chunks, microbatches):
 def demo(env, cfg, args):
     pp, m, v, say = args.pp, args.microbatches, args.virtual_stages, printer(env)
     pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
-    chunk_layers(cfg.n_layer, pp, v, 0)
+    chunks = chunk_models(cfg, v, init=False, dtype=torch.float64, device=env.device)  # refuses n_layer % (pp v)
     microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device, unequal=True)
-    say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
-        f"world={env.world_size} ({dist.get_backend()})")
-    say(f"targets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
-    chunks = chunk_models(cfg, v, init=False, dtype=torch.float64, device=env.device)
+    say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, world={env.world_size} "
+        f"({dist.get_backend()})\ntargets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
     for chunk in chunks:
         chunk.load_full_state_dict(full)  # the serial model's weights
-    loss = interleaved_step(chunks, microbatches)
-    lesson = loss, {n: p.grad for chunk in chunks for n, p in chunk.named_parameters()}
+    lesson = interleaved_step(chunks, microbatches), {n: p.grad for c in chunks for n, p in c.named_parameters()}
     worst = demos.worst_difference(lesson, ref_loss, ref_grads)
     say(f"the lesson, interleaved_step: max relative difference against serial (loss and every gradient): "
         f"{worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
@@ -244,8 +227,7 @@ def check_interleaving(pp, m, v):
     if m < 1:
         raise ValueError(f"the number of microbatches m={m} must be at least 1")
     if v > 1 and m % pp:
-        raise ValueError(f"interleaving sends microbatches through the chunks in groups of pp: "
-                         f"m={m} must be divisible by pp={pp}")
+        raise ValueError(f"interleaving runs microbatches in groups of pp: m={m} must be divisible by pp={pp}")
 
 
 @dataclass
