@@ -22,7 +22,7 @@ microbatch_group_size_per_vp_stage, pp by default, and lets the last group be sh
 
 Run it:
     python 03_interleaved.py                         # pp=4 CPU ranks, v=2, m=8
-    python 03_interleaved.py --pp 2 --virtual-stages 3 --microbatches 4
+    python 03_interleaved.py --pp 2 --virtual-stages 3 --microbatches 4 --n-layer 6
     torchrun --nproc-per-node 4 03_interleaved.py    # one rank per GPU
 
 The demo runs the lesson against the serial model in float64 on a batch whose microbatches count
