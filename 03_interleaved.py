@@ -1,35 +1,43 @@
 """03 - The interleaved 1F1B schedule with virtual stages (Narayanan et al. 2021, Section 2.2.2).
 
 What this file adds on top of 02: each rank holds v model chunks instead of one contiguous slice.
-The model is cut into pp*v chunks and rank r holds chunks r, r + pp, r + 2pp, ... (with 16 layers,
-pp=4 and v=2, rank 0 holds layers 1-2 and 9-10, rank 3 layers 7-8 and 15-16). A microbatch now
-crosses every rank v times, so each forward or backward is 1/v as long and the pipeline fills and
-drains v times faster: the bubble shrinks from (pp-1)/m to (pp-1)/(v m), at the price of more
-point-to-point messages: about v times as many, the paper says; exactly (pp v - 1)/(pp - 1) times,
-the stage boundaries a microbatch crosses (7/3 at pp=4, v=2). Only the schedule is new: 02's
-validator, simulator, executor and timelines read its lists unchanged.
+The model is cut into pp*v virtual stages and rank r holds stages r, r + pp, r + 2pp, ... as its
+chunks 0, 1, 2, ... (with 16 layers, pp=4 and v=2, rank 0 holds layers 1-2 and 9-10, rank 3 layers
+7-8 and 15-16). A microbatch now crosses every rank v times, so each forward or backward is 1/v as
+long and the pipeline fills and drains v times faster: the bubble shrinks from (pp-1)/m to
+(pp-1)/(v m), at the price of more point-to-point messages: about v times as many, the paper says;
+exactly (pp v - 1)/(pp - 1) times, the stage boundaries a microbatch crosses (7/3 at pp=4, v=2).
+  - The lesson, read first: interleaved_step, the loop one writes on a whiteboard: the paper's order
+    (chunk_and_microbatch: groups of pp microbatches go through chunk 0, then chunk 1, ...), the
+    warm-up of 2 (pp - r - 1) + (v - 1) pp forwards, the steady forward/backward pairs, the drain,
+    each step's sends and the next step's receives posted as one batch (exchange), every message
+    inline, each microbatch's loss weighted by its counted targets, the tied embedding summed.
+  - The machine, read second, which 05-09 build on: the same order as data (interleaved: a rank's
+    list of 02's Actions), run by 02's validator, simulator and executor; InterleavedSchedule runs a
+    steady pair as one group, with no boundary between. v=1 is 02's 1F1B, in both.
 
-The schedule is Megatron's (the paper's Figure 4). Microbatches go through the chunks in groups
-of pp, and m must be divisible by pp (the paper's requirement, kept here; other m are refused;
-Megatron Core now groups by microbatch_group_size_per_vp_stage, pp by default, and lets the last
-group be shorter). v=1 returns 02's
-1F1B lists exactly.
+Microbatches go through the chunks in groups of pp, and m must be divisible by pp (the paper's
+requirement, kept here; other m are refused; Megatron Core now groups by
+microbatch_group_size_per_vp_stage, pp by default, and lets the last group be shorter).
 
 Run it:
     python 03_interleaved.py                         # pp=4 CPU ranks, v=2, m=8
-    python 03_interleaved.py --pp 2 --virtual-stages 3 --microbatches 4
+    python 03_interleaved.py --pp 2 --virtual-stages 3 --microbatches 4 --n-layer 6
     torchrun --nproc-per-node 4 03_interleaved.py    # one rank per GPU
 
-The demo runs 1F1B and interleaved 1F1B on the same model, checks both against the serial model in
-float64 (loss and every gradient <= 1e-10), draws their timelines on one time scale, prints the
-simulated bubbles against (pp-1)/m and (pp-1)/(v m), the p2p message count and bytes ((pp v - 1)/
-(pp - 1) times 1F1B's) and each stage's peak stored activation bytes. It exits 1 on a mismatch.
+The demo runs the lesson against the serial model in float64 on a batch whose microbatches count
+unequal numbers of targets, one none (loss and every gradient within 1e-10); then 1F1B and
+interleaved 1F1B on the machine, each against serial (1e-10), the interleaved one against the lesson
+(1e-12); it draws their timelines on one time scale, prints the simulated bubbles against (pp-1)/m
+and (pp-1)/(v m), the p2p message count and bytes ((pp v - 1)/(pp - 1) times 1F1B's) and each
+stage's peak stored activation bytes. It exits 1 on a mismatch. n_layer must be divisible by pp*v.
 """
 import importlib
 from dataclasses import dataclass
 from datetime import timedelta
 from fractions import Fraction
 
+import torch
 import torch.distributed as dist
 
 from plumbing import cli, demos
@@ -41,39 +49,128 @@ pipeline = importlib.import_module("02_pipeline_1f1b")
 
 
 # ----------------------------------------------------------------------------------------------
-# The interleaved schedule as data, and how its lists run
+# The lesson: interleaved 1F1B as the loop one writes on a whiteboard. Rank r of pp holds v chunks,
+# chunk c being virtual stage c*pp + r of S = pp*v; each holds the batch's microbatches [(idx, targets)].
+
+
+def chunk_layers(n_layer, pp, v, rank):
+    """The layer ranges of rank's chunks: chunk c is virtual stage c*pp + rank of 02's pp*v stages."""
+    return pipeline.split_layers(n_layer, pp * v)[rank::pp]
+
+
+def chunk_models(cfg, v, **gpt_kwargs):
+    """This rank's v chunks, 01's GPT cut to their layers: stage 0 with the embeddings, S - 1 with the loss."""
+    r, pp = dist.get_rank(), dist.get_world_size()
+    return [tensor_parallel.GPT(cfg, layers=layers, pre_process=c * pp + r == 0, post_process=c * pp + r == pp * v - 1,
+                                **gpt_kwargs) for c, layers in enumerate(chunk_layers(cfg.n_layer, pp, v, r))]
+
+
+def chunk_and_microbatch(k, pp, v, forward=True):
+    """(chunk, microbatch) of a rank's k-th forward (or backward): groups of pp microbatches go through
+    chunk 0, then chunk 1, ..., chunk v - 1 (backwards: v - 1 first), then the next group of pp."""
+    chunk, mb = (k % (pp * v)) // pp, (k // (pp * v)) * pp + k % pp
+    return (chunk if forward else v - 1 - chunk), mb
+
+
+def exchange(sends, receives, box, like):
+    """A boundary: sends {(kind, k, i): tensor}, each to stage k's rank k mod pp, and receives {message: rank} into
+    box, as one batch_isend_irecv, all waited for: two neighbours that each sent first would wait for each other."""
+    box.update({msg: torch.empty_like(like) for msg in receives})  # filled by the time the batch is waited for
+    ops = [dist.P2POp(dist.isend, t, msg[1] % dist.get_world_size()) for msg, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, box[msg], peer) for msg, peer in receives.items()]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+
+
+def interleaved_step(chunks, microbatches):
+    """Interleaved 1F1B on this rank's v chunks: warm-up forwards, steady forward-backward steps, the drain; the
+    loss on the last rank, else None. Message (kind, k, i): F's (B's) input on stage k, microbatch i, from k-1 (k+1)."""
+    r, pp, v, m = dist.get_rank(), dist.get_world_size(), len(chunks), len(microbatches)
+    if v == 1:
+        return pipeline.one_f_one_b_step(chunks[0], microbatches)
+    if m % pp:  # refused before any message, as check_interleaving refuses it
+        raise ValueError(f"interleaving runs microbatches in groups of pp: m={m} must be divisible by pp={pp}")
+    S, n, w, losses = pp * v, m * v, pipeline.loss_weights(microbatches), []
+    like = next(chunks[0].parameters()).new_empty(*microbatches[0][0].shape, chunks[0].cfg.n_embd)  # (b, T, C)
+    # (v - 1) pp forwards bring microbatch 0 to this rank's last chunk, and its gradient comes back 2 (pp - r - 1)
+    # forwards later (to the last rank and back): then a steady B, with no boundary after its F, has it received.
+    warmup = min(2 * (pp - r - 1) + (v - 1) * pp, n)
+    fwd, bwd = ([(kind, *chunk_and_microbatch(k, pp, v, kind == "F")) for k in range(n)] for kind in "FB")
+    steps = [[f] for f in fwd[:warmup]] + [[f, b] for f, b in zip(fwd[warmup:], bwd)] + [[b] for b in bwd[n - warmup:]]
+    box, flight, sends, src = {}, {}, {}, {"F": -1, "B": 1}  # F's input comes from the stage before, B's from after
+    for step in steps + [[]]:  # [[]]: the last backward's send
+        exchange(sends, {(kind, c * pp + r, i): (r + src[kind]) % pp for kind, c, i in step
+                         if pp > 1 and 0 <= c * pp + r + src[kind] < S}, box, like)
+        sends = {}
+        for kind, c, i in step:
+            k, x = c * pp + r, box.pop((kind, c * pp + r, i), None)  # F's input, B's output gradient (None at the ends)
+            if kind == "F":
+                flight[c, i] = pipeline.forward_step(chunks[c], microbatches[i], x, w[i], losses)
+                out, dst = flight[c, i][1].detach(), k + 1
+            else:
+                out, dst = pipeline.backward_step(*flight.pop((c, i)), x), k - 1
+            if 0 <= dst < S:
+                (sends if pp > 1 else box)[(kind, dst, i)] = out  # pp = 1: handed over on this rank
+    if pp > 1:  # the tied embedding's copies: on stage 0 (rank 0's chunk 0) and S - 1 (rank pp - 1's chunk v - 1)
+        pipeline.sum_tied_grads(chunks[0] if r == 0 else chunks[-1])
+    else:  # both on this rank: added
+        first, last = (c.transformer.wte.weight.grad for c in (chunks[0], chunks[-1]))
+        last.copy_(first.add_(last))
+    return sum(losses) if r == pp - 1 else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: the lesson against the serial model, then the machine below against the lesson; float64, the
+# same weights and the same batch, whose microbatches count unequal numbers of targets (one none).
+
+
+def demo(env, cfg, args):
+    pp, m, v, say = args.pp, args.microbatches, args.virtual_stages, printer(env)
+    pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
+    chunks = chunk_models(cfg, v, init=False, dtype=torch.float64, device=env.device)  # refuses n_layer % (pp v)
+    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device, unequal=True)
+    say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, world={env.world_size} "
+        f"({dist.get_backend()})\ntargets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
+    for chunk in chunks:
+        chunk.load_full_state_dict(full)  # the serial model's weights
+    lesson = interleaved_step(chunks, microbatches), {n: p.grad for c in chunks for n, p in c.named_parameters()}
+    worst = demos.worst_difference(lesson, ref_loss, ref_grads)
+    say(f"the lesson, interleaved_step: max relative difference against serial (loss and every gradient): "
+        f"{worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+    return prove_machine(env, cfg, args, (microbatches, full, ref_loss, ref_grads), lesson, say) and worst <= 1e-10
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: the machine, the lesson's general form, which 05-09 build on: the same order as data, a list of
+# 02's Actions per rank, run by 02's validator, simulator and executor; and the demo's machine part.
 
 
 def interleaved(pp, m, stage, v):
-    """Interleaved 1F1B on rank `stage`: m*v forwards and m*v backwards over its v chunks."""
+    """Interleaved 1F1B on rank `stage`: m*v forwards and m*v backwards over its v chunks, the lesson's order."""
     check_interleaving(pp, m, v)
     if v == 1:
         return pipeline.one_f_one_b(pp, m, stage)
 
-    def at(k, forward):
-        # Virtual step k: groups of pp microbatches visit chunk 0, then chunk 1, ... (backwards
-        # visit them in reverse), before the next group of pp microbatches starts.
-        chunk = (k % (pp * v)) // pp
-        return pipeline.Action("F" if forward else "B", (k // (pp * v)) * pp + k % pp,
-                           chunk if forward else v - 1 - chunk)
+    def at(k, forward, steady=False):  # the lesson's k-th forward or backward as an Action
+        chunk, mb = chunk_and_microbatch(k, pp, v, forward)
+        return pipeline.Action("F" if forward else "B", mb, chunk, steady)
 
     total = m * v
-    # (v - 1) pp forwards bring microbatch 0 to rank r's last chunk; its gradient is back 2 (pp - r - 1)
-    # steps later, one hop a step down to the last rank and one back. A steady pair runs F and B with
-    # no boundary between, so with fewer warm-up forwards rank r's B would wait for rank r+1, which
-    # waits for the F output rank r sends only after that B (validate() finds it: v = 2, m = 2 pp).
+    # The lesson's warm-up (interleaved_step). A steady pair runs F and B with no boundary between, so with
+    # fewer warm-up forwards rank r's B would wait for rank r+1, which waits for the F output rank r sends
+    # only after that B (validate() finds it: v = 2, m = 2 pp).
     warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
     acts = [at(k, True) for k in range(warmup)]
     for i in range(total - warmup):
-        f, b = at(warmup + i, True), at(i, False)
-        acts += [pipeline.Action("F", f.mb, f.chunk, steady=True), pipeline.Action("B", b.mb, b.chunk, steady=True)]
+        acts += [at(warmup + i, True, steady=True), at(i, False, steady=True)]
     return acts + [at(k, False) for k in range(total - warmup, total)]
 
 
 @dataclass
 class InterleavedSchedule(pipeline.Schedule):
     """02's Schedule, whose steady forward and the backward after it run back to back, as one group
-    with no boundary between them: at v > 1 a boundary there could make two ranks wait on each other."""
+    with no boundary between them (the lesson's steady step): at v > 1 a boundary there could make two
+    ranks wait on each other."""
 
     def groups(self, rank):
         groups, acts, i = [], self.lists[rank], 0
@@ -84,25 +181,10 @@ class InterleavedSchedule(pipeline.Schedule):
         return groups
 
 
-def chunk_layers(n_layer, pp, v, rank):
-    """The layer ranges of rank's chunks: chunk c is virtual stage c*pp + rank."""
-    ranges = pipeline.split_layers(n_layer, pp * v)
-    return [ranges[c * pp + rank] for c in range(v)]
-
-
-# ----------------------------------------------------------------------------------------------
-# Demo: 1F1B and interleaved 1F1B on the same model, against the serial model.
-
-
-def demo(env, cfg, args):
-    pp, m, v = args.pp, args.microbatches, args.virtual_stages
-    pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
-    check_interleaving(pp, m, v)
-    pipeline.split_layers(cfg.n_layer, pp * v)
-    microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device)
-    say = printer(env)
-    say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
-        f"world={env.world_size} ({dist.get_backend()})")
+def prove_machine(env, cfg, args, reference, lesson, say):
+    """1F1B and interleaved 1F1B as lists, validated, executed through 02's pipeline_step, reported, each
+    against serial; the interleaved one's loss and gradients against the lesson's."""
+    (microbatches, full, ref_loss, ref_grads), pp, m, v = reference, args.pp, args.microbatches, args.virtual_stages
     say("layers per rank (1-based): " + "; ".join(
         f"rank {r}: " + ", ".join(f"{c.start + 1}-{c.stop}" for c in chunk_layers(cfg.n_layer, pp, v, r))
         for r in range(pp)))
@@ -123,6 +205,12 @@ def demo(env, cfg, args):
                                                  worst, result, kept, say, *times[name], end=end, width=150)
         ok &= good
         out[name] = sim, ranks
+        if name == "interleaved":
+            got = result.loss, {n: p.grad for c in chunks for n, p in c.named_parameters()}
+            same = demos.worst_difference(got, *lesson)
+            say(f"the machine (InterleavedSchedule through pipeline_step) against the lesson's interleaved_step "
+                f"(loss and every gradient): {same:.2e} {'PASS' if same <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
+            ok &= same <= 1e-12
     demos.report_interleaving(say, pp, v, m, out["1f1b"], out["interleaved"])
     demos.write_trace(env, args.trace, {n: ranks for n, (_, ranks) in out.items()}, say)
     say(f"\n{'PASS' if ok else 'FAIL'}")
@@ -139,8 +227,7 @@ def check_interleaving(pp, m, v):
     if m < 1:
         raise ValueError(f"the number of microbatches m={m} must be at least 1")
     if v > 1 and m % pp:
-        raise ValueError(f"interleaving sends microbatches through the chunks in groups of pp: "
-                         f"m={m} must be divisible by pp={pp}")
+        raise ValueError(f"interleaving runs microbatches in groups of pp: m={m} must be divisible by pp={pp}")
 
 
 @dataclass

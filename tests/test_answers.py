@@ -306,12 +306,8 @@ def interleaved_with_warmup_factor_1(pp, m, v):
 
 
 def microbatches_named_at(pp, m, v):
-    """The microbatches 03's `at` names for an m that check_interleaving refuses, beyond m."""
-    check, interleaved.check_interleaving = interleaved.check_interleaving, lambda *_: None
-    try:
-        named = {a.mb for r in range(pp) for a in interleaved.interleaved(pp, m, r, v)}
-    finally:
-        interleaved.check_interleaving = check
+    """The microbatches 03's chunk_and_microbatch names for an m that check_interleaving refuses, beyond m."""
+    named = {interleaved.chunk_and_microbatch(k, pp, v, forward)[1] for k in range(m * v) for forward in (True, False)}
     return " and ".join(str(i) for i in sorted(named - set(range(m))))
 
 
@@ -526,8 +522,8 @@ CLAIMS = [
                                   f"{il.peak_in_flight[0] / (2 * o.peak_in_flight[0]):.3f}", str(o.bubble),
                                   str(il.bubble)))(
               pipeline.simulate(interleaved_lists(4, 8, 2), Fraction(1, 2), 1), simulated(one_f_one_b(4, 8)))),
-    Claim("03.3", r"With m = (\d) and pp = (\d) the second group would be short, and `at` would name microbatches "
-                  r"(\d+ and \d+), which do not exist; `check_interleaving` (refuses) such an m",
+    Claim("03.3", r"With m = (\d) and pp = (\d) the second group would be short, and `chunk_and_microbatch` would "
+                  r"name\s+microbatches (\d+ and \d+), which do not exist; `check_interleaving` (refuses) such an m",
           lambda: ("6", "4", microbatches_named_at(4, 6, 2),
                    "refuses" if refused(interleaved.check_interleaving, 4, 6, 2) else "accepts")),
     Claim("03.4", r"At pp = 4, v = 2, m = 8 the warm-ups are (\[[\d, ]+\]); with a factor of 1 `validate` "

@@ -209,10 +209,10 @@ def test_the_guides_rule_gives_the_old_reads_hours_and_a_changed_guide_fails():
     section = guide_sections()["03"]
     fewer_lines = GUIDE.replace(section, section.replace(f"{measure('03')} lines read first", "1 lines read first"))
     assert budget_problems("03", fewer_lines) and not budget_problems("03")
-    swapped = GUIDE.replace(section, section.replace("1. `interleaved`", "1. `chunk_layers`, `interleaved`"))
-    assert read_first_problems("03", swapped) and not read_first_problems("03")
-    stray = GUIDE.replace(section, section.replace("4. `demo`", "4. `check_interleaving`, `demo`"))
-    assert read_first_problems("03", stray)
+    swapped = GUIDE.replace(section, section.replace("1. `chunk_layers`", "1. `exchange`, `chunk_layers`"))
+    assert swapped != GUIDE and read_first_problems("03", swapped) and not read_first_problems("03")
+    stray = GUIDE.replace(section, section.replace("4. `interleaved_step`", "4. `check_interleaving`, `interleaved_step`"))
+    assert stray != GUIDE and read_first_problems("03", stray)
 
 
 def test_the_hours_the_guide_and_the_readme_quote_are_the_sections_budgets():
