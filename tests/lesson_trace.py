@@ -21,8 +21,8 @@ methods (their file is "<string>"), tests/ and comprehensions (3.12 inlines most
 passed through, so a call made through nn.Module.__call__, an autograd Function or a map() still names the
 read-first function that made it. A closure or lambda of code off the set (a hook a meter registers, a
 wrapper put in torch's place) is a value handed over, not a name one calls: neither it nor
-what it calls is counted. The allowed set of chapter N: the names on the "Read first" lists of README.md's
-"Reading order" for chapters 01 to N, each resolved in its own file by `ast` as tests/test_budgets.py
+what it calls is counted. The allowed set of chapter N: the names on the "Read first" lists of docs/GUIDE.md
+("The lists." of each chapter's section) for chapters 01 to N, each resolved in its own file by `ast` as tests/test_budgets.py
 resolves them (a top-level function, class or assignment; `Class.method` that method alone), decorators
 included; a class covers every function defined inside it, a function the functions and lambdas nested in
 it, as their code objects' first lines fall inside its span. Each chapter's `demo` is exempt as a caller
@@ -39,21 +39,21 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "GUIDE.md"
 
 
 def chapter_files(root=ROOT):
     return {p.name[:2]: p for p in sorted(Path(root).glob("0[1-9]_*.py"))}
 
 
-def read_first_lists(readme=None):
-    """{chapter: [names]} of README.md's "Reading order": each "- Read first (...): ..." list's backticked names
-    (the parse tests/test_budgets.py's chapter_lists makes)."""
-    text = README.read_text() if readme is None else readme
+def read_first_lists(guide=None):
+    """{chapter: [names]} of docs/GUIDE.md: in each "## 0N_name.py" section, the "- Read first (...): ..."
+    list's backticked names (the parse tests/test_budgets.py's chapter_lists makes)."""
+    text = GUIDE.read_text() if guide is None else guide
     out = {}
-    parts = re.split(r"\n\*\*`(0\d)_[a-z0-9_]+\.py`\*\*", text)
+    parts = re.split(r"\n## (0\d)_[a-z0-9_]+\.py\b[^\n]*\n", text)
     for ch, body in zip(parts[1::2], parts[2::2]):
-        m = re.search(r"\n- Read first[^:]*:(.*?)(?=\n- |\n\n)", body, re.S)
+        m = re.search(r"\n- Read first[^:]*:(.*?)(?=\n- |\n\n|\n\*\*)", body.split("\n## ")[0], re.S)
         out[ch] = re.findall(r"`([A-Za-z_][\w.]*)`", m.group(1)) if m else []
     return out
 
@@ -78,8 +78,8 @@ def name_spans(path):
 
 def allowed_set(ch, root=ROOT):
     """({file: [(first, last) lines]} of the read-first names of chapters 01..ch, {file: demo's first line}), from
-    root's README.md and numbered files."""
-    lists, files = read_first_lists((Path(root) / "README.md").read_text()), chapter_files(root)
+    root's docs/GUIDE.md and numbered files."""
+    lists, files = read_first_lists((Path(root) / "docs" / "GUIDE.md").read_text()), chapter_files(root)
     allowed, demos = {}, {}
     for c in sorted(files):
         if c > ch:

@@ -89,7 +89,7 @@ def test_a_chapters_lesson_calls_only_read_first_code(ch, tmp_path):
     out, records = traced_run(tmp_path, script, flags)
     ranks = check_every_rank_recorded(records, world)
     if "demo" not in lesson_trace.read_first_lists()[ch]:
-        raise LessonCallsOutside(f"{script}: README.md's read-first list names no `demo`: nothing runs the lesson")
+        raise LessonCallsOutside(f"{script}: docs/GUIDE.md's read-first list names no `demo`: nothing runs the lesson")
     idle = [r for r in ranks if records[r]["demo_calls"] < 1]
     assert not idle, f"{script}: {idle} never ran the demo"
     bad = lesson_trace.violations(out)
@@ -105,11 +105,11 @@ def test_the_tracer_and_the_lists_cover_every_numbered_file():
 # ----------------------------------------------------------------------------------------------
 # The tracer's own test: a planted repository whose lesson breaks the rule in known ways.
 
-PLANTED_README = """# planted
+PLANTED_GUIDE = """# planted
 
-## Reading order
+## 01_planted.py: a lesson that breaks the rule where it is planted to
 
-**`01_planted.py`**: a lesson that breaks the rule where it is planted to.
+**The lists.**
 - Read first (the lesson): `listed_helper`, `lesson`, `demo`.
 - Skip at first: the rest.
 """
@@ -174,7 +174,8 @@ if __name__ == "__main__":
 def plant(tmp_path):
     root = tmp_path / "planted"
     (root / "helpers").mkdir(parents=True)
-    (root / "README.md").write_text(PLANTED_README)
+    (root / "docs").mkdir()
+    (root / "docs" / "GUIDE.md").write_text(PLANTED_GUIDE)
     (root / "01_planted.py").write_text(PLANTED)
     (root / "helpers" / "__init__.py").write_text("")
     (root / "helpers" / "tools.py").write_text("def hidden_tool(x):\n    return x * 3\n")
@@ -202,8 +203,8 @@ def test_the_tracer_reports_each_planted_call_off_the_list_and_nothing_else(tmp_
 
 def test_the_tracer_reports_nothing_for_a_lesson_that_keeps_to_its_list(tmp_path):
     root = plant(tmp_path)
-    listed = PLANTED_README.replace("`demo`.", "`demo`, `hidden`, `Hidden`.")
-    (root / "README.md").write_text(listed.replace("`listed_helper`,", "`listed_helper`, `hidden_tool`,"))
+    listed = PLANTED_GUIDE.replace("`demo`.", "`demo`, `hidden`, `Hidden`.")
+    (root / "docs" / "GUIDE.md").write_text(listed.replace("`listed_helper`,", "`listed_helper`, `hidden_tool`,"))
     (root / "helpers" / "tools.py").write_text("def hidden_tool(x):\n    return x * 3\n")
     out, records = traced_run(tmp_path, root / "01_planted.py", [], root=root)
     check_every_rank_recorded(records, 2)
