@@ -695,15 +695,22 @@ def dry_run_text(plan, selected):
 def poisoned_trainer(steps, flags):
     sys.path.insert(0, str(ROOT))
     gpt3d = importlib.import_module("05_3d_gpt")
-    real, calls = gpt3d.clip_gradients, [0]
+    real, proving, calls, checking = gpt3d.clip_gradients, gpt3d.prove_machine, [0], [False]
 
     def clip(opt, chunks, groups, max_norm, zero1):
-        calls[0] += 1  # clip_gradients runs once a step: its n-th call is step n - 1
-        if calls[0] - 1 in steps and chunks[0].pre_process:
+        calls[0] += not checking[0]  # clip_gradients runs once a step: its n-th call is step n - 1
+        if not checking[0] and calls[0] - 1 in steps and chunks[0].pre_process:
             opt.pieces[-1].grad.view(-1)[0] = math.inf  # the last piece: the token embedding's
         return real(opt, chunks, groups, max_norm, zero1)
 
-    gpt3d.clip_gradients = clip
+    def prove(*args, **kwargs):  # 05's check before training runs a train_step of its own: not a step
+        checking[0] = True
+        try:
+            return proving(*args, **kwargs)
+        finally:
+            checking[0] = False
+
+    gpt3d.clip_gradients, gpt3d.prove_machine = clip, prove
     sys.argv = [str(ROOT / "05_3d_gpt.py"), *flags]
     gpt3d.run_main(gpt3d.main)
 
