@@ -477,6 +477,8 @@ def _gradient_problem(out, inputs, needs):
         elif g is None:
             if need:
                 return f"returned None as the gradient of {n}, a tensor that needs one: {rule}; {ALL_REDUCE_RULE}"
+        elif not need:  # autograd drops it: a tensor that needs no gradient (the targets) may get anything
+            continue
         elif not isinstance(g, torch.Tensor):
             return f"returned a {type(g).__name__} as the gradient of {n}: a gradient is a tensor, or None"
         elif tuple(g.shape) != shape:
