@@ -415,6 +415,18 @@ class _FBackwardReturnsAllReduce(torch.autograd.Function):
         return dist.all_reduce(grad, group=ctx.group), None  # the mistake: dist.all_reduce returns None
 
 
+class _FBackwardInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(grad, group=ctx.group)  # the mistake: the sum written into the gradient autograd gave
+        return grad, None
+
+
 class _GBackwardOneGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -434,6 +446,11 @@ class _GForwardInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def _row_returns_all_reduce(self, x):
+    y = F.linear(x, self.weight).clone()
+    return dist.all_reduce(y, group=self.group)  # the mistake: dist.all_reduce returns None
 
 
 class _CrossEntropyMasksInPlace(REFERENCE["_VocabParallelCrossEntropy"]):
@@ -485,6 +502,9 @@ EXERCISES = [
               Planted("f_backward_returns_all_reduce", "f's backward returns what dist.all_reduce returns (None)",
                       lambda: {"CopyToTP": _FBackwardReturnsAllReduce}, "`dist.all_reduce` works in place and "
                       "returns None", at_line=True),
+              Planted("f_backward_in_place", "f's backward all-reduces the gradient it is given in place",
+                      lambda: {"CopyToTP": _FBackwardInPlace}, "backward wrote into the gradient it was given",
+                      at_line=True),
               Planted("g_backward_one_gradient", "g's backward returns one gradient for forward's two inputs",
                       lambda: {"ReduceFromTP": _GBackwardOneGradient}, "backward returns one gradient per input "
                       "of forward", at_line=True),
@@ -496,7 +516,10 @@ EXERCISES = [
              "Shoeybi et al. 2019, Section 3 (the MLP block)", check_linears,
              lambda: {k: REFERENCE[k] for k in ("column_parallel_forward", "row_parallel_forward")},
              [Planted("bias_before_reduce", "the row-parallel bias is added on every rank before g",
-                      lambda: {"row_parallel_forward": _bias_before_reduce}, "plus (tp - 1) x the bias")],
+                      lambda: {"row_parallel_forward": _bias_before_reduce}, "plus (tp - 1) x the bias"),
+              Planted("row_forward_returns_all_reduce", "the row-parallel forward returns what dist.all_reduce "
+                      "returns (None)", lambda: {"row_parallel_forward": _row_returns_all_reduce},
+                      "it returned None, but the piece it stands in for always returns a value", at_line=True)],
              replaces=("ColumnParallelLinear.forward", "RowParallelLinear.forward")),
     Exercise("01.3", "cross_entropy", "the vocab-parallel cross-entropy", ("_VocabParallelCrossEntropy",),
              "Shoeybi et al. 2019, Section 3 (the output embedding)", check_cross_entropy,
