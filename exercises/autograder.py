@@ -323,8 +323,8 @@ def _return_lines(code):
 
 
 def _call(fn, args, kwargs, watch=()):
-    """fn(*args, **kwargs), the line it returned from, and the first of watch [(name, tensor, version)]
-    that it wrote in place, with the line of fn's that did (a call on that line, if the write was in a
+    """fn(*args, **kwargs), the line it returned from, and the first of watch (see _watched) that it
+    wrote in place, with the line of fn's that did (a call on that line, if the write was in a
     function it called): (out, line, None or (name, line)). The return line is read from fn's code
     when it has one return and nothing is watched; else a trace of fn's own frame sees it (another
     tracer running, a debugger's, is left alone: the write is then said at the return line)."""
@@ -407,8 +407,9 @@ def guarded_callable(fn, always_returns):
                           f"a value: return the result ({ALL_REDUCE_RULE}, as do torch.distributed's other "
                           f"collectives and 01's all_gather_single: return the tensor they wrote)")
         if written:
-            raise Mistake(f"{_at(fn, written[1], what)}: it wrote into its argument {written[0]} in place: a function leaves the tensors it is given as "
-                          f"they are, since its caller uses them again: {NEW_TENSOR}")
+            raise Mistake(f"{_at(fn, written[1], what)}: it wrote into its argument {written[0]} in place: a "
+                          f"function leaves the tensors it is given as they are, since its caller uses them again: "
+                          f"{NEW_TENSOR}")
         return out
     student.__autograder_student__ = fn
     return student
@@ -437,9 +438,9 @@ def guarded_function(cls):
                           f"{ALL_REDUCE_RULE} (01's all_reduce(x, group) returns the sum in a new tensor)")
         dirty = getattr(ctx, "dirty_tensors", None) or ()
         if written and not any(t is d for n, t, *_ in tensors if n == written[0] for d in dirty):
-            raise Mistake(f"{_at(forward, written[1], name + '.forward')}: forward wrote into its input {written[0]} in "
-                          f"place: forward leaves its inputs as they are (autograd and the caller still use them; "
-                          f"ctx.mark_dirty says otherwise): {NEW_TENSOR}")
+            raise Mistake(f"{_at(forward, written[1], name + '.forward')}: forward wrote into its input "
+                          f"{written[0]} in place: forward leaves its inputs as they are (autograd and the caller "
+                          f"still use them; ctx.mark_dirty says otherwise): {NEW_TENSOR}")
         return out
 
     def guarded_backward(ctx, *grads):
@@ -449,9 +450,9 @@ def guarded_function(cls):
         if problem:
             raise Mistake(f"{_at(backward, line, name + '.backward')}: backward {problem}")
         if written:
-            raise Mistake(f"{_at(backward, written[1], name + '.backward')}: backward wrote into the gradient it was given "
-                          f"({written[0]}) in place: autograd may hand that tensor to other functions too, so "
-                          f"backward leaves it as it is: {NEW_TENSOR}")
+            raise Mistake(f"{_at(backward, written[1], name + '.backward')}: backward wrote into the gradient it "
+                          f"was given ({written[0]}) in place: autograd may hand that tensor to other functions too, "
+                          f"so backward leaves it as it is: {NEW_TENSOR}")
         return out
 
     return type(name, (cls,), {"forward": staticmethod(guarded_forward), "backward": staticmethod(guarded_backward),

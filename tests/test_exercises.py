@@ -321,7 +321,8 @@ def test_the_commonest_mistake_in_a_students_file_is_said_at_its_return_line_not
     # grader (AttributeError at exercises/checks_01.py:85); it is now a failure at the student's line.
     path = tmp_path / "my_01.py"
     path.write_text(textwrap.dedent(STUDENT_01))
-    line = textwrap.dedent(STUDENT_01).splitlines().index("        return dist.all_reduce(grad, group=ctx.group), None") + 1
+    source = textwrap.dedent(STUDENT_01).splitlines()
+    line = source.index("        return dist.all_reduce(grad, group=ctx.group), None") + 1
     assert cli.main(["check", "01.1", "--file", str(path), "--json", str(tmp_path / "results.json")]) == 1
     out = re.sub(r"\n +", " ", capsys.readouterr().out)
     assert f"{path}:{line} in CopyToTP.backward" in out, out
