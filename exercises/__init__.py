@@ -5,8 +5,9 @@
     python3 -m exercises check 01.3 02             # one exercise, and every one of 02
     python3 -m exercises check all --solution      # the numbered files' own functions: all pass
     python3 -m exercises check 01 --planted g_backward_all_reduces   # what a known mistake looks like
+    python3 -m exercises check all --json results.json               # and a Gradescope-style results.json
 
-One stub file per numbered file (ex01_tensor_parallel.py ... ex05_3d_gpt.py, and 09's) holds the
+One stub file per numbered file with exercises (FILES: ex01_tensor_parallel.py ... 08's, 09's) holds the
 functions and autograd Functions a student writes, each with the signature and the docstring contract of the
 piece it replaces and a body that raises NotImplementedError with a hint: the paper section to read
 and the command to run. The solutions are the numbered files themselves; nothing here copies them.
@@ -17,7 +18,9 @@ first; CPU ranks are forked with gloo, as the tests do, and inherit it; each ran
 parallel code gives with the serial model's answer in float64 (tolerance 1e-10), and says for every
 difference which rank, which tensor, how far off, in which direction, and what usually causes it.
 Pure pieces (the schedules, the rank grid) are checked here without ranks, through 02's validator
-and simulator.
+and simulator. Every function graded is wrapped first (autograder.guarded): what it returns is
+checked as it returns (None, a backward's number of gradients, their shapes and dtypes, an input
+written in place), and a broken rule fails at the student's own line, with the rule.
 """
 import importlib
 import inspect

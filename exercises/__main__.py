@@ -2,6 +2,11 @@
 
     python3 -m exercises check 02 --file my_02.py     # your functions from another file
     python3 -m exercises check 01 --time-limit 30     # each exercise's limit, in seconds (default 120)
+    python3 -m exercises check all --json results.json   # also a Gradescope-style results.json
+
+The numbered files with exercises: {files}.
+A function of yours that returns what breaks a rule (None, the wrong number of gradients, a gradient
+of the wrong shape or dtype, an input written in place) fails at your own line, with the rule.
 
 Exit code: 0 when every exercise graded passes (with --planted: when the planted mistake fails with
 the diagnosis it should get), 1 otherwise (a stub file that does not import is said in one line,
@@ -9,6 +14,7 @@ naming the file and the line), 2 on a usage error.
 """
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import textwrap
@@ -18,7 +24,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from exercises import FILES, exercises, student_impl, writes  # noqa: E402
-from exercises.autograder import DEADLINE_S, TimeLimit, grade, time_limit  # noqa: E402
+from exercises.autograder import DEADLINE_S, Grade, TimeLimit, grade, time_limit  # noqa: E402
 
 
 class CannotGrade(Exception):
@@ -81,7 +87,7 @@ def select(names):
 
 
 def show(exercise, result, seconds, out):
-    status = {"pass": "PASS", "fail": "FAIL", "not implemented": "not implemented", "error": "ERROR"}[result.status]
+    status = STATUS[result.status]
     out(f"  {exercise.key} {exercise.title:<58} {status:>15}  ({seconds:.1f} s)")
     for line in result.lines:
         out(textwrap.fill(line, 100, initial_indent="       ", subsequent_indent="         ",
@@ -90,8 +96,26 @@ def show(exercise, result, seconds, out):
 
 def check(args, out=print):
     chosen = select(args.what)
-    if args.planted:
-        return planted(chosen, args.planted, out)
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--json {args.json}: no folder {folder} to write it in")
+    start, rows = time.perf_counter(), []  # rows: (exercise, Grade, seconds, output's extra lines)
+    try:
+        ok = planted(chosen, args.planted, out, rows) if args.planted else _check(args, chosen, out, rows)
+    except CannotGrade as e:  # the file does not import: every exercise not graded yet fails, saying why
+        if args.json:
+            failed = Grade("error", [str(e)])
+            rows += [(x, failed, 0.0, []) for x in chosen if x not in [r[0] for r in rows]]
+            write_json(args.json, rows, time.perf_counter() - start)
+        raise
+    if args.json:
+        write_json(args.json, rows, time.perf_counter() - start)
+        out(f"wrote {args.json}")
+    return ok
+
+
+def _check(args, chosen, out, rows):
     counts, by_file = {}, {}
     for e in chosen:
         by_file.setdefault(e.file, []).append(e)
@@ -108,7 +132,9 @@ def check(args, out=print):
             start = time.perf_counter()
             impl = e.reference() if args.solution else load_impl(e, args.file, args.time_limit)
             result = grade(e, impl, args.time_limit)
-            show(e, result, time.perf_counter() - start, out)
+            seconds = time.perf_counter() - start
+            show(e, result, seconds, out)
+            rows.append((e, result, seconds, []))
             counts[result.status] = counts.get(result.status, 0) + 1
     total = sum(counts.values())
     out(f"{counts.get('pass', 0)} of {total} pass" + "".join(
@@ -116,7 +142,33 @@ def check(args, out=print):
     return counts.get("pass", 0) == total
 
 
-def planted(chosen, name, out):
+STATUS = {"pass": "PASS", "fail": "FAIL", "not implemented": "not implemented", "error": "ERROR"}
+POINTS = 1.0  # each exercise's max_score in results.json
+
+
+def results(rows, seconds):
+    """The Gradescope-style results (exercises/README.md gives the schema): one test per exercise
+    graded, POINTS if it passes, else 0; its output is what `check` prints for it."""
+    tests = []
+    for e, result, took, extra in rows:
+        passed = result.status == "pass"
+        tests.append({"name": f"{e.key} {e.title}", "score": POINTS if passed else 0.0, "max_score": POINTS,
+                      "status": "passed" if passed else "failed",
+                      "output": "\n".join(extra + [f"{STATUS[result.status]} ({took:.1f} s)"] + result.lines)})
+    return {"score": sum(t["score"] for t in tests), "max_score": sum(t["max_score"] for t in tests),
+            "tests": tests, "execution_time": round(seconds, 3)}
+
+
+def write_json(path, rows, seconds):
+    """results(rows, seconds) to path, whole or not at all (written beside it, then moved over it)."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(results(rows, seconds), f, indent=2)
+        f.write("\n")
+    os.replace(temporary, path)
+
+
+def planted(chosen, name, out, rows):
     found = [(e, p) for e in chosen for p in e.planted if p.name == name]
     if not found:
         names = ", ".join(p.name for e in chosen for p in e.planted)
@@ -125,10 +177,13 @@ def planted(chosen, name, out):
     out(f"planted in {e.key} ({e.title}): {p.what}")
     start = time.perf_counter()
     result = grade(e, {**e.reference(), **p.impl()})
-    show(e, result, time.perf_counter() - start, out)
+    seconds = time.perf_counter() - start
+    show(e, result, seconds, out)
     caught = result.status == "fail" and any(p.expect in line for line in result.lines)
-    out(f"the autograder {'caught it' if caught else 'did NOT catch it'} (expected a failure saying "
-        f"{p.expect!r})")
+    verdict = (f"the autograder {'caught it' if caught else 'did NOT catch it'} (expected a failure saying "
+               f"{p.expect!r})")
+    out(verdict)
+    rows.append((e, result, seconds, [f"planted {p.name}: {p.what}", verdict]))  # the planted code's grade
     return caught
 
 
@@ -144,16 +199,22 @@ def list_exercises(out=print):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python3 -m exercises", description=__doc__,
+    files = ", ".join(FILES)  # the exercise table's files, so that the help cannot leave one out
+    example = next(e.key for f in FILES for e in exercises(f))
+    parser = argparse.ArgumentParser(prog="python3 -m exercises", description=__doc__.format(files=files),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("check", help="grade exercises: 01 ... 05, 09, one such as 01.3, or all")
-    c.add_argument("what", nargs="+", help="01 ... 05, 09, an exercise such as 01.3, or all")
+    c = sub.add_parser("check", help=f"grade exercises: a numbered file ({files}), an exercise such as {example}, "
+                                     f"or all")
+    c.add_argument("what", nargs="+", help=f"a numbered file ({files}), an exercise such as {example} (`list` "
+                                           f"shows them), or all")
     how = c.add_mutually_exclusive_group()
     how.add_argument("--solution", action="store_true", help="grade the numbered files' own functions")
     how.add_argument("--planted", metavar="NAME", help="grade a planted mistake (list shows their names)")
     c.add_argument("--file", metavar="PATH", help="grade the functions in PATH instead of exercises/ex0N_*.py "
                    "(one numbered file's exercises)")
+    c.add_argument("--json", metavar="PATH", help="also write the results to PATH as a Gradescope-style "
+                   "results.json (exercises/README.md gives its schema)")
     c.add_argument("--time-limit", metavar="S", type=float, default=DEADLINE_S,
                    help=f"seconds each exercise may take before it is stopped as an error (default: {DEADLINE_S})")
     sub.add_parser("list", help="every exercise, what it asks and its planted mistakes")

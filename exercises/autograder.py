@@ -9,6 +9,9 @@
     time_limit(s)   a block that raises TimeLimit after s seconds: an endless loop ends, said so
     compare(...)    how a tensor differs from the serial model's: None if it does not, else what
                     kind of difference and a sentence (zero, sign flipped, tp x too large, ...)
+    guarded(ex, impl)  impl with every student callable wrapped so that what it returns is checked as it
+                    returns (None, the wrong number of gradients, a gradient's shape or dtype, an input
+                    written in place): a Mistake, said at the student's file and line with the rule
     installed(...)  the student's functions put in place of the numbered file's, in the launching
                     process; the ranks are forked from it and inherit them (plumbing.launch forks)
     ranks(fn, n)    plumbing.launch.launch with short timeouts, so a deadlocked exercise ends
@@ -17,11 +20,18 @@ Every check compares with the serial model in float64, as tests/ does. Its refer
 the launching process before anything is installed, so a student's function can never change the
 answer it is compared with.
 """
+import ast
 import contextlib
+import dis
+import functools
 import importlib
+import inspect
+import linecache
 import os
 import re
 import signal
+import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -57,6 +67,9 @@ class Planted:
     what: str  # the mistake, in words
     impl: Callable  # () -> {function name: wrong function}; functions not named come from the reference
     expect: str  # a phrase the autograder's failure must contain
+    # The failure names the planted line, the one marked "# the mistake" in the planted function's source:
+    # a mistake the guard catches (see guarded) as the function returns, at the student's own line.
+    at_line: bool = False
 
 
 @dataclass
@@ -117,12 +130,15 @@ def grade(exercise, impl, time_limit_s=None):
     here on one thread, as each rank does: the models are tiny, and on a busy 2-core machine a
     second thread that spins waiting for a core makes them 10 to 100 times slower. time_limit_s:
     a check still running then is an error, naming the time limit and, when the loop was in this
-    process, the line it was on (on ranks, the launch stops them: a loop or a collective)."""
+    process, the line it was on (on ranks, the launch stops them: a loop or a collective). impl is
+    guarded (see guarded): a function that returns what breaks a rule fails at its own line."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    _student_files.clear()
+    _student_files.update(_files_of(impl))
     try:
         with time_limit(time_limit_s):
-            return _grade(exercise, impl)
+            return _grade(exercise, guarded(exercise, impl))
     except TimeLimit as e:
         return Grade("error", [f"it ran past its time limit of {time_limit_s:g} s: " + _stuck(e)])
     finally:
@@ -150,6 +166,12 @@ def _grade(exercise, impl):
         if STUB.match(str(e)):
             return Grade("not implemented", [str(e)])
         return Grade("error", [f"NotImplementedError: {e}"] + _where(e))
+    except Mistake as e:  # what a student's function returned broke a rule: said at its line
+        return Grade("fail", [str(e)])
+    except StudentError as e:
+        if isinstance(e.__cause__, Mistake):
+            return Grade("fail", [str(e.__cause__)])
+        return Grade("error", [str(e)] + _where(e.__cause__ or e))
     except RankFailure as e:
         return _rank_failure(str(e))
     except Exception as e:  # noqa: BLE001 - a student's function may raise anything: say what and where
@@ -158,19 +180,31 @@ def _grade(exercise, impl):
 
 
 def _where(e):
-    tb = e.__traceback__
-    frames = []
-    while tb:
-        frames.append(f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}")
-        tb = tb.tb_next
-    return [f"  at {frames[-1]}"] if frames else []
+    """Where an exception was raised: the innermost line of the student's files if it passed through
+    them, else the innermost line (the grader's own, then said to be where it used the student's
+    results, not a traceback to read)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if f.filename in _student_files]
+    if mine:
+        f = mine[-1]
+        return [f"  at {_short_path(f.filename)}:{f.lineno} in {f.name}: {(f.line or '').strip()}"]
+    if frames:
+        f = frames[-1]
+        return [f"  at {_short_path(f.filename)}:{f.lineno} in {f.name}, where the check used what your functions "
+                f"returned or did"]
+    return []
 
 
 def _rank_failure(text):
-    """A rank raised: NotImplementedError is a stub, a timeout a collective some ranks never called."""
+    """A rank raised: NotImplementedError is a stub, a timeout a collective some ranks never called, a
+    Mistake what a student's function returned (said at its line)."""
     hint = re.search(r"NotImplementedError: (\d\d\.\d .*)", text)
     if hint:
         return Grade("not implemented", [hint.group(1).strip()])
+    mistake = re.search(r"^(?:[\w.]+\.)?Mistake: (.*)$", text, re.M)
+    if mistake:
+        rank = re.match(r"(ranks? [\d, ]+)", text)
+        return Grade("fail", [(f"{rank.group(1).strip()}: " if rank else "") + mistake.group(1).strip()])
     first = text.splitlines()[0] if text else "a rank failed"
     if "passed its deadline" in text:  # the launch's own deadline: nothing timed out, something ran on
         return Grade("error", [f"the check ran past its {DEADLINE_S} s deadline on its ranks, which were stopped: an "
@@ -182,10 +216,279 @@ def _rank_failure(text):
     if re.search(r"[Tt]imed? ?out|deadline|[Cc]onnection (closed|reset)", text):
         lines.append("a collective timed out: every rank of a group must call the same collectives in "
                      "the same order (did only some ranks all-reduce, or one rank wait for another?)")
-    where = re.findall(r'File "([^"]*exercises/[^"]*)", line (\d+), in (\w+)', text)
-    if where:
-        lines.append("  at {}:{} in {}".format(*where[-1]))
+    where = re.findall(r'File "([^"]*)", line (\d+), in (\w+)\n(.*)', text)
+    mine = [w for w in where if w[0] in _student_files]
+    if mine:
+        lines.append("  at {}:{} in {}: {}".format(_short_path(mine[-1][0]), *mine[-1][1:3], mine[-1][3].strip()))
+    elif where:
+        ours = [w for w in where if "exercises" + os.sep in w[0]] or where
+        lines.append("  at {}:{} in {}, where the check used what your functions returned or did".format(
+            _short_path(ours[-1][0]), *ours[-1][1:3]))
     return Grade("error", lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Guarding the student's functions: what each returns is checked as it returns, and a broken rule
+# is said at the student's own line, before the grader uses the value (and would crash on it)
+
+
+class Mistake(Exception):
+    """What a student's function returned breaks a rule (None, the wrong number of gradients, a
+    gradient of the wrong shape or dtype, an input written in place): one line, naming the
+    student's file and line, what came back and the rule."""
+
+
+ALL_REDUCE_RULE = "`dist.all_reduce` works in place and returns None"
+NEW_TENSOR = ("compute into a new tensor (x * s, not x.mul_(s); x.masked_fill, not x.masked_fill_; 01's all_reduce(x, "
+              "group) returns the sum in a new one, where `dist.all_reduce` writes into x)")
+_student_files = set()  # the files the graded functions are defined in (grade sets it)
+
+
+def guarded(exercise, impl):
+    """impl with every callable wrapped, transparently while nothing is wrong: an autograd Function
+    by a subclass whose forward and backward check what they return (guarded_function), a function
+    by one that checks it leaves its tensor arguments as they were and returns a value where the
+    numbered file's piece always does (guarded_callable). A broken rule raises Mistake."""
+    try:
+        reference = exercise.reference()
+    except Exception:  # noqa: BLE001 - no reference to learn from: the rules that need none still hold
+        reference = {}
+    out = {}
+    for name, obj in impl.items():
+        if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
+            out[name] = guarded_function(obj)
+        elif inspect.isfunction(obj):
+            out[name] = guarded_callable(obj, _always_returns(reference.get(name)))
+        else:
+            out[name] = obj
+    return out
+
+
+def _files_of(impl):
+    codes = []
+    for obj in impl.values():
+        if isinstance(obj, type):
+            codes += [getattr(v, "__code__", None) for v in vars(obj).values()]
+            codes += [getattr(getattr(obj, m, None), "__code__", None) for m in ("forward", "backward")]
+        else:
+            codes.append(getattr(obj, "__code__", None))
+    return {c.co_filename for c in codes if c is not None}
+
+
+def _short_path(path):
+    """A path under the current directory relative to it (exercises/ex01_tensor_parallel.py), else whole."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if relative.startswith("..") else relative
+
+
+_SURE = (ast.Call, ast.Attribute, ast.Subscript, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Tuple, ast.List,
+         ast.ListComp, ast.Dict, ast.DictComp, ast.Set, ast.SetComp, ast.GeneratorExp, ast.JoinedStr)
+
+
+def _always_returns(fn):
+    """Whether fn (the numbered file's piece) returns a value on every path, read from its source:
+    its body ends in a return or a raise and every return gives an expression that cannot be None
+    (a call, a tuple, an arithmetic ...; a bare name such as 05's `return loss`, None on every stage
+    but the last, may be None). False when unsure, so that no None is called a mistake wrongly."""
+    if fn is None or not inspect.isfunction(fn):
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body \
+            or not isinstance(node.body[-1], (ast.Return, ast.Raise)):
+        return False
+
+    def returns(n):  # every Return under n, outside nested functions and classes
+        for child in ast.iter_child_nodes(n):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(child, ast.Return):
+                yield child
+            yield from returns(child)
+    return all(isinstance(r.value, _SURE) or (isinstance(r.value, ast.Constant) and r.value.value is not None)
+               for r in returns(node))
+
+
+@functools.lru_cache(maxsize=None)
+def _return_lines(code):
+    """The lines of code's return instructions (the implicit one at the end counts too)."""
+    return frozenset(i.positions.lineno for i in dis.get_instructions(code)
+                     if i.opname in ("RETURN_VALUE", "RETURN_CONST") and i.positions and i.positions.lineno)
+
+
+def _call(fn, args, kwargs, watch=()):
+    """fn(*args, **kwargs), the line it returned from, and the first of watch (see _watched) that it
+    wrote in place, with the line of fn's that did (a call on that line, if the write was in a
+    function it called): (out, line, None or (name, line)). The return line is read from fn's code
+    when it has one return and nothing is watched; else a trace of fn's own frame sees it (another
+    tracer running, a debugger's, is left alone: the write is then said at the return line)."""
+    code = fn.__code__
+    lines = _return_lines(code)
+    if (len(lines) == 1 and not watch) or sys.gettrace() is not None:
+        out = fn(*args, **kwargs)
+        line = min(lines, default=code.co_firstlineno)
+        changed = _changed(watch)
+        return out, line, None if changed is None else (changed, line)
+    seen, found = [], []
+
+    def local(frame, event, arg):
+        if watch and not found and event in ("line", "return"):
+            changed = _changed(watch)
+            if changed is not None:
+                found.append((changed, seen[-1] if seen else frame.f_lineno))
+        if event in ("line", "return"):
+            seen.append(frame.f_lineno)
+        return local
+
+    def calls(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_lines = bool(watch)
+            return local
+        return None
+
+    sys.settrace(calls)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        sys.settrace(None)
+    return out, seen[-1] if seen else code.co_firstlineno, found[0] if found else None
+
+
+def _watched(named):
+    """[(name, tensor, its version, a copy)] of the tensors among named [(name, value)]: what _changed
+    compares with (the version counter misses a collective's write, so the values are compared too)."""
+    return [(n, a, a._version, a.detach().clone()) for n, a in named if isinstance(a, torch.Tensor)]
+
+
+def _changed(watch):
+    """The name of the first watched tensor written since it was watched, or None."""
+    for name, t, version, copy in watch:
+        if t._version != version:
+            return name
+        now = t.detach()
+        if now.shape != copy.shape or not bool(((now == copy) | (now != now) & (copy != copy)).all()):
+            return name
+    return None
+
+
+def _at(fn, line, what):
+    """"exercises/ex01_tensor_parallel.py:52 in CopyToTP.backward (return ...)": the student's line."""
+    path = fn.__code__.co_filename
+    source = linecache.getline(path, line).strip()
+    return f"{_short_path(path)}:{line} in {what}" + (f" ({source})" if source else "")
+
+
+def _inputs_of(fn, args, kwargs, skip=0):
+    """[(name, value)] of fn's arguments, named by its signature (past the first `skip`)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    out = [(names[i] if i < len(names) else f"argument {i + 1}", a) for i, a in enumerate(args)][skip:]
+    return out + list(kwargs.items())
+
+
+def guarded_callable(fn, always_returns):
+    """fn, checked as it returns: a tensor argument written in place (its version counter moved), and
+    None where the numbered file's piece always returns a value. A Mistake names fn's line."""
+    what = fn.__qualname__
+
+    @functools.wraps(fn)
+    def student(*args, **kwargs):
+        out, line, written = _call(fn, args, kwargs, _watched(_inputs_of(fn, args, kwargs)))
+        if out is None and always_returns:
+            raise Mistake(f"{_at(fn, line, what)}: it returned None, but the piece it stands in for always returns "
+                          f"a value: return the result ({ALL_REDUCE_RULE}, as do torch.distributed's other "
+                          f"collectives and 01's all_gather_single: return the tensor they wrote)")
+        if written:
+            raise Mistake(f"{_at(fn, written[1], what)}: it wrote into its argument {written[0]} in place: a "
+                          f"function leaves the tensors it is given as they are, since its caller uses them again: "
+                          f"{NEW_TENSOR}")
+        return out
+    student.__autograder_student__ = fn
+    return student
+
+
+def guarded_function(cls):
+    """A subclass of the autograd Function cls whose forward and backward call cls's and check what
+    comes back. forward: not None, and no input written in place unless marked (ctx.mark_dirty).
+    backward: one gradient per input of forward (None for the inputs that are not tensors, a tensor
+    for each input that needs a gradient), each of its input's shape and dtype, and the incoming
+    gradients left as they were. Functions in the new style (forward without ctx, setup_context)
+    are left as they are."""
+    if cls.setup_context is not torch.autograd.Function.setup_context:
+        return cls
+    forward, backward = cls.forward, cls.backward
+    name = cls.__name__
+
+    def guarded_forward(ctx, *args):
+        inputs = _inputs_of(forward, (ctx, *args), {}, skip=1)
+        ctx._autograder_inputs = [(n, isinstance(a, torch.Tensor), tuple(a.shape) if isinstance(a, torch.Tensor)
+                                   else None, getattr(a, "dtype", None)) for n, a in inputs]
+        tensors = _watched(inputs)
+        out, line, written = _call(forward, (ctx, *args), {}, tensors)
+        if out is None:
+            raise Mistake(f"{_at(forward, line, name + '.forward')}: forward returned None: it returns its output; "
+                          f"{ALL_REDUCE_RULE} (01's all_reduce(x, group) returns the sum in a new tensor)")
+        dirty = getattr(ctx, "dirty_tensors", None) or ()
+        if written and not any(t is d for n, t, *_ in tensors if n == written[0] for d in dirty):
+            raise Mistake(f"{_at(forward, written[1], name + '.forward')}: forward wrote into its input "
+                          f"{written[0]} in place: forward leaves its inputs as they are (autograd and the caller "
+                          f"still use them; ctx.mark_dirty says otherwise): {NEW_TENSOR}")
+        return out
+
+    def guarded_backward(ctx, *grads):
+        out, line, written = _call(backward, (ctx, *grads), {}, _watched(_inputs_of(backward, (ctx, *grads), {}, 1)))
+        inputs = getattr(ctx, "_autograder_inputs", None)
+        problem = _gradient_problem(out, inputs, ctx.needs_input_grad) if inputs is not None else None
+        if problem:
+            raise Mistake(f"{_at(backward, line, name + '.backward')}: backward {problem}")
+        if written:
+            raise Mistake(f"{_at(backward, written[1], name + '.backward')}: backward wrote into the gradient it "
+                          f"was given ({written[0]}) in place: autograd may hand that tensor to other functions too, "
+                          f"so backward leaves it as it is: {NEW_TENSOR}")
+        return out
+
+    return type(name, (cls,), {"forward": staticmethod(guarded_forward), "backward": staticmethod(guarded_backward),
+                               "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                               "__doc__": cls.__doc__, "__autograder_student__": cls})
+
+
+def _gradient_problem(out, inputs, needs):
+    """What is wrong with backward's result out, given forward's inputs [(name, is a tensor, shape,
+    dtype)]; None if nothing is."""
+    names = ", ".join(n for n, *_ in inputs)
+    rule = (f"backward returns one gradient per input of forward ({len(inputs)}: {names}), None for those that "
+            f"are not tensors")
+    if out is None:
+        return f"returned None: {rule}; {ALL_REDUCE_RULE}"
+    grads = out if isinstance(out, tuple) else (out,)
+    if len(grads) < len(inputs) or any(g is not None for g in grads[len(inputs):]):
+        return f"returned {len(grads)} gradient{'s' * (len(grads) != 1)} for forward's {len(inputs)} inputs: {rule}"
+    for (n, is_tensor, shape, dtype), g, need in zip(inputs, grads, needs):
+        if not is_tensor:
+            if g is not None:
+                return f"returned a {type(g).__name__} as the gradient of {n}, which is not a tensor: {rule}"
+        elif g is None:
+            if need:
+                return f"returned None as the gradient of {n}, a tensor that needs one: {rule}; {ALL_REDUCE_RULE}"
+        elif not need:  # autograd drops it: a tensor that needs no gradient (the targets) may get anything
+            continue
+        elif not isinstance(g, torch.Tensor):
+            return f"returned a {type(g).__name__} as the gradient of {n}: a gradient is a tensor, or None"
+        elif tuple(g.shape) != shape:
+            return (f"returned a gradient of shape {tuple(g.shape)} for {n}, whose shape is {shape}: a gradient has "
+                    f"the shape of the input it stands for")
+        elif g.dtype != dtype:
+            return (f"returned a {g.dtype} gradient for {n}, which is {dtype}: a gradient has the dtype of the input "
+                    f"it stands for (autograd would cast it without a word, and float64 checks lose their digits)")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,7 +553,7 @@ def called(fn, *args, what):
     one sentence naming `what` was being called (for pure checks, run in this process)."""
     try:
         return fn(*args)
-    except NotImplementedError:
+    except (NotImplementedError, Mistake):
         raise
     except Exception as e:  # noqa: BLE001
         raise StudentError(f"{what} raised {type(e).__name__}: {e}") from e

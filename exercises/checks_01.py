@@ -400,6 +400,97 @@ class _GatherBackwardSplits(torch.autograd.Function):
         return tensor_parallel.split(grad, ctx.group, tensor_parallel.SEQ), None
 
 
+# What the guard catches as a Function returns (autograder.guarded), said at the line marked "the mistake"
+# (tests/test_exercises.py reads the line from here): the rule broken, not a crash in the grader.
+
+
+class _FBackwardReturnsAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return dist.all_reduce(grad, group=ctx.group), None  # the mistake: dist.all_reduce returns None
+
+
+class _FBackwardInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(grad, group=ctx.group)  # the mistake: the sum written into the gradient autograd gave
+        return grad, None
+
+
+class _GBackwardOneGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return tensor_parallel.all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad  # the mistake: one gradient for forward's two inputs (x, group)
+
+
+class _GForwardInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        dist.all_reduce(x, group=group)  # the mistake: the sum written into forward's input
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _row_returns_all_reduce(self, x):
+    y = F.linear(x, self.weight).clone()
+    return dist.all_reduce(y, group=self.group)  # the mistake: dist.all_reduce returns None
+
+
+class _CrossEntropyMasksInPlace(REFERENCE["_VocabParallelCrossEntropy"]):
+    @staticmethod
+    def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
+        Vl, r = logits.shape[1], tensor_parallel.tp_rank(group)
+        logits.masked_fill_(torch.arange(r * Vl, (r + 1) * Vl) >= n_vocab, -math.inf)  # the mistake: in place
+        return REFERENCE["_VocabParallelCrossEntropy"].forward(ctx, logits, target, group, n_vocab, ignore_index, sums)
+
+
+class _CrossEntropyTwoGradients(REFERENCE["_VocabParallelCrossEntropy"]):
+    @staticmethod
+    def backward(ctx, grad):
+        grad_logits = REFERENCE["_VocabParallelCrossEntropy"].backward(ctx, grad)[0]
+        return grad_logits, None  # the mistake: two gradients for forward's six inputs
+
+
+class _GatherBackwardAllReduces(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tensor_parallel.gather(x, group, tensor_parallel.SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tensor_parallel.all_reduce(grad, ctx.group), None  # the mistake: (B, T, C), not x's (B, T/tp, C)
+
+
+class _ReduceScatterInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        dist.all_reduce(x, group=group)  # the mistake: the sum written into forward's input
+        return tensor_parallel.split(x, group, tensor_parallel.SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tensor_parallel.gather(grad, ctx.group, tensor_parallel.SEQ), None
+
+
 EXERCISES = [
     Exercise("01.1", "f_and_g", "f and g, the conjugate operators", ("CopyToTP", "ReduceFromTP"),
              "Shoeybi et al. 2019, Section 3 and Figure 3", check_f_and_g,
@@ -407,23 +498,50 @@ EXERCISES = [
              [Planted("g_backward_all_reduces", "g's backward all-reduces too (it must be the identity)",
                       lambda: {"ReduceFromTP": _GBackwardAllReduces}, "g's backward all-reduced"),
               Planted("f_backward_identity", "f's backward forgets the all-reduce",
-                      lambda: {"CopyToTP": _FBackwardIdentity}, "f's backward passed this rank's gradient")]),
+                      lambda: {"CopyToTP": _FBackwardIdentity}, "f's backward passed this rank's gradient"),
+              Planted("f_backward_returns_all_reduce", "f's backward returns what dist.all_reduce returns (None)",
+                      lambda: {"CopyToTP": _FBackwardReturnsAllReduce}, "`dist.all_reduce` works in place and "
+                      "returns None", at_line=True),
+              Planted("f_backward_in_place", "f's backward all-reduces the gradient it is given in place",
+                      lambda: {"CopyToTP": _FBackwardInPlace}, "backward wrote into the gradient it was given",
+                      at_line=True),
+              Planted("g_backward_one_gradient", "g's backward returns one gradient for forward's two inputs",
+                      lambda: {"ReduceFromTP": _GBackwardOneGradient}, "backward returns one gradient per input "
+                      "of forward", at_line=True),
+              Planted("g_forward_in_place", "g's forward all-reduces its input in place (dist.all_reduce)",
+                      lambda: {"ReduceFromTP": _GForwardInPlace}, "forward leaves its inputs as they are",
+                      at_line=True)]),
     Exercise("01.2", "linears", "the column- and row-parallel linear layers",
              ("column_parallel_forward", "row_parallel_forward"),
              "Shoeybi et al. 2019, Section 3 (the MLP block)", check_linears,
              lambda: {k: REFERENCE[k] for k in ("column_parallel_forward", "row_parallel_forward")},
              [Planted("bias_before_reduce", "the row-parallel bias is added on every rank before g",
-                      lambda: {"row_parallel_forward": _bias_before_reduce}, "plus (tp - 1) x the bias")],
+                      lambda: {"row_parallel_forward": _bias_before_reduce}, "plus (tp - 1) x the bias"),
+              Planted("row_forward_returns_all_reduce", "the row-parallel forward returns what dist.all_reduce "
+                      "returns (None)", lambda: {"row_parallel_forward": _row_returns_all_reduce},
+                      "it returned None, but the piece it stands in for always returns a value", at_line=True)],
              replaces=("ColumnParallelLinear.forward", "RowParallelLinear.forward")),
     Exercise("01.3", "cross_entropy", "the vocab-parallel cross-entropy", ("_VocabParallelCrossEntropy",),
              "Shoeybi et al. 2019, Section 3 (the output embedding)", check_cross_entropy,
              lambda: {"_VocabParallelCrossEntropy": REFERENCE["_VocabParallelCrossEntropy"]},
              [Planted("cross_entropy_local_sum", "the sum of exponentials is not summed over the ranks",
                       lambda: {"_VocabParallelCrossEntropy": _CrossEntropyLocalSum},
-                      "this rank's own sum of exponentials")]),
+                      "this rank's own sum of exponentials"),
+              Planted("cross_entropy_masks_in_place", "the padded columns are filled with -inf in the logits given",
+                      lambda: {"_VocabParallelCrossEntropy": _CrossEntropyMasksInPlace},
+                      "forward wrote into its input logits in place", at_line=True),
+              Planted("cross_entropy_two_gradients", "backward returns two gradients, not one per input (six)",
+                      lambda: {"_VocabParallelCrossEntropy": _CrossEntropyTwoGradients},
+                      "returned 2 gradients for forward's 6 inputs", at_line=True)]),
     Exercise("01.4", "sequence_parallel", "sequence parallelism's all-gather / reduce-scatter pair",
              ("GatherFromSP", "ReduceScatterToSP"), "Korthikanti et al. 2022, Section 4.2.2",
              check_sequence_parallel, lambda: {k: REFERENCE[k] for k in ("GatherFromSP", "ReduceScatterToSP")},
              [Planted("gather_backward_splits", "sp's g's backward splits the gradient instead of reduce-scattering",
-                      lambda: {"GatherFromSP": _GatherBackwardSplits}, "reduce-scatter, not a split")]),
+                      lambda: {"GatherFromSP": _GatherBackwardSplits}, "reduce-scatter, not a split"),
+              Planted("gather_backward_full_shape", "sp's g's backward all-reduces: a (B, T, C) gradient for (B, "
+                      "T/tp, C)", lambda: {"GatherFromSP": _GatherBackwardAllReduces},
+                      "a gradient has the shape of the input it stands for", at_line=True),
+              Planted("reduce_scatter_in_place", "sp's g-bar all-reduces its input in place, then splits it",
+                      lambda: {"ReduceScatterToSP": _ReduceScatterInPlace}, "forward wrote into its input x in place",
+                      at_line=True)]),
 ]

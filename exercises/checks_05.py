@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from exercises.autograder import Exercise, Planted, called, differences, first, installed, merged, \
+from exercises.autograder import Exercise, Mistake, Planted, called, differences, first, installed, merged, \
     numbered, ranks, tp_group, warm
 from plumbing.reference import serial_train, unequal_counts
 
@@ -63,7 +63,7 @@ def check_rank_grid(impl):
         if not all(str(x) in str(e) for x in (6, 2)):
             return [f"rank_grid(6, tp=2, dp=2, pp=2) raises {e!r}, which should name the world 6 and tp, dp, pp"]
         return []
-    except NotImplementedError:
+    except (NotImplementedError, Mistake):  # a stub's hint; what it returned, said at its line
         raise
     except Exception as e:  # noqa: BLE001
         return [f"rank_grid(6, tp=2, dp=2, pp=2) raises {type(e).__name__}; a ValueError naming the numbers is "
@@ -253,6 +253,11 @@ def _pack_whole(self, t):
     return t.reshape(-1).contiguous()
 
 
+def _unpack_returns_gather(self, buf):
+    out = buf.new_empty(buf.numel() * self.tp)
+    return tensor_parallel.all_gather_single(out, buf, group=self.tp_group)  # the mistake: it returns None
+
+
 def _counts_replicated_everywhere(p, chunk, tp_group):
     return not (chunk.post_process and not chunk.pre_process and p is chunk.transformer.wte.weight)
 
@@ -282,7 +287,10 @@ EXERCISES = [
     Exercise("05.2", "scatter_gather", "scatter/gather of the boundary tensor between stages", ("pack", "unpack"),
              "Narayanan et al. 2021, Section 4.1", check_scatter_gather,
              lambda: {"pack": REFERENCE["pack"], "unpack": REFERENCE["unpack"]},
-             [Planted("pack_whole_tensor", "each tp rank sends the whole boundary tensor",
+             [Planted("unpack_returns_gather", "unpack returns what all_gather_single returns (None), not out",
+                      lambda: {"unpack": _unpack_returns_gather}, "it returned None, but the piece it stands in for "
+                      "always returns a value", at_line=True),
+              Planted("pack_whole_tensor", "each tp rank sends the whole boundary tensor",
                       lambda: {"pack": _pack_whole}, "each tp rank sends only its 1/tp slice")]),
     Exercise("05.3", "counts_in_norm", "the global gradient norm: every element counted once", ("counts_in_norm",),
              "Narayanan et al. 2021, Section 3 (the layout); 05's clip_gradients", check_counts_in_norm,

@@ -144,6 +144,15 @@ def _merge_no_rescale(a, b):
     return cpar.State(torch.maximum(a.m, b.m), a.l + b.l, a.acc + b.acc)
 
 
+def _forward_scales_q_in_place(q, k, v, diagonal, scale):
+    q.mul_(scale)  # the mistake: q is a view of the caller's queries, which it uses again
+    return cpar.block_forward(q, k, v, diagonal, 1.0)
+
+
+def _forward_not_returned(q, k, v, diagonal, scale):
+    st = cpar.block_forward(q, k, v, diagonal, scale)  # the mistake: the State is made, never returned  # noqa: F841
+
+
 def _forward_no_mask(q, k, v, diagonal, scale):
     return cpar.block_forward(q, k, v, False, scale)
 
@@ -173,7 +182,12 @@ EXERCISES = [
              [Planted("merge_without_rescaling", "merge adds the sums without rescaling them to the larger max",
                       lambda: {"merge": _merge_no_rescale}, "rescale both to the larger one"),
               Planted("diagonal_block_unmasked", "the diagonal block attends to later keys of its own block",
-                      lambda: {"block_forward": _forward_no_mask}, "mask the scores above its diagonal")]),
+                      lambda: {"block_forward": _forward_no_mask}, "mask the scores above its diagonal"),
+              Planted("block_forward_scales_q_in_place", "block_forward scales the queries in place (q.mul_)",
+                      lambda: {"block_forward": _forward_scales_q_in_place}, "it wrote into its argument q in place",
+                      at_line=True),
+              Planted("block_forward_not_returned", "block_forward makes the State and does not return it",
+                      lambda: {"block_forward": _forward_not_returned}, "it returned None", at_line=True)]),
     Exercise("08.2", "lightseq", "LightSeq's balanced schedule, as data", ("lightseq",),
              "Li et al. 2023, Section 3.2", check_lightseq, lambda: {"lightseq": REFERENCE["lightseq"]},
              [Planted("lightseq_without_helpers", "only the queries' owners compute, in cp // 2 + 1 steps",

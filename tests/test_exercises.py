@@ -7,11 +7,20 @@ Tolerance: the checks compare with the serial model in float64 to 1e-10, for the
 test_tensor_parallel.py (a parallel piece only reorders additions, ~1e-15; a bug is O(1)).
 The ranks are forked in-process by plumbing.launch (as the autograder always does); one test runs
 the real command line, `python3 -m exercises check 01`, as a student would.
+
+The guard (autograder.guarded): each planted mistake of the kinds it catches (None returned, the
+wrong number of gradients, a gradient of the wrong shape, an input written in place) must fail at
+the line marked "# the mistake" in the planted code's source, read here from that source, and name
+no other file or line. `--json`: results.json is validated against the JSON Schema block of
+exercises/README.md by a small validator here, for a passing, a failing planted and an untouched
+stub run; `--help` must list every numbered file that has a stub file on disk.
 """
 import inspect
+import json
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -201,6 +210,7 @@ def test_a_student_function_that_raises_is_an_error_naming_the_exception():
     e = BY_KEY["02.1"]
     result = autograder.grade(e, {"gpipe": lambda pp, m, stage: 1 / 0})
     assert result.status == "error" and "gpipe(1, 1, 0) raised ZeroDivisionError" in result.lines[0]
+    assert re.search(r"at \S*test_exercises\.py:\d+ in <lambda>", result.lines[1]), result.lines  # the student's line
 
 
 def _torch_not_implemented(pp, m, stage):
@@ -237,3 +247,207 @@ def test_python3_m_exercises_check_01_lists_each_stub_as_not_implemented_with_it
     for key in ("01.1", "01.2", "01.3", "01.4"):
         assert f"python3 -m exercises check {key}" in out
     assert "Shoeybi et al. 2019, Section 3" in out and "Korthikanti et al. 2022, Section 4.2.2" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# The guard: what a student's function returns is checked as it returns, and said at its own line
+
+
+def _marked_line(planted):
+    """(file, line) of the one line marked "# the mistake" in the source of a planted mistake's
+    functions (an autograd Function's methods, or the function itself)."""
+    found = []
+    for obj in planted.impl().values():
+        fns = [v.__func__ if isinstance(v, staticmethod) else v for v in vars(obj).values()
+               if isinstance(v, staticmethod) or inspect.isfunction(v)] if isinstance(obj, type) else [obj]
+        for fn in fns:
+            lines, start = inspect.getsourcelines(fn)
+            found += [(fn.__code__.co_filename, start + i) for i, text in enumerate(lines) if "# the mistake" in text]
+    assert len(found) == 1, (planted.name, found)
+    return found[0]
+
+
+AT_LINE = [name for name, (e, p) in PLANTED.items() if p.at_line]
+
+
+def test_the_guarded_planted_mistakes_cover_01s_functions_and_two_other_exercises():
+    keys = {PLANTED[name][0].key for name in AT_LINE}
+    assert {"01.1", "01.3", "01.4"} <= keys and len(keys - {"01.1", "01.3", "01.4"}) >= 2, keys
+    kinds = " ".join(PLANTED[name][1].expect for name in AT_LINE)
+    for rule in ("returns None", "one gradient per input", "the shape of the input", "in place"):
+        assert rule in kinds, rule
+
+
+@pytest.mark.parametrize("name", AT_LINE)
+def test_a_guarded_mistake_is_said_at_its_planted_line_with_the_rule_and_no_traceback(name):
+    # The planted line is found here, from the planted code's source (the line marked "# the
+    # mistake"), not from the grader: every file:line the failure names must be that one.
+    e, planted = PLANTED[name]
+    path, line = _marked_line(planted)
+    result = autograder.grade(e, {**e.reference(), **planted.impl()})
+    text = "\n".join(result.lines)
+    assert result.status == "fail" and planted.expect in text, (name, result.status, result.lines)
+    named = re.findall(r"([\w./-]+\.py):(\d+)", text)
+    assert named and all(path.endswith(f) and int(n) == line for f, n in named), (name, path, line, named)
+    assert "Traceback" not in text and "autograder.py" not in text
+
+
+STUDENT_01 = """\
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    tensor_parallel = importlib.import_module("01_tensor_parallel")
+    ReduceFromTP = tensor_parallel.ReduceFromTP
+
+
+    class CopyToTP(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            if grad is None:  # two returns: the line is the one that ran, seen by a trace of this frame
+                return None, None
+            return dist.all_reduce(grad, group=ctx.group), None
+"""
+
+
+def test_the_commonest_mistake_in_a_students_file_is_said_at_its_return_line_not_in_the_grader(tmp_path, capsys):
+    # The issue's case: f's backward returns the in-place dist.all_reduce (None). It crashed the
+    # grader (AttributeError at exercises/checks_01.py:85); it is now a failure at the student's line.
+    path = tmp_path / "my_01.py"
+    path.write_text(textwrap.dedent(STUDENT_01))
+    source = textwrap.dedent(STUDENT_01).splitlines()
+    line = source.index("        return dist.all_reduce(grad, group=ctx.group), None") + 1
+    assert cli.main(["check", "01.1", "--file", str(path), "--json", str(tmp_path / "results.json")]) == 1
+    out = re.sub(r"\n +", " ", capsys.readouterr().out)
+    assert f"{path}:{line} in CopyToTP.backward" in out, out
+    assert "backward returns one gradient per input of forward" in out and \
+        "`dist.all_reduce` works in place and returns None" in out
+    assert "checks_01.py" not in out and "AttributeError" not in out and "Traceback" not in out
+    (test,) = json.loads((tmp_path / "results.json").read_text())["tests"]
+    assert test["status"] == "failed" and f"{path}:{line}" in test["output"]
+
+
+def test_the_guard_lets_a_right_answer_through_and_leaves_the_wrapped_function_as_it_was():
+    e = BY_KEY["01.1"]
+    impl = autograder.guarded(e, e.reference())
+    assert issubclass(impl["CopyToTP"], e.reference()["CopyToTP"])  # a subclass: 01's own methods underneath
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y = impl["CopyToTP"].apply(x, None)  # tp 1: no group needed by f's identity
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3, dtype=torch.float64))
+    fn = autograder.guarded_callable(lambda a: a * 2, always_returns=True)
+    assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(autograder.Mistake, match="it returned None"):
+        autograder.guarded_callable(lambda a: None, always_returns=True)(torch.ones(2))
+    assert autograder.guarded_callable(lambda a: None, always_returns=False)(torch.ones(2)) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# --json: results.json against the schema exercises/README.md documents; --help from the table
+
+
+def _schema():
+    text = (ROOT / "exercises" / "README.md").read_text()
+    block = re.search(r"<!-- results\.json schema -->\n```json\n(.*?)\n```", text, re.S)
+    assert block, "exercises/README.md has no results.json schema block"
+    return json.loads(block.group(1))
+
+
+TYPES = {"object": dict, "array": list, "string": str, "number": (int, float)}
+
+
+def _violations(value, schema, where="results"):
+    """What in value breaks schema (the JSON Schema keywords the README's block uses: type,
+    required, additionalProperties, properties, items, enum, minimum); [] if nothing does."""
+    kind = schema.get("type")
+    if kind and (not isinstance(value, TYPES[kind]) or isinstance(value, bool)):
+        return [f"{where} is {type(value).__name__}, not {kind}"]
+    out = []
+    if "enum" in schema and value not in schema["enum"]:
+        out.append(f"{where} = {value!r}, not one of {schema['enum']}")
+    if "minimum" in schema and value < schema["minimum"]:
+        out.append(f"{where} = {value} < {schema['minimum']}")
+    if kind == "object":
+        out += [f"{where} has no {k!r}" for k in schema.get("required", []) if k not in value]
+        if schema.get("additionalProperties") is False:
+            out += [f"{where} has {k!r}, not in the schema" for k in value if k not in schema.get("properties", {})]
+        for k, sub in schema.get("properties", {}).items():
+            if k in value:
+                out += _violations(value[k], sub, f"{where}.{k}")
+    if kind == "array":
+        for i, item in enumerate(value):
+            out += _violations(item, schema.get("items", {}), f"{where}[{i}]")
+    return out
+
+
+def _results(path):
+    """results.json read, checked against the README's schema and its rules in words: score and
+    max_score the sums of the tests', a test passed iff its score is its max_score (1)."""
+    data = json.loads(path.read_text())
+    assert _violations(data, _schema()) == [], _violations(data, _schema())
+    tests = data["tests"]
+    assert data["score"] == sum(t["score"] for t in tests) and data["max_score"] == sum(t["max_score"] for t in tests)
+    assert all(t["max_score"] == 1 and t["score"] == (t["max_score"] if t["status"] == "passed" else 0)
+               for t in tests)
+    return data
+
+
+def test_the_schema_validator_finds_what_is_wrong():
+    good = {"score": 1, "max_score": 1, "execution_time": 0.5,
+            "tests": [{"name": "01.1 f", "score": 1, "max_score": 1, "status": "passed", "output": "PASS"}]}
+    assert _violations(good, _schema()) == []
+    bad = json.loads(json.dumps(good))
+    bad["tests"][0]["status"] = "pass"
+    del bad["execution_time"]
+    bad["tests"][0]["extra"] = 1
+    found = _violations(bad, _schema())
+    assert len(found) == 3 and any("status" in f for f in found), found
+
+
+def test_check_json_validates_for_a_passing_a_failing_planted_and_an_untouched_stub_run(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    assert cli.main(["check", "01.1", "05.1", "--solution", "--json", str(path)]) == 0
+    data = _results(path)
+    assert data["score"] == data["max_score"] == 2 and [t["name"][:4] for t in data["tests"]] == ["01.1", "05.1"]
+    assert all(t["status"] == "passed" and t["output"].startswith("PASS") for t in data["tests"])
+    assert cli.main(["check", "01", "--planted", "g_backward_one_gradient", "--json", str(path)]) == 0  # caught
+    data = _results(path)
+    (test,) = data["tests"]
+    assert data["score"] == 0 and test["status"] == "failed" and "one gradient per input of forward" in test["output"]
+    assert cli.main(["check", "02", "--json", str(path)]) == 1  # the stubs as shipped
+    data = _results(path)
+    assert data["score"] == 0 and len(data["tests"]) == len(exercises.exercises("02"))
+    assert all("not implemented" in t["output"] and "python3 -m exercises check 02." in t["output"]
+               for t in data["tests"])
+    capsys.readouterr()
+    assert cli.main(["check", "02", "--json", str(tmp_path / "no" / "such" / "r.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+def test_a_file_that_does_not_import_still_gets_a_results_json_failing_each_exercise(tmp_path, capsys):
+    student, path = tmp_path / "broken.py", tmp_path / "results.json"
+    student.write_text("def gpipe(pp, m, stage)\n")  # a syntax error
+    assert cli.main(["check", "02", "--file", str(student), "--json", str(path)]) == 1
+    data = _results(path)
+    assert len(data["tests"]) == 3 and all("does not import" in t["output"] for t in data["tests"])
+
+
+def test_help_names_every_numbered_file_that_has_exercises(capsys):
+    # The chapters with exercises are read from the stub files on disk, not from the table the
+    # help is generated from: a stub added without its table entry fails here.
+    chapters = sorted({p.name[2:4] for p in (ROOT / "exercises").glob("ex[0-9][0-9]_*.py")})
+    assert len(chapters) >= 7 and "08" in chapters
+    helps = []
+    for argv in (["--help"], ["check", "--help"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        helps.append(re.sub(r"\s+", " ", capsys.readouterr().out))
+    for text in helps:
+        listed = re.search(r"(\d\d(?:, \d\d)+)", text).group(1).split(", ")
+        assert listed == chapters, (listed, chapters)
