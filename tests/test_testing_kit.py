@@ -215,8 +215,10 @@ def wheel_target(tmp_path_factory):
     src = base / "src"
     src.mkdir()
     for name in SOURCES + sorted(p.name for p in ROOT.glob("0[1-9]_*.py")):
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(
-            ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if (ROOT / name).is_dir() else {}))
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
     env = {**os.environ, "PIP_NO_INDEX": "1"}  # nothing fetched: what is built comes from here
     built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(base / "dist"), str(src)],
