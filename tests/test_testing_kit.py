@@ -210,6 +210,10 @@ def wheel_target(tmp_path_factory):
     """The wheel, built from a copy of the sources with --no-build-isolation (no network: the environment's
     setuptools, requirements.txt's >= 70.1, whose bdist_wheel is built in) and installed with --target into
     a folder outside the checkout; (that folder, seconds taken)."""
+    import setuptools
+    if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (70, 1):
+        pytest.fail(f"building the wheel offline needs setuptools >= 70.1 (its bdist_wheel is built in), which "
+                    f"requirements.txt installs; this environment has {setuptools.__version__}")
     t0 = time.monotonic()
     base = tmp_path_factory.mktemp("wheel")
     src = base / "src"
