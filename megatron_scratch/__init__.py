@@ -4,8 +4,10 @@
     from megatron_scratch import zero_bubble, vocab_parallel, context_parallel, expert_parallel
 
 Each name is the chapter's module itself (01_tensor_parallel.py ... 09_expert_parallel.py), loaded on
-first use. `pip install -e .` in the repository makes
-this importable anywhere; the chapters stay where they are, and stay runnable as scripts.
+first use. The chapters sit beside this package: at the checkout's top, or, from `pip install .` (a
+wheel) or `pip install -e .`, as top-level modules beside it in site-packages (setup.py); either way
+they stay runnable as scripts. megatron_scratch.testing is the kit for another project's tests
+(run_ranks, assert_close, compare_state), and megatron_scratch.pytest_plugin its pytest fixture.
 """
 import importlib
 import os

@@ -5,6 +5,8 @@
                                ranks here (gloo, one thread each) and return every rank's result
     launcher_ranks()           (rank, world size, local rank) from torchrun's environment, checked,
                                or None when no launcher started this process
+    launch_mode()              "env" (this process is one rank of a launcher's group) or "local"
+                               (fork the ranks here): the rule below, MEGATRON_SCRATCH_LAUNCH
     run_main(main)             a script's exit code: 0 if main() returned True, 1 (and the message)
                                on a RankFailure or a ValueError, so bad input never ends in a trace;
                                130 and one line on Ctrl-C (Interrupted: "interrupted at step N")
@@ -21,6 +23,15 @@ on its node; a rank whose peer is gone fails its next collective, at once if the
 closed and after the timeout if it went silent, and says so, naming the peer first where its
 process is seen to have ended (on this host, or by a peer on its host, through the side channel);
 a rank dies with its own agent, as it would with its node.
+
+Which mode (launch_mode): `mode=` of launch, else the environment variable MEGATRON_SCRATCH_LAUNCH,
+"env" (join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe, whoever set them:
+a Kubernetes operator, your own script) or "local" (fork the ranks here, whatever else the environment
+holds); unset, it is "env" under torchrun (which exports TORCHELASTIC_RUN_ID with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT) and "local" when neither RANK nor WORLD_SIZE is set. Anything
+else, such as a CI job that exports RANK and WORLD_SIZE for its own reasons, is refused in one sentence
+before any process or group exists: it would otherwise run one rank of a group that never forms, or
+one rank where n were asked for.
 """
 import ctypes
 import json
@@ -70,10 +81,12 @@ class Terminated(Interrupted):
 SENTENCES = (ValueError, FloatingPointError, TimeoutError)
 
 
-def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None):
+def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None, mode=None):
     """Run worker(env, *args) on every rank and return the ranks' results, in rank order.
 
-    Under torchrun (RANK and WORLD_SIZE set) this process is one rank: it joins the launcher's group
+    mode: "env", "local" or None (MEGATRON_SCRATCH_LAUNCH, else torchrun's environment decides: the
+    module's docstring; RANK/WORLD_SIZE set without torchrun and without a mode is a ValueError).
+    In mode "env" (under torchrun) this process is one rank: it joins the launcher's group
     (NCCL on its LOCAL_RANK GPU if CUDA is available, else gloo) and returns [its own result]; the
     launcher's WORLD_SIZE, not nprocs, sets the number of ranks. Otherwise nprocs CPU ranks are
     fork-started here with gloo and one thread each. timeout_s bounds every collective; deadline_s,
@@ -92,7 +105,7 @@ def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None):
         raise ValueError(f"launch({getattr(worker, '__name__', worker)!r}, {count}) was called inside a rank that "
                          f"launch() (or torchrun) started: launches do not nest; a worker makes process groups "
                          f"of its own ranks with torch.distributed.new_group instead")
-    ranks = launcher_ranks()
+    ranks = launcher_ranks(mode)
     if ranks is not None:
         return [_run_launched_rank(worker, args, *ranks, timeout_s)]
     return _launch_local(worker, count, args, timeout_s, deadline_s, watch)
@@ -101,16 +114,50 @@ def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None):
 # ----------------------------------------------------------------------------------------------
 # Under torchrun: this process is one rank of the launcher's group.
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE")  # both set: a launcher started this process
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE")  # a launcher's: this process is one rank of its group
+MODE_VARIABLE, MODES = "MEGATRON_SCRATCH_LAUNCH", ("env", "local")
+# torchrun (torch.distributed.run, and torch.distributed.launch, which is it) exports this to every rank it
+# starts, with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and TORCHELASTIC_RESTART_COUNT (torch
+# 2.11 to 2.13: torch/distributed/elastic/agent/server/local_elastic_agent.py): a launcher we recognise.
+RECOGNISED = "TORCHELASTIC_RUN_ID"
 
 
-def launcher_ranks():
-    """(rank, world_size, local_rank) from the launcher's environment, or None if no launcher started
-    this process. A variable that is not a whole number in range is a ValueError naming it."""
+def launch_mode(mode=None):
+    """The mode, "env" or "local": mode if given, else MEGATRON_SCRATCH_LAUNCH, else torchrun's environment (env) or
+    none of RANK and WORLD_SIZE (local). A ValueError, in one sentence naming the variables and the choice,
+    for a mode that is not one of the two, and for RANK or WORLD_SIZE set by no launcher we recognise."""
+    source = "launch(mode=...)" if mode is not None else MODE_VARIABLE
+    chosen = mode if mode is not None else os.environ.get(MODE_VARIABLE, "").strip() or None
+    if chosen is not None:
+        if chosen not in MODES:
+            raise ValueError(f"{source}={chosen!r} must be 'env' (this process is one rank of the group that RANK, "
+                             f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe) or 'local' (start the ranks here)")
+        return chosen
     present = [name for name in LAUNCHER_VARIABLES if name in os.environ]
     if not present:
+        return "local"
+    if RECOGNISED in os.environ:
+        return "env"
+    shown = " and ".join(f"{name}={os.environ[name]!r}" for name in present)
+    raise ValueError(f"{shown} {'are' if len(present) > 1 else 'is'} set, but not by a launcher this recognises "
+                     f"(torchrun sets {RECOGNISED} too), so it cannot tell whether this process is one rank of a "
+                     f"group or should start the ranks itself: set {MODE_VARIABLE}=env to join that group as rank "
+                     f"RANK of WORLD_SIZE (at MASTER_ADDR:MASTER_PORT), or {MODE_VARIABLE}=local (or unset "
+                     f"{' and '.join(LAUNCHER_VARIABLES)}) to start the ranks here")
+
+
+def launcher_ranks(mode=None):
+    """(rank, world_size, local_rank) from the launcher's environment, or None when the ranks are started
+    here (launch_mode(mode) is "local"; a refused environment is its ValueError). A variable that is not a
+    whole number in range is a ValueError naming it."""
+    if launch_mode(mode) == "local":
         return None
-    if len(present) == 1:
+    present = [name for name in LAUNCHER_VARIABLES if name in os.environ]
+    if len(present) < 2:
+        if not present:
+            raise ValueError(f"{MODE_VARIABLE}=env (or mode='env') joins the group that RANK, WORLD_SIZE, "
+                             f"MASTER_ADDR and MASTER_PORT describe, and RANK and WORLD_SIZE are not set: set them, "
+                             f"or {MODE_VARIABLE}=local to start the ranks here")
         missing = next(name for name in LAUNCHER_VARIABLES if name not in present)
         raise ValueError(f"{present[0]} is set but {missing} is not: a launcher such as torchrun sets "
                          f"both; unset {present[0]} to start local ranks instead")
@@ -685,6 +732,7 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
         _die_with_parent(parent)  # rather than linger until a timeout when the launching process dies
         global _side, _nested
         _nested = True  # a launch() in this rank's worker is refused (launch): it would fork from a rank
+        os.environ[MODE_VARIABLE] = "local"  # a local rank, whatever RANK or WORLD_SIZE it inherited (launch_mode)
         loopback = loopback_interface()
         if loopback:  # every gloo group of this rank, the training's and the save's, listens on loopback only
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
@@ -764,7 +812,10 @@ def run_main(main):
     """Call main() and turn its result into the exit code: 0 if it returned True, else 1; 130 (the
     shell's code for Ctrl-C) with one line saying where it stopped, not a traceback, on Ctrl-C; 143
     likewise on a SIGTERM to the launching process (not under torchrun, whose agent sends its own)."""
-    started_here = not any(name in os.environ for name in LAUNCHER_VARIABLES)  # checked, and refused, in main()
+    try:
+        started_here = launch_mode() == "local"
+    except ValueError:  # refused, in a sentence, by main()'s launch
+        started_here = False
     if started_here and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate_once)
     try:

@@ -120,11 +120,12 @@ def _kernels_built():
 
 @pytest.fixture
 def run_ranks():
-    from plumbing.launch import launch  # after ROOT is on sys.path
+    """The packaged harness (megatron_scratch.testing.run_ranks, which its pytest plugin gives an installed
+    package's users), within this suite's limits."""
+    from megatron_scratch.testing import run_ranks as packaged  # after ROOT is on sys.path
 
     def run(body, nprocs, *args):
-        return launch(body, nprocs, *args, timeout_s=COLLECTIVE_TIMEOUT_S,
-                      deadline_s=TEST_TIMEOUT_S - 10)
+        return packaged(body, nprocs, *args, timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=TEST_TIMEOUT_S - 10)
 
     return run
 

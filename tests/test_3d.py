@@ -380,7 +380,7 @@ def _write(tmp_path, name, data):
 
 
 BAD = {
-    "world != tp pp dp": (["--tp", "2", "--pp", "2", "--dp", "2"], {"WORLD_SIZE": "4", "RANK": "0"},
+    "world != tp pp dp": (["--tp", "2", "--pp", "2", "--dp", "2"], {"WORLD_SIZE": "4", "RANK": "0", "MEGATRON_SCRATCH_LAUNCH": "env"},
                           "world size 4 does not match tp=2 x dp=2 x pp=2"),
     "n_layer not divisible by pp v": (["--n-layer", "6", "--pp", "2", "--virtual-stages", "2"], {},
                                       "n_layer=6 is not divisible by 4 pipeline stages"),

@@ -513,7 +513,8 @@ def _port(tmp, subs):
 
 T05_RUN = [*T05, "--eval-every", "0"]
 IDS_PT = {"{tokenizer}": "ids"}
-LAUNCHER = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+LAUNCHER = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+            "MEGATRON_SCRATCH_LAUNCH": "env"}  # a launcher's environment, read as one (torchrun's: TORCHELASTIC_RUN_ID)
 ONE = ["--tp", "1", "--pp", "1", "--dp", "1"]
 
 # name: (script, arguments, what the message must say, setup or None, environment or None)

@@ -154,8 +154,8 @@ def test_the_demo_runs_unchanged_under_torchrun():
 
 
 def test_the_readme_baseline_example_runs_as_written(tmp_path):
-    # `pip install -e .` puts megatron_scratch on the path; PYTHONPATH does the same here (the
-    # install itself is checked once by hand: see pyproject.toml). The script runs from elsewhere.
+    # The checkout's copy, on PYTHONPATH, as `pip install -e .` puts it on the path; the script runs from
+    # elsewhere. The wheel's copy runs it too (tests/test_testing_kit.py).
     text = (ROOT / "README.md").read_text()
     code = text.split("## Use it as a correctness baseline")[1].split("```python\n")[1].split("```")[0]
     assert "from megatron_scratch import tensor_parallel" in code and "sys.path" not in code
@@ -174,7 +174,8 @@ def test_the_package_names_each_chapter_and_pyproject_installs_it():
         assert getattr(megatron_scratch, name).__name__.startswith(prefix)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "megatron_scratch" in project["tool"]["setuptools"]["packages"]
-    assert all((ROOT / p / "__init__.py").exists() for p in project["tool"]["setuptools"]["packages"])
+    assert all((ROOT / p.replace(".", "/") / "__init__.py").exists() for p in project["tool"]["setuptools"]["packages"])
+    assert project["project"]["entry-points"]["pytest11"] == {"megatron_scratch": "megatron_scratch.pytest_plugin"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,8 +207,11 @@ LAUNCHER_ENV = {
 
 
 def launcher_env(monkeypatch, **variables):
+    """A launcher's environment, as MEGATRON_SCRATCH_LAUNCH=env says to read it (torchrun's own variable,
+    TORCHELASTIC_RUN_ID, would also make this process die with its parent: not pytest's)."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MEGATRON_SCRATCH_LAUNCH", "env")
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
 
@@ -221,6 +225,71 @@ def test_a_malformed_launcher_variable_is_refused_by_name_before_any_group(monke
         launch(called.append, 2)
     assert message in str(err.value)
     assert called == [] and not dist.is_initialized()
+
+
+def _clear_launcher(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MEGATRON_SCRATCH_LAUNCH"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_rank_and_world_size_from_no_launcher_it_knows_are_refused_in_one_sentence(monkeypatch):
+    # A CI job that exports RANK and WORLD_SIZE for its own reasons: launch ran one rank of a group that
+    # never forms, silently. Now refused before any process or group, naming the variables and the choice.
+    _clear_launcher(monkeypatch)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    called = []
+    with pytest.raises(ValueError) as err:
+        launch(called.append, 2)
+    text = str(err.value)
+    assert text.startswith("RANK='0' and WORLD_SIZE='4' are set, but not by a launcher this recognises (torchrun "
+                           "sets TORCHELASTIC_RUN_ID too)"), text
+    assert "set MEGATRON_SCRATCH_LAUNCH=env to join that group" in text and "MEGATRON_SCRATCH_LAUNCH=local" in text
+    assert "\n" not in text and called == [] and not dist.is_initialized()
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match=r"^RANK='0' is set, but not by a launcher"):
+        launch(called.append, 2)
+
+
+def test_the_launch_mode_says_which(monkeypatch):
+    from plumbing.launch import launch_mode
+    _clear_launcher(monkeypatch)
+    assert launch_mode() == "local"  # nothing set: fork here
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's own: one rank of its group
+    assert launch_mode() == "env"
+    assert launch_mode("local") == "local"  # the argument first
+    monkeypatch.setenv("MEGATRON_SCRATCH_LAUNCH", "local")
+    assert launch_mode() == "local" and launch_mode("env") == "env"
+    monkeypatch.setenv("MEGATRON_SCRATCH_LAUNCH", "torchrun")
+    with pytest.raises(ValueError, match=r"MEGATRON_SCRATCH_LAUNCH='torchrun' must be 'env' \(this process is one"):
+        launch_mode()
+    with pytest.raises(ValueError, match=r"launch\(mode=...\)='both' must be 'env'"):
+        launch(lambda env: None, 2, mode="both")
+    _clear_launcher(monkeypatch)
+    with pytest.raises(ValueError, match="RANK and WORLD_SIZE are not set: set them, or MEGATRON_SCRATCH_LAUNCH=local"):
+        launch(lambda env: None, 2, mode="env")
+
+
+def test_mode_local_forks_the_ranks_whatever_rank_and_world_size_say(monkeypatch):
+    _clear_launcher(monkeypatch)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launch(_rank_and_sum, 2, mode="local", timeout_s=20) == [(0, 2, 3.0), (1, 2, 3.0)]
+    monkeypatch.setenv("MEGATRON_SCRATCH_LAUNCH", "local")
+    assert launch(_rank_and_sum, 2, timeout_s=20) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_mode_env_joins_the_group_the_variables_describe(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _clear_launcher(monkeypatch)
+    for name, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    assert launch(_rank_and_sum, 3, mode="env") == [(0, 1, 1.0)]  # one rank of a world of 1, not 3 forked
+    assert not dist.is_initialized()
 
 
 class Recorder:
@@ -297,7 +366,7 @@ def test_under_torchrun_a_rank_whose_peer_died_says_so_in_one_line():
         pid = os.fork()
         if pid == 0:
             signal.alarm(0)
-            os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+            os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MEGATRON_SCRATCH_LAUNCH="env",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             os.environ.pop("TORCHELASTIC_RUN_ID", None)
             try:
