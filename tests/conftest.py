@@ -396,3 +396,20 @@ def trainer_grad_diffs(run, ref, zero1):
         diffs[owner[id(piece.param)]] = tensor_parallel.max_rel_diff(piece.grad, want)
     return diffs
 
+
+
+def unequal_batch(cfg, m, rows=2, T=16, seed=5):
+    """A batch (idx, targets) of m microbatches of `rows` rows whose counted targets differ
+    (plumbing.reference.unequal_counts: microbatch 0 counts none when m > 1): the pipeline lessons' batch."""
+    from plumbing.reference import unequal_counts
+    gen = torch.Generator().manual_seed(seed)
+    idx, targets = torch.randint(cfg.vocab_size, (2, m * rows, T), generator=gen)
+    return idx, unequal_counts(targets, m)
+
+
+def worst_of(got, want):
+    """The largest relative difference of (loss or None, {name: grad}) from want's, on this rank."""
+    from plumbing.shards import max_rel_diff
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    diffs = [max_rel_diff(g, ref_grads[n]) for n, g in grads.items()]
+    return max(diffs + ([max_rel_diff(loss, ref_loss)] if loss is not None else []))

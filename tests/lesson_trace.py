@@ -46,16 +46,24 @@ def chapter_files(root=ROOT):
     return {p.name[:2]: p for p in sorted(Path(root).glob("0[1-9]_*.py"))}
 
 
-def read_first_lists(guide=None):
-    """{chapter: [names]} of docs/GUIDE.md: in each "## 0N_name.py" section, the "- Read first (...): ..."
-    list's backticked names (the parse tests/test_budgets.py's chapter_lists makes)."""
-    text = GUIDE.read_text() if guide is None else guide
+def guide_lists(text, kinds=("Read first",)):
+    """{chapter: {kind: [names]}} of a guide's text: in each "## 0N_name.py" section, each "- <kind> (...): ..."
+    list's backticked names, for each kind asked (tests/test_budgets.py's chapter_lists reads the same)."""
     out = {}
     parts = re.split(r"\n## (0\d)_[a-z0-9_]+\.py\b[^\n]*\n", text)
     for ch, body in zip(parts[1::2], parts[2::2]):
-        m = re.search(r"\n- Read first[^:]*:(.*?)(?=\n- |\n\n|\n\*\*)", body.split("\n## ")[0], re.S)
-        out[ch] = re.findall(r"`([A-Za-z_][\w.]*)`", m.group(1)) if m else []
+        body, out[ch] = body.split("\n## ")[0], {}
+        for kind in kinds:
+            m = re.search(rf"\n- {kind}[^:]*:(.*?)(?=\n- |\n\n|\n\*\*)", body, re.S)
+            if m:
+                out[ch][kind] = re.findall(r"`([A-Za-z_][\w.]*)`", m.group(1))
     return out
+
+
+def read_first_lists(guide=None):
+    """{chapter: [names]}: the "Read first" lists of docs/GUIDE.md (or of the guide text given)."""
+    lists = guide_lists(GUIDE.read_text() if guide is None else guide)
+    return {ch: kinds.get("Read first", []) for ch, kinds in lists.items()}
 
 
 def name_spans(path):

@@ -15,6 +15,7 @@ import re
 
 import pytest
 
+import lesson_trace
 from conftest import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -24,16 +25,7 @@ FILES = {p.name[:2]: p for p in ROOT.glob("0[1-9]_*.py")}
 
 def chapter_lists(guide=None):
     """{chapter: {"Read first": [names], "Read second": [...]}} from each chapter's "The lists." in docs/GUIDE.md."""
-    out = {}
-    parts = re.split(r"\n## (0\d)_[a-z0-9_]+\.py\b[^\n]*\n", GUIDE if guide is None else guide)
-    for ch, body in zip(parts[1::2], parts[2::2]):
-        body, lists = body.split("\n## ")[0], {}
-        for kind in ("Read first", "Read second"):
-            m = re.search(rf"\n- {kind}[^:]*:(.*?)(?=\n- |\n\n|\n\*\*)", body, re.S)
-            if m:
-                lists[kind] = re.findall(r"`([A-Za-z_][\w.]*)`", m.group(1))
-        out[ch] = lists
-    return out
+    return lesson_trace.guide_lists(GUIDE if guide is None else guide, ("Read first", "Read second"))
 
 
 def budgets(readme=README):

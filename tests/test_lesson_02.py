@@ -16,25 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PIPELINE_CFG as CFG, load
-from plumbing.reference import unequal_counts
-from plumbing.shards import max_rel_diff
+from conftest import PIPELINE_CFG as CFG, load, unequal_batch, worst_of
 
 tensor_parallel, pipeline = load("01_tensor_parallel"), load("02_pipeline_1f1b")
 LESSONS = {"gpipe": "gpipe_step", "1f1b": "one_f_one_b_step"}
 
 
 def batch(m, rows=2, T=16, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    idx, targets = torch.randint(CFG.vocab_size, (2, m * rows, T), generator=gen)
-    return idx, unequal_counts(targets, m)
-
-
-def worst(got, want):
-    """The largest relative difference of (loss or None, {name: grad}) from want's."""
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    diffs = [max_rel_diff(g, ref_grads[n]) for n, g in grads.items()]
-    return max(diffs + ([max_rel_diff(loss, ref_loss)] if loss is not None else []))
+    return unequal_batch(CFG, m, rows, T, seed)
 
 
 def _lesson_and_machine(env, m, plant=None):
@@ -60,7 +49,7 @@ def _lesson_and_machine(env, m, plant=None):
         schedule = pipeline.Schedule([pipeline.SCHEDULES[name](pp, m, s) for s in range(pp)])
         chunks, result = pipeline.pipeline_step(CFG, schedule, dist.group.WORLD, embed_group, full, micro)
         machine = result.loss, {n: p.grad for n, p in chunks[0].named_parameters()}
-        out[name] = worst(lesson, ref), worst(machine, lesson)
+        out[name] = worst_of(lesson, ref), worst_of(machine, lesson)
     return out
 
 

@@ -20,24 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PIPELINE_CFG, load
-from plumbing.reference import unequal_counts
-from plumbing.shards import max_rel_diff
+from conftest import PIPELINE_CFG, load, unequal_batch, worst_of
 
 tensor_parallel, pipeline, interleaved = load("01_tensor_parallel"), load("02_pipeline_1f1b"), load("03_interleaved")
-
-
-def batch(cfg, m, rows=2, T=16, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    idx, targets = torch.randint(cfg.vocab_size, (2, m * rows, T), generator=gen)
-    return idx, unequal_counts(targets, m)
-
-
-def worst(got, want):
-    """The largest relative difference of (loss or None, {name: grad}) from want's."""
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    diffs = [max_rel_diff(g, ref_grads[n]) for n, g in grads.items()]
-    return max(diffs + ([max_rel_diff(loss, ref_loss)] if loss is not None else []))
 
 
 def _rank_major(n_layer, pp, v, rank):  # rank r holds v consecutive virtual stages: not interleaving
@@ -55,7 +40,7 @@ def _lesson_and_machine(env, v, m, plant=None):
         interleaved.chunk_layers = _rank_major
     pp = env.world_size
     cfg = tensor_parallel.GPTConfig(**{**PIPELINE_CFG.__dict__, "n_layer": pp * v})
-    idx, targets = batch(cfg, m)
+    idx, targets = unequal_batch(cfg, m)
     full = tensor_parallel.init_state_dict(cfg, 0, dtype=torch.float64, random_all=True)
     serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64)
     serial.load_full_state_dict(full)
@@ -68,12 +53,12 @@ def _lesson_and_machine(env, v, m, plant=None):
         chunk.load_full_state_dict(full)
     lesson = interleaved.interleaved_step(chunks, micro), {n: p.grad for c in chunks for n, p in c.named_parameters()}
     if plant:  # the machine is not planted: only the lesson against serial
-        return worst(lesson, ref), None
+        return worst_of(lesson, ref), None
     embed_group = dist.new_group([0, pp - 1]) if pp > 1 else None
     schedule = interleaved.InterleavedSchedule([interleaved.interleaved(pp, m, s, v) for s in range(pp)])
     chunks, result = pipeline.pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, micro)
     machine = result.loss, {n: p.grad for c in chunks for n, p in c.named_parameters()}
-    return worst(lesson, ref), worst(machine, lesson)
+    return worst_of(lesson, ref), worst_of(machine, lesson)
 
 
 CASES = [(2, 2, 2), (2, 2, 4), (2, 3, 4), (2, 4, 2), (4, 2, 4), (4, 2, 8), (4, 3, 4), (1, 2, 2), (1, 3, 3),
@@ -101,7 +86,7 @@ def _refusal(env, v, m):
     posted, post = [], dist.batch_isend_irecv
     dist.batch_isend_irecv = lambda ops: posted.append(ops) or post(ops)  # this fork only
     cfg = tensor_parallel.GPTConfig(**{**PIPELINE_CFG.__dict__, "n_layer": env.world_size * v})
-    idx, targets = batch(cfg, m)
+    idx, targets = unequal_batch(cfg, m)
     chunks = interleaved.chunk_models(cfg, v, init=False, dtype=torch.float64)
     try:
         interleaved.interleaved_step(chunks, list(zip(idx.chunk(m), targets.chunk(m))))
