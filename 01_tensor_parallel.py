@@ -284,7 +284,7 @@ class ParallelAttention(nn.Module):
         # nh is this rank's head count, read off the shape: C/tp = (nh/tp) * hs.
         q, k, v = rearrange(qkv, "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
         p = self.p if self.training else 0.0
-        with self.rng.fork() if p else contextlib.nullcontext():  # each rank holds other heads,
+        with self.rng.fork() if p and self.rng else contextlib.nullcontext():  # each rank holds other heads,
             y = self.core(q, k, v, p)  # so other masks
         return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
 
@@ -310,7 +310,7 @@ class Block(nn.Module):
 
     def dropout(self, y):
         p = self.p if self.training else 0.0
-        with self.rng.fork() if p and self.sp else contextlib.nullcontext():  # sp: a split stream,
+        with self.rng.fork() if p and self.sp and self.rng else contextlib.nullcontext():  # sp: split,
             return F.dropout(y, p, p > 0)  # so each rank's slice of T draws its own mask
 
 
@@ -318,41 +318,41 @@ class Block(nn.Module):
 # GPT-2. With group=None (tp=1) this is the plain serial GPT-2: the same class, not a twin.
 
 
-class GPT(FullWeights, nn.Module):
-    """GPT-2 over a tp group. A pipeline chunk (02) is the same class cut to some `layers`, with
-    pre_process (the embeddings) on the first chunk and post_process (ln_f, head, loss) on the last.
+def padded_vocab_size(n_vocab, tp, divisible_by=1):
+    """V rounded up to a multiple of divisible_by * tp, so the rows split evenly (Section 3 pads
+    GPT-2's 50,257 to 51,200; Megatron's --make-vocab-size-divisible-by)."""
+    return -(-n_vocab // (divisible_by * tp)) * divisible_by * tp
+
+
+class ParallelGPT(FullWeights, nn.Module):
+    """GPT-2 over a tp group. A pipeline stage (02) is the same class cut to some `layers`, with
+    pre_process (the embeddings) on the first stage and post_process (ln_f, head, loss) on the last.
     FullWeights (plumbing/shards.py): load_full_state_dict, full_state_dict, full_grads, full_logits."""
 
-    def __init__(self, cfg, group=None, *, sequence_parallel=False, seed=0, init=True, dtype=torch.float32,
-                 device="cpu", vocab_divisible_by=1, layers=None, pre_process=True, post_process=True,
-                 rng=None, check_inputs=True):
+    def __init__(self, cfg, group=None, *, sequence_parallel=False, dtype=torch.float32, device="cpu",
+                 vocab_divisible_by=1, layers=None, pre_process=True, post_process=True, rng=None):
         super().__init__()
-        tp = check_heads(cfg, tp_size(group), device)
-        self.cfg, self.group, self.sp = cfg, group, sequence_parallel and tp > 1
-        self.pre_process, self.post_process, self.check_inputs = pre_process, post_process, check_inputs
+        tp = tp_size(group)
+        self.cfg, self.group, self.sp, self.rng = cfg, group, sequence_parallel and tp > 1, rng
+        self.pre_process, self.post_process, self.loss_sums = pre_process, post_process, sum_each
         factory = dict(dtype=dtype, device=device)
-        # One tracked stream per process (Megatron's tracker): a rank's pipeline chunks share it.
-        self.rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
-        self.loss_sums = sum_each  # how the cross-entropy's sums travel (merged_sums, at the end)
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
         tr = self.transformer = nn.ModuleDict()
-        if pre_process or post_process:  # the head is tied to wte: the last chunk holds a copy
+        if pre_process or post_process:  # the head is tied to wte: the last stage holds a copy
             tr["wte"] = VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory)
         if pre_process:
             tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
-        # Keyed by global layer index, so a chunk's parameter names are the serial model's names.
-        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.rng, self.sp, **factory)
+        # Keyed by global layer index, so a stage's parameter names are the serial model's names.
+        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, rng, self.sp, **factory)
                                  for i in (range(cfg.n_layer) if layers is None else layers)})
         if post_process:
             tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)
             # The output layer is tied to wte: column-parallel over the same rows, with wte's weight.
             self.lm_head = ColumnParallelLinear(cfg.n_embd, V_pad, group, self.sp, bias=False, dtype=dtype, device="meta")
             self.lm_head.weight = tr["wte"].weight
-        if init and device != "meta":
-            self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
 
     def forward(self, x, targets=None, ignore_index=-100):
-        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss; a chunk
+        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss; a stage
         without pre_process takes, one without post_process returns, (B, T, C) ((B, T/tp, C) with sp)."""
         if self.pre_process:
             x = self.embed(x)
@@ -361,8 +361,6 @@ class GPT(FullWeights, nn.Module):
         return self.head(x, targets, ignore_index) if self.post_process else x
 
     def embed(self, idx):
-        if self.check_inputs:  # False: the caller checked the batch once, on the host
-            check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)
         return self.embed_positions(self.transformer.wte(idx))
 
     def embed_positions(self, x):
@@ -371,7 +369,7 @@ class GPT(FullWeights, nn.Module):
         if self.sp:
             x = scatter_to_sp(x, self.group)  # (B, T/tp, C)
         p = self.cfg.dropout if self.training else 0.0
-        with self.rng.fork() if p and self.sp else contextlib.nullcontext():  # split: its own masks
+        with self.rng.fork() if p and self.sp and self.rng else contextlib.nullcontext():  # split: own masks
             return F.dropout(x, p, p > 0)
 
     def head(self, x, targets, ignore_index=-100):
@@ -393,7 +391,7 @@ def demo(env, cfg, args):
     full = init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
-    serial, model = (GPT(cfg, g, sequence_parallel=args.sequence_parallel, init=False, dtype=dt, device=env.device)
+    serial, model = (ParallelGPT(cfg, g, sequence_parallel=args.sequence_parallel, dtype=dt, device=env.device)
                      for g in (None, group))  # the serial model, and this rank's part of the tp one
     for m in (serial, model):
         m.load_full_state_dict(full)
@@ -525,11 +523,6 @@ def check_targets(logits, target, group, n_vocab, ignore_index):
                             f"a target is outside [0, n_vocab={n_vocab}) and is not ignore_index={ignore_index}")
 
 
-def padded_vocab_size(n_vocab, tp, divisible_by=1):
-    """Megatron's make-vocab-size-divisible-by: round V up to a multiple of divisible_by * tp."""
-    return -(-n_vocab // (divisible_by * tp)) * divisible_by * tp
-
-
 # ----------------------------------------------------------------------------------------------
 # After the concept: dropout's random numbers. Replicated activations draw identical masks on every tp
 # rank (the default generator, seeded alike), split ones different masks (a tracked generator seeded by
@@ -560,6 +553,32 @@ class TPRandom:
         finally:
             self.state = default.get_state()
             default.set_state(saved)
+
+
+# ----------------------------------------------------------------------------------------------
+# After the concept: GPT, the lesson's ParallelGPT as engineers, tests and the trainers build it. It
+# computes the same function; what it adds is operations: sizes refused before any rank allocates,
+# batches refused before any collective, weights initialised from a seed, and dropout's tracker.
+
+
+class GPT(ParallelGPT):
+    """ParallelGPT with its sizes checked (check_heads), GPT-2's initialisation from `seed` unless
+    init=False, one TPRandom a process (a rank's pipeline chunks share it: pass rng=), and each batch
+    checked on the host (check_tokens; check_inputs=False where the caller checked it once)."""
+
+    def __init__(self, cfg, group=None, *, seed=0, init=True, dtype=torch.float32, device="cpu", rng=None,
+                 check_inputs=True, **kwargs):
+        tp = check_heads(cfg, tp_size(group), device)
+        rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
+        super().__init__(cfg, group, dtype=dtype, device=device, rng=rng, **kwargs)
+        self.check_inputs = check_inputs
+        if init and device != "meta":
+            self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
+
+    def embed(self, idx):
+        if self.check_inputs:  # False: the caller checked the batch once, on the host
+            check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)
+        return super().embed(idx)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,7 +635,7 @@ def optimize(model, overlap_input_grad=True, merge_loss_reductions=True):
     for m in model.modules():
         if overlap_input_grad and isinstance(m, ColumnParallelLinear) and tp_size(m.group) > 1:
             m.forward = functools.partial(overlapped_forward, m)
-        if merge_loss_reductions and isinstance(m, GPT):
+        if merge_loss_reductions and isinstance(m, ParallelGPT):
             m.loss_sums = merged_sums
     return model
 

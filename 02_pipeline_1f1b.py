@@ -62,7 +62,7 @@ def stage_model(cfg, pp_group=None, **gpt_kwargs):
     """This rank's stage: 01's GPT cut to its layers; the first holds the embeddings, the last ln_f,
     the output layer (tied to wte, of which it holds a copy) and the loss. gpt_kwargs: 01's (group: tp)."""
     s, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    return tensor_parallel.GPT(cfg, layers=split_layers(cfg.n_layer, pp)[s], pre_process=s == 0,
+    return tensor_parallel.ParallelGPT(cfg, layers=split_layers(cfg.n_layer, pp)[s], pre_process=s == 0,
                                post_process=s == pp - 1, **gpt_kwargs)
 
 
@@ -189,7 +189,7 @@ def demo(env, cfg, args):
     say(f"targets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
     ok, lessons, names = True, {}, ["gpipe", "1f1b"] if args.schedule == "both" else [args.schedule]
     for name in names:
-        stage = stage_model(cfg, init=False, dtype=torch.float64, device=env.device)
+        stage = stage_model(cfg, dtype=torch.float64, device=env.device)
         stage.load_full_state_dict(full)  # the serial model's weights
         loss = {"gpipe": gpipe_step, "1f1b": one_f_one_b_step}[name](stage, microbatches)
         lessons[name] = loss, {n: p.grad for n, p in stage.named_parameters()}

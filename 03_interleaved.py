@@ -61,7 +61,7 @@ def chunk_layers(n_layer, pp, v, rank):
 def chunk_models(cfg, v, **gpt_kwargs):
     """This rank's v chunks, 01's GPT cut to their layers: stage 0 with the embeddings, S - 1 with the loss."""
     r, pp = dist.get_rank(), dist.get_world_size()
-    return [tensor_parallel.GPT(cfg, layers=layers, pre_process=c * pp + r == 0, post_process=c * pp + r == pp * v - 1,
+    return [tensor_parallel.ParallelGPT(cfg, layers=layers, pre_process=c * pp + r == 0, post_process=c * pp + r == pp * v - 1,
                                 **gpt_kwargs) for c, layers in enumerate(chunk_layers(cfg.n_layer, pp, v, r))]
 
 
@@ -127,7 +127,7 @@ def interleaved_step(chunks, microbatches):
 def demo(env, cfg, args):
     pp, m, v, say = args.pp, args.microbatches, args.virtual_stages, printer(env)
     pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
-    chunks = chunk_models(cfg, v, init=False, dtype=torch.float64, device=env.device)  # refuses n_layer % (pp v)
+    chunks = chunk_models(cfg, v, dtype=torch.float64, device=env.device)  # refuses n_layer % (pp v)
     microbatches, full, ref_loss, ref_grads = pipeline_reference(cfg, args, m, env.device, unequal=True)
     say(f"{cfg}\npp={pp} v={v} m={m} global batch B={args.batch_size} T={args.seq_len} float64, world={env.world_size} "
         f"({dist.get_backend()})\ntargets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")

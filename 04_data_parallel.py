@@ -167,7 +167,7 @@ def train_lesson(env, cfg, args, mode, group, full, batches):
     """One AdamW step per batch of this replica, from the full weights: "naive", "bucketed" (DDP) or "zero1"
     (DDP and ZeRO1). Returns the losses and the parameters after the steps."""
     dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
-    model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
+    model = tensor_parallel.ParallelGPT(cfg, None, dtype=torch.float64, device=env.device)
     model.load_state_dict({**full, "lm_head.weight": full["transformer.wte.weight"]})  # tp 1: the serial names
     ddp = None if mode == "naive" else DDP(model.parameters(), group, args.bucket_numel)
     adamw = dict(lr=args.lr, weight_decay=0.1)

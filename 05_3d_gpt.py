@@ -168,8 +168,8 @@ def demo(env, tc, say):
     idx, targets = idx.to(dev), targets.to(dev)
     counts = [[int((t != -100).sum()) for t in r.chunk(m)] for r in targets.chunk(dp)]
     full = tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dt, random_all=True)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=dt, device=dev)
-    stage = pipeline.stage_model(cfg, groups.pp, group=groups.tp, init=False, dtype=dt, device=dev)
+    serial = tensor_parallel.ParallelGPT(cfg, None, dtype=dt, device=dev)
+    stage = pipeline.stage_model(cfg, groups.pp, group=groups.tp, dtype=dt, device=dev)
     for model in (serial, stage):
         model.load_full_state_dict(full)
     ref_loss = serial(idx, targets)[1]  # serial: the whole global batch at once

@@ -207,7 +207,7 @@ def _lesson_step(env, layout):
     groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tp, dp, pp), BASE.timeout_s)
     full = tensor_parallel.init_state_dict(cfg, 3, dtype=F64, random_all=True)
     serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
-    stage = gpt3d.pipeline.stage_model(cfg, groups.pp, group=groups.tp, init=False, dtype=F64)
+    stage = gpt3d.pipeline.stage_model(cfg, groups.pp, group=groups.tp, dtype=F64)
     for model in (serial, stage):
         model.load_full_state_dict(full)
     idx, targets = torch.randint(cfg.vocab_size, (2, dp * m * 2, 8), generator=torch.Generator().manual_seed(4))

@@ -43,7 +43,7 @@ def _lesson_and_machine(env, m, plant=None):
     embed_group = dist.new_group([0, pp - 1]) if pp > 1 else None
     out = {}
     for name, step in LESSONS.items():
-        stage = pipeline.stage_model(CFG, init=False, dtype=torch.float64)
+        stage = pipeline.stage_model(CFG, dtype=torch.float64)
         stage.load_full_state_dict(full)
         lesson = getattr(pipeline, step)(stage, micro), {n: p.grad for n, p in stage.named_parameters()}
         schedule = pipeline.Schedule([pipeline.SCHEDULES[name](pp, m, s) for s in range(pp)])

@@ -48,7 +48,7 @@ def _lesson_and_machine(env, v, m, plant=None):
     loss.backward()
     ref = loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
     micro = list(zip(idx.chunk(m), targets.chunk(m)))
-    chunks = interleaved.chunk_models(cfg, v, init=False, dtype=torch.float64)
+    chunks = interleaved.chunk_models(cfg, v, dtype=torch.float64)
     for chunk in chunks:
         chunk.load_full_state_dict(full)
     lesson = interleaved.interleaved_step(chunks, micro), {n: p.grad for c in chunks for n, p in c.named_parameters()}
@@ -87,7 +87,7 @@ def _refusal(env, v, m):
     dist.batch_isend_irecv = lambda ops: posted.append(ops) or post(ops)  # this fork only
     cfg = tensor_parallel.GPTConfig(**{**PIPELINE_CFG.__dict__, "n_layer": env.world_size * v})
     idx, targets = unequal_batch(cfg, m)
-    chunks = interleaved.chunk_models(cfg, v, init=False, dtype=torch.float64)
+    chunks = interleaved.chunk_models(cfg, v, dtype=torch.float64)
     try:
         interleaved.interleaved_step(chunks, list(zip(idx.chunk(m), targets.chunk(m))))
     except ValueError as e:

@@ -45,7 +45,7 @@ def _lesson_steps(env, layout, steps, plant=None):
     groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tp, dp, pp), 20)
     full = tensor_parallel.init_state_dict(cfg, 3, dtype=dt, random_all=True)
     serial = tensor_parallel.GPT(cfg, None, init=False, dtype=dt)
-    stage = pipeline.stage_model(cfg, groups.pp, group=groups.tp, init=False, dtype=dt)
+    stage = pipeline.stage_model(cfg, groups.pp, group=groups.tp, dtype=dt)
     for model in (serial, stage):
         model.load_full_state_dict(full)
     ref_opt, opt = gpt3d.adamw(serial.parameters()), gpt3d.adamw(stage.parameters())
