@@ -77,13 +77,11 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_tp(x, group):
-    """f: identity forward, all-reduce backward (before a column-parallel layer)."""
+def copy_to_tp(x, group):  # f, before a column-parallel layer; the identity at tp = 1
     return x if tp_size(group) == 1 else CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x, group):
-    """g: all-reduce forward, identity backward (after a row-parallel layer)."""
+def reduce_from_tp(x, group):  # g, after a row-parallel layer
     return x if tp_size(group) == 1 else ReduceFromTP.apply(x, group)
 
 
@@ -97,25 +95,20 @@ def tp_rank(group):
 
 def all_reduce(x, group, op=dist.ReduceOp.SUM):
     """The sum (or max) of x over the group's ranks, in a new tensor: an input is never written."""
-    if tp_size(group) == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, op=op, group=group)
+    if tp_size(group) > 1:
+        dist.all_reduce(x := x.clone(), op=op, group=group)
     return x
 
 
-def enter_tp(x, group, sp):
-    """Into a column-parallel layer: f, or with sequence parallelism its g (the all-gather of T)."""
+def enter_tp(x, group, sp):  # into a column-parallel layer: f, or with sequence parallelism its g (all-gather T)
     return gather_from_sp(x, group) if sp else copy_to_tp(x, group)
 
 
-def exit_tp(y, group, sp):
-    """Out of a row-parallel layer: g, or with sequence parallelism its g-bar (the reduce-scatter of T)."""
+def exit_tp(y, group, sp):  # out of a row-parallel layer: g, or with sequence parallelism its g-bar
     return reduce_scatter_to_sp(y, group) if sp else reduce_from_tp(y, group)
 
 
-def sp_param(p, group, sp):
-    """f on a replicated parameter used on T/tp of the tokens, so its gradient sums all of them."""
+def sp_param(p, group, sp):  # with sp, f on a replicated parameter used on T/tp tokens: its gradient sums them
     return copy_to_tp(p, group) if sp else p
 
 
@@ -170,8 +163,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):  # (B, T, n_in/tp)
         y = exit_tp(F.linear(x, self.weight), self.group, self.sp)  # (B, T, n_out), or T/tp with sp
-        # The bias joins after the reduce: added before it, it would be summed tp times.
-        return y + sp_param(self.bias, self.group, self.sp)
+        return y + sp_param(self.bias, self.group, self.sp)  # after g: before it, tp biases would add up
 
 
 class LayerNorm(nn.Module):
@@ -180,8 +172,7 @@ class LayerNorm(nn.Module):
     def __init__(self, n, group, sp=False, **factory):
         super().__init__()
         self.group, self.sp = group, sp
-        self.weight = nn.Parameter(torch.empty(n, **factory))
-        self.bias = nn.Parameter(torch.empty(n, **factory))
+        self.weight, self.bias = nn.Parameter(torch.empty(n, **factory)), nn.Parameter(torch.empty(n, **factory))
 
     def forward(self, x):
         w, b = (sp_param(p, self.group, self.sp) for p in (self.weight, self.bias))
@@ -207,17 +198,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Shoeybi et al. 2019, Section 3: the mean cross-entropy of vocab-split logits, never gathered,
-    so each all-reduce carries B T numbers, not B T V: the rows' maximum (MAX), then the sums over
-    the ranks (sums: one all-reduce each) of the target's logit and of the exponentials, both of
-    logits less that maximum, so that exp() cannot overflow on any rank."""
+    """Shoeybi et al. 2019, Section 3: the mean cross-entropy of vocab-split logits, never gathered:
+    each all-reduce carries B T numbers, not B T V. The rows' maximum (MAX), then the sums over the
+    ranks (`sums`) of the target's logit and of the exponentials, both of logits less that maximum."""
 
     @staticmethod
     def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
-        Vl = logits.shape[1]  # logits (N, V/tp): N = B T rows
-        start = tp_rank(group) * Vl
-        padded = torch.arange(start, start + Vl, device=logits.device) >= n_vocab
-        logits = logits.masked_fill(padded, -math.inf)  # padded columns are never a possible token
+        Vl, start = logits.shape[1], tp_rank(group) * logits.shape[1]  # logits (N, V/tp): N = B T rows
+        logits = logits.masked_fill(torch.arange(start, start + Vl, device=logits.device) >= n_vocab, -math.inf)  # pads
         top = all_reduce(logits.max(dim=1).values, group, dist.ReduceOp.MAX)
         shifted = logits - top[:, None]  # the global max, so exp() cannot overflow on any rank
         local, valid = target - start, target != ignore_index
@@ -234,8 +222,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local, mine, valid, n_valid = ctx.saved_tensors
-        grad_logits = softmax * (valid.to(softmax.dtype) * grad / n_valid)[:, None]  # a new tensor:
-        rows = torch.arange(len(local), device=local.device)  # the graph can run backward again
+        grad_logits = softmax * (valid.to(softmax.dtype) * grad / n_valid)[:, None]  # new: backward can rerun
+        rows = torch.arange(len(local), device=local.device)
         grad_logits[rows, local] -= mine.to(softmax.dtype) * (grad / n_valid) * valid  # - onehot
         return grad_logits, None, None, None, None, None
 
@@ -246,12 +234,9 @@ def sum_each(group, *xs):
 
 
 def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, sums=sum_each):
-    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's vocab slice (..., V/tp)."""
-    check_targets(logits, target, group, n_vocab, ignore_index)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index,
-                                            sums)
+    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's slice (..., V/tp); GPT checks target."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index, sums)
 
 
 class ParallelMLP(nn.Module):
@@ -272,24 +257,21 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg, group, rng, sp=False, **factory):
         super().__init__()
         C = cfg.n_embd
-        # GPT-2's c_attn stacks Q, K and V (3C outputs); rank i holds its heads of each, [Q_i; K_i; V_i]
+        # GPT-2's c_attn stacks Q, K and V (3C outputs): rank i holds its heads of each, [Q_i; K_i; V_i]
         # (fused=3), its shard of the full (3C, C) weight being rearrange(w, "(three tp c) C -> tp (three
-        # c) C", three=3, tp=tp)[i] (plumbing/shards.split_full): its output's thirds are its q, k, v.
+        # c) C", three=3, tp=tp)[i] (plumbing/shards.split_full): its output's thirds, (B, T, C/tp) each.
         self.c_attn = ColumnParallelLinear(C, 3 * C, group, sp, fused=3, **factory)
         self.c_proj = RowParallelLinear(C, C, group, sp, **factory)
         self.hs, self.p, self.rng = C // cfg.n_head, cfg.dropout, rng
 
     def forward(self, x):
-        qkv = self.c_attn(x)  # (B, T, 3 C/tp)
-        # nh is this rank's head count, read off the shape: C/tp = (nh/tp) * hs.
-        q, k, v = rearrange(qkv, "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
+        q, k, v = rearrange(self.c_attn(x), "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
         p = self.p if self.training else 0.0
-        with self.rng.fork() if p and self.rng else contextlib.nullcontext():  # each rank holds other heads,
-            y = self.core(q, k, v, p)  # so other masks
+        with self.rng.fork() if p and self.rng else contextlib.nullcontext():  # other heads: other masks
+            y = self.core(q, k, v, p)
         return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
 
-    def core(self, q, k, v, p):  # (B, nh/tp, T, hs) each; 05 recomputes it, kernels/ fuses it
-        """softmax(q k^T / sqrt(hs)) v, causal, with dropout p on the probabilities."""
+    def core(self, q, k, v, p):  # softmax(q k^T / sqrt(hs)) v, causal; 05 recomputes it, kernels/ fuses it
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
@@ -308,26 +290,23 @@ class Block(nn.Module):
         x = x + self.dropout(self.attn(self.ln_1(x)))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
-    def dropout(self, y):
-        p = self.p if self.training else 0.0
-        with self.rng.fork() if p and self.sp and self.rng else contextlib.nullcontext():  # sp: split,
-            return F.dropout(y, p, p > 0)  # so each rank's slice of T draws its own mask
+    def dropout(self, y):  # with sp, each rank's slice of T draws its own mask
+        with self.rng.fork() if self.training and self.p and self.sp and self.rng else contextlib.nullcontext():
+            return F.dropout(y, self.p, self.training and self.p > 0)
 
 
 # ----------------------------------------------------------------------------------------------
 # GPT-2. With group=None (tp=1) this is the plain serial GPT-2: the same class, not a twin.
 
 
-def padded_vocab_size(n_vocab, tp, divisible_by=1):
-    """V rounded up to a multiple of divisible_by * tp, so the rows split evenly (Section 3 pads
-    GPT-2's 50,257 to 51,200; Megatron's --make-vocab-size-divisible-by)."""
+def padded_vocab_size(n_vocab, tp, divisible_by=1):  # V up to a multiple of divisible_by tp (Section 3: 51,200)
     return -(-n_vocab // (divisible_by * tp)) * divisible_by * tp
 
 
 class ParallelGPT(FullWeights, nn.Module):
     """GPT-2 over a tp group. A pipeline stage (02) is the same class cut to some `layers`, with
-    pre_process (the embeddings) on the first stage and post_process (ln_f, head, loss) on the last.
-    FullWeights (plumbing/shards.py): load_full_state_dict, full_state_dict, full_grads, full_logits."""
+    pre_process (the embeddings) on the first stage and post_process (ln_f, head, loss) on the last:
+    a stage without pre_process takes, one without post_process returns, (B, T, C) (T/tp with sp)."""
 
     def __init__(self, cfg, group=None, *, sequence_parallel=False, dtype=torch.float32, device="cpu",
                  vocab_divisible_by=1, layers=None, pre_process=True, post_process=True, rng=None):
@@ -337,23 +316,19 @@ class ParallelGPT(FullWeights, nn.Module):
         self.pre_process, self.post_process, self.loss_sums = pre_process, post_process, sum_each
         factory = dict(dtype=dtype, device=device)
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
-        tr = self.transformer = nn.ModuleDict()
+        tr = self.transformer = nn.ModuleDict()  # keyed as GPT-2's, layers by their global index
         if pre_process or post_process:  # the head is tied to wte: the last stage holds a copy
             tr["wte"] = VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory)
         if pre_process:
             tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
-        # Keyed by global layer index, so a stage's parameter names are the serial model's names.
         tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, rng, self.sp, **factory)
                                  for i in (range(cfg.n_layer) if layers is None else layers)})
         if post_process:
-            tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)
-            # The output layer is tied to wte: column-parallel over the same rows, with wte's weight.
+            tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)  # then the output layer, tied to wte:
             self.lm_head = ColumnParallelLinear(cfg.n_embd, V_pad, group, self.sp, bias=False, dtype=dtype, device="meta")
             self.lm_head.weight = tr["wte"].weight
 
-    def forward(self, x, targets=None, ignore_index=-100):
-        """idx (B, T) -> this rank's vocab slice of the logits (B, T, V_pad/tp) and the mean loss; a stage
-        without pre_process takes, one without post_process returns, (B, T, C) ((B, T/tp, C) with sp)."""
+    def forward(self, x, targets=None, ignore_index=-100):  # idx (B, T) -> logits (B, T, V_pad/tp), loss
         if self.pre_process:
             x = self.embed(x)
         for block in self.transformer.h.values():
@@ -363,9 +338,8 @@ class ParallelGPT(FullWeights, nn.Module):
     def embed(self, idx):
         return self.embed_positions(self.transformer.wte(idx))
 
-    def embed_positions(self, x):
-        """Token embeddings (B, T, C) plus the position table, then (sp) the split of T and the dropout."""
-        x = x + self.transformer.wpe(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
+    def embed_positions(self, x):  # the token embeddings (B, T, C) plus the positions, T split (sp), dropout
+        x = x + self.transformer.wpe(torch.arange(x.shape[1], device=x.device))
         if self.sp:
             x = scatter_to_sp(x, self.group)  # (B, T/tp, C)
         p = self.cfg.dropout if self.training else 0.0
@@ -385,26 +359,16 @@ class ParallelGPT(FullWeights, nn.Module):
 
 
 def demo(env, cfg, args):
-    group, say, dt = new_tp_group(env, args.tp), printer(env), torch.float64
-    say(f"{cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} B={args.batch_size} "
-        f"T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
-    full = init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
-    serial, model = (ParallelGPT(cfg, g, sequence_parallel=args.sequence_parallel, dtype=dt, device=env.device)
-                     for g in (None, group))  # the serial model, and this rank's part of the tp one
-    for m in (serial, model):
-        m.load_full_state_dict(full)
+    group, say = new_tp_group(env, args.tp), printer(env)
+    full, (idx, targets) = demos.tp_inputs(say, env, cfg, args, init_state_dict)  # float64 weights, a batch
+    serial, model = (ParallelGPT(cfg, g, sequence_parallel=args.sequence_parallel, dtype=torch.float64, device=env.device)
+                     .load_full_state_dict(full) for g in (None, group))  # serial, and this rank's part of tp
     ref_logits, ref_loss = serial(idx, targets)
     ref_loss.backward()
     with trace_comm(model) as log:  # every collective of one forward + backward, named by its layer
         logits, loss = model(idx, targets)
         loss.backward()
-    diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),
-             "logits": max_rel_diff(model.full_logits(logits.detach()), ref_logits.detach())}
-    diffs.update({"grad " + n: max_rel_diff(g, serial.get_parameter(n).grad) for n, g in model.full_grads().items()})
-    demos.report_tp(say, diffs, (ref_loss.item(), loss.item()), serial, model, (idx, targets), log, full, env.device)
-    worst = max(diffs.values())
+    worst = demos.report_tp(say, serial, model, (ref_logits, ref_loss), (logits, loss), (idx, targets), log, full)
     say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} (tolerance 1e-10)")
     return worst <= 1e-10
 
@@ -514,8 +478,9 @@ def check_heads(cfg, tp, device="cpu"):
 
 
 def check_targets(logits, target, group, n_vocab, ignore_index):
-    """What F.cross_entropy refuses, without reading back: more vocabulary than logits, a target outside
-    [0, n_vocab) that is not ignore_index (not checked inside a CUDA graph's capture)."""
+    """What F.cross_entropy refuses, without reading back: more vocabulary than the logits' (..., V/tp)
+    columns, a target outside [0, n_vocab) that is not ignore_index (not checked inside a CUDA graph's
+    capture). GPT.head calls it; call it before 01's vocab_parallel_cross_entropy, which trusts them."""
     if n_vocab > logits.shape[-1] * tp_size(group):
         raise ValueError(f"n_vocab={n_vocab} is more than the logits' {logits.shape[-1]} columns x tp={tp_size(group)}")
     if not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -579,6 +544,11 @@ class GPT(ParallelGPT):
         if self.check_inputs:  # False: the caller checked the batch once, on the host
             check_tokens(idx, self.cfg, tp_size(self.group) if self.sp else 1)
         return super().embed(idx)
+
+    def head(self, x, targets, ignore_index=-100):
+        if targets is not None:  # before the cross-entropy's collectives
+            check_targets(self.lm_head.weight.T, targets, self.group, self.cfg.vocab_size, ignore_index)
+        return super().head(x, targets, ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------

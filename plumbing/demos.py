@@ -1,7 +1,8 @@
 """The numbered files' demos, the part that is not the concept: timing, fingerprints, and printing
-what the figures are and what they mean. Running each step and comparing it with the serial model
-stay in each file.
+what the figures are and what they mean. Running each step stays in each file, and so does the
+comparison with the serial model, but for 01's list of differences (report_tp).
 
+    tp_inputs(say, ...)            01: its weights and batch, and what they are
     report_tp(say, ...)            01: the differences, every collective, what layer 0's count means
     report_dp(say, ...)            04: each mode's losses, checksums, bucket timeline; the state per rank
     median_seconds(fn)             01: the median time of a few calls, a demo's rough figure
@@ -41,10 +42,26 @@ PAPER_NAMES = {"CopyToTP": "f", "ReduceFromTP": "g", "GatherFromSP": "g", "Reduc
                "_VocabParallelCrossEntropy": "loss", "OverlappedColumnLinear": "f (overlapped)"}
 
 
-def report_tp(say, diffs, losses, serial, model, batch, log, full, device):
-    """01's demo output: the two losses, every difference, every collective, and what they mean;
-    then each model's forward and backward on batch (idx, targets) timed, the median of a few, warm."""
-    (ref_loss, loss), sp, cpu = losses, model.sp, device.type == "cpu"
+def tp_inputs(say, env, cfg, args, init_state_dict):
+    """01's demo setup, printed: the full float64 weights (init_state_dict(random_all=True): every tensor
+    random, biases and LayerNorms too) and one batch (idx, targets) of B x T ids, both from --seed."""
+    say(f"{cfg}\ntp={args.tp} sequence_parallel={args.sequence_parallel} B={args.batch_size} "
+        f"T={args.seq_len} float64, world={env.world_size} ({dist.get_backend()})")
+    full = init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    return full, torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(env.device)
+
+
+def report_tp(say, serial, model, reference, outputs, batch, log, full):
+    """01's demo output: the two losses, the max relative difference of the loss, the logits and every
+    gradient (serial's against the tp model's, gathered), every collective, and what they mean; then
+    each model's forward and backward on batch (idx, targets) timed, the median of a few, warm.
+    Returns the worst difference."""
+    (ref_logits, ref_loss), (logits, loss) = reference, outputs
+    diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),
+             "logits": max_rel_diff(model.full_logits(logits.detach()), ref_logits.detach()),
+             **{"grad " + n: max_rel_diff(g, serial.get_parameter(n).grad) for n, g in model.full_grads().items()}}
+    ref_loss, loss, sp, cpu = ref_loss.item(), loss.item(), model.sp, batch[0].device.type == "cpu"
     n_local, n_full = sum(p.numel() for p in model.parameters()), sum(t.numel() for t in full.values())
     times = {name: median_seconds(lambda: m(*batch)[1].backward()) for name, m in (("serial", serial), ("tp", model))}
     say(f"\nloss: serial {ref_loss:.12f}  tp {loss:.12f}")
@@ -68,6 +85,7 @@ def report_tp(say, diffs, losses, serial, model, batch, log, full, device):
     if cpu and times["tp"] > times["serial"]:
         say("  tp is slower here: its ranks share this machine's cores and every collective copies\n"
             "  through loopback; on GPUs each rank has a device and NVLink (BENCHMARKS.md compares)")
+    return max(diffs.values())
 
 
 @dataclass

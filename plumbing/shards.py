@@ -131,8 +131,10 @@ class FullWeights:
 
     def load_full_state_dict(self, full):
         """Load this module's part (its layers, its shards) of a full serial state dict: the whole
-        model's keys, of which a pipeline chunk takes its own; a key no part of the model has is refused."""
+        model's keys, of which a pipeline chunk takes its own; a key no part of the model has is refused.
+        Returns the module."""
         load_full_state_dict(self, full, self.group, whole=lambda: type(self)(self.cfg, device="meta"))
+        return self
 
     def full_state_dict(self):  # every parameter, gathered to its serial shape
         return gather_full(self, self.group)

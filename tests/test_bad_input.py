@@ -1294,11 +1294,14 @@ def test_a_target_outside_the_vocabulary_is_refused_as_f_cross_entropy_refuses_i
     assert torch.isfinite(model(idx, torch.tensor([[1, 2, -100, 1000]]))[1])  # ignored, and the last id: scored
 
 
-def test_the_vocab_parallel_cross_entropy_refuses_a_vocabulary_wider_than_its_logits():
+def test_the_cross_entropys_check_refuses_a_vocabulary_wider_than_its_logits():
+    # 01's lesson vocab_parallel_cross_entropy trusts its inputs; GPT.head calls check_targets before it (above).
     logits, target = torch.zeros(4, 100), torch.tensor([1, 2, 3, 99])
-    tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, 100)  # as wide: fine
+    tensor_parallel.check_targets(logits, target, None, 100, -100)  # as wide: fine
     with pytest.raises(ValueError, match=r"n_vocab=200 is more than the logits' 100 columns x tp=1"):
-        tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, 200)
+        tensor_parallel.check_targets(logits, target, None, 200, -100)
+    with pytest.raises(RuntimeError, match=r"a target is outside \[0, n_vocab=99\)"):
+        tensor_parallel.check_targets(logits, target, None, 99, -100)
 
 
 def test_max_rel_diff_refuses_tensors_of_two_shapes_instead_of_broadcasting():
