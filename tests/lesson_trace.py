@@ -28,6 +28,11 @@ included; a class covers every function defined inside it, a function the functi
 it, as their code objects' first lines fall inside its span. Each chapter's `demo` is exempt as a caller
 (its own code object and its comprehensions: what it launches and prints with), not the functions nested
 in it. The profiler's work is a dictionary look-up per Python call; a call off the set walks the stack.
+
+Also recorded, as "ran": the names of the chapter's own read-first list whose code the lesson ran (called from
+a demo through read-first code only; each name's first such call walks the stack, the rest cost a look-up).
+tests/test_lesson_trace.py requires every name that holds code to have run: the demo cannot leave the lesson
+idle and do its work with the machine, and a list cannot name code the lesson does not run.
 """
 import ast
 import json
@@ -85,19 +90,38 @@ def name_spans(path):
 
 
 def allowed_set(ch, root=ROOT):
-    """({file: [(first, last) lines]} of the read-first names of chapters 01..ch, {file: demo's first line}), from
-    root's docs/GUIDE.md and numbered files."""
+    """({file: [(first, last) lines]} of the read-first names of chapters 01..ch, {file: demo's first line},
+    [(first, last, name)] of chapter ch's own read-first names), from root's docs/GUIDE.md and numbered files."""
     lists, files = read_first_lists((Path(root) / "docs" / "GUIDE.md").read_text()), chapter_files(root)
-    allowed, demos = {}, {}
+    allowed, demos, own = {}, {}, []
     for c in sorted(files):
         if c > ch:
             break
         where = name_spans(files[c])
-        spans = [where[n] for n in dict.fromkeys(lists.get(c, [])) if n in where]
-        allowed[str(files[c])] = spans
+        names = [n for n in dict.fromkeys(lists.get(c, [])) if n in where]
+        allowed[str(files[c])] = [where[n] for n in names]
         if "demo" in lists.get(c, []) and "demo" in where:
             demos[str(files[c])] = where["demo"][0]
-    return allowed, demos
+        if c == ch:
+            own = [(*where[n], n) for n in names]
+    return allowed, demos, own
+
+
+def runnable_names(ch, root=ROOT):
+    """Chapter ch's read-first names that hold code a demo can run (a function, or a class defining one),
+    `demo` excepted: each must run, in its demo's lesson, for the trace to pass (a list cannot name what
+    the lesson leaves to the machine)."""
+    lists, path = read_first_lists((Path(root) / "docs" / "GUIDE.md").read_text()), chapter_files(root)[ch]
+    tree, out = ast.parse(path.read_text()), []
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    nodes = {n.name: n for n in tree.body if isinstance(n, (*defs, ast.ClassDef))}
+    nodes.update({f"{c.name}.{m.name}": m for c in tree.body if isinstance(c, ast.ClassDef) for m in c.body
+                  if isinstance(m, defs)})
+    for name in dict.fromkeys(lists.get(ch, [])):
+        node = nodes.get(name)
+        if name != "demo" and node is not None and any(isinstance(n, defs) for n in ast.walk(node)):
+            out.append(name)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,7 +129,7 @@ def allowed_set(ch, root=ROOT):
 
 FREE, REPO, ALLOWED, EXEMPT, HANDED = 0, 1, 2, 3, 4  # a code object's kind
 COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}  # 3.12 inlines the first three
-_kinds, _records, _state = {}, {}, {}
+_kinds, _records, _state, _own = {}, {}, {}, {}  # _own: a code object of chapter ch's own list -> its name
 
 
 def _kind(code):
@@ -119,6 +143,8 @@ def _kind(code):
             kind = EXEMPT
         elif any(a <= line <= b for a, b in _state["allowed"].get(name, ())):
             kind = ALLOWED
+            if name == _state["own_file"]:
+                _own[code] = next(n for a, b, n in _state["own"] if a <= line <= b)
         else:  # a closure or lambda of other code: a value handed over (a hook, a wrapper), not a name one calls
             kind = HANDED if "<locals>" in getattr(code, "co_qualname", "") else REPO
     _kinds[code] = kind
@@ -135,6 +161,9 @@ def _profile(frame, event, arg, _kinds=_kinds, _kind=_kind, _records=_records):
     if kind != REPO:
         if kind == EXEMPT:
             _records["demo"] = _records.get("demo", 0) + 1  # the demo ran here (the rank ran the lesson)
+        elif kind == ALLOWED and code in _own and _own[code] not in _records.setdefault("ran", set()):
+            if _in_lesson(frame.f_back):  # once a name is seen run by the lesson, it costs a set look-up
+                _records["ran"].add(_own[code])
         return
     caller = frame.f_back
     while caller is not None:
@@ -160,13 +189,27 @@ def _profile(frame, event, arg, _kinds=_kinds, _kind=_kind, _records=_records):
     _records[pair] = _records.get(pair, 0) + 1
 
 
+def _in_lesson(frame):
+    """Whether every repository frame from frame up to a demo is read-first, and a demo is there."""
+    while frame is not None:
+        k = _kinds.get(frame.f_code)
+        if k is None:
+            k = _kind(frame.f_code)
+        if k == EXEMPT:
+            return True
+        if k == REPO or k == HANDED:
+            return False
+        frame = frame.f_back
+    return False
+
+
 def install(ch, out, root=ROOT):
     """Trace this process, and every rank launch() forks from it, against chapter ch's allowed set; root: the
     repository (another one for the tracer's own test)."""
     root = Path(root).resolve()
-    allowed, demos = allowed_set(ch, root)
+    allowed, demos, own = allowed_set(ch, root)
     _state.update(root=str(root) + os.sep, tests=str(root / "tests") + os.sep, allowed=allowed, demos=demos,
-                  out=Path(out), where=root)
+                  out=Path(out), where=root, own=own, own_file=str(chapter_files(root)[ch]))
     Path(out).mkdir(parents=True, exist_ok=True)
     from plumbing import launch
     rank_main = launch._local_rank_main
@@ -193,15 +236,15 @@ def _where(code):
 
 def write(process, **extra):
     records = sorted([_where(a), _where(b), lesson, n] for (a, b, lesson), n in
-                     (item for item in _records.items() if item[0] != "demo"))
+                     (item for item in _records.items() if item[0] not in ("demo", "ran")))
     path = _state["out"] / f"{process}.json"
     path.write_text(json.dumps({"process": process, "pid": os.getpid(), **extra, "demo_calls": _records.get("demo", 0),
-                                "calls": records}))
+                                "calls": records, "ran": sorted(_records.get("ran", ()))}))
 
 
 def records(out):
     """{process: its record} of every process's file in directory out: "calls" [[caller, callee, in the lesson,
-    count]], "demo_calls", and for a rank "world"."""
+    count]], "demo_calls", "ran" (the chapter's own read-first names the lesson ran), and for a rank "world"."""
     return {(rec := json.loads(f.read_text()))["process"]: rec for f in sorted(Path(out).glob("*.json"))}
 
 

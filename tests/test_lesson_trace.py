@@ -13,6 +13,8 @@ are values, not names a read-first function calls: they are not counted, and nei
 A chapter not yet converted fails; it is on NOT_YET_LESSON_FIRST, its test marked xfail(strict=True) for that
 failure alone (LessonCallsOutside): once it passes, its XPASS fails the run until it is taken off the set. A
 demo that fails or crashes, or a rank without its record, fails every chapter's test, on the set or not.
+Every name on the chapter's read-first list that holds code must also have run in the lesson (the demo calling it
+through read-first code only), so that `demo`, exempt as a caller, cannot do the lesson's work with the machine.
 test_the_tracer_* plant a repository whose lesson breaks the rule in known ways, so that the trace cannot pass
 by seeing nothing.
 """
@@ -97,6 +99,18 @@ def test_a_chapters_lesson_calls_only_read_first_code(ch, tmp_path):
     if bad:
         raise LessonCallsOutside(f"{script}'s lesson calls {len(bad)} functions off the read-first lists "
                                  f"(caller -> callee):\n" + "\n".join(bad))
+    check_the_lesson_ran_its_list(script, ch, records)
+
+
+def check_the_lesson_ran_its_list(script, ch, records, root=None):
+    """Every name on the chapter's read-first list that holds code ran, on some rank, called by the demo through
+    read-first code only: a list cannot name what the lesson leaves to the machine, nor the demo do the lesson's
+    work with machine code while the lesson idles."""
+    ran = set().union(*(rec.get("ran", []) for rec in records.values()))
+    unrun = [n for n in lesson_trace.runnable_names(ch, *([root] if root else [])) if n not in ran]
+    if unrun:
+        raise LessonCallsOutside(f"{script}: docs/GUIDE.md's read-first list names {unrun}, which the demo's lesson "
+                                 f"never ran (each must run, called from the demo through read-first code only)")
 
 
 def test_the_tracer_and_the_lists_cover_every_numbered_file():
@@ -111,7 +125,7 @@ PLANTED_GUIDE = """# planted
 ## 01_planted.py: a lesson that breaks the rule where it is planted to
 
 **The lists.**
-- Read first (the lesson): `listed_helper`, `lesson`, `demo`.
+- Read first (the lesson): `listed_helper`, `lesson`, `Config`, `demo`.
 - Skip at first: the rest.
 """
 
@@ -124,6 +138,10 @@ from plumbing.launch import launch, run_main
 
 def listed_helper(x):  # on the list: calling it is no violation
     return x * 2
+
+
+class Config:  # on the list, and no code of its own: nothing of it has to run
+    size = 2
 
 
 def hidden(x):  # off the list
@@ -212,3 +230,20 @@ def test_the_tracer_reports_nothing_for_a_lesson_that_keeps_to_its_list(tmp_path
     # hidden_tool is another file's name: a list names only its own file's, so that call alone remains
     assert [v.split(" -> ")[1].split()[0] for v in lesson_trace.violations(out)] == ["hidden_tool"]
     assert json.loads((out / "rank1.json").read_text())["demo_calls"] == 1
+
+
+def test_the_tracer_names_a_listed_function_the_lesson_never_runs(tmp_path):
+    root = plant(tmp_path)
+    # unused: listed, never called; machine_only: listed, run by the machine alone (not the lesson's run)
+    (root / "docs" / "GUIDE.md").write_text(PLANTED_GUIDE.replace("`demo`.", "`unused`, `machine_only`, `demo`."))
+    planted = PLANTED.replace("def machine(x, layer):", "def unused():\n    return 0\n\n\n"
+                              "def machine_only(x):\n    return x\n\n\ndef machine(x, layer):")
+    (root / "01_planted.py").write_text(planted.replace("return listed_helper(hidden(x))",
+                                                        "return machine_only(listed_helper(hidden(x)))"))
+    out, records = traced_run(tmp_path, root / "01_planted.py", [], root=root)
+    assert lesson_trace.runnable_names("01", root) == ["listed_helper", "lesson", "unused", "machine_only"]
+    assert all(records[r]["ran"] == ["lesson", "listed_helper"] for r in check_every_rank_recorded(records, 2))
+    with pytest.raises(LessonCallsOutside, match=r"names \['unused', 'machine_only'\], which the demo's lesson never"):
+        check_the_lesson_ran_its_list("01_planted.py", "01", records, root)
+    (root / "docs" / "GUIDE.md").write_text(PLANTED_GUIDE)  # the list as it was: everything on it ran
+    check_the_lesson_ran_its_list("01_planted.py", "01", records, root)
