@@ -121,13 +121,9 @@ def ptd_p_step(stage, opt, idx, targets, groups, m):
     dp = dist.get_world_size(groups.dp)
     idx, targets = data_parallel.shard_batch(idx, targets, dp, dist.get_rank(groups.dp))  # this replica's rows
     microbatches = list(zip(idx.chunk(m), targets.chunk(m)))
-    # The loss contract (docs/LOSS.md): every counted target of the GLOBAL batch weighs 1/n, n counted over
-    # the replicas (one all-reduce). Microbatch i's mean loss weighs valid_i / n: times dp, as the
-    # replicas' gradients are averaged below. One counting none weighs 0 (no 0/0).
-    valid = [int((t != -100).sum()) for _, t in microbatches]
-    n = torch.tensor(sum(valid), device=idx.device)
-    dist.all_reduce(n, group=groups.dp)
-    weights = [dp * v / int(n) if v else 0.0 for v in valid]
+    # The loss contract (docs/LOSS.md), 04's: every counted target of the GLOBAL batch weighs 1/n, n counted
+    # over the replicas (one all-reduce); microbatch i's mean loss weighs valid_i dp / n.
+    weights = data_parallel.replica_loss_weights(microbatches, groups.dp)
     opt.zero_grad()
     loss = pipeline.one_f_one_b_step(stage, microbatches, groups.pp, weights)  # and the tied-embedding sum
     data_parallel.allreduce_gradients(list(stage.parameters()), groups.dp)  # the mean over the dp replicas

@@ -143,6 +143,15 @@ def _two_ranks(env):
             own += p.numel()
             counted += p.numel() * gpt3d.counts_in_norm(p, chunk, group)
     out["norm"] = [int(x) for x in tensor_parallel.all_reduce(torch.tensor([counted, own]), group)]
+    # 05.4: 04's replica_loss_weights (ptd_p_step's weights) for the check's counts, over these two ranks as dp.
+    counts = [[0, 16, 16], [16, 16, 12]][rank]
+    microbatches = [(None, torch.tensor([1] * c + [-100] * (16 - c))) for c in counts]
+    weights = data_parallel.replica_loss_weights(microbatches, group)
+    n = sum(sum(c) for c in [[0, 16, 16], [16, 16, 12]])
+    every = tensor_parallel.all_reduce(torch.zeros(2, 3, dtype=F64).index_copy(0, torch.tensor([rank]),
+                                                                                torch.tensor([weights], dtype=F64)), group)
+    out["replica_weights"] = dict(by_76=[[round(float(w) * n) for w in row] for row in every], n=n,
+                                  own=[1 / (2 * sum(c)) for c in [[0, 16, 16], [16, 16, 12]]])
     return out
 
 
@@ -168,6 +177,9 @@ def _one_rank(env):
     means = sum(serial(x, y)[1].detach() for x, y in micro) / m
     out["ignored"] = int((targets == -100).sum())
     out["weighted_vs_serial"] = float(tensor_parallel.max_rel_diff(result.loss, whole))
+    stage = pipeline.stage_model(cfg, dist.group.WORLD, dtype=F64).load_full_state_dict(full)  # the lesson's
+    lesson = pipeline.one_f_one_b_step(stage, micro, dist.group.WORLD).detach()
+    out["lesson_vs_serial"] = float(tensor_parallel.max_rel_diff(lesson, whole))
     out["mean_of_means_vs_serial"] = float(abs(means - whole))
     # 04.3 and 05.4: a step of m microbatches, a bucket launch counted at each backward.
     for name, steps in (("bucketed", 2), ("pipeline", m)):
@@ -499,10 +511,11 @@ CLAIMS = [
           lambda: (lambda b: "half" if b[0][0] == 2 * b[1][0] else "not half")(
               [[int(x) for x in row.split(",")] for row in re.findall(r"outputs deallocated: \[([\d, ]+)\]",
                                                                       demo("02_pipeline_1f1b.py"))])),
-    Claim("02.3", r"With (\d+) targets ignored in the first of (\d+) microbatches, 02's executor gives the serial model's "
-                  r"loss to (float64 rounding), and the mean of means differs from it by (more than 1e-4)",
+    Claim("02.3", r"With (\d+) targets ignored in the first of (\d+) microbatches, 02's lesson and its executor give the "
+                  r"serial model's loss to (float64 rounding), and the mean of means differs from it by (more than 1e-4)",
           lambda: (str(one_rank()["ignored"]), "4",
-                   "float64 rounding" if one_rank()["weighted_vs_serial"] < 1e-12 else "more than rounding",
+                   "float64 rounding" if max(one_rank()["weighted_vs_serial"], one_rank()["lesson_vs_serial"]) < 1e-12
+                   else "more than rounding",
                    "more than 1e-4" if one_rank()["mean_of_means_vs_serial"] > 1e-4 else "less")),
     Claim("02.4", r"on such plans `validate` (finds a deadlock), starting with rank (\d) waiting to send to rank (\d)\.",
           lambda: (verdict(lambda: pipeline.validate(SendsThenReceives(one_f_one_b(4, 8)), 8)), *split_plans_deadlock())),
@@ -559,12 +572,10 @@ CLAIMS = [
           lambda: (f"{two_ranks()['norm'][0]:,}" if two_ranks()["norm"][0] == sum(p.numel() for p in tensor_parallel.GPT(
               tensor_parallel.GPTConfig(**gpt3d.MODEL_DEFAULTS), device="meta").parameters())
                    else "not the serial model's", f"{two_ranks()['norm'][1]:,}")),
-    Claim("05.4", r"In a step of m = (\d) microbatches (no bucket) launches in the first (\d) backwards, and (every bucket "
-                  r"but the held ones) launches in the 4th\.",
-          lambda: (lambda p: (str(len(p["launched"]) - 1), "no bucket" if not any(p["launched"][:-2]) else "some bucket",
-                              str(len(p["launched"]) - 2),
-                              "every bucket but the held ones" if p["launched"][-2] == p["buckets"] - len(p["held"])
-                              and p["launched"][-1] == p["buckets"] and p["held"] else "another set"))(one_rank()["pipeline"])),
+    Claim("05.4", r"^\*\*0, 32/76, 32/76 on replica 0 and 32/76, 32/76, 24/76 on replica 1; 1/(\d+) and 1/(\d+) instead of"
+                  r" 1/(\d+)\.\*\*",
+          lambda: (lambda w: (str(round(1 / w["own"][0])), str(round(1 / w["own"][1])), str(w["n"])) if w["by_76"] == [
+              [0, 32, 32], [32, 32, 24]] else ("weights", str(w["by_76"]), "differ"))(two_ranks()["replica_weights"])),
     # 06
     Claim("06.1", r"in `KINDS` I has B's flow \(`Kind\(\"(\w+)\", \"(\w)\"\)`", lambda: (
         zero_bubble.KINDS["I"].flow, zero_bubble.KINDS["I"].after) if zero_bubble.KINDS["I"].flow ==
