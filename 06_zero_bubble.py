@@ -84,19 +84,24 @@ class SplitLinear(torch.autograd.Function):
         x, = ctx.saved_tensors
         ctx.kept.append((ctx.weight, x, dy))  # what W needs: dW = dY^T X waits
         db = None if ctx.bias is None else dy.flatten(0, -2).sum(0)
-        return dy @ ctx.weight.detach(), None, db, None  # dX (..., n_in); None: no gradient for W yet
+        return dy @ ctx.weight, None, db, None  # dX (..., n_in); None: no gradient for the weight yet
 
 
 def split_linears(stage, kept):
     """Every linear layer of this stage (01's column- and row-parallel ones, the tied output layer too)
     computes through SplitLinear: 01's forwards with F.linear replaced. Its Is append to kept."""
+    def column(m, x):  # 01's ColumnParallelLinear.forward: f, then the linear layer
+        return SplitLinear.apply(tensor_parallel.enter_tp(x, m.group, m.sp), m.weight, m.bias, kept)
+
+    def row(m, x):  # 01's RowParallelLinear.forward: the linear layer, then g, then the bias
+        y = tensor_parallel.exit_tp(SplitLinear.apply(x, m.weight, None, kept), m.group, m.sp)
+        return y + tensor_parallel.sp_param(m.bias, m.group, m.sp)
+
     for m in stage.modules():
-        if isinstance(m, tensor_parallel.ColumnParallelLinear):  # f, then the linear layer
-            m.forward = lambda x, m=m: SplitLinear.apply(tensor_parallel.enter_tp(x, m.group, m.sp), m.weight,
-                                                         m.bias, kept)
-        elif isinstance(m, tensor_parallel.RowParallelLinear):  # the linear layer, then g, then the bias
-            m.forward = lambda x, m=m: (tensor_parallel.exit_tp(SplitLinear.apply(x, m.weight, None, kept), m.group,
-                                                                m.sp) + tensor_parallel.sp_param(m.bias, m.group, m.sp))
+        if isinstance(m, tensor_parallel.ColumnParallelLinear):
+            m.forward = functools.partial(column, m)
+        elif isinstance(m, tensor_parallel.RowParallelLinear):
+            m.forward = functools.partial(row, m)
 
 
 def weight_grads(kept):
@@ -123,7 +128,7 @@ def zb_h1_step(stage, microbatches):
         kept.clear()
         return dx
 
-    def weight_grads_past(n):  # W of the oldest microbatches, until n wait
+    def run_ws_beyond(n):  # W of the oldest microbatches, while more than n wait
         while len(waiting) > n:
             weight_grads(waiting.pop(0))
 
@@ -139,11 +144,11 @@ def zb_h1_step(stage, microbatches):
             x = pipeline.send_recv(dx, s - 1, out)
         else:
             pipeline.send_to(dx, s - 1)
-        weight_grads_past(s)
+        run_ws_beyond(s)
     while flight:  # drain: the Is left, each dX sent at once, then a deferred W
         pipeline.send_to(input_grad(pipeline.recv_from(s + 1, out)), s - 1)
-        weight_grads_past(s)
-    weight_grads_past(0)  # the s Ws left, while ranks s - 1, ..., 0 run their last Is
+        run_ws_beyond(s)
+    run_ws_beyond(0)  # the s Ws left, while ranks s - 1, ..., 0 run their last Is
     pipeline.sum_tied_grads(stage)
     return sum(losses) if stage.post_process else None
 
