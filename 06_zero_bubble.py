@@ -1,25 +1,31 @@
 """06 - Zero-bubble pipelines: the backward split in two (Qi et al. 2023, "Zero Bubble Pipeline
 Parallelism", Sections 2 and 6).
 
-What this file adds on top of 02-05: a backward B is two computations that depend on different
-things. I, the gradient of the input (dX = dY W for a linear layer; Qi et al. call it B, and here
-B is the whole backward, I + W), is what the previous stage waits for; W, the gradient of the weights (dW = dY^T X), nobody waits for until the optimizer.
-Running W later, in the time a rank would otherwise sit idle, shrinks the pipeline's bubble:
-  - BackwardSplit: every linear layer's backward computes dX at I and keeps X and dY for W, which
-    computes dW and accumulates it as B would have (float64-equal); each weight's gradient hook
-    (04's buckets) fires once per microbatch, at W. LayerNorm, bias and embedding gradients are
-    cheap and stay in I; so does the tied output layer, whose weight is the embedding;
-  - zb_h1 (Section 2.1): 1F1B with each B replaced by I, rank r deferring its Ws by r microbatches
-    into the cooldown; idle per rank (pp-1)(t_F + t_I - t_W), a third of 1F1B's at equal times,
-    with no more memory than 1F1B on rank 0: (pp-r) M_B + r M_W on rank r;
-  - zb_v (Section 6): two chunks per rank in a V (chunk 0 is stage r, chunk 1 stage 2pp-1-r), so
-    the first and last stage share rank 0; at equal times no rank idles inside its own span, with
-    pp M_B of memory (2pp chunks of half a stage) on every rank.
-The lists are torch's own (ScheduleInterleavedZeroBubble at one stage per rank, ScheduleZBVZeroBubble),
-action for action (tests/test_zero_bubble.py). 02 runs them unchanged: ZeroBubbleSchedule gives its
-Schedule the kinds I and W (KINDS), an Executor that runs them (SplitExecutor) and, for ZB-V, plans
-whose receives are posted in lockstep with their senders (ZeroBubbleSchedule.receives). 05's
-training loop runs them too (--train, --schedule).
+What this file adds on top of 02-05: a backward is two computations that depend on different things.
+For a linear layer Y = X W^T + b, I, the gradient of the input (dX = dY W; Qi et al. call it B, and
+here B is 02's whole backward, I + W), is what the previous stage waits for; W, the gradient of the
+weights (dW = dY^T X), nobody waits for until the optimizer. Running W later, in the time a rank
+would otherwise sit idle, shrinks the pipeline's bubble.
+  - The lesson, read first: SplitLinear (a linear layer whose backward is I alone, X and dY kept),
+    split_linears (02's stage with every linear layer split), weight_grads (W of one microbatch) and
+    zb_h1_step, ZB-H1 (Section 2.1) as the loop one writes on a whiteboard over 02's lesson pieces:
+    02's one_f_one_b_step with each B cut to I, its dX sent at once, and rank s's Ws deferred while
+    at most s wait, the ones left filling the cooldown where 1F1B's rank s idles. Idle per rank
+    (pp-1)(t_F + t_I - t_W), a third of 1F1B's at equal times, with no more memory than 1F1B on
+    rank 0: (pp-r) M_B + r M_W on rank r.
+  - The machine, read second, which 07 and 09 build on:
+    - BackwardSplit: every linear layer's backward computes dX at I and keeps X and dY for W, which
+      accumulates dW through autograd, so each weight's gradient hook (04's buckets) fires once per
+      microbatch, at W; the tied output layer stays in I, its weight being the embedding's;
+    - zb_h1 (the lesson's order as a list of 02's Actions) and zb_v (Section 6): two chunks per rank
+      in a V (chunk 0 is stage r, chunk 1 stage 2pp-1-r), so the first and last stage share rank 0;
+      at equal times no rank idles inside its own span, with pp M_B of memory (2pp chunks of half a
+      stage) on every rank. The lists are torch's own (ScheduleInterleavedZeroBubble at one stage
+      per rank, ScheduleZBVZeroBubble), action for action (tests/test_zero_bubble.py);
+    - 02 runs them unchanged: ZeroBubbleSchedule gives its Schedule the kinds I and W (KINDS), an
+      Executor that runs them (SplitExecutor) and, for ZB-V, plans whose receives are posted in
+      lockstep with their senders (ZeroBubbleSchedule.receives). 05's training loop runs them too
+      (--train, --schedule).
 
 Run it:
     python 06_zero_bubble.py                            # pp=4 CPU ranks, m=8: 1F1B, ZB-H1, ZB-V
@@ -27,10 +33,12 @@ Run it:
     python 06_zero_bubble.py --train --tp 2 --pp 2 --dp 2 --schedule zb-v --steps 50
     torchrun --nproc-per-node 4 06_zero_bubble.py       # one rank per GPU
 
-The demo draws 1F1B, ZB-H1 and ZB-V simulated on one time scale (t_F = t_I = t_W), prints each
-rank's idle time, the bubble and the peak memory beside the paper's formulas, runs all three on the
-same model against the serial model in float64 (loss and every gradient <= 1e-10) with their
-measured timelines and activation bytes, and exits 1 on a mismatch or a formula that fails.
+The demo runs the lesson against the serial model in float64 on a batch whose microbatches count
+unequal numbers of targets, one none (loss and every gradient within 1e-10); then the machine: it
+draws 1F1B, ZB-H1 and ZB-V simulated on one time scale (t_F = t_I = t_W), prints each rank's idle
+time, the bubble and the peak memory beside the paper's formulas, runs all three on the same model
+against the serial model (1e-10) with their measured timelines and activation bytes, ZB-H1 against
+the lesson too (1e-12), and exits 1 on a mismatch or a formula that fails.
 """
 import contextlib
 import functools
@@ -57,7 +65,118 @@ Action = pipeline.Action
 
 
 # ----------------------------------------------------------------------------------------------
-# The backward split (Section 2): B = I + W, for each linear layer Y = X W^T + b
+# The lesson: the backward split in two, and ZB-H1 as the loop one writes on a whiteboard, over 02's
+# lesson pieces. Rank s is stage s of pp (02's stage_model); each holds the microbatches [(idx, targets)].
+
+
+class SplitLinear(torch.autograd.Function):
+    """Y = X W^T + b whose backward is I alone: dX = dY W (I is what Qi et al. call B) and the bias's
+    gradient now; the weight gets none here: (weight, X, dY) is appended to `kept`, for W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kept):  # x (..., n_in), weight (n_out, n_in)
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.kept = weight, bias, kept
+        return F.linear(x, weight, bias)  # (..., n_out)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy (..., n_out)
+        x, = ctx.saved_tensors
+        ctx.kept.append((ctx.weight, x, dy))  # what W needs: dW = dY^T X waits
+        db = None if ctx.bias is None else dy.flatten(0, -2).sum(0)
+        return dy @ ctx.weight, None, db, None  # dX (..., n_in); None: no gradient for the weight yet
+
+
+def split_linears(stage, kept):
+    """Every linear layer of this stage (01's column- and row-parallel ones, the tied output layer too)
+    computes through SplitLinear: 01's forwards with F.linear replaced. Its Is append to kept."""
+    def column(m, x):  # 01's ColumnParallelLinear.forward: f, then the linear layer
+        return SplitLinear.apply(tensor_parallel.enter_tp(x, m.group, m.sp), m.weight, m.bias, kept)
+
+    def row(m, x):  # 01's RowParallelLinear.forward: the linear layer, then g, then the bias
+        y = tensor_parallel.exit_tp(SplitLinear.apply(x, m.weight, None, kept), m.group, m.sp)
+        return y + tensor_parallel.sp_param(m.bias, m.group, m.sp)
+
+    for m in stage.modules():
+        if isinstance(m, tensor_parallel.ColumnParallelLinear):
+            m.forward = functools.partial(column, m)
+        elif isinstance(m, tensor_parallel.RowParallelLinear):
+            m.forward = functools.partial(row, m)
+
+
+def weight_grads(kept):
+    """W of one microbatch: dW = dY^T X for each linear layer its I kept, added to the weight's gradient."""
+    for weight, x, dy in kept:
+        dw = dy.flatten(0, -2).T @ x.flatten(0, -2)  # (n_out, n_in): summed over the microbatch's b T tokens
+        weight.grad = dw if weight.grad is None else weight.grad + dw
+
+
+def zb_h1_step(stage, microbatches):
+    """ZB-H1 (Qi et al. Section 2.1) on this rank's stage: 02's one_f_one_b_step with each backward cut
+    to I, whose dX is sent at once, every message 1F1B's (W sends none). Rank s then runs the oldest W
+    while more than s wait: deferring s of them costs s M_W of memory, and the s left run after the
+    drain, where 1F1B's rank s idles while the last input gradients travel on down to rank 0. Returns
+    the loss on the last stage, else None."""
+    s, pp, m = dist.get_rank(), dist.get_world_size(), len(microbatches)
+    w, losses, flight, kept, waiting = pipeline.loss_weights(microbatches), [], [], [], []
+    split_linears(stage, kept)
+    out = next(stage.parameters()).new_empty(*microbatches[0][0].shape, stage.cfg.n_embd)  # (b, T, C) travels
+
+    def input_grad(dy):  # I of the oldest microbatch in flight: its dX, and its W queued
+        dx = pipeline.backward_step(*flight.pop(0), dy)
+        waiting.append(kept.copy())
+        kept.clear()
+        return dx
+
+    def run_ws_beyond(n):  # W of the oldest microbatches, while more than n wait
+        while len(waiting) > n:
+            weight_grads(waiting.pop(0))
+
+    warmup = min(pp - s - 1, m)  # 1F1B's warm-up
+    for i in range(warmup):
+        flight.append(pipeline.forward_step(stage, microbatches[i], pipeline.recv_from(s - 1, out), w[i], losses))
+        pipeline.send_to(flight[-1][1], s + 1)
+    x = pipeline.recv_from(s - 1, out) if warmup < m else None
+    for i in range(warmup, m):  # steady: F of microbatch i, I of the oldest in flight, then a deferred W
+        flight.append(pipeline.forward_step(stage, microbatches[i], x, w[i], losses))
+        dx = input_grad(pipeline.send_recv(flight[-1][1], s + 1, out))  # send forward, receive backward
+        if i + 1 < m:  # send dX at once, receive the next forward's input
+            x = pipeline.send_recv(dx, s - 1, out)
+        else:
+            pipeline.send_to(dx, s - 1)
+        run_ws_beyond(s)
+    while flight:  # drain: the Is left, each dX sent at once, then a deferred W
+        pipeline.send_to(input_grad(pipeline.recv_from(s + 1, out)), s - 1)
+        run_ws_beyond(s)
+    run_ws_beyond(0)  # the s Ws left, while ranks s - 1, ..., 0 run their last Is
+    pipeline.sum_tied_grads(stage)
+    return sum(losses) if stage.post_process else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo: the lesson against the serial model, then the machine below against the lesson; float64, the
+# same weights and the same batch, whose microbatches count unequal numbers of targets (one none).
+
+
+def demo(env, cfg, args):
+    pp, m, say = args.pp, args.microbatches, printer(env)
+    pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
+    microbatches, full, ref_loss, ref_grads = ref = pipeline_reference(cfg, args, m, env.device, unequal=True)
+    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
+        f"world={env.world_size} ({dist.get_backend()})")
+    say(f"targets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
+    stage = pipeline.stage_model(cfg, dtype=torch.float64, device=env.device)
+    stage.load_full_state_dict(full)  # the serial model's weights
+    lesson = zb_h1_step(stage, microbatches), {n: p.grad for n, p in stage.named_parameters()}
+    worst = demos.worst_difference(lesson, ref_loss, ref_grads)
+    say(f"the lesson, zb_h1_step: max relative difference against serial (loss and every gradient): "
+        f"{worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+    return prove_machine(env, cfg, args, ref, lesson, say) and worst <= 1e-10
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: the machine, which 07 and 09 build on. The backward split (Section 2), B = I + W for
+# each linear layer Y = X W^T + b, with each weight's gradient accumulated through autograd at W.
 
 
 class DeferredWeightGrad(torch.autograd.Function):
@@ -278,7 +397,8 @@ def pipeline_schedule(name, pp, m):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: the three schedules simulated against their formulas, then run against the serial model.
+# Read second: the demo's machine part. The three schedules simulated against their formulas, then run
+# against the serial model, ZB-H1 against the lesson too.
 
 
 def peak_memory(actions, w_share):
@@ -300,7 +420,7 @@ def simulate(pipe, t=1):
 
 
 def run_schedule(env, cfg, pipe, ref, embed_group):
-    """One step of pipe on this rank against the serial reference: (worst difference, StepResult)."""
+    """One step of pipe on this rank against the serial reference: (worst difference, StepResult, chunks)."""
     microbatches, full, ref_loss, ref_grads = ref
     chunks = pipeline.build_chunks(cfg, pipe.pp, env.rank, pipe.v, placement=pipe.placement, init=False,
                                    dtype=torch.float64, device=env.device)
@@ -311,15 +431,12 @@ def run_schedule(env, cfg, pipe, ref, embed_group):
     result = pipeline.execute(pipe, chunks, dist.group.WORLD, microbatches, pipeline.Wire((*microbatches[0][0].shape,
                                                                                           cfg.n_embd)))
     pipeline.sync_tied_embeddings(chunks, embed_group if pipe.where[pipe.S - 1][0] else None)  # ZB-V: both on rank 0
-    return pipeline.differences(chunks, result, ref_loss, ref_grads), result
+    return pipeline.differences(chunks, result, ref_loss, ref_grads), result, chunks
 
 
-def demo(env, cfg, args):
-    pp, m, say = args.pp, args.microbatches, printer(env)
-    pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
-    ref = pipeline_reference(cfg, args, m, env.device)
-    say(f"{cfg}\npp={pp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
-        f"world={env.world_size} ({dist.get_backend()})")
+def prove_machine(env, cfg, args, ref, lesson, say):
+    """The figures against the paper's formulas; each schedule run against serial; ZB-H1 against the lesson."""
+    pp, m = args.pp, args.microbatches
     embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
     pipes = {name: pipeline_schedule(name, pp, m) for name in ("1f1b", "zb-h1", "zb-v")}
     sims = {name: simulate(pipe) for name, pipe in pipes.items()}
@@ -351,7 +468,7 @@ def demo(env, cfg, args):
     measured = {}
     for name, pipe in pipes.items():
         pipeline.validate(pipe, m)
-        worst, result = run_schedule(env, cfg, pipe, ref, embed_group)
+        worst, result, chunks = run_schedule(env, cfg, pipe, ref, embed_group)
         ranks = demos.gather_figures(env, pipe.lists, worst, result, result)
         worst = max(r.worst for r in ranks)
         ok &= worst <= 1e-10
@@ -359,6 +476,11 @@ def demo(env, cfg, args):
         say(f"{pipe.name}: max relative difference (loss and every gradient) {worst:.2e} "
             f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10); measured timeline:\n"
             f"{pipeline_timeline([r.events for r in ranks], 150)}")
+        if name == "zb-h1":
+            same = demos.worst_difference((result.loss, {n: p.grad for n, p in chunks[0].named_parameters()}), *lesson)
+            ok &= same <= 1e-12
+            say(f"the machine (zb_h1's lists through SplitExecutor) against the lesson's zb_h1_step (loss and every "
+                f"gradient): {same:.2e} {'PASS' if same <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
     peaks = {name: [r.peak_bytes for r in ranks] for name, ranks in measured.items()}
     say("\npeak stored activation bytes per rank (outputs deallocated; ZB: X and dY kept for W counted):")
     for name in pipes:
