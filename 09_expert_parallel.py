@@ -3,27 +3,30 @@ and MoE Parallel Folding (Liu et al. 2025, "MoE Parallel Folding: Heterogeneous 
 for Efficient Large-Scale MoE Model Training with Megatron Core", arXiv:2504.14960).
 
 What this file adds on top of 01-05 (and 08): a fifth dimension. Every moe_every-th block's MLP
-becomes E experts (each a GPT-2 MLP, 01's ParallelMLP) and a router that sends each token to k of them:
-  - the router (route): a linear layer to E logits, softmax, the top k, their k probabilities
-    renormalised to sum to 1. That is Mixtral's convention (Jiang et al. 2024), and Megatron's default
-    (a softmax over the k chosen logits), which is the same function;
-  - the auxiliary loss (load_balancing_loss): Switch's and GShard's E sum_i f_i P_i, f_i the share of
-    the choices that went to expert i, P_i its mean router probability, over the tokens of the
-    microbatch the serial model sees (its sums taken over the tp x cp ranks that split it), with
-    --aux-loss-coeff (0: off);
-  - the token dispatcher over the ep ranks, as Megatron's and torchtitan's: (1) sort this rank's
-    (token, expert) pairs by expert, (2) exchange the counts with an all-to-all, (3) send the tokens
-    with an uneven all-to-all, (4) run each local expert on the rows it received from every rank,
-    (5) combine: the reverse all-to-all, then each row weighted by its router probability and added
-    back in its token's place. The all-to-all is an autograd Function whose backward is the reverse
-    all-to-all (AllToAll), as f's backward is g's forward. Dropless: every token goes where it is sent;
-  - parallel folding: attention keeps 05's tp x dp x pp grid (08's tp x cp x dp x pp with context
-    parallelism); the experts get their own etp x ep x edp x pp grid over the same ranks (fold): both
-    in Megatron's generator's order tp-cp-ep-dp-pp, attention's at ep = 1, the experts' at cp = 1 (etp
-    fastest, then ep, edp, pp); the pipeline groups the same in both (checked). So an ep group may span
-    attention's tp and dp groups (tp 2 x dp 2 -> ep 4), or its tp and cp groups (tp 2 x cp 2 -> ep 4:
-    a sequence's tokens meet in one all-to-all). Expert gradients are summed over edp (the ranks
-    holding the same experts), dense ones over dp x cp, both divided by dp x cp.
+becomes E experts (each a GPT-2 MLP, 01's ParallelMLP) and a router that sends each token to k of them.
+  - The lesson, read first: one dispatch and one combine as plain code (MoE), every collective inline.
+    The router: a linear layer to E logits, softmax, the top k, their k probabilities renormalised to
+    sum to 1 (Mixtral's convention, Jiang et al. 2024, and Megatron's default, a softmax over the k
+    chosen logits, which is the same function). Then, as Megatron's and torchtitan's dispatchers do:
+    (1) sort this rank's (token, expert) pairs by expert, (2) exchange the counts with an all-to-all,
+    (3) send the tokens with an uneven all-to-all, (4) run each local expert once on the rows it
+    received from every rank, (5) combine: the reverse all-to-all, then each row weighted by its router
+    probability and added back in its token's place. The all-to-all is an autograd Function whose
+    backward is the reverse all-to-all (AllToAll), as f's backward is g's forward. Dropless: every
+    token goes where it is sent. The auxiliary loss (aux_loss): Switch's and GShard's E sum_i f_i P_i,
+    f_i the share of the choices that went to expert i, P_i its mean router probability, over the
+    microbatch's counted tokens, with --aux-loss-coeff (0: off). Every rank is a replica of the dense
+    model on its rows of the batch; the experts' gradients are summed over edp (the ranks holding the
+    same experts), the dense ones over every rank.
+  - The machine, read second, which the trainer runs: the same layer as MoELayer over Plan, dispatch
+    and combine, with the seams the rest needs, and parallel folding: attention keeps 05's tp x dp x pp
+    grid (08's tp x cp x dp x pp with context parallelism); the experts get their own etp x ep x edp x
+    pp grid over the same ranks (fold): both in Megatron's generator's order tp-cp-ep-dp-pp,
+    attention's at ep = 1, the experts' at cp = 1 (etp fastest, then ep, edp, pp); the pipeline groups
+    the same in both (checked). So an ep group may span attention's tp and dp groups (tp 2 x dp 2 ->
+    ep 4), or its tp and cp groups (tp 2 x cp 2 -> ep 4: a sequence's tokens meet in one all-to-all),
+    and the load-balancing loss's sums are taken over the tp x cp ranks that split a microbatch.
+    Expert gradients are summed over edp, dense ones over dp x cp, both divided by dp x cp.
 The serial MoE layer is the same class with no groups, as tp = 1 is the serial GPT-2. After the
 concept: a capacity factor (tokens over an expert's capacity dropped, the rest padded to a fixed
 shape, as GShard and Switch do), experts tensor-parallel over etp > 1 ranks (01's sequence-parallel
@@ -39,15 +42,19 @@ Run it:
     python 09_expert_parallel.py --train --tp 2 --cp 2 --dp 1 --pp 2 --ep 4 --num-experts 4
     torchrun --nproc-per-node 4 09_expert_parallel.py    # one rank per GPU
 
-The demo prints both grids and the fold, the tokens each rank routes to each expert and each rank
-receives, the all-to-all bytes against the planner's formula, the auxiliary loss, and the serial
-and expert-parallel models' loss and every gradient (router, experts, dense weights) in float64,
+The demo runs the lesson (each of the tp x cp x dp ranks a replica on its B / world rows, the experts
+over ep) against the serial model with experts in float64: loss, auxiliary loss and every gradient,
+PASS at 1e-10, else exit 1; then the machine on the lesson's layout against the lesson (1e-12). Then
+the machine at the flags' fold: both grids and the fold, the tokens each rank routes to each expert
+and each rank receives, the all-to-all bytes against the planner's formula, the auxiliary loss, and
+the serial and expert-parallel models' loss and every gradient (router, experts, dense weights),
 worst relative difference, PASS at 1e-10, else exit 1.
 """
 import importlib
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -63,6 +70,7 @@ from plumbing.checkpoint import EXTENSIONS
 from plumbing.launch import gather_numbers, printer, run_main
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
+data_parallel = importlib.import_module("04_data_parallel")
 gpt3d = importlib.import_module("05_3d_gpt")
 zero_bubble = importlib.import_module("06_zero_bubble")
 context = importlib.import_module("08_context_parallel")
@@ -70,7 +78,192 @@ size_of, rank_of = tensor_parallel.tp_size, tensor_parallel.tp_rank  # of a grou
 
 
 # ----------------------------------------------------------------------------------------------
-# The router (Mixtral's convention) and the load-balancing loss (Switch, GShard)
+# The lesson: one dispatch and one combine, as plain code. Every rank is a replica of the dense model
+# (01's ParallelGPT, no group) on its rows of the batch; each MoE layer's E experts are spread over the
+# ep ranks of its ep group, E / ep each. Every collective of the layer is in this section.
+
+
+class AllToAll(torch.autograd.Function):
+    """All-to-all forward (send[j] rows to rank j, recv[j] rows from it); the reverse all-to-all backward:
+    each gradient row goes back to the rank its row came from, as f's backward is g's forward."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def exchange(x, send, recv, group):
+    """The uneven all-to-all itself: send[j] rows of x to rank j, recv[j] rows from it, in rank order."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_to_all(x, send, recv, group):
+    return x if size_of(group) == 1 else AllToAll.apply(x, send, recv, group)
+
+
+def aux_loss(probs, chosen, E):
+    """Switch's load-balancing loss E sum_i f_i P_i over these N tokens, probs (N, E), chosen (N, k): f_i the
+    share of the N k choices that went to expert i, P_i expert i's mean probability. 1 when the load is even;
+    below E/k always, since a token picks k different experts (f_i <= 1/k) and the P_i sum to 1."""
+    N, k = chosen.shape
+    f = torch.bincount(chosen.flatten(), minlength=E).to(probs.dtype) / max(N * k, 1)
+    return E * (f * probs.sum(0) / max(N, 1)).sum()
+
+
+class MoE(nn.Module):
+    """A block's MLP as a router and E experts (01's ParallelMLP, no group), of which this rank holds E / ep:
+    experts.<e> for its e. group None (ep = 1): the serial layer, every expert here. keep (B, T): the tokens
+    whose target counts, set before each forward; the auxiliary loss (aux) is over them (docs/LOSS.md)."""
+
+    def __init__(self, cfg, E, k, group=None, **factory):
+        super().__init__()
+        self.E, self.k, self.group, self.keep, self.aux = E, k, group, None, None
+        self.router = nn.Linear(cfg.n_embd, E, bias=False, **factory)
+        n, r = E // size_of(group), rank_of(group)
+        self.experts = nn.ModuleDict({str(e): tensor_parallel.ParallelMLP(cfg, None, **factory)
+                                      for e in range(r * n, (r + 1) * n)})
+
+    def forward(self, x):  # (B, T, C)
+        B, T, C = x.shape
+        ep, n, k = size_of(self.group), self.E // size_of(self.group), self.k
+        tokens = rearrange(x, "B T C -> (B T) C")  # N = B T
+        # The router: softmax over E, the top k, their probabilities renormalised to sum to 1 (Mixtral's)
+        probs = F.softmax(self.router(tokens), dim=-1)  # (N, E)
+        top, chosen = probs.topk(k, dim=-1)  # (N, k) each
+        weights = top / top.sum(-1, keepdim=True)
+        keep = self.keep.flatten()
+        self.aux = aux_loss(probs[keep], chosen[keep], self.E)
+        # 1. Permute: the N k (token, choice) pairs sorted by expert; expert e lives on ep rank e // n, so
+        #    each rank's rows are one block, ordered by its local experts. Pair p is token p // k.
+        order = chosen.flatten().argsort(stable=True)
+        # 2. The counts first: this rank's pairs for each expert go to its rank, and each rank's for my n
+        #    experts come back, at s n + l for rank s's pairs for my l-th, so every rank knows what arrives.
+        counts = torch.bincount(chosen.flatten(), minlength=self.E)  # (E,)
+        got = all_to_all(counts, [n] * ep, [n] * ep, self.group)  # (ep n,)
+        send, recv = counts.view(ep, n).sum(1).tolist(), got.view(ep, n).sum(1).tolist()
+        # 3. Dispatch: the tokens, an uneven all-to-all
+        rows = all_to_all(tokens[order // k], send, recv, self.group)  # (sum(recv), C)
+        # 4. Each local expert once, on its rows from every rank; the outputs back in the rows' places
+        blocks = list(rows.split(got.tolist()))
+        for l, expert in enumerate(self.experts.values()):
+            mine = blocks[l::n]
+            blocks[l::n] = expert(torch.cat(mine)).split([len(b) for b in mine])
+        # 5. Combine: the reverse all-to-all, then unpermute: each row weighted by its router probability and
+        #    added into its token's place
+        back = all_to_all(torch.cat(blocks), recv, send, self.group)  # (N k, C), in `order`
+        y = torch.zeros_like(tokens).index_add(0, order // k, back * weights.flatten()[order, None])
+        return rearrange(y, "(B T) C -> B T C", B=B)
+
+
+def moe_gpt(cfg, moe, group, full, device="cpu"):
+    """01's ParallelGPT, whole on this rank, every moe_every-th block's MLP an MoE layer over the ep group
+    (None: the serial model), loaded from the full float64 weights (the head tied to wte)."""
+    model = tensor_parallel.ParallelGPT(cfg, None, dtype=torch.float64, device=device)
+    for i, block in model.transformer.h.items():
+        if int(i) % moe.moe_every == 0:
+            block.mlp = MoE(cfg, moe.num_experts, moe.top_k, group, dtype=torch.float64, device=device)
+    weights = {**full, "lm_head.weight": full["transformer.wte.weight"]}
+    model.load_state_dict({name: weights[name] for name in model.state_dict()})
+    return model
+
+
+def expert_grid(world, ep):
+    """The experts' groups over every rank: ep groups of consecutive ranks (together they hold all E
+    experts, E / ep each), and edp groups, every ep-th rank: the ranks that hold the same experts."""
+    return {"ep": [list(range(s, s + ep)) for s in range(0, world, ep)],
+            "edp": [list(range(e, world, ep)) for e in range(ep)]}
+
+
+def lesson_step(model, x, y, edp, coeff):
+    """One forward and backward of this rank's replica on its rows x, y (B / world, T): its mean loss weighs
+    its counted targets over the world's (04's replica_loss_weights), plus coeff times each MoE layer's
+    auxiliary loss over its counted tokens; then naive data parallelism (04): a dense gradient averaged
+    over every rank, an expert's summed over its edp group and divided by the world too (the all-to-all's
+    backward brought it every token of its ep group). Returns the world's loss and mean auxiliary loss."""
+    layers, world = [b.mlp for b in model.transformer.h.values() if isinstance(b.mlp, MoE)], dist.get_world_size()
+    for layer in layers:
+        layer.keep = y != -100
+    loss = model(x, y)[1] * data_parallel.replica_loss_weights([(x, y)], dist.group.WORLD)[0]
+    aux = sum(layer.aux for layer in layers)
+    (loss + coeff * aux).backward()
+    named = list(model.named_parameters())
+    data_parallel.allreduce_gradients([p for name, p in named if ".experts." not in name], dist.group.WORLD)
+    for p in [p for name, p in named if ".experts." in name]:
+        dist.all_reduce(p.grad, group=edp)
+        p.grad /= world
+    return tensor_parallel.all_reduce(torch.stack([loss.detach(), aux.detach()]), dist.group.WORLD) / world
+
+
+def serial_step(model, idx, targets, world, coeff):
+    """The serial model's (group None) forward and backward on the batch, each rank's rows in turn: their
+    loss weighs their counted targets over the batch's, their auxiliary loss 1 / world. Returns the same."""
+    layers, n = [b.mlp for b in model.transformer.h.values() if isinstance(b.mlp, MoE)], (targets != -100).sum()
+    total = 0
+    for x, y in zip(idx.chunk(world), targets.chunk(world)):
+        for layer in layers:
+            layer.keep = y != -100
+        loss = model(x, y)[1] * (y != -100).sum() / n
+        aux = sum(layer.aux for layer in layers) / world
+        (loss + coeff * aux).backward()
+        total = total + torch.stack([loss.detach(), aux.detach()])
+    return total
+
+
+def demo(env, cfg, args):
+    say, moe, world = printer(env), MoEConfig.of(args), env.world_size
+    attention = context.rank_grid(world, args.tp, args.cp, args.dp) if args.cp > 1 else \
+        gpt3d.rank_grid(world, args.tp, args.dp)  # 08's grid with cp, else 05's
+    grid = fold(attention, args.ep, args.etp)  # before any collective
+    groups, lesson_groups = gpt3d.new_groups(env, grid), gpt3d.new_groups(env, expert_grid(world, args.ep))
+    cp = f" cp={args.cp}" if args.cp > 1 else ""
+    say(f"{cfg}\n{moe}\ntp={args.tp}{cp} dp={args.dp} -> etp={args.etp} ep={args.ep} "
+        f"edp={world // (args.ep * args.etp)}, B={args.batch_size} T={args.seq_len} float64, "
+        f"world={world} ({dist.get_backend()})")
+    full = moe_state_dict(cfg, moe, args.seed, dtype=torch.float64, random_all=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
+    # Counted unevenly (docs/LOSS.md): replica 0 counts one target, the last row loses its first third.
+    targets.chunk(args.dp)[0].fill_(-100)[0, 1] = 3
+    targets[-1, :args.seq_len // 3] = -100
+    # The lesson, each rank a replica on its B / world rows, against the serial model
+    serial, lesson = (moe_gpt(cfg, moe, g, full, env.device) for g in (None, lesson_groups.ep))
+    ref = serial_step(serial, idx.to(env.device), targets.to(env.device), world, moe.aux_loss_coeff)
+    rows = [t.chunk(world)[env.rank].to(env.device) for t in (idx, targets)]
+    got = lesson_step(lesson, *rows, lesson_groups.edp, moe.aux_loss_coeff)
+    diffs = [shards.max_rel_diff(got, ref)] + [shards.max_rel_diff(p.grad, serial.get_parameter(n).grad)
+                                               for n, p in lesson.named_parameters()]
+    taught = max(x[0] for x in gather_numbers([max(diffs)], device=env.device))
+    say(f"the lesson (each rank a replica on B/{world} of the rows, its MoE layers' experts over ep {args.ep}) "
+        f"against serial (loss, auxiliary loss, every gradient): {taught:.2e} {'PASS' if taught <= 1e-10 else 'FAIL'} "
+        f"(tolerance 1e-10)")
+    proof = prove_machine(env, cfg, moe, args, full, (idx, targets), got, lesson)
+    say(f"the machine (MoELayer, folded onto tp 1 x dp {world} -> ep {args.ep}) against the lesson (loss, auxiliary "
+        f"loss, every gradient): {proof:.2e} {'PASS' if proof <= 1e-12 else 'FAIL'} (tolerance 1e-12)\n")
+    say(draw_fold(grid))
+    diffs, (ref_loss, ref_aux), (loss, aux), model = against_serial(env, cfg, moe, args, groups, full, idx, targets)
+    worst = max(x[0] for x in gather_numbers([max(diffs.values())], device=env.device))
+    report_routing(env, say, cfg, args, model)
+    say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {loss:.12f}\nauxiliary loss (the sum over "
+        f"{len(moe_layers(model))} MoE layers; each 1 when the load is even, up to E/k = {moe.num_experts / moe.top_k:g} when "
+        f"every token picks the same {moe.top_k}): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
+    largest = sorted(diffs.items(), key=lambda x: -x[1])[:3]
+    say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in largest))
+    say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference over every rank {worst:.2e} "
+        f"(loss, auxiliary loss, every gradient: router, experts, dense weights; tolerance 1e-10)")
+    return taught <= 1e-10 and proof <= 1e-12 and worst <= 1e-10
+
+
+# ----------------------------------------------------------------------------------------------
+# The machine, read second: the lesson's layer in the general form the trainer and the demo's fold run,
+# and parallel folding. The router (Mixtral's convention) and the load-balancing loss (Switch, GShard),
+# its sums over the ranks that split a microbatch's tokens
 
 
 def route(x, weight, k):
@@ -112,35 +305,6 @@ class WithAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=grad.device), None
-
-
-# ----------------------------------------------------------------------------------------------
-# The all-to-all: rank i's j-th block of rows to rank j. Its backward is the reverse all-to-all,
-# as f's backward is g's forward: each gradient row goes back to the rank its row came from.
-
-
-class AllToAll(torch.autograd.Function):
-    """All-to-all forward (send[j] rows to rank j, recv[j] rows from it); the reverse all-to-all backward."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return exchange(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
-
-
-def exchange(x, send, recv, group):
-    """The uneven all-to-all itself: send[j] rows of x to rank j, recv[j] rows from it, in rank order."""
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
-
-
-def all_to_all(x, send, recv, group):
-    return x if size_of(group) == 1 else AllToAll.apply(x, send, recv, group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,28 +471,18 @@ def moe_layers(model):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: the serial model with experts against the expert-parallel one, float64, one forward and backward
+# The machine's part of the demo: the serial model with experts against the expert-parallel one at the
+# flags' fold, and the machine against the lesson, float64, one forward and backward
 
 
-def against_serial(env, cfg, moe, args, groups, full, idx, targets):
-    """One forward and backward of the serial model with experts, on each replica's rows with its auxiliary
-    losses added to the loss, and of this rank's part of the expert-parallel one, whose auxiliary losses
-    join inside the layers (WithAuxLoss) and whose gradients are reduced as 04's naive data parallelism
-    does, experts over edp, the rest over dp (dp x cp: 08's step). The loss is the batch's per-token mean
-    and each replica's aux loss is over its counted tokens (docs/LOSS.md). Returns ({what: relative
-    difference}, serial (loss, aux), parallel (loss, aux), the parallel model)."""
+def machine_step(env, cfg, moe, args, groups, full, idx, targets):
+    """This rank's part of the expert-parallel model (with_experts over groups: args' tp, cp and dp), one forward
+    and backward on its replica's rows: its auxiliary losses join inside the layers (WithAuxLoss), and its
+    gradients are reduced as 04's naive data parallelism does, experts over edp, the rest over dp (dp x cp:
+    08's step). The loss is the batch's per-token mean and each replica's aux loss is over its counted tokens
+    (docs/LOSS.md). Returns ((the loss, the mean auxiliary loss), the model)."""
     dt, dp, cp = full["transformer.wte.weight"].dtype, args.dp, getattr(args, "cp", 1)
-    serial = with_experts(tensor_parallel.GPT(cfg, init=False, dtype=dt), moe, token_groups=args.tp)
-    serial.load_full_state_dict(full)
-    for layer in moe_layers(serial):
-        layer.aux_scale = 0.0  # the serial reference adds its auxiliary losses to the loss itself
-    ref, n = torch.zeros(2, dtype=torch.float64), int((targets != -100).sum())  # each counted target: 1/n
-    for rows_idx, rows_targets in zip(idx.chunk(dp), targets.chunk(dp)):  # each replica's rows
-        counted_tokens(serial, rows_targets)
-        loss = serial(rows_idx, rows_targets)[1] * (int((rows_targets != -100).sum()) / n)
-        aux = sum(layer.aux for layer in moe_layers(serial)) / dp
-        (loss + moe.aux_loss_coeff * aux).backward()
-        ref += torch.stack([loss.detach(), aux.detach()]).double()
+    n = int((targets != -100).sum())  # each counted target: 1/n
     model = with_experts(tensor_parallel.GPT(cfg, groups.tp, sequence_parallel=args.sequence_parallel, init=False,
                                              dtype=dt, device=env.device), moe, groups)
     if cp > 1:  # 08's seams: this rank's T/cp of each sequence (Megatron's split), ring attention, its loss
@@ -346,7 +500,26 @@ def against_serial(env, cfg, moe, args, groups, full, idx, targets):
         dist.all_reduce(p.grad, group=getattr(p, "replica_group", groups.dp))
         p.grad /= dp * cp  # 08: summed over cp (each rank's share of the loss), averaged over dp
     both = torch.stack([loss.detach() * dp, aux / cp]).double().to(env.device)  # a tp x cp block's ranks: one aux
-    got = tensor_parallel.all_reduce(both, groups.dp).cpu() / dp
+    return tensor_parallel.all_reduce(both, groups.dp).cpu() / dp, model
+
+
+def against_serial(env, cfg, moe, args, groups, full, idx, targets):
+    """One forward and backward of the serial model with experts, on each replica's rows with its auxiliary
+    losses added to the loss, and machine_step's of this rank's part of the expert-parallel one. Returns
+    ({what: relative difference}, serial (loss, aux), parallel (loss, aux), the parallel model)."""
+    dt, dp = full["transformer.wte.weight"].dtype, args.dp
+    serial = with_experts(tensor_parallel.GPT(cfg, init=False, dtype=dt), moe, token_groups=args.tp)
+    serial.load_full_state_dict(full)
+    for layer in moe_layers(serial):
+        layer.aux_scale = 0.0  # the serial reference adds its auxiliary losses to the loss itself
+    ref, n = torch.zeros(2, dtype=torch.float64), int((targets != -100).sum())  # each counted target: 1/n
+    for rows_idx, rows_targets in zip(idx.chunk(dp), targets.chunk(dp)):  # each replica's rows
+        counted_tokens(serial, rows_targets)
+        loss = serial(rows_idx, rows_targets)[1] * (int((rows_targets != -100).sum()) / n)
+        aux = sum(layer.aux for layer in moe_layers(serial)) / dp
+        (loss + moe.aux_loss_coeff * aux).backward()
+        ref += torch.stack([loss.detach(), aux.detach()]).double()
+    got, model = machine_step(env, cfg, moe, args, groups, full, idx, targets)
     named = dict(serial.named_parameters())
     diffs = {what: (abs(got[i] - ref[i]) / abs(ref[i])).item() for i, what in enumerate(("loss", "aux"))}
     diffs.update({"grad " + n: tensor_parallel.max_rel_diff(g.cpu(), named[n].grad)
@@ -354,34 +527,19 @@ def against_serial(env, cfg, moe, args, groups, full, idx, targets):
     return diffs, ref.tolist(), got.tolist(), model
 
 
-def demo(env, cfg, args):
-    say, moe = printer(env), MoEConfig.of(args)
-    attention = context.rank_grid(env.world_size, args.tp, args.cp, args.dp) if args.cp > 1 else \
-        gpt3d.rank_grid(env.world_size, args.tp, args.dp)  # 08's grid with cp, else 05's
-    grid = fold(attention, args.ep, args.etp)  # before any collective
-    groups = gpt3d.new_groups(env, grid)
-    cp = f" cp={args.cp}" if args.cp > 1 else ""
-    say(f"{cfg}\n{moe}\ntp={args.tp}{cp} dp={args.dp} -> etp={args.etp} ep={args.ep} "
-        f"edp={env.world_size // (args.ep * args.etp)}, B={args.batch_size} T={args.seq_len} float64, "
-        f"world={env.world_size} ({dist.get_backend()})")
-    say(draw_fold(grid))
-    full = moe_state_dict(cfg, moe, args.seed, dtype=torch.float64, random_all=True)
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen)
-    # Counted unevenly (docs/LOSS.md): replica 0 counts one target, the last row loses its first third.
-    targets.chunk(args.dp)[0].fill_(-100)[0, 1] = 3
-    targets[-1, :args.seq_len // 3] = -100
-    diffs, (ref_loss, ref_aux), (loss, aux), model = against_serial(env, cfg, moe, args, groups, full, idx, targets)
-    worst = max(x[0] for x in gather_numbers([max(diffs.values())], device=env.device))
-    report_routing(env, say, cfg, args, model)
-    say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {loss:.12f}\nauxiliary loss (the sum over "
-        f"{len(moe_layers(model))} MoE layers; each 1 when the load is even, up to E/k = {moe.num_experts / moe.top_k:g} when "
-        f"every token picks the same {moe.top_k}): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
-    largest = sorted(diffs.items(), key=lambda x: -x[1])[:3]
-    say("rank 0's largest differences: " + ", ".join(f"{n} {d:.1e}" for n, d in largest))
-    say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference over every rank {worst:.2e} "
-        f"(loss, auxiliary loss, every gradient: router, experts, dense weights; tolerance 1e-10)")
-    return worst <= 1e-10
+def prove_machine(env, cfg, moe, args, full, batch, got, lesson):
+    """The demo's machine part: machine_step on the lesson's layout (tp 1 x dp world folded onto ep: each rank
+    a replica, the same experts on each rank as the lesson's), dropless and etp 1 as the lesson is, on the same
+    weights and batch. Returns the worst relative difference over every rank from the lesson's loss, auxiliary
+    loss and every gradient the lesson's rank holds (got: the lesson's (loss, aux); lesson: its model)."""
+    world = env.world_size
+    flags = SimpleNamespace(**{**vars(args), "tp": 1, "cp": 1, "dp": world, "etp": 1, "sequence_parallel": False})
+    groups = gpt3d.new_groups(env, fold(gpt3d.rank_grid(world, 1, world), args.ep))
+    both, model = machine_step(env, cfg, replace(moe, capacity_factor=None), flags, groups, full, *batch)
+    grads = model.full_grads()
+    diffs = [shards.max_rel_diff(both, got.cpu())] + [shards.max_rel_diff(grads[n].cpu(), p.grad.cpu())
+                                                      for n, p in lesson.named_parameters()]
+    return max(x[0] for x in gather_numbers([max(diffs)], device=env.device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -727,6 +885,13 @@ class DemoConfig(MoEConfig):
         if self.cp > 1 and cfg.dropout:
             raise ValueError(f"--dropout {cfg.dropout:g} with --cp {self.cp}: ring attention drops no probability, "
                              f"and the demo compares with the serial model exactly; give --dropout 0")
+        if cfg.dropout:
+            raise ValueError(f"--dropout {cfg.dropout:g}: the demo compares the lesson and the expert-parallel model "
+                             f"with the serial one exactly, and each rank would draw other masks; give --dropout 0")
+        world = self.tp * self.cp * self.dp
+        if self.batch_size % world:
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by tp x cp x dp = {world}: the demo's "
+                             f"lesson runs every rank as a replica of the dense model on B / {world} of the rows")
         if self.cp > 1 and self.capacity_factor:
             raise ValueError(f"--capacity-factor {self.capacity_factor:g} with --cp {self.cp}: the demo's serial "
                              f"reference drops by the rule over the runs of a sequence the tp ranks hold; 08's split "
