@@ -5,22 +5,24 @@ Megatron Core's and TransformerEngine's context parallelism).
 What this file adds on top of 01-05: a sequence too long for one rank's memory is cut along T over
 cp ranks. Everything but attention works on a token alone (the embeddings, LayerNorm, the MLP, the
 loss), so each rank runs it on its own T/cp tokens; attention needs every earlier token's key and
-value, so those travel:
-  - the split: rank r holds the token ids of its sequence blocks (SPLITS) and embeds each with its
-    true position's row of wpe;
-  - ring attention (LightSeq's DistAttn): at ring step s rank r meets the rank s places before it;
-    the blocks they share are computed by FlashAttention-2's recurrences, written out in plain
-    torch (block_forward, block_backward), and merged by the online-softmax rule (a running max and
-    sum: merge), so the result is softmax(q k^T / sqrt(hs)) v over the whole sequence. In backward
-    dQ accumulates at home while dK and dV travel back to their owners;
-  - causal balance as data: a schedule is every rank's list of blocks per ring step (RingSchedule).
-    A contiguous split leaves the last rank 2 - 1/cp times the mean work; Megatron's and
-    TransformerEngine's split into 2 cp chunks (rank i holds chunks i and 2cp - 1 - i) evens it;
-    LightSeq keeps the contiguous split and lets the ranks that finish early compute part of a busy
-    rank's attention, sending the partial result home. The simulator and the validator read the lists;
-  - the loss is the serial model's mean over every valid token, whatever the split: each rank sums its
-    tokens' losses and divides by the whole batch's count; dense gradients are averaged over dp x cp
-    together, the loss multiplied by cp first, as Megatron does.
+value, so those travel.
+  - The lesson, read first: one ring, the contiguous split (rank r holds block r of every sequence,
+    its tokens embedded at their true positions). The keys and values go round the ring one hop a
+    step (pass_on); at step s rank r attends to block (r - s) mod cp, causally masked on its own,
+    skipped when later, each block merged into the running output by the log-sum-exp (the online
+    softmax); backward is the reverse ring, dK and dV travelling with their block and a last hop
+    bringing them home (OneRing). Each rank's loss is its tokens' sum over the whole batch's count,
+    so the shares add up to the serial mean; every gradient is summed over the ring (ring_step).
+  - The machine, read second, which the trainer and 09 build on: the split and the ring as data, a
+    schedule being every rank's list of blocks per ring step (RingSchedule), run by one general
+    ring (ring_forward, ring_backward) on FlashAttention-2's recurrences in plain torch
+    (block_forward, merge, block_backward); each exchange sends only what a step needs, straight to
+    the rank that needs it (LightSeq's DistAttn). Causal balance is a list: a contiguous split leaves
+    the last rank 2 - 1/cp times the mean work; Megatron's and TransformerEngine's split into 2 cp
+    chunks (rank i holds i and 2cp - 1 - i) evens it; LightSeq keeps the contiguous split and lets the
+    ranks that finish early compute part of a busy rank's attention, sending the partial result
+    home. Dense gradients are averaged over dp x cp together, the loss multiplied by cp first, as
+    Megatron does.
 After the concept: DeepSpeed-Ulysses' all-to-all (heads over ranks for the attention core, the whole
 sequence there), LightSeq's rematerialization-aware checkpointing (--recompute lightseq), and 05's
 trainer with cp in the rank grid (tp fastest, then cp, dp, pp: Megatron's order).
@@ -31,11 +33,12 @@ Run it:
     python 08_context_parallel.py --train --cp 2 --tp 1 --pp 2 --dp 2 --steps 50
     torchrun --nproc-per-node 4 08_context_parallel.py     # one rank per GPU
 
-The demo prints the three schedules' work per rank and ring step with their balance factors (1.50,
-1.75 and 1.88 for the contiguous split at cp = 2, 4, 8), every ring message of one layer with its
-bytes, then runs the serial GPT-2 and the context-parallel one from the same float64 weights,
-forward and backward, at cp = 2 and 4 with each schedule, and prints every gradient's worst relative
-difference (PASS at 1e-10, else exit 1) and the peak activation bytes per rank at cp = 1, 2 and 4.
+The demo runs the lesson against the serial GPT-2 from the same float64 weights at cp = 2 and 4
+(loss and every gradient within 1e-10); then prints the three schedules' work per rank and ring
+step with their balance factors (1.50, 1.75 and 1.88 for the contiguous split at cp = 2, 4, 8), every
+ring message of one layer with its bytes, runs the machine at cp = 2 and 4 with each schedule, each
+against serial (1e-10) and against the lesson (1e-12), and prints every gradient's worst relative
+difference and the peak activation bytes per rank at cp = 1, 2 and 4. It exits 1 on a mismatch.
 """
 import contextlib
 import functools
@@ -73,6 +76,8 @@ def pass_on(group, *ts):
     """One hop of the ring: each tensor of ts sent to the next rank, the previous rank's received in
     its place; every send and receive posted as one batch, so no rank waits for another to go first."""
     r, cp = dist.get_rank(group), dist.get_world_size(group)
+    if cp == 1:  # a ring of one: the next rank and the previous are this one (gloo sends to no rank itself)
+        return list(ts)
     nxt, prev = (dist.get_global_rank(group, (r + d) % cp) for d in (1, -1))
     ts = [t.contiguous() for t in ts]  # q, k, v are views of the fused projection's output
     got = [torch.empty_like(t) for t in ts]
@@ -81,6 +86,13 @@ def pass_on(group, *ts):
     for work_ in dist.batch_isend_irecv(ops):
         work_.wait()
     return got
+
+
+def block_scores(q, k, own):
+    """The scores q k^T / sqrt(hs) of a block of queries against a block of keys (B, nh, T/cp, T/cp);
+    on the rank's own block causal: each query sees the keys up to its own position."""
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    return scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -math.inf) if own else scores
 
 
 class OneRing(torch.autograd.Function):
@@ -92,7 +104,7 @@ class OneRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        r, cp, scale = dist.get_rank(group), dist.get_world_size(group), q.shape[-1] ** -0.5
+        r, cp = dist.get_rank(group), dist.get_world_size(group)
         out, lse = torch.zeros_like(q), q.new_full((*q.shape[:-1], 1), -math.inf)  # no key seen yet
         kb, vb = k, v  # the visiting block: at step 0, this rank's own
         for s in range(cp):
@@ -101,9 +113,7 @@ class OneRing(torch.autograd.Function):
             src = (r - s) % cp
             if src > r:  # a later block: its keys are in every one of these queries' future
                 continue
-            scores = q @ kb.transpose(-2, -1) * scale  # (B, nh, T/cp, T/cp)
-            if src == r:  # the diagonal block: causal inside it
-                scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -math.inf)
+            scores = block_scores(q, kb, src == r)
             new = torch.logaddexp(lse, scores.logsumexp(-1, keepdim=True))  # log-sum-exp over every key so far
             out = torch.exp(lse - new) * out + torch.exp(scores - new) @ vb  # both parts rescaled to it
             lse = new
@@ -123,10 +133,7 @@ class OneRing(torch.autograd.Function):
             src = (r - s) % cp
             if src > r:
                 continue
-            scores = q @ kb.transpose(-2, -1) * scale
-            if src == r:
-                scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -math.inf)
-            p = torch.exp(scores - lse)  # the probabilities, recomputed from the whole row's log-sum-exp
+            p = torch.exp(block_scores(q, kb, src == r) - lse)  # recomputed from the whole row's log-sum-exp
             ds = p * (do @ vb.transpose(-2, -1) - D)  # the scores' gradient
             dq += ds @ kb * scale  # dQ stays at home
             dk += ds.transpose(-2, -1) @ q * scale
