@@ -5,22 +5,24 @@ Megatron Core's and TransformerEngine's context parallelism).
 What this file adds on top of 01-05: a sequence too long for one rank's memory is cut along T over
 cp ranks. Everything but attention works on a token alone (the embeddings, LayerNorm, the MLP, the
 loss), so each rank runs it on its own T/cp tokens; attention needs every earlier token's key and
-value, so those travel:
-  - the split: rank r holds the token ids of its sequence blocks (SPLITS) and embeds each with its
-    true position's row of wpe;
-  - ring attention (LightSeq's DistAttn): at ring step s rank r meets the rank s places before it;
-    the blocks they share are computed by FlashAttention-2's recurrences, written out in plain
-    torch (block_forward, block_backward), and merged by the online-softmax rule (a running max and
-    sum: merge), so the result is softmax(q k^T / sqrt(hs)) v over the whole sequence. In backward
-    dQ accumulates at home while dK and dV travel back to their owners;
-  - causal balance as data: a schedule is every rank's list of blocks per ring step (RingSchedule).
-    A contiguous split leaves the last rank 2 - 1/cp times the mean work; Megatron's and
-    TransformerEngine's split into 2 cp chunks (rank i holds chunks i and 2cp - 1 - i) evens it;
-    LightSeq keeps the contiguous split and lets the ranks that finish early compute part of a busy
-    rank's attention, sending the partial result home. The simulator and the validator read the lists;
-  - the loss is the serial model's mean over every valid token, whatever the split: each rank sums its
-    tokens' losses and divides by the whole batch's count; dense gradients are averaged over dp x cp
-    together, the loss multiplied by cp first, as Megatron does.
+value, so those travel.
+  - The lesson, read first: one ring, the contiguous split (rank r holds block r of every sequence,
+    its tokens embedded at their true positions). The keys and values go round the ring one hop a
+    step (pass_on); at step s rank r attends to block (r - s) mod cp, causally masked on its own,
+    skipped when later, each block merged into the running output by the log-sum-exp (the online
+    softmax); backward is the reverse ring, dK and dV travelling with their block and a last hop
+    bringing them home (OneRing). Each rank's loss is its tokens' sum over the whole batch's count,
+    so the shares add up to the serial mean; every gradient is summed over the ring (ring_step).
+  - The machine, read second, which the trainer and 09 build on: the split and the ring as data, a
+    schedule being every rank's list of blocks per ring step (RingSchedule), run by one general
+    ring (ring_forward, ring_backward) on FlashAttention-2's recurrences in plain torch
+    (block_forward, merge, block_backward); each exchange sends only what a step needs, straight to
+    the rank that needs it (LightSeq's DistAttn). Causal balance is a list: a contiguous split leaves
+    the last rank 2 - 1/cp times the mean work; Megatron's and TransformerEngine's split into 2 cp
+    chunks (rank i holds i and 2cp - 1 - i) evens it; LightSeq keeps the contiguous split and lets the
+    ranks that finish early compute part of a busy rank's attention, sending the partial result
+    home. Dense gradients are averaged over dp x cp together, the loss multiplied by cp first, as
+    Megatron does.
 After the concept: DeepSpeed-Ulysses' all-to-all (heads over ranks for the attention core, the whole
 sequence there), LightSeq's rematerialization-aware checkpointing (--recompute lightseq), and 05's
 trainer with cp in the rank grid (tp fastest, then cp, dp, pp: Megatron's order).
@@ -31,11 +33,12 @@ Run it:
     python 08_context_parallel.py --train --cp 2 --tp 1 --pp 2 --dp 2 --steps 50
     torchrun --nproc-per-node 4 08_context_parallel.py     # one rank per GPU
 
-The demo prints the three schedules' work per rank and ring step with their balance factors (1.50,
-1.75 and 1.88 for the contiguous split at cp = 2, 4, 8), every ring message of one layer with its
-bytes, then runs the serial GPT-2 and the context-parallel one from the same float64 weights,
-forward and backward, at cp = 2 and 4 with each schedule, and prints every gradient's worst relative
-difference (PASS at 1e-10, else exit 1) and the peak activation bytes per rank at cp = 1, 2 and 4.
+The demo runs the lesson against the serial GPT-2 from the same float64 weights at cp = 2 and 4
+(loss and every gradient within 1e-10); then prints the three schedules' work per rank and ring
+step with their balance factors (1.50, 1.75 and 1.88 for the contiguous split at cp = 2, 4, 8), every
+ring message of one layer with its bytes, runs the machine at cp = 2 and 4 with each schedule, each
+against serial (1e-10) and against the lesson (1e-12), and prints every gradient's worst relative
+difference and the peak activation bytes per rank at cp = 1, 2 and 4. It exits 1 on a mismatch.
 """
 import contextlib
 import functools
@@ -52,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plumbing import cli
+from plumbing import cli, demos
 from plumbing.checks import check_rows, check_split
 from plumbing.launch import gather_numbers, printer, run_main
 from plumbing.meter import ActivationMeter
@@ -63,6 +66,146 @@ gpt3d = importlib.import_module("05_3d_gpt")
 
 
 # ----------------------------------------------------------------------------------------------
+# The lesson: one ring, as one writes it on a whiteboard. The sequence is cut into cp contiguous
+# blocks of T/cp tokens; rank r of the cp group holds block r of every sequence, so its own q, k
+# and v (B, nh, T/cp, hs). Everything but attention works on a token alone, so a rank runs it on its
+# own block; attention needs every earlier token's keys and values, so those go round the ring.
+
+
+def pass_on(group, *ts):
+    """One hop of the ring: each tensor of ts sent to the next rank, the previous rank's received in
+    its place; every send and receive posted as one batch, so no rank waits for another to go first."""
+    r, cp = dist.get_rank(group), dist.get_world_size(group)
+    if cp == 1:  # a ring of one: the next rank and the previous are this one (gloo sends to no rank itself)
+        return list(ts)
+    nxt, prev = (dist.get_global_rank(group, (r + d) % cp) for d in (1, -1))
+    ts = [t.contiguous() for t in ts]  # q, k, v are views of the fused projection's output
+    got = [torch.empty_like(t) for t in ts]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in ts]
+    ops += [dist.P2POp(dist.irecv, g, prev, group) for g in got]
+    for work_ in dist.batch_isend_irecv(ops):
+        work_.wait()
+    return got
+
+
+def block_scores(q, k, own):
+    """The scores q k^T / sqrt(hs) of a block of queries against a block of keys (B, nh, T/cp, T/cp);
+    on the rank's own block causal: each query sees the keys up to its own position."""
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    return scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -math.inf) if own else scores
+
+
+class OneRing(torch.autograd.Function):
+    """Causal attention softmax(q k^T / sqrt(hs)) v of this rank's queries (block r) over the whole
+    sequence. At step s the keys and values of block (r - s) mod cp visit, one hop further each step;
+    the block's part is merged into the running output by the log-sum-exp (the online softmax).
+    Backward is the reverse ring: the visiting block's dK and dV travel with it, and the last hop
+    brings each block's gradients home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        r, cp = dist.get_rank(group), dist.get_world_size(group)
+        out, lse = torch.zeros_like(q), q.new_full((*q.shape[:-1], 1), -math.inf)  # no key seen yet
+        kb, vb = k, v  # the visiting block: at step 0, this rank's own
+        for s in range(cp):
+            if s > 0:
+                kb, vb = pass_on(group, kb, vb)  # now block (r - s) mod cp's, from the previous rank
+            src = (r - s) % cp
+            if src > r:  # a later block: its keys are in every one of these queries' future
+                continue
+            scores = block_scores(q, kb, src == r)
+            new = torch.logaddexp(lse, scores.logsumexp(-1, keepdim=True))  # log-sum-exp over every key so far
+            out = torch.exp(lse - new) * out + torch.exp(scores - new) @ vb  # both parts rescaled to it
+            lse = new
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        (q, k, v, out, lse), group = ctx.saved_tensors, ctx.group
+        r, cp, scale = dist.get_rank(group), dist.get_world_size(group), q.shape[-1] ** -0.5
+        D = (do * out).sum(-1, keepdim=True)  # rowsum(dO o): what softmax's backward needs of each row
+        dq, kb, vb, dk, dv = torch.zeros_like(q), k, v, torch.zeros_like(k), torch.zeros_like(v)
+        for s in range(cp):
+            if s > 0:  # the visiting block and the gradients it has gathered so far, one hop on
+                kb, vb, dk, dv = pass_on(group, kb, vb, dk, dv)
+            src = (r - s) % cp
+            if src > r:
+                continue
+            p = torch.exp(block_scores(q, kb, src == r) - lse)  # recomputed from the whole row's log-sum-exp
+            ds = p * (do @ vb.transpose(-2, -1) - D)  # the scores' gradient
+            dq += ds @ kb * scale  # dQ stays at home
+            dk += ds.transpose(-2, -1) @ q * scale
+            dv += p.transpose(-2, -1) @ do
+        dk, dv = pass_on(group, dk, dv)  # the cp-th hop: every block's dK and dV back at its owner
+        return dq, dk, dv, None
+
+
+def ring_gpt(cfg, group, **factory):
+    """01's ParallelGPT (tp = 1: whole, on every rank of the ring) with each block's attention core
+    replaced by the ring; the demo's dropout is 0."""
+    model = tensor_parallel.ParallelGPT(cfg, **factory)
+    for block in model.transformer.h.values():
+        block.attn.core = lambda q, k, v, p: OneRing.apply(q, k, v, group)
+    return model
+
+
+def ring_step(model, idx, targets, group):
+    """One forward and backward of this rank's block of the batch (B, T) on its ring: returns the
+    serial model's mean loss; every gradient ends summed over the ring's ranks."""
+    r, cp, T = dist.get_rank(group), dist.get_world_size(group), idx.shape[1]
+    if T % cp:  # before the first message
+        raise ValueError(f"ring_step: T={T} tokens do not split into cp={cp} equal blocks")
+    pos = torch.arange(r * T // cp, (r + 1) * T // cp, device=idx.device)  # block r's true positions
+    tr = model.transformer
+    x = tr.wte(idx[:, pos]) + tr.wpe(pos)  # (B, T/cp, C): each token at its own position's row
+    for block in tr.h.values():
+        x = block(x)  # LayerNorm, the projections, the MLP: token by token; attention: the ring
+    logits = model.lm_head(tr.ln_f(x))  # (B, T/cp, V)
+    mine = F.cross_entropy(logits.flatten(0, 1), targets[:, pos].flatten(), ignore_index=-100, reduction="sum")
+    loss = mine / (targets != -100).sum().clamp(min=1)  # over the whole batch's count: the shares add to the mean
+    loss.backward()
+    for p in model.parameters():  # a weight's gradient is the sum over every token's: over every rank's
+        dist.all_reduce(p.grad, group=group)
+    return tensor_parallel.all_reduce(loss.detach(), group)
+
+
+def demo(env, cfg, args):
+    say, dt, T = printer(env), torch.float64, args.seq_len
+    if env.world_size != 4:  # before the first collective
+        raise ValueError(f"the demo runs cp = 1, 2 and 4 on 4 ranks, and this world has {env.world_size}: "
+                         f"torchrun --nproc-per-node 4")
+    say(f"{cfg}\nB={args.batch_size} T={T} float64, world={env.world_size} ({dist.get_backend()})")
+    groups = {cp: cp_groups(env, cp) for cp in (1, 2, 4)}  # every rank creates every group, in one order
+    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, T), generator=gen).to(env.device)
+    targets[0, :T // 3] = -100  # some tokens not counted, unevenly over the ranks: the first row
+    targets[0, T // 3 + 1:] = -100  # counts one target alone, which one rank holds (docs/LOSS.md)
+    serial = tensor_parallel.ParallelGPT(cfg, dtype=dt, device=env.device)
+    serial.load_full_state_dict(full)
+    ref_logits, ref_loss = serial(idx, targets)
+    ref_loss.backward()
+    ref = ref_loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
+    lessons, ok = {}, True
+    for cp in (2, 4):
+        model = ring_gpt(cfg, groups[cp], dtype=dt, device=env.device)
+        model.load_full_state_dict(full)
+        lessons[cp] = ring_step(model, idx, targets, groups[cp]), {n: p.grad for n, p in model.named_parameters()}
+        worst = demos.worst_difference(lessons[cp], *ref)
+        ok = ok and worst <= 1e-10
+        say(f"the lesson, one ring at cp={cp}: loss {lessons[cp][0].item():.12f} (serial {ref_loss.item():.12f}), "
+            f"max relative difference against serial (loss and every gradient): {worst:.2e} "
+            f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+    return prove_machine(env, cfg, groups, (idx, targets), full, (ref_logits, *ref), lessons, say) and ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: the machine, which the trainer and 09 build on, and which the demo proves equal to the
+# lesson. Its ring is general: the splits and their steps are data, each step's messages derived
+# from them, so a balanced split (Megatron's, LightSeq's) is a list, not another loop.
+#
 # The split, and the schedules as data. The sequence is cut into n equal blocks (n = cp, or 2 cp
 # for Megatron's split); split[r] lists rank r's blocks in the order of its rows. A schedule is
 # every rank's list of ring steps, each a list of Blocks: at step s, rank r works with its visitor,
@@ -369,29 +512,20 @@ def step(model, idx, targets, cp_group, grad_group):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: the schedules' balance, the ring's messages, then serial against context-parallel, float64
+# The demo's machine part: the schedules' balance, the ring's messages, then the machine at cp = 2
+# and 4 with each split, against serial and against the lesson, float64
 
 
-def demo(env, cfg, args):
-    say, dt, T = printer(env), torch.float64, args.seq_len
-    if env.world_size != 4:  # before the first collective
-        raise ValueError(f"the demo runs cp = 1, 2 and 4 on 4 ranks, and this world has {env.world_size}: "
-                         f"torchrun --nproc-per-node 4")
-    say(f"{cfg}\nB={args.batch_size} T={T} float64, world={env.world_size} ({dist.get_backend()})")
+def prove_machine(env, cfg, groups, batch, full, reference, lessons, say):
+    """The schedules reported; context_parallel's model stepped by `step` at cp = 2 and 4, each split,
+    its loss, logits and gradients against serial (1e-10) and its loss and gradients against the
+    lesson at the same cp (1e-12); the peak activation bytes at cp = 1, 2 and 4."""
+    (idx, targets), (ref_logits, ref_loss, ref_grads), dt = batch, reference, torch.float64
+    B, T = idx.shape
     if env.rank == 0:
         report_balance(say, (2, 4, 8), show=4)
-        report_messages(say, cfg, args.batch_size, T, 4)
-    groups = {cp: cp_groups(env, cp) for cp in (1, 2, 4)}  # every rank creates every group, in order
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=dt, random_all=True)
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, T), generator=gen).to(env.device)
-    targets[0, :T // 3] = -100  # some tokens not counted, unevenly over the ranks: the first row
-    targets[0, T // 3 + 1:] = -100  # counts one target alone, which one rank holds (docs/LOSS.md)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=dt, device=env.device)
-    serial.load_full_state_dict(full)
-    ref_logits, ref_loss = serial(idx, targets)
-    ref_loss.backward()
-    worst, peaks = {}, {}
+        report_messages(say, cfg, B, T, 4)
+    worst, peaks, against_lesson = {}, {}, 0.0
     for cp in (2, 4):
         for name, make in SPLITS.items():
             sched, group = make(cp), groups[cp]
@@ -400,16 +534,18 @@ def demo(env, cfg, args):
                                      sched, group)
             model.load_full_state_dict(full)
             logits, loss = step(model, idx, targets, group, group)
-            diffs = {"loss": tensor_parallel.max_rel_diff(loss, ref_loss.detach()),
+            diffs = {"loss": tensor_parallel.max_rel_diff(loss, ref_loss),
                      "logits": tensor_parallel.max_rel_diff(gather_sequence(logits.detach(), sched, group),
                                                             ref_logits.detach())}
-            diffs.update({"grad " + n: tensor_parallel.max_rel_diff(p.grad, serial.get_parameter(n).grad)
+            diffs.update({"grad " + n: tensor_parallel.max_rel_diff(p.grad, ref_grads[n])
                           for n, p in model.named_parameters()})
             everyone = gather_numbers(list(diffs.values()), device=env.device)
             for i, key in enumerate(diffs):
                 worst[key] = max([worst.get(key, 0.0)] + [row[i] for row in everyone])
+            lesson = demos.worst_difference((loss, {n: p.grad for n, p in model.named_parameters()}), *lessons[cp])
+            against_lesson = max(against_lesson, lesson)
             say(f"cp={cp} {name:10s}: loss {loss.item():.12f} (serial {ref_loss.item():.12f}), worst relative "
-                f"difference {max(max(row) for row in everyone):.2e}")
+                f"difference {max(max(row) for row in everyone):.2e}; from the lesson {lesson:.2e}")
     for cp in (1, 2, 4):
         sched = megatron(cp)
         model = context_parallel(tensor_parallel.GPT(cfg, None, init=False, dtype=dt, device=env.device),
@@ -421,10 +557,14 @@ def demo(env, cfg, args):
         meter.measure()
         peaks[cp] = gather_numbers([meter.peak], device=env.device)
         total.backward()  # the ring's backward: every rank of the group takes part
+    same = against_lesson <= 1e-12
+    say(f"\nthe machine (context_parallel's model, every split, through step) against the lesson's ring_step at the "
+        f"same cp (loss and every gradient): {against_lesson:.2e} {'PASS' if same else 'FAIL'} (tolerance 1e-12)")
     report_parity(say, worst, peaks)
     ok = max(worst.values()) <= 1e-10
-    say(f"\n{'PASS' if ok else 'FAIL'}: worst relative difference {max(worst.values()):.2e} (tolerance 1e-10)")
-    return ok
+    say(f"\n{'PASS' if ok and same else 'FAIL'}: worst relative difference {max(worst.values()):.2e} "
+        f"(tolerance 1e-10)")
+    return ok and same
 
 
 # ----------------------------------------------------------------------------------------------
