@@ -5,17 +5,17 @@ list of Actions that 02's validate() accepts, whose first backward comes where t
 definition puts it, which keeps the microbatches in flight and the bubble that simulate() should
 find, and which equals 02's own list. Then it runs: pp = 4 CPU ranks run it through 02's own
 pipeline_step (the chunks built, the lists executed, the tied embedding synced), and the loss and
-every gradient are compared with the serial model's (float64, 1e-10). The tied embedding is checked
-after 02's executor, as 05's train_step calls it (gradients where grad_of says), on 2 ranks, and on
-1 rank that holds two chunks.
+every gradient are compared with the serial model's (float64, 1e-10). The tied embedding's sum is
+checked inside 02's lesson: one_f_one_b_step on 2 ranks and on 1, the student's sum_tied_grads in
+place of 02's, against the serial model's loss and every gradient.
 """
 from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 
-from exercises.autograder import Exercise, Planted, StudentError, called, differences, first, new_group, \
-    numbered, random_weights, ranks, token_batch
+from exercises.autograder import Exercise, Planted, StudentError, called, differences, first, installed, \
+    new_group, numbered, random_weights, ranks, token_batch
 
 tensor_parallel = numbered("01_tensor_parallel")
 pipeline = numbered("02_pipeline_1f1b")
@@ -23,7 +23,7 @@ interleaved = numbered("03_interleaved")
 F64 = torch.float64
 ROWS, T = 2, 8  # each microbatch: (ROWS, T) tokens
 REFERENCE = {"gpipe": pipeline.gpipe, "one_f_one_b": pipeline.one_f_one_b,
-             "sync_tied_embeddings": pipeline.sync_tied_embeddings}
+             "sum_tied_grads": pipeline.sum_tied_grads}
 CASES = [(pp, m) for pp in range(1, 7) for m in range(1, 13)]
 
 
@@ -187,37 +187,42 @@ def check_one_f_one_b(impl):
 # 02.3 The tied embedding
 
 
-def _tied(env, lists, ref, sync):
-    chunks, res, embed_group = _execute(env, lists, ref)
-    store = {p: p.grad.clone() for c in chunks for p in c.parameters()}  # where grad_of says they live
-    before = {p: g.clone() for p, g in store.items()}
-    sync(chunks, embed_group, grad_of=store.__getitem__)
-    out, key = [], "transformer.wte.weight"
-    for i, c in enumerate(chunks):
-        if "wte" not in c.transformer:
-            continue
-        p = c.transformer.wte.weight
-        copy = f"rank {env.rank}'s copy of {key}" + (f" (chunk {i})" if len(chunks) > 1 else "")
-        part = "the lookup's" if c.pre_process else "the output layer's"
-        found = differences([(copy, store[p], ref["grads"][key],
-                              [(before[p], f"it holds only its own part of the gradient ({part}): add the other "
-                                           f"copy's part" + (", an all-reduce over embed_group" if embed_group
-                                                             else ", held by this rank's other chunk"))])],
-                            factors={"2": 2})
-        if found and not differences([("", p.grad, ref["grads"][key])]):
-            found = [f"{copy}: p.grad was updated, but the gradient lives in grad_of(p): update that"]
-        out += found
-    return out
+def _tied(env, ref):
+    """02's lesson, one_f_one_b_step, on this rank's stage with the sum_tied_grads installed (the student's);
+    the copy's gradient before the sum is kept, to say what a wrong one holds."""
+    stage = pipeline.stage_model(ref["cfg"], dtype=F64).load_full_state_dict(ref["full"])
+    micro = pipeline.split_batch(ref["idx"], ref["targets"], ref["m"])
+    summing, own = pipeline.sum_tied_grads, {}
+
+    def watched(st, pp_group=None):
+        if "wte" in st.transformer and st.transformer.wte.weight.grad is not None:
+            own["grad"] = st.transformer.wte.weight.grad.clone()
+        return summing(st, pp_group)
+
+    with installed((pipeline, "sum_tied_grads", watched)):
+        loss = pipeline.one_f_one_b_step(stage, micro)
+    key, pp = "transformer.wte.weight", env.world_size
+    pairs = [("the loss", loss, ref["loss"])] if loss is not None else []
+    for n, p in stage.named_parameters():
+        if n == key and "grad" in own:
+            part = "the lookup's" if stage.pre_process and pp > 1 else "the output layer's" if pp > 1 else "both uses'"
+            pairs.append((f"rank {env.rank}'s copy of {key}", p.grad, ref["grads"][key],
+                          [(own["grad"], f"it holds only its own part of the gradient ({part}): add the other "
+                                         f"stage's part (send_recv with the stage at the other end)"),
+                           (ref["grads"][key] - own["grad"], "it holds only the other stage's part: add it to "
+                                                             "this copy's own gradient, do not replace it")]))
+        elif n != key:
+            pairs.append((f"the gradient of {n}", p.grad, ref["grads"][n]))
+    return [f"rank {env.rank}: {r}" for r in differences(pairs, factors={"2": 2})]
 
 
-def check_sync_tied_embeddings(impl):
-    sync = impl["sync_tied_embeddings"]
-    two_ranks = [pipeline.one_f_one_b(2, 4, s) for s in range(2)]
-    reasons = [r for rs in ranks(_tied, 2, two_ranks, serial_reference(2, 4), sync) for r in rs]
-    if not reasons:  # one rank holding two chunks (pp = 1, v = 2), then one holding one (pp = v = 1)
-        for v in (2, 1):
-            reasons += [f"pp=1, v={v}: {r}" for rs in ranks(_tied, 1, [interleaved.interleaved(1, 2, 0, v)],
-                                                             serial_reference(v, 2), sync) for r in rs]
+def check_sum_tied_grads(impl):
+    reasons = []
+    with installed((pipeline, "sum_tied_grads", impl["sum_tied_grads"])):
+        for pp in (2, 1):  # two stages, each a copy; one stage holding both uses in one weight
+            reasons += [f"pp={pp}: {r}" for rs in ranks(_tied, pp, serial_reference(2, 4)) for r in rs]
+            if reasons:
+                break
     return first(reasons, 3)
 
 
@@ -244,8 +249,15 @@ def _gpipe_backwards_reversed(pp, m, stage):
     return [pipeline.Action("F", i) for i in range(m)] + [pipeline.Action("B", i) for i in reversed(range(m))]
 
 
-def _sync_nothing(chunks, embed_group, grad_of=lambda p: p.grad):
+def _sum_nothing(stage, pp_group=None):
     pass
+
+
+def _swap_not_add(stage, pp_group=None):  # each end takes the other's part instead of adding it
+    s, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    if pp > 1 and s in (0, pp - 1):
+        g = stage.transformer.wte.weight.grad
+        g.copy_(pipeline.send_recv(g, pp - 1 - s, g, pp_group))
 
 
 EXERCISES = [
@@ -261,9 +273,11 @@ EXERCISES = [
                       lambda: {"one_f_one_b": _warmup_too_long}, "where 1F1B runs 1: a warmup of pp - stage - 1 = 0"),
               Planted("warmup_too_short", "1F1B warms up with pp - stage - 2 forwards, one too few",
                       lambda: {"one_f_one_b": _warmup_too_short}, "1 forward before the first backward, where 1F1B runs 2")]),
-    Exercise("02.3", "sync_tied_embeddings", "the tied embedding's gradient across stages",
-             ("sync_tied_embeddings",), "Shoeybi et al. 2019, Section 3 (the shared embedding)",
-             check_sync_tied_embeddings, lambda: {"sync_tied_embeddings": REFERENCE["sync_tied_embeddings"]},
-             [Planted("tied_not_synced", "the copies of the tied embedding are left as they are",
-                      lambda: {"sync_tied_embeddings": _sync_nothing}, "it holds only its own part of the gradient")]),
+    Exercise("02.3", "sum_tied_grads", "the tied embedding's gradient across stages",
+             ("sum_tied_grads",), "Shoeybi et al. 2019, Section 3 (the shared embedding)",
+             check_sum_tied_grads, lambda: {"sum_tied_grads": REFERENCE["sum_tied_grads"]},
+             [Planted("tied_not_summed", "the copies of the tied embedding are left as they are",
+                      lambda: {"sum_tied_grads": _sum_nothing}, "it holds only its own part of the gradient"),
+              Planted("tied_swapped", "each end takes the other's part instead of adding it",
+                      lambda: {"sum_tied_grads": _swap_not_add}, "it holds only the other stage's part")]),
 ]

@@ -57,17 +57,17 @@ def one_f_one_b(pp, m, stage):
 # Megatron sums their gradients over an "embedding group" of those two ranks.
 
 
-def sync_tied_embeddings(chunks, embed_group, grad_of=lambda p: p.grad):
-    """After the pipeline's last backward: make every copy of the tied weight hold the whole
-    gradient, the sum of what each copy received.
+def sum_tied_grads(stage, pp_group=None):
+    """After the stage's last backward (02's lesson calls it at the end of gpipe_step and
+    one_f_one_b_step): make both copies of the tied weight hold the whole gradient, the sum of what
+    each copy received.
 
-    chunks: this rank's model chunks (01's GPT, cut); a chunk holds a copy of the tied weight when
-    "wte" in chunk.transformer, as chunk.transformer.wte.weight. grad_of(p) is the tensor that holds
-    p's gradient (p.grad here; 04 keeps gradients in a flat buffer and passes its own): update it in
-    place. embed_group: the process group of the first and the last stage, or None on a rank that
-    is neither, and at pp = 1. With v > 1 virtual stages one rank may hold two copies (its first
-    chunk and its last): add those here, then sum over embed_group if there is one."""
-    raise NotImplementedError("02.3 sync_tied_embeddings: which ranks hold a copy of wte, and what has each "
+    stage: this rank's stage (02's stage_model: 01's ParallelGPT cut to its layers); the first stage
+    and the last hold a copy, stage.transformer.wte.weight, whose .grad is what that copy received
+    (the lookup's part on the first, the output layer's on the last). Update .grad in place. At
+    pp = 1 the one stage holds both uses in one weight, and autograd has already added them. The
+    lesson's own messages: send_recv(tensor, peer, like, pp_group) sends and receives at once."""
+    raise NotImplementedError("02.3 sum_tied_grads: which stages hold a copy of wte, and what has each "
                               "copy's gradient missed? Read Shoeybi et al. 2019, Section 3 (the shared "
                               "embedding); then run: "
                               "python3 -m exercises check 02.3")
