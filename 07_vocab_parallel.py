@@ -6,25 +6,27 @@ last one the output layer and the loss, whose work and weights grow with V (6 b 
 bytes against a layer's b s h (72 h + 12 s) and 24 h^2: the paper's Table 4). For a large
 vocabulary the last stage is the pipeline's slowest and fullest, and every other stage waits for it
 (Figure 1). Here the vocabulary is cut over all pp x tp ranks instead:
-  - where the weights live: V padded to a multiple of pp tp; the rank at pipeline place r and tp
-    place t holds rows [i n, (i + 1) n) of wte, i = r tp + t, n = V_pad / (pp tp), used both by the
-    input lookup and by the tied output layer, so the tie is local; wpe stays on the first stage and
-    ln_f on the last;
-  - the input layer: every rank looks each token up in its own rows (zeros for the others'); the sums
-    are reduced to the first stage; in backward the gradient is broadcast back to every rank;
-  - the output layer, per microbatch, as two passes that every rank runs on its slice: S, once the
-    last stage has handed its output X to every rank: the slice's logits, their max, their sum of
-    exponentials and the target's logit; T: the slice's gradient, from the softmax. The softmax
-    needs every rank's statistics, so an all-reduce stands between S and T: a barrier. Algorithm 1
-    has two, the statistics after S and X's gradient after T; Algorithm 2 has one: S also computes
-    X's gradient from its own slice's softmax, and the statistics' all-reduce rescales and sums it;
-  - the schedules: S and T are actions of 02's lists, inserted into 1F1B or 06's ZB-H1 and ZB-V as
-    data (insert_passes); 02's validator knows that they wait for the last stage or for every rank,
-    and that their collectives go in the same order everywhere. Each barrier costs one more warm-up
-    microbatch: rank r holds pp - r + barriers microbatches of 1F1B in flight, not pp - r;
-  - the barriers' all-reduces run on a thread of their own, in the order issued, while the pipeline
-    goes on (the CPU's stand-in for the paper's second stream, Figure 5): a pass waits for one only
-    when it needs its result.
+  - The lesson, read first: vocab_stage (02's stage without its vocabulary layers; on every rank its
+    rows of wte, V padded to a multiple of pp tp: rank i = r tp + t holds rows [i n, (i + 1) n),
+    n = V_pad / (pp tp), serving the input lookup and the tied output layer, so the tie is local),
+    output_layer (one microbatch's S and T, Algorithm 1, every collective inline: X broadcast from
+    the last stage; S: the slice's logits, their max all-reduced, then their sum of exponentials and
+    the target's logit, the first barrier; T: the slice's gradient from the softmax, its rows'
+    gradient and its share of X's, whose all-reduce is the second barrier) and vocab_1f1b_step
+    (02's 1F1B over its lesson pieces, the input layer around it: lookups all-reduced before, the
+    gradient broadcast back after; each backward's gradient from its microbatch's output layer,
+    which every rank runs just before it would receive that gradient).
+  - The machine, read second, which the trainer runs:
+    - the passes (VocabularyPasses): the input layer reduced to the first stage; S and T as two
+      actions a microbatch; Algorithm 2 with one barrier: S also computes X's gradient from its own
+      slice's softmax, and the statistics' all-reduce rescales and sums it;
+    - the schedules: S and T are actions of 02's lists, inserted into 1F1B or 06's ZB-H1 and ZB-V as
+      data (insert_passes); 02's validator knows that they wait for the last stage or for every rank,
+      and that their collectives go in the same order everywhere. Each barrier costs one more warm-up
+      microbatch: rank r holds pp - r + barriers microbatches of 1F1B in flight, not pp - r;
+    - the barriers' all-reduces run on a thread of their own, in the order issued, while the pipeline
+      goes on (the CPU's stand-in for the paper's second stream, Figure 5): a pass waits for one only
+      when it needs its result.
 05's training loop runs it all: --train, with --vocab-barriers and --schedule.
 
 Run it:
@@ -33,11 +35,13 @@ Run it:
     python 07_vocab_parallel.py --train --tp 2 --pp 2 --dp 2 --vocab-barriers 1 --steps 50
     torchrun --nproc-per-node 8 07_vocab_parallel.py     # one rank per GPU
 
-The demo prints, for the model's vocabulary and a large one, each stage's parameter bytes, its
-compute per microbatch and its memory (microbatches in flight, logits held), with and without
-vocabulary parallelism, and the simulated step time of both; then it runs 1F1B, ZB-H1 and ZB-V with
-both algorithms against the serial model in float64 (loss and every gradient within 1e-10, V padded)
-and exits 1 on a mismatch. tests/test_vocab_parallel.py adds ignore_index and 10 AdamW steps.
+The demo runs the lesson against the serial model in float64 on a batch whose microbatches count
+unequal numbers of targets, one none (loss and every gradient within 1e-10); then the machine: for
+the model's vocabulary and a large one, each stage's parameter bytes, its compute per microbatch and
+its memory (microbatches in flight, logits held), with and without vocabulary parallelism, and the
+simulated step time of both; 1F1B, ZB-H1 and ZB-V with both algorithms against the serial model
+(1e-10, V padded), 1F1B's against the lesson too (1e-12); it exits 1 on a mismatch.
+tests/test_lesson_07.py holds the lesson to serial; tests/test_vocab_parallel.py adds 10 AdamW steps.
 """
 import concurrent.futures
 import dataclasses
@@ -207,7 +211,8 @@ def demo(env, cfg, args):
 
 
 # ----------------------------------------------------------------------------------------------
-# Where the weights live: one slice of the vocabulary per rank, input and output layer alike
+# Read second: the machine, which the trainer runs. Where the weights live: one slice of the
+# vocabulary per rank, input and output layer alike
 
 
 def spread_vocabulary(cfg, chunks, vocab_group, divisible_by=1):
@@ -554,7 +559,8 @@ def vocab_schedule(name, pp, m, barriers, divisible_by=1):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: the balance, simulated for two vocabularies, then every schedule against the serial model
+# The demo's machine part: the balance, simulated for two vocabularies, then every schedule against
+# the serial model and 1F1B's against the lesson
 
 
 def balance(cfg, pp, tp, m, b, T, V, barriers=2):
