@@ -149,7 +149,7 @@ def vocab_1f1b_step(stage, microbatches, groups):
         inputs = [x.detach() for x in embedded.chunk(m)]  # the first stage's inputs: leaves, for their gradients
 
     def forward(i, x):  # F_i: 02's forward_step of the blocks; on the last stage, then ln_f
-        x, y = pipeline.forward_step(stage, microbatches[i], inputs[i] if first else x, 1.0, losses)
+        x, y = pipeline.forward_step(stage, microbatches[i], inputs[i] if first else x, None, None)  # no loss
         flight.append((x, stage.transformer.ln_f(y) if last else y))
 
     def output(j):  # microbatch j's output layer, on every rank: its loss kept, the last stage's gradient
@@ -196,7 +196,8 @@ def demo(env, cfg, args):
     say(f"{cfg}\npp={pp} tp={tp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     say(f"targets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
-    groups = gpt3d.new_groups(env, {**gpt3d.rank_grid(env.world_size, tp, 1, pp), "vocab": [list(range(env.world_size))]})
+    grid = {**gpt3d.rank_grid(env.world_size, tp, 1, pp), "vocab": [list(range(env.world_size))]}  # pp x tp ranks
+    groups = gpt3d.new_groups(env, grid)
     stage = vocab_stage(cfg, groups, dtype=torch.float64, device=env.device)
     stage.transformer.wte.weight.split_group = groups.vocab  # its rows cut over pp x tp (plumbing/shards)
     stage.load_full_state_dict(full)  # the serial model's weights
