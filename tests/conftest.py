@@ -407,6 +407,20 @@ def unequal_batch(cfg, m, rows=2, T=16, seed=5):
     return idx, unequal_counts(targets, m)
 
 
+def lesson_reference(cfg, m):
+    """What the pipeline lessons' tests compare with: unequal_batch(cfg, m)'s (idx, targets), full float64
+    weights from seed 0 (every tensor random), the serial model's (loss, {name: grad}) on the whole batch,
+    and the m microbatches: (idx, targets, full, ref, microbatches)."""
+    tensor_parallel = load("01_tensor_parallel")
+    idx, targets = unequal_batch(cfg, m)
+    full = tensor_parallel.init_state_dict(cfg, 0, dtype=torch.float64, random_all=True)
+    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64).load_full_state_dict(full)
+    loss = serial(idx, targets)[1]
+    loss.backward()
+    ref = loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
+    return idx, targets, full, ref, list(zip(idx.chunk(m), targets.chunk(m)))
+
+
 def worst_of(got, want):
     """The largest relative difference of (loss or None, {name: grad}) from want's, on this rank."""
     from plumbing.shards import max_rel_diff

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PIPELINE_CFG, load, unequal_batch, worst_of
+from conftest import PIPELINE_CFG, load, lesson_reference, unequal_batch, worst_of
 
 tensor_parallel, pipeline, interleaved = load("01_tensor_parallel"), load("02_pipeline_1f1b"), load("03_interleaved")
 
@@ -40,14 +40,7 @@ def _lesson_and_machine(env, v, m, plant=None):
         interleaved.chunk_layers = _rank_major
     pp = env.world_size
     cfg = tensor_parallel.GPTConfig(**{**PIPELINE_CFG.__dict__, "n_layer": pp * v})
-    idx, targets = unequal_batch(cfg, m)
-    full = tensor_parallel.init_state_dict(cfg, 0, dtype=torch.float64, random_all=True)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64)
-    serial.load_full_state_dict(full)
-    loss = serial(idx, targets)[1]
-    loss.backward()
-    ref = loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
-    micro = list(zip(idx.chunk(m), targets.chunk(m)))
+    idx, targets, full, ref, micro = lesson_reference(cfg, m)
     chunks = interleaved.chunk_models(cfg, v, dtype=torch.float64)
     for chunk in chunks:
         chunk.load_full_state_dict(full)

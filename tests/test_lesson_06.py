@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PIPELINE_CFG, load, unequal_batch, worst_of
+from conftest import PIPELINE_CFG, load, lesson_reference, worst_of
 
-tensor_parallel, pipeline, zb = load("01_tensor_parallel"), load("02_pipeline_1f1b"), load("06_zero_bubble")
+pipeline, zb = load("02_pipeline_1f1b"), load("06_zero_bubble")
 
 
 def _i_with_dw(ctx, dy):  # SplitLinear.backward that also gives the weight its gradient: W then adds it again
@@ -52,14 +52,7 @@ def _lesson_and_machine(env, m, plant=None):
     if plant == "I keeps dW too":
         zb.SplitLinear.backward = staticmethod(_i_with_dw)
     pp, cfg = env.world_size, PIPELINE_CFG  # 4 layers: pp in 1, 2, 4
-    idx, targets = unequal_batch(cfg, m)
-    full = tensor_parallel.init_state_dict(cfg, 0, dtype=torch.float64, random_all=True)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64)
-    serial.load_full_state_dict(full)
-    loss = serial(idx, targets)[1]
-    loss.backward()
-    ref = loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
-    micro = list(zip(idx.chunk(m), targets.chunk(m)))
+    idx, targets, full, ref, micro = lesson_reference(cfg, m)
     stage = pipeline.stage_model(cfg, dtype=torch.float64)
     stage.load_full_state_dict(full)
     lesson = zb.zb_h1_step(stage, micro), {n: p.grad for n, p in stage.named_parameters()}

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PIPELINE_CFG, load, unequal_batch, worst_of
+from conftest import PIPELINE_CFG, load, lesson_reference, worst_of
 
 tensor_parallel, gpt3d, vp = load("01_tensor_parallel"), load("05_3d_gpt"), load("07_vocab_parallel")
 
@@ -53,14 +53,7 @@ def _lesson_and_machine(env, pp, tp, m, V, plant=None):
     """On every rank: (the lesson against serial, [the machine against the lesson, Algorithm 1 and 2])."""
     cfg = PIPELINE_CFG if V == PIPELINE_CFG.vocab_size else tensor_parallel.GPTConfig(
         **{**vars(PIPELINE_CFG), "vocab_size": V})
-    idx, targets = unequal_batch(cfg, m)
-    full = tensor_parallel.init_state_dict(cfg, 0, dtype=torch.float64, random_all=True)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64)
-    serial.load_full_state_dict(full)
-    loss = serial(idx, targets)[1]
-    loss.backward()
-    ref = loss.detach(), {n: p.grad for n, p in serial.named_parameters()}
-    micro = list(zip(idx.chunk(m), targets.chunk(m)))
+    idx, targets, full, ref, micro = lesson_reference(cfg, m)
     grid = {**gpt3d.rank_grid(env.world_size, tp, 1, pp), "vocab": [list(range(env.world_size))]}
     groups = gpt3d.new_groups(env, grid)
     stage = vp.vocab_stage(cfg, groups, dtype=torch.float64)
