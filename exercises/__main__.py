@@ -98,11 +98,14 @@ def not_written(exercise, impl):
 def lend_students_pieces():
     """In the student copy (python3 -m exercises student-repo) the numbered files' pieces are stubs,
     so the serial model a check computes first, and a later exercise's machinery, would stop at a
-    stub the student has already written in exercises/ex0N_*.py. Each such stub is put in place by
-    the student's own piece: a function by attribute (its module's, or its class's), an autograd
-    Function's methods on the class itself (so that every alias of its apply runs them). In the
-    instructor's copy nothing is a stub, and nothing is lent. A stub file that does not import lends
-    nothing; grading it says why."""
+    stub the student has already written in exercises/ex0N_*.py. Returns [(exercise, owner,
+    attribute, the stub's value, the student's)] for each: _check puts in the student's pieces of
+    the other exercises while it grades one, and keeps that one's own stubs, so that no check
+    compares a student's piece with itself (05.1's expected grid is the module's rank_grid). A
+    function is lent by attribute (its module's, or its class's), an autograd Function by its
+    methods, set on the class itself (every alias of its apply runs them). In the instructor's copy
+    nothing is a stub: nothing is lent. A stub file that does not import lends nothing."""
+    lent = []
     for file in FILES:
         for e in exercises(file):
             reference = e.reference()
@@ -118,16 +121,17 @@ def lend_students_pieces():
                     continue
                 _stubbed.add((e.key, name))
                 if isinstance(theirs, type):
-                    for m in _own_methods(theirs):
-                        if m in vars(mine):
-                            setattr(theirs, m, inspect.getattr_static(mine, m))
+                    lent += [(e.key, theirs, m, inspect.getattr_static(theirs, m), inspect.getattr_static(mine, m))
+                             for m in _own_methods(theirs) if m in vars(mine)]
                     continue
                 owner = sys.modules[theirs.__module__]
                 *path, last = theirs.__qualname__.split(".")
                 for part in path:
                     owner = getattr(owner, part)
                 static = isinstance(inspect.getattr_static(owner, last), staticmethod)
-                setattr(owner, last, staticmethod(mine) if static else mine)
+                lent.append((e.key, owner, last, inspect.getattr_static(owner, last),
+                             staticmethod(mine) if static else mine))
+    return lent
 
 
 _stubbed = set()  # (exercise, name) whose numbered piece is a stub, lent the student's: not compared
@@ -229,17 +233,28 @@ def _check(args, chosen, out, rows):
                          "without --solution")
     if args.file and not os.path.isfile(args.file):
         raise ValueError(f"--file {args.file}: no such file")
-    if not args.solution:
-        lend_students_pieces()
+    lent = [] if args.solution else lend_students_pieces()
     for file, group in by_file.items():
         source = f"{FILES[file][0]}.py's own functions" if args.solution else \
             args.file or f"exercises/{FILES[file][1]}.py"
         out(f"{FILES[file][0]}.py: grading {source}")
         for e in group:
             start = time.perf_counter()
+            for key, owner, attr, stub_value, students in lent:  # the others' pieces, never this one's own
+                setattr(owner, attr, stub_value if key == e.key else students)
             impl = e.reference() if args.solution else load_impl(e, args.file, args.time_limit)
-            copied = None if args.solution else not_written(e, impl)
-            result = Grade("fail", copied) if copied else grade(e, impl, args.time_limit)
+            copied = [] if args.solution else not_written(e, impl)
+            result = grade(e, impl, args.time_limit)
+            if copied:  # refused by name, and graded too, so that the student's own pieces get their diagnosis
+                result = Grade("fail", copied + result.lines)
+            elif lent and result.status == "not implemented" and result.lines[0][:4] != e.key:
+                result = Grade("not implemented", result.lines + [
+                    f"(this check runs {result.lines[0][:4]}'s piece too: write that first)"])
+            elif lent and result.status == "not implemented" and not any(_is_stub(f) for f in impl.values()):
+                result = Grade("not implemented", result.lines + [
+                    f"(your {', '.join(e.functions)} is written, but this check needs {FILES[e.file][0]}.py's own, "
+                    f"which the student copy does not have: it is graded in the instructor's copy, with "
+                    f"--file {FILES[e.file][1]}.py)"])
             seconds = time.perf_counter() - start
             show(e, result, seconds, out)
             rows.append((e, result, seconds, []))

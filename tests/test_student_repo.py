@@ -109,3 +109,34 @@ def test_a_copy_of_the_references_source_is_refused_and_the_stubs_are_not():
         for e in exercises_of(file):
             assert cli.not_written(e, {n: getattr(importlib.import_module(f"exercises.{FILES[file][1]}"), n)
                                        for n in e.functions}) == [], e.key
+
+
+def test_in_the_student_copy_a_written_piece_is_graded_and_a_wrong_one_fails(student, tmp_path):
+    # A student who has written 01.1 to 01.3 (here: 01's own code, typed in, as the instructor's
+    # copy has it) passes 01.1 there, the serial model running their 01.2 and 01.3; 01.2's own check
+    # needs 01's reference linears, so it says so instead; f's backward without its all-reduce fails.
+    tp = importlib.import_module("01_tensor_parallel")
+    forwards = [inspect.getsource(m).replace("def forward(", f"def {name}(", 1) for m, name in (
+        (tp.ColumnParallelLinear.forward, "column_parallel_forward"), (tp.RowParallelLinear.forward, "row_parallel_forward"))]
+    written = "\n\n".join([(student / "exercises" / "ex01_tensor_parallel.py").read_text(encoding="utf-8"),
+                           "enter_tp, exit_tp, sp_param = tensor_parallel.enter_tp, tensor_parallel.exit_tp, "
+                           "tensor_parallel.sp_param",
+                           inspect.getsource(tp.CopyToTP), inspect.getsource(tp.ReduceFromTP),
+                           inspect.getsource(tp._VocabParallelCrossEntropy),
+                           *(__import__("textwrap").dedent(f) for f in forwards)]) + "\n"
+    assert "return all_reduce(grad, ctx.group), None" in written  # the line the wrong copy drops
+    mine, wrong = student / "exercises" / "ex01_tensor_parallel.py", tmp_path / "wrong.py"
+    original = mine.read_text(encoding="utf-8")
+    wrong.write_text(written.replace("return all_reduce(grad, ctx.group), None", "return grad, None", 1))
+    mine.write_text(written)
+    try:
+        done = run(["-m", "exercises", "check", "01.1", "01.2"], student)
+        failed = run(["-m", "exercises", "check", "01.1", "--file", str(wrong)], student)
+    finally:
+        mine.write_text(original)
+    said = " ".join(done.stdout.split())
+    assert re.search(r"01\.1 f and g, the conjugate operators PASS", said), done.stdout + done.stderr
+    assert "01.2 the column- and row-parallel linear layers not implemented" in said
+    assert "this check needs 01_tensor_parallel.py's own, which the student copy does not have" in said
+    assert failed.returncode == 1 and re.search(r"01\.1 f and g, the conjugate operators +FAIL", failed.stdout), \
+        failed.stdout + failed.stderr
