@@ -301,6 +301,9 @@ def planted(chosen, name, out, rows):
     e, p = found[0]
     out(f"planted in {e.key} ({e.title}): {p.what}")
     start = time.perf_counter()
+    from exercises.student_repo import PLANTED_GONE
+    if any(_is_stub(f) for f in e.reference().values()):  # the student copy: neither reference nor planted code
+        raise ValueError(f"--planted {name}: {PLANTED_GONE}")
     result = grade(e, {**e.reference(), **p.impl()})
     seconds = time.perf_counter() - start
     show(e, result, seconds, out)

@@ -12,10 +12,11 @@ body from exercises/ex0N_*.py: a function's body, or each method an autograd Fun
 defines. So the chapters still import, and a demo runs up to the first stub, whose
 NotImplementedError names the exercise and the function ("01.1 f's forward (CopyToTP.forward)").
 The planted mistakes of exercises/checks_0N.py are near-solutions: their code is replaced by a
-sentence (the instructor's copy has them), and `check --planted` says so.
+sentence (the instructor's copy has them), and `check --planted` there says so.
 
 The proof (`reference_lines`, `leaks`; tests/test_student_repo.py): no line of a reference body
-(stripped, longer than MIN_CHARS and not also in the stub file) is anywhere in the copy.
+(stripped, longer than MIN_CHARS, and in neither the stub file nor the code the copy keeps as it
+is: a later chapter may repeat an earlier one's line) is anywhere in the copy.
 """
 import ast
 import functools

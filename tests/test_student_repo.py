@@ -6,11 +6,13 @@ would run them, from the command line, in that folder.
 """
 import importlib
 import inspect
+import linecache
 import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -101,7 +103,6 @@ def test_a_copy_of_the_references_source_is_refused_and_the_stubs_are_not():
     source = "import torch\n" + inspect.getsource(tp.CopyToTP) + "\n" + inspect.getsource(tp.ReduceFromTP)
     exec(compile(source, os.path.join(ROOT, "tests", "copied.py"), "exec"), namespace)  # noqa: S102
     # inspect reads a method's source through linecache: give it this text under that name
-    import linecache
     linecache.cache[os.path.join(ROOT, "tests", "copied.py")] = (len(source), None, source.splitlines(True), "x")
     said = cli.not_written(exercise, {n: namespace[n] for n in exercise.functions})
     assert said and all("is a copy of 01_tensor_parallel.py's own" in s for s in said), said
@@ -116,14 +117,15 @@ def test_in_the_student_copy_a_written_piece_is_graded_and_a_wrong_one_fails(stu
     # copy has it) passes 01.1 there, the serial model running their 01.2 and 01.3; 01.2's own check
     # needs 01's reference linears, so it says so instead; f's backward without its all-reduce fails.
     tp = importlib.import_module("01_tensor_parallel")
-    forwards = [inspect.getsource(m).replace("def forward(", f"def {name}(", 1) for m, name in (
-        (tp.ColumnParallelLinear.forward, "column_parallel_forward"), (tp.RowParallelLinear.forward, "row_parallel_forward"))]
+    forwards = [textwrap.dedent(inspect.getsource(m)).replace("def forward(", f"def {name}(", 1) for m, name in (
+        (tp.ColumnParallelLinear.forward, "column_parallel_forward"),
+        (tp.RowParallelLinear.forward, "row_parallel_forward"))]
     written = "\n\n".join([(student / "exercises" / "ex01_tensor_parallel.py").read_text(encoding="utf-8"),
                            "enter_tp, exit_tp, sp_param = tensor_parallel.enter_tp, tensor_parallel.exit_tp, "
                            "tensor_parallel.sp_param",
                            inspect.getsource(tp.CopyToTP), inspect.getsource(tp.ReduceFromTP),
                            inspect.getsource(tp._VocabParallelCrossEntropy),
-                           *(__import__("textwrap").dedent(f) for f in forwards)]) + "\n"
+                           *forwards]) + "\n"
     assert "return all_reduce(grad, ctx.group), None" in written  # the line the wrong copy drops
     mine, wrong = student / "exercises" / "ex01_tensor_parallel.py", tmp_path / "wrong.py"
     original = mine.read_text(encoding="utf-8")
