@@ -13,7 +13,9 @@ the diagnosis it should get), 1 otherwise (a stub file that does not import is s
 naming the file and the line), 2 on a usage error.
 """
 import argparse
+import ast
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -71,6 +73,115 @@ def load_impl(exercise, file=None, limit_s=None):
 _modules = {}  # a --file imported once
 
 
+def not_written(exercise, impl):
+    """The reasons a submission is the reference rather than the student's (None if it is not): a
+    function or autograd Function that IS the numbered file's own object (imported or re-exported),
+    a class whose methods are the reference's (a subclass that writes nothing), or one whose source
+    is the reference's (copied: the same statements, whatever the spacing and comments). In the
+    student copy the numbered file's pieces are the stubs themselves, and are not compared."""
+    reference, numbered, stub_file = exercise.reference(), FILES[exercise.file][0], FILES[exercise.file][1]
+    reasons = []
+    for name in exercise.functions:
+        mine, theirs = impl[name], reference[name]
+        if (exercise.key, name) in _stubbed or _is_stub(theirs):
+            continue
+        if mine is theirs or (isinstance(mine, type) and isinstance(theirs, type) and any(
+                getattr(mine, m, None) is getattr(theirs, m) for m in _own_methods(theirs))):
+            reasons.append(f"{exercise.key}: {name} is {numbered}.py's own (imported, not written): write it in "
+                           f"{stub_file}.py")
+        elif _statements(mine) is not None and _statements(mine) == _statements(theirs):
+            reasons.append(f"{exercise.key}: {name} is a copy of {numbered}.py's own (its source is the "
+                           f"reference's): write it yourself in {stub_file}.py")
+    return reasons
+
+
+def lend_students_pieces():
+    """In the student copy (python3 -m exercises student-repo) the numbered files' pieces are stubs,
+    so the serial model a check computes first, and a later exercise's machinery, would stop at a
+    stub the student has already written in exercises/ex0N_*.py. Returns [(exercise, owner,
+    attribute, the stub's value, the student's)] for each: _check puts in the student's pieces of
+    the other exercises while it grades one, and keeps that one's own stubs, so that no check
+    compares a student's piece with itself (05.1's expected grid is the module's rank_grid). A
+    function is lent by attribute (its module's, or its class's), an autograd Function by its
+    methods, set on the class itself (every alias of its apply runs them). In the instructor's copy
+    nothing is a stub: nothing is lent. A stub file that does not import lends nothing."""
+    lent = []
+    for file in FILES:
+        for e in exercises(file):
+            reference = e.reference()
+            if not any(_is_stub(reference[name]) for name in e.functions):
+                continue
+            try:
+                impl = student_impl(e)
+            except Exception:  # noqa: BLE001 - said when that file is graded
+                continue
+            for name in e.functions:
+                theirs, mine = reference[name], impl[name]
+                if not _is_stub(theirs):
+                    continue
+                _stubbed.add((e.key, name))
+                if isinstance(theirs, type):
+                    lent += [(e.key, theirs, m, inspect.getattr_static(theirs, m), inspect.getattr_static(mine, m))
+                             for m in _own_methods(theirs) if m in vars(mine)]
+                    continue
+                owner = sys.modules[theirs.__module__]
+                *path, last = theirs.__qualname__.split(".")
+                for part in path:
+                    owner = getattr(owner, part)
+                static = isinstance(inspect.getattr_static(owner, last), staticmethod)
+                lent.append((e.key, owner, last, inspect.getattr_static(owner, last),
+                             staticmethod(mine) if static else mine))
+    return lent
+
+
+_stubbed = set()  # (exercise, name) whose numbered piece is a stub, lent the student's: not compared
+
+
+def _own_methods(cls):
+    return [m for m, v in vars(cls).items() if isinstance(v, (staticmethod, classmethod)) or inspect.isfunction(v)]
+
+
+def _statements(obj):
+    """What obj's source does, without its docstring, comments or layout: for a function the dump of
+    its body's statements, for a class each method's (read from the methods, whose code knows its
+    file, as a class loaded from a --file does not). None if the source is not to be had."""
+    if isinstance(obj, type):
+        methods = [(m, _statements(_function(obj, m))) for m in sorted(_own_methods(obj))]
+        return None if not methods or any(b is None for _, b in methods) else methods
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(obj))).body[0]
+    except Exception:  # noqa: BLE001 - no source to be had: nothing to compare
+        return None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    stmts = node.body
+    if stmts and isinstance(stmts[0], ast.Expr) and isinstance(stmts[0].value, ast.Constant) and \
+            isinstance(stmts[0].value.value, str):
+        stmts = stmts[1:]  # the docstring
+    return [ast.dump(s) for s in stmts]
+
+
+def _function(cls, name):
+    value = inspect.getattr_static(cls, name)
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+
+
+def _is_stub(obj):
+    """Whether the numbered file's piece is itself a stub (the student copy): its body, or each of its
+    methods', only raises NotImplementedError."""
+    functions = [_function(obj, m) for m in _own_methods(obj)] if isinstance(obj, type) else [obj]
+    def raises(fn):
+        try:
+            node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        except Exception:  # noqa: BLE001 - no source to be had (built in, made at run time): not a stub
+            return False
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return False
+        stmts = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        return len(stmts) == 1 and isinstance(stmts[0], ast.Raise) and "NotImplementedError" in ast.dump(stmts[0])
+    return bool(functions) and all(raises(f) for f in functions)
+
+
 def select(names):
     """["01", "02.1", "all"] -> the Exercise records, in order; a ValueError names an unknown one."""
     out = []
@@ -124,14 +235,28 @@ def _check(args, chosen, out, rows):
                          "without --solution")
     if args.file and not os.path.isfile(args.file):
         raise ValueError(f"--file {args.file}: no such file")
+    lent = [] if args.solution else lend_students_pieces()
     for file, group in by_file.items():
         source = f"{FILES[file][0]}.py's own functions" if args.solution else \
             args.file or f"exercises/{FILES[file][1]}.py"
         out(f"{FILES[file][0]}.py: grading {source}")
         for e in group:
             start = time.perf_counter()
+            for key, owner, attr, stub_value, students in lent:  # the others' pieces, never this one's own
+                setattr(owner, attr, stub_value if key == e.key else students)
             impl = e.reference() if args.solution else load_impl(e, args.file, args.time_limit)
+            copied = [] if args.solution else not_written(e, impl)
             result = grade(e, impl, args.time_limit)
+            if copied:  # refused by name, and graded too, so that the student's own pieces get their diagnosis
+                result = Grade("fail", copied + result.lines)
+            elif lent and result.status == "not implemented" and result.lines[0][:4] != e.key:
+                result = Grade("not implemented", result.lines + [
+                    f"(this check runs {result.lines[0][:4]}'s piece too: write that first)"])
+            elif lent and result.status == "not implemented" and not any(_is_stub(f) for f in impl.values()):
+                result = Grade("not implemented", result.lines + [
+                    f"(your {', '.join(e.functions)} is written, but this check needs {FILES[e.file][0]}.py's own, "
+                    f"which the student copy does not have: it is graded in the instructor's copy, with "
+                    f"--file {FILES[e.file][1]}.py)"])
             seconds = time.perf_counter() - start
             show(e, result, seconds, out)
             rows.append((e, result, seconds, []))
@@ -176,6 +301,9 @@ def planted(chosen, name, out, rows):
     e, p = found[0]
     out(f"planted in {e.key} ({e.title}): {p.what}")
     start = time.perf_counter()
+    from exercises.student_repo import PLANTED_GONE
+    if any(_is_stub(f) for f in e.reference().values()):  # the student copy: neither reference nor planted code
+        raise ValueError(f"--planted {name}: {PLANTED_GONE}")
     result = grade(e, {**e.reference(), **p.impl()})
     seconds = time.perf_counter() - start
     show(e, result, seconds, out)
@@ -218,11 +346,19 @@ def main(argv=None):
     c.add_argument("--time-limit", metavar="S", type=float, default=DEADLINE_S,
                    help=f"seconds each exercise may take before it is stopped as an error (default: {DEADLINE_S})")
     sub.add_parser("list", help="every exercise, what it asks and its planted mistakes")
+    s = sub.add_parser("student-repo", help="write the repository for students to OUT: the exercises' pieces "
+                                            "replaced by their stubs in the numbered files, without docs/ANSWERS.md, "
+                                            "tests/ and the planted mistakes (exercises/README.md)")
+    s.add_argument("out", metavar="OUT", help="a new or empty folder outside the repository")
     args = parser.parse_args(argv)
     if args.command == "check" and not 0 < args.time_limit <= 86400:
         parser.error(f"--time-limit must be positive and at most 86400 (seconds), got {args.time_limit:g}")
     try:
-        ok = list_exercises() if args.command == "list" else check(args)
+        if args.command == "student-repo":
+            from exercises import student_repo
+            ok = student_repo.main(args.out)
+        else:
+            ok = list_exercises() if args.command == "list" else check(args)
     except ValueError as e:
         print(f"python3 -m exercises: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,144 @@
+"""The student copy (python3 -m exercises student-repo OUT) holds no solution, and still runs; the
+autograder refuses, by name, a submission that is the reference rather than the student's.
+
+The copy is built once for the module (about 5 s); `check all` there and 01's demo run as a student
+would run them, from the command line, in that folder.
+"""
+import importlib
+import inspect
+import linecache
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from exercises import FILES, student_repo  # noqa: E402
+from exercises import __main__ as cli  # noqa: E402
+from exercises import exercises as exercises_of  # noqa: E402
+
+
+def run(args, cwd, timeout=240):
+    return subprocess.run([sys.executable, "-W", "ignore", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    out = tmp_path_factory.mktemp("course") / "student"
+    done = run(["-m", "exercises", "student-repo", str(out)], ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def test_no_line_of_the_reference_solutions_is_in_the_student_copy(student):
+    lines = student_repo.reference_lines()
+    assert len(lines) > 100, f"only {len(lines)} reference lines: the grep would prove little"
+    assert student_repo.leaks(str(student), lines) == []
+    assert not (student / "docs" / "ANSWERS.md").exists() and not (student / "tests").exists()
+    for doc in ("README.md", "docs/GUIDE.md", "docs/COURSE.md"):
+        assert "ANSWERS.md)" not in (student / doc).read_text(encoding="utf-8"), doc  # no link to the key
+    assert student_repo.KEY_IS_THE_INSTRUCTORS in (student / "docs" / "GUIDE.md").read_text(encoding="utf-8")
+
+
+def test_the_grep_finds_the_solutions_where_they_are(tmp_path):
+    # The same grep over the instructor's numbered files and planted mistakes finds them: it can fail.
+    for name in ("01_tensor_parallel.py", "09_expert_parallel.py", "exercises/checks_01.py"):
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    found = {path for path, *_ in student_repo.leaks(str(tmp_path))}
+    assert found == {"01_tensor_parallel.py", "09_expert_parallel.py", os.path.join("exercises", "checks_01.py")}
+
+
+def test_check_all_on_the_untouched_stubs_says_not_implemented_for_every_exercise(student):
+    keys = re.findall(r"^  (\d\d\.\d) ", run(["-m", "exercises", "list"], student).stdout, re.M)
+    assert len(keys) == sum(len(exercises_of(f)) for f in FILES) >= 20
+    done = run(["-m", "exercises", "check", "all"], student)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    for key in keys:
+        assert re.search(rf"^  {re.escape(key)} .* not implemented  \(", done.stdout, re.M), (key, done.stdout)
+    assert f"0 of {len(keys)} pass, {len(keys)} not implemented" in done.stdout
+
+
+def test_01s_demo_runs_up_to_its_first_stub_and_names_it(student):
+    # The serial model runs the linears before f and g (tp = 1 calls neither), so the first stub
+    # 01's demo reaches is 01.2's ColumnParallelLinear.forward.
+    done = run(["01_tensor_parallel.py"], student)
+    assert done.returncode != 0
+    last = (done.stdout + done.stderr).strip().splitlines()[-1]
+    assert re.search(r"NotImplementedError: 01\.2 ColumnParallelLinear\.forward: .*python3 -m exercises check 01\.2",
+                     last), last
+
+
+def test_the_student_copy_refuses_an_out_that_is_not_empty_or_inside_the_repository(tmp_path):
+    (tmp_path / "x").write_text("")
+    with pytest.raises(student_repo.StudentRepoError, match=re.escape(str(tmp_path)) + ": it exists and is not empty"):
+        student_repo.refuse(str(tmp_path))
+    inside = os.path.join(ROOT, "exercises", "out")
+    with pytest.raises(student_repo.StudentRepoError, match="lies inside the repository"):
+        student_repo.refuse(inside)
+
+
+def test_a_file_that_re_exports_01s_copy_to_tp_is_refused_by_name(tmp_path, capsys):
+    mine = tmp_path / "mine.py"
+    mine.write_text('import importlib\ntp = importlib.import_module("01_tensor_parallel")\n'
+                    'CopyToTP, ReduceFromTP = tp.CopyToTP, tp.ReduceFromTP\n')
+    assert cli.main(["check", "01.1", "--file", str(mine)]) == 1
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("01.1: CopyToTP is 01_tensor_parallel.py's own (imported, not written): write it in "
+            "ex01_tensor_parallel.py") in said
+
+
+def test_a_copy_of_the_references_source_is_refused_and_the_stubs_are_not():
+    tp = importlib.import_module("01_tensor_parallel")
+    exercise = exercises_of("01")[0]
+    namespace = {}
+    source = "import torch\n" + inspect.getsource(tp.CopyToTP) + "\n" + inspect.getsource(tp.ReduceFromTP)
+    exec(compile(source, os.path.join(ROOT, "tests", "copied.py"), "exec"), namespace)  # noqa: S102
+    # inspect reads a method's source through linecache: give it this text under that name
+    linecache.cache[os.path.join(ROOT, "tests", "copied.py")] = (len(source), None, source.splitlines(True), "x")
+    said = cli.not_written(exercise, {n: namespace[n] for n in exercise.functions})
+    assert said and all("is a copy of 01_tensor_parallel.py's own" in s for s in said), said
+    for file in FILES:  # the untouched stubs are the student's, not the reference
+        for e in exercises_of(file):
+            assert cli.not_written(e, {n: getattr(importlib.import_module(f"exercises.{FILES[file][1]}"), n)
+                                       for n in e.functions}) == [], e.key
+
+
+def test_in_the_student_copy_a_written_piece_is_graded_and_a_wrong_one_fails(student, tmp_path):
+    # A student who has written 01.1 to 01.3 (here: 01's own code, typed in, as the instructor's
+    # copy has it) passes 01.1 there, the serial model running their 01.2 and 01.3; 01.2's own check
+    # needs 01's reference linears, so it says so instead; f's backward without its all-reduce fails.
+    tp = importlib.import_module("01_tensor_parallel")
+    forwards = [textwrap.dedent(inspect.getsource(m)).replace("def forward(", f"def {name}(", 1) for m, name in (
+        (tp.ColumnParallelLinear.forward, "column_parallel_forward"),
+        (tp.RowParallelLinear.forward, "row_parallel_forward"))]
+    written = "\n\n".join([(student / "exercises" / "ex01_tensor_parallel.py").read_text(encoding="utf-8"),
+                           "enter_tp, exit_tp, sp_param = tensor_parallel.enter_tp, tensor_parallel.exit_tp, "
+                           "tensor_parallel.sp_param",
+                           inspect.getsource(tp.CopyToTP), inspect.getsource(tp.ReduceFromTP),
+                           inspect.getsource(tp._VocabParallelCrossEntropy),
+                           *forwards]) + "\n"
+    assert "return all_reduce(grad, ctx.group), None" in written  # the line the wrong copy drops
+    mine, wrong = student / "exercises" / "ex01_tensor_parallel.py", tmp_path / "wrong.py"
+    original = mine.read_text(encoding="utf-8")
+    wrong.write_text(written.replace("return all_reduce(grad, ctx.group), None", "return grad, None", 1))
+    mine.write_text(written)
+    try:
+        done = run(["-m", "exercises", "check", "01.1", "01.2"], student)
+        failed = run(["-m", "exercises", "check", "01.1", "--file", str(wrong)], student)
+    finally:
+        mine.write_text(original)
+    said = " ".join(done.stdout.split())
+    assert re.search(r"01\.1 f and g, the conjugate operators PASS", said), done.stdout + done.stderr
+    assert "01.2 the column- and row-parallel linear layers not implemented" in said
+    assert "this check needs 01_tensor_parallel.py's own, which the student copy does not have" in said
+    assert failed.returncode == 1 and re.search(r"01\.1 f and g, the conjugate operators +FAIL", failed.stdout), \
+        failed.stdout + failed.stderr
