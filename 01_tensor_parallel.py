@@ -471,12 +471,6 @@ def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
     return init_full(GPT(cfg, device="meta").named_parameters(), cfg.n_layer, seed, dtype, random_all)
 
 
-def check_heads(cfg, tp, device="cpu"):
-    """Refuse a model whose heads do not split (over C, hs = C / nh, or over the tp ranks), a size below 1
-    or a GPU device where there is none, naming it (plumbing/checks.check_model). Returns tp."""
-    return check_model(cfg, tp, device)
-
-
 def check_targets(logits, target, group, n_vocab, ignore_index):
     """What F.cross_entropy refuses, without reading back: more vocabulary than the logits' (..., V/tp)
     columns, a target outside [0, n_vocab) that is not ignore_index (not checked inside a CUDA graph's
@@ -527,13 +521,13 @@ class TPRandom:
 
 
 class GPT(ParallelGPT):
-    """ParallelGPT with its sizes checked (check_heads), GPT-2's initialisation from `seed` unless
-    init=False, one TPRandom a process (a rank's pipeline chunks share it: pass rng=), and each batch
-    checked on the host (check_tokens; check_inputs=False where the caller checked it once)."""
+    """ParallelGPT with its sizes checked (plumbing's check_model), GPT-2's initialisation from `seed` unless
+    init=False, one TPRandom a process (a rank's pipeline chunks share it: pass rng=), each batch checked
+    on the host (check_tokens; check_inputs=False where the caller checked it once), and its targets."""
 
     def __init__(self, cfg, group=None, *, seed=0, init=True, dtype=torch.float32, device="cpu", rng=None,
                  check_inputs=True, **kwargs):
-        tp = check_heads(cfg, tp_size(group), device)
+        tp = check_model(cfg, tp_size(group), device)
         rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
         super().__init__(cfg, group, dtype=dtype, device=device, rng=rng, **kwargs)
         self.check_inputs = check_inputs
