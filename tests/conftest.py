@@ -47,12 +47,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "grid(keep): a slow grid of cases; without --full-grid only the cases "
                                        "whose ids are in keep run")
     config.addinivalue_line("markers", "deadline(seconds): this test's own limit instead of TEST_TIMEOUT_S")
+    config.addinivalue_line("markers", "full_grid(covered_by=[tests], why): a slow test that runs only under --full-grid "
+                                       "(or named by its id); the faster tests in covered_by hold its property in CI")
 
 
 def pytest_collection_modifyitems(config, items):
     """Without --full-grid, each grid runs the cases it names in keep=; the others are deselected."""
     if not config.getoption("--full-grid"):
-        items[:], dropped = grid_selection(items)
+        named = [a.replace(os.sep, "/") for a in config.args if "::" in a]
+        items[:], dropped = grid_selection(items, named)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
 
@@ -63,10 +66,12 @@ def kept(case, keep):
     return any(fnmatch.fnmatchcase(case, k) for k in keep)
 
 
-def grid_selection(items):
-    """(kept, dropped): a case of a grid (@pytest.mark.grid(keep=[ids])) is kept when keep names its id, every
-    other test always. A grid collected only in part (cases named by id, or -k) runs what was collected: the
-    cases asked for. test_grid checks that every keep id names a case of its grid."""
+def grid_selection(items, named=()):
+    """(kept, dropped): a case of a grid (@pytest.mark.grid(keep=[ids])) is kept when keep names its id, a
+    test marked @pytest.mark.full_grid(covered_by=[...]) when it is named on the command line (named: the
+    node ids given), every other test always. A grid collected only in part (cases named by id, or -k) runs
+    what was collected: the cases asked for. test_grid checks that every keep id names a case of its grid,
+    and that every covered_by names a test CI runs."""
     grids = {}
     for item in items:
         mark = item.get_closest_marker("grid")
@@ -74,6 +79,10 @@ def grid_selection(items):
             grids.setdefault(item.originalname, (set(mark.kwargs["keep"]), set()))[1].add(item.callspec.id)
     kept_items, dropped = [], []
     for item in items:
+        if item.get_closest_marker("full_grid") is not None and not any(
+                getattr(item, "nodeid", "").startswith(n) for n in named):
+            dropped.append(item)
+            continue
         keep, ids = grids.get(getattr(item, "originalname", None), (None, None))
         whole = keep is not None and hasattr(item, "callspec") and all(any(kept(i, [k]) for i in ids) for k in keep)
         (dropped if whole and not kept(item.callspec.id, keep) else kept_items).append(item)

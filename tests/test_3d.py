@@ -53,8 +53,8 @@ LAUNCHES = {  # grouped by world size: one launch runs several trainings in turn
     "world 4": [layout(2, 2, 1, 2), layout(2, 2, 1, 2, scatter_gather=False), layout(1, 4, 1, 2),
                 layout(1, 2, 2, 2), layout(1, 2, 2, 2, zero1=True),
                 layout(2, 2, 1, 2, sequence_parallel=True, recompute="selective")],
-    "world 8": [layout(2, 2, 2), layout(2, 2, 2, zero1=True),  # scatter/gather off: world 4's
-                layout(2, 2, 2, sequence_parallel=True), layout(2, 2, 2, recompute="full")],
+    "world 8": [layout(2, 2, 2), layout(2, 2, 2, zero1=True)],  # scatter/gather off: world 4's
+    "world 8, sp and recompute": [layout(2, 2, 2, sequence_parallel=True), layout(2, 2, 2, recompute="full")],
 }
 OFF = dict(overlap_grad_reduce=False, overlap_param_gather=False,  # the reduction after the flush, as before,
            overlap_input_grad=False, merge_loss_reductions=False, background_sends=False)  # and 01's, 02's switches

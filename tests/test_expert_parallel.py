@@ -283,6 +283,9 @@ TRAINED_CP = [(dict(tp=2, cp=2, ep=4), 2),  # the fold tp 2 x cp 2 -> ep 4: a mi
               (dict(cp=2, dp=2, ep=4, zero1=True, cp_attention="ulysses"), 4)]  # ZeRO-1 over dp x cp and edp = 1
 
 
+@pytest.mark.full_grid(covered_by=["test_the_trainer_with_experts_equals_the_same_model_at_ep_1_over_several_adamw_steps",
+                                   "test_the_fold_of_tp_2_x_cp_2_onto_ep_4_equals_serial_in_float64"],
+                       why="9 s: the trainer with experts, and experts folded over cp, are each held by a faster test")
 def test_the_trainer_with_experts_and_cp_equals_the_same_model_at_ep_1_over_several_adamw_steps(run_ranks):
     runs = run_ranks(_train, 4, [layout for layout, _ in TRAINED_CP])[0]
     ms = sorted({m for _, m in TRAINED_CP})
@@ -336,6 +339,10 @@ def _resharded_cp(env, root):
     return whole, again, across
 
 
+@pytest.mark.full_grid(covered_by=["test_a_checkpoint_reshards_from_ep_4_to_2_to_1_and_continues_bit_for_bit_in_its_own_layout",
+                                   "test_a_checkpoint_crosses_cp_2_to_1_and_back_and_continues_bit_identically_in_its_own_layout",
+                                   "test_the_fold_of_tp_2_x_cp_2_onto_ep_4_equals_serial_in_float64"],
+                       why="13 s: experts' resharding, cp's resharding and the fold itself are each held by a faster test")
 def test_a_checkpoint_of_the_tp_x_cp_fold_continues_bit_for_bit_and_reshards_to_cp_1(run_ranks, tmp_path):
     whole, again, across = run_ranks(_resharded_cp, 4, str(tmp_path))[0]
     assert again == whole[2:]  # exactly

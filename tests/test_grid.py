@@ -14,9 +14,11 @@ import pytest
 from conftest import ROOT, grid_selection, kept
 
 
-def _item(name, case=None, keep=None):
-    mark = None if keep is None else SimpleNamespace(kwargs={"keep": keep})
-    item = SimpleNamespace(originalname=name, path=ROOT / "tests" / "test_x.py", get_closest_marker=lambda _: mark)
+def _item(name, case=None, keep=None, full_grid=False):
+    marks = {"grid": None if keep is None else SimpleNamespace(kwargs={"keep": keep}),
+             "full_grid": SimpleNamespace(kwargs={"covered_by": ["test_plain"]}) if full_grid else None}
+    item = SimpleNamespace(originalname=name, path=ROOT / "tests" / "test_x.py", get_closest_marker=marks.get,
+                           nodeid=f"tests/test_x.py::{name}" + (f"[{case}]" if case is not None else ""))
     if case is not None:
         item.callspec = SimpleNamespace(id=case)
     return item
@@ -32,6 +34,12 @@ def test_a_grid_keeps_the_cases_it_names_and_every_other_test_runs():
 def test_a_grid_collected_in_part_runs_the_cases_asked_for():
     grid = [_item("test_grid", case, keep=["2", "8"]) for case in ("1", "4")]  # e.g. test_grid[1] named by id
     assert grid_selection(grid) == (grid, [])
+
+
+def test_a_full_grid_test_runs_only_when_named():
+    plain, slow = _item("test_plain"), _item("test_slow", full_grid=True)
+    assert grid_selection([plain, slow]) == ([plain], [slow])
+    assert grid_selection([plain, slow], named=["tests/test_x.py::test_slow"]) == ([plain, slow], [])
 
 
 def test_every_kept_id_names_a_case_of_its_grid():
@@ -50,6 +58,20 @@ def test_every_kept_id_names_a_case_of_its_grid():
         ids = next(ids for name, ids in cases.items() if name.endswith("::" + func))
         unmatched = [k for k in ast.literal_eval(keep) if not any(kept(i, [k]) for i in ids)]
         assert not unmatched, (func, unmatched)
+    # Every test a full_grid mark names in covered_by is one that CI runs: defined, and not full_grid itself.
+    defined, slow = set(), {}
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                defined.add(node.name)
+                for d in node.decorator_list:
+                    if isinstance(d, ast.Call) and ast.unparse(d.func) == "pytest.mark.full_grid":
+                        kw = {k.arg: k.value for k in d.keywords}
+                        assert set(kw) == {"covered_by", "why"}, (node.name, set(kw))
+                        slow[node.name] = ast.literal_eval(kw["covered_by"])
+    assert len(slow) >= 4  # every full_grid test of the suite is found (4 when they were marked)
+    for name, covered in slow.items():
+        assert covered and all(c in defined and c not in slow for c in covered), (name, covered)
 
 
 @pytest.mark.parametrize("flags, selected", [([], "3/6 tests collected (3 deselected)"), (["--full-grid"], "6 tests collected")])

@@ -332,7 +332,7 @@ DISAGREEMENTS = {
 }
 
 
-@pytest.mark.grid(keep=['--n-layer', '--resume'])
+@pytest.mark.grid(keep=['--resume'])
 @pytest.mark.parametrize("name", list(DISAGREEMENTS))
 def test_two_nodes_given_different_flags_are_refused_together_in_one_sentence(tmp_path, name):
     tmp = os.path.realpath(tmp_path)

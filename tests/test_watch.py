@@ -357,6 +357,9 @@ def test_under_torchrun_a_stopped_rank_0_is_named_by_its_deputy_long_before_the_
     assert set(os.listdir(ROOT)) == before and not ours_raised(proc.stderr)
 
 
+@pytest.mark.full_grid(covered_by=["test_under_torchrun_a_stopped_rank_0_is_named_by_its_deputy_long_before_the_timeout",
+                                   "test_a_hung_rank_is_named_with_its_group_collective_and_stack_long_before_the_timeout"],
+                       why="19 s: torchrun's stacks directory is held by the deputy test, the hung rank's report by the local one")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_under_torchrun_a_hung_ranks_stacks_go_to_a_temporary_directory_not_the_working_one():
     before = set(os.listdir(ROOT))
@@ -371,6 +374,9 @@ def test_under_torchrun_a_hung_ranks_stacks_go_to_a_temporary_directory_not_the_
     assert set(os.listdir(ROOT)) == before  # no ./hang-<pid>/ in the checkout
 
 
+@pytest.mark.full_grid(covered_by=["test_a_restart_after_a_killed_rank_resumes_from_the_snapshot_and_every_loss_is_bit_identical",
+                                   "test_under_torchrun_a_killed_rank_is_named_first_with_its_signal_and_step"],
+                       why="23 s: the resume is held by the local launcher's restart, torchrun's fault path by the killed-rank test")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_torchruns_max_restarts_resumes_a_killed_rank_and_every_loss_is_bit_identical(tmp_path):
     # torchrun keeps one store for the job; the restarted ranks' keys go under a prefix of their own,
