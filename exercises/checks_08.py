@@ -1,197 +1,326 @@
 """The checks of 08's exercises (exercises/ex08_context_parallel.py), and the planted wrong answers.
 
-08.1 is first checked alone, in this process: the blocks of random queries, keys and values merged
-in several orders must be causal softmax attention (torch's own, float64, 1e-12). 08.2 is pure:
-08's validate() and simulate() read the schedule for every cp up to 8 (every causal block once, a
-step meeting one rank, the balance). Then each runs inside 08's ring attention in 01's GPT-2 on CPU
-ranks, the sequence split over them, against the serial model: the loss, the logits and every
-gradient, float64, to 1e-10 (08.1 at cp = 2 with Megatron's split and cp = 4 with LightSeq's, whose
-helpers' partial results are merged at home; 08.2 at cp = 4).
+Both are on 08's lesson, one ring with the contiguous split (rank r holds block r of the sequence).
+08.1 (block_scores and OneRing) runs alone on cp = 2 and 4 CPU ranks first: each rank's block of
+random queries, keys and values through the student's ring, against torch's own causal attention of
+the whole sequence in this process (F.scaled_dot_product_attention, float64): the output and the
+gradients of q, k and v, to 1e-10. Then inside 08's ring_gpt and ring_step at cp = 2 and 4 against
+the serial GPT-2 (01's ParallelGPT, some targets ignored unevenly over the ranks): the loss and every
+gradient, to 1e-10. 08.2 (ring_step) runs in a GPT-2 whose attention core is this file's own: the
+keys and values all-gathered (an autograd Function of this file: all-gather forward, the gradient's
+sum over the ring and this rank's slice backward) and torch's attention with each query's causal
+mask at its true position; so 08.2 needs none of 08.1's pieces. Nothing expected is taken from the
+pieces an exercise stubs: the serial model is 01's, the attention torch's.
 """
 import math
-from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from exercises.autograder import Exercise, Planted, called, differences, first, installed, numbered, ranks, \
+from exercises.autograder import Exercise, Planted, differences, first, installed, merged, numbered, ranks, \
     random_weights, token_batch
 
 tensor_parallel = numbered("01_tensor_parallel")
-pipeline = numbered("02_pipeline_1f1b")
 cpar = numbered("08_context_parallel")
 F64 = torch.float64
 CFG = tensor_parallel.GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=16)
 B, T = 2, 16
-REFERENCE = {"block_forward": cpar.block_forward, "merge": cpar.merge, "lightseq": cpar.lightseq}
+REFERENCE = {"block_scores": cpar.block_scores, "OneRing": cpar.OneRing, "ring_step": cpar.ring_step}
 
 
 def serial_reference():
-    full = random_weights(CFG, 3)
-    idx, targets = token_batch(CFG, B, T, seed=4, ignored=5)
-    serial = tensor_parallel.GPT(CFG, None, init=False, dtype=F64)
+    """01's serial GPT-2 (ParallelGPT, no group) on the batch: the loss, every gradient. Targets are
+    ignored unevenly: row 0 counts only its last 5 of 16, so at cp = 4 blocks 0-2 of that row count none."""
+    full = random_weights(CFG, 3, tensor_parallel.ParallelGPT(CFG, dtype=F64))
+    idx, targets = token_batch(CFG, B, T, seed=4, ignored=T - 5)
+    serial = tensor_parallel.ParallelGPT(CFG, dtype=F64)
     serial.load_full_state_dict(full)
     logits, loss = serial(idx, targets)
     loss.backward()
-    return dict(full=full, idx=idx, targets=targets, logits=logits.detach(), loss=loss.detach(),
+    each = F.cross_entropy(logits.detach().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                           reduction="none").view(B, T)  # every token's loss (0 where ignored)
+    return dict(full=full, idx=idx, targets=targets, loss=loss.detach(), each=each,
                 grads={n: p.grad for n, p in serial.named_parameters()})
 
 
-def _model(env, ref, name):
-    sched = cpar.SPLITS[name](env.world_size)
-    model = cpar.context_parallel(tensor_parallel.GPT(CFG, None, init=False, dtype=F64), sched, dist.group.WORLD)
+def _whole_model(env, ref, build, cp):
+    """ring_step on this rank's ring (the whole world) with the model `build` makes, against serial."""
+    group = dist.group.WORLD
+    model = build(group)
     model.load_full_state_dict(ref["full"])
-    logits, loss = cpar.step(model, ref["idx"], ref["targets"], dist.group.WORLD, dist.group.WORLD)
-    pairs = [("the loss", loss, ref["loss"]),
-             ("the logits", cpar.gather_sequence(logits.detach(), sched, dist.group.WORLD), ref["logits"])]
-    pairs += [(f"the gradient of {n}", p.grad, ref["grads"][n]) for n, p in model.named_parameters()]
-    return differences(pairs, {"other": "compared with the serial GPT-2 on the whole sequence"})
+    loss = cpar.ring_step(model, ref["idx"], ref["targets"], group)
+    c, counted = T // cp, (ref["targets"] != -100)
+    local = sum(ref["each"][:, b * c:(b + 1) * c].sum() / counted[:, b * c:(b + 1) * c].sum().clamp(min=1)
+                for b in range(cp))  # each block's own mean, added: the loss of a rank that divides by its own count
+    pairs = [("the loss", loss, ref["loss"],
+              [(local, "is the sum of each rank's own mean: divide each rank's summed loss by the whole batch's "
+                       "count of counted targets, so that the shares add up to the serial mean")])]
+    for n, p in model.named_parameters():
+        want = ref["grads"][n]
+        suspects = []
+        if n == "transformer.wpe.weight":
+            suspects = [(torch.cat([p.grad[:c], torch.zeros_like(want[c:])]), "only its first T/cp rows got a "
+                         "gradient: each rank's tokens go in at their true positions, r T/cp ... (r + 1) T/cp - 1")]
+        pairs.append((f"the gradient of {n}", p.grad, want, suspects))
+    return differences(pairs, {"cp x too small": "summed over the ring, not averaged: each rank's loss is already "
+                                                 "its share of the serial mean",
+                               "cp x too large": "each rank's loss is its share of the mean: do not multiply it"},
+                       factors={"cp": cp})
 
 
-def run(ref, cp, name):
-    where = f"in 08's GPT-2 at cp={cp} ({name}'s schedule), "
-    return first([where + f"rank {r}: {x}" for r, reasons in enumerate(ranks(_model, cp, ref, name))
-                  for x in reasons], 3)
-
-
-# ----------------------------------------------------------------------------------------------
-# 08.1 block_forward and merge
-
-
-def check_blocks(impl):
-    fwd, merge = impl["block_forward"], impl["merge"]
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 12, 4, generator=g, dtype=F64) for _ in range(3))
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    rows = [slice(4 * i, 4 * (i + 1)) for i in range(3)]
-    for order in ([0, 1, 2], [2, 1, 0], [1, 0, 2]):
-        outs = []
-        for i in range(3):
-            st = None
-            for j in (j for j in order if j <= i):
-                part = called(fwd, q[:, :, rows[i]], k[:, :, rows[j]], v[:, :, rows[j]], i == j, 0.5,
-                              what=f"block_forward(q block {i}, kv block {j}, diagonal={i == j})")
-                st = called(merge, st, part, what=f"merge(..., the State of (q {i}, kv {j}))")
-            outs.append(cpar.finish(st)[0])
-        got = torch.cat(outs, 2)
-        found = differences([(f"the attention of 3 query blocks, their kv blocks merged in the order {order}", got,
-                              want, _suspects(q, k, v, rows, order))], tol=1e-12)
-        if found:
-            return [f"alone, one process: {x}" for x in found]
-    ref = serial_reference()
-    with installed((cpar, "block_forward", fwd), (cpar, "merge", merge)):
-        return run(ref, 2, "megatron") or run(ref, 4, "lightseq")
-
-
-def _suspects(q, k, v, rows, order):
-    """Known wrong answers: the diagonal block not masked (a row sees later keys), the States added
-    without rescaling."""
-    full = F.scaled_dot_product_attention(q, k, v, is_causal=False)
-    outs = []
-    for i in range(3):
-        st = None
-        for j in (j for j in order if j <= i):
-            st = _merge_no_rescale(st, cpar.block_forward(q[:, :, rows[i]], k[:, :, rows[j]], v[:, :, rows[j]],
-                                                          i == j, 0.5))
-        outs.append(cpar.finish(st)[0])
-    mask = torch.ones(12, 12, dtype=torch.bool).tril() | torch.block_diag(*[torch.ones(4, 4)] * 3).bool()
-    inside = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return [(full, "it is attention over every key, later ones too: the diagonal block must be causal (a row i "
-                   "sees keys 0..i of its own block)"),
-            (inside, "each diagonal block attends to all of itself: mask the scores above its diagonal (-inf)"),
-            (torch.cat(outs, 2), "the States' sums were added as they are: each is relative to its own max, so "
-                                 "rescale both to the larger one (times exp(m_a - m), exp(m_b - m)) before adding")]
+def in_the_model(ref, build, cp, what):
+    return first([f"{what} at cp={cp}, {x}" for x in merged(ranks(_whole_model, cp, ref, build, cp))], 3)
 
 
 # ----------------------------------------------------------------------------------------------
-# 08.2 lightseq
+# 08.1 block_scores and OneRing
 
 
-def check_lightseq(impl):
-    fn = impl["lightseq"]
-    for cp in range(1, 9):
-        sched = called(fn, cp, what=f"lightseq({cp})")
-        if not isinstance(sched, cpar.RingSchedule):
-            return [f"lightseq({cp}) returned {type(sched).__name__}: 08's RingSchedule(name, split, steps) is expected"]
-        if sched.split != [[r] for r in range(cp)]:
-            return [f"lightseq({cp}).split = {sched.split}: LightSeq keeps the contiguous split, [[0], [1], ...]"]
-        try:
-            cpar.validate(sched)
-        except pipeline.ScheduleError as e:
-            return [f"lightseq({cp}) is not causal attention once on a ring: {e}"]
-        steps = len(sched.steps[0])
-        if steps != cp // 2 + 1:
-            return [f"lightseq({cp}) takes {steps} ring steps: every block at distance d <= cp // 2 runs at step d, "
-                    f"a longer one on its keys' owner earlier, so cp // 2 + 1 = {cp // 2 + 1} steps"]
-        factor = cpar.simulate(sched).factor
-        want = 1 + Fraction(1, cp) if cp % 2 == 0 else Fraction(1)
-        if cp > 1 and factor != want:
-            return [f"lightseq({cp})'s busiest rank does {float(factor):.3f} x the mean work, LightSeq's does "
-                    f"{float(want):.3f}: a block at distance d > cp // 2 belongs to its keys' owner, at step cp - d"]
+def _attention(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
+def _alone(env, cp):
+    """This rank's block of random q, k, v (B, nh, T, hs) through OneRing, against torch's causal
+    attention of the whole sequence (this process, float64): the output and the three gradients."""
+    r, group = env.rank, dist.group.WORLD
+    gen = torch.Generator().manual_seed(cp)
+    q, k, v, do = (torch.randn(2, 3, 4 * cp, 4, generator=gen, dtype=F64) for _ in range(4))  # 4 rows a rank
+    c = q.shape[2] // cp
+    mine = slice(r * c, (r + 1) * c)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _attention(*whole)
+    want.backward(do)
+    parts = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    got = cpar.OneRing.apply(*parts, group)
+    got.backward(do[:, :, mine])
+    causal = torch.ones(4 * cp, 4 * cp, dtype=torch.bool).tril()
+    blocks = torch.block_diag(*[torch.ones(c, c)] * cp).bool()
+    later = (torch.arange(4 * cp)[None, :] // c) > (torch.arange(4 * cp)[:, None] // c)
+    suspects = [(_attention(q, k, v, causal | blocks)[:, :, mine],
+                 "its own block attends to all of itself: the scores of the rank's own block are causal (mask "
+                 "those above the diagonal with -inf)"),
+                (_attention(q, k, v, causal | later)[:, :, mine],
+                 "it attends to the later blocks too: a block after this rank's is in every one of its queries' "
+                 "future, and is skipped"),
+                (_attention(q, k, v, torch.ones_like(causal))[:, :, mine],
+                 "it is attention over every key, later ones too: the rank's own block is causal, a later one "
+                 "skipped")]
+    home = (r + 1) % cp  # with no last hop, block r's dK and dV are still where the ring left them
+    back = slice(home * c, (home + 1) * c)
+    hop = "these are block (r + 1) mod cp's dK and dV, one hop from home: the ring's cp-th hop brings them back"
+    return differences([("the output", got.detach(), want.detach()[:, :, mine], suspects),
+                        ("the gradient of q", parts[0].grad, whole[0].grad[:, :, mine]),
+                        ("the gradient of k", parts[1].grad, whole[1].grad[:, :, mine],
+                         [(whole[1].grad[:, :, back], hop)] if cp > 1 else []),
+                        ("the gradient of v", parts[2].grad, whole[2].grad[:, :, mine],
+                         [(whole[2].grad[:, :, back], hop)] if cp > 1 else [])])
+
+
+def check_ring(impl):
+    reasons = []
+    with installed((cpar, "block_scores", impl["block_scores"]), (cpar, "OneRing", impl["OneRing"])):
+        for cp in (2, 4):
+            found = ranks(_alone, cp, cp)
+            if not any(x.startswith("the output") for x in found[0]):  # rank 0 sees its own block alone
+                found = [x if not any(y.startswith("the output ") for y in x) else ["rank 0, which attends to its own block alone, is right: how "
+                                                    "blocks join the running output is wrong (both parts rescaled "
+                                                    "to the new log-sum-exp before adding)"] + x
+                         for r, x in enumerate(found)]
+            reasons = first([f"alone at cp={cp} (each rank's block of random q, k, v against torch's causal "
+                             f"attention of the whole sequence), {x}" for x in merged(found)], 4)
+            if reasons:
+                return reasons
+        ref = serial_reference()
+        for cp in (2, 4):
+            reasons = in_the_model(ref, lambda g: cpar.ring_gpt(CFG, g, dtype=F64), cp, "in 08's ring_gpt and ring_step")
+            if reasons:
+                return reasons
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
+# 08.2 ring_step, in a GPT-2 whose attention is this file's own
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's block of the sequence (dim 2), in rank order; backward: the gradient summed over
+    the ring, this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.r, ctx.c = group, dist.get_rank(group), x.shape[2]
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return torch.cat(out, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[:, :, ctx.r * ctx.c:(ctx.r + 1) * ctx.c], None
+
+
+def _gathered_gpt(group):
+    """01's ParallelGPT whose attention core sees every rank's keys and values, each query causal at
+    its true position r T/cp + i: the ring's answer by another road."""
+    model = tensor_parallel.ParallelGPT(CFG, dtype=F64)
+
+    def core(q, k, v, p):
+        r, c = dist.get_rank(group), q.shape[2]
+        keys, values = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
+        mask = torch.arange(keys.shape[2])[None, :] <= torch.arange(r * c, (r + 1) * c)[:, None]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+    for block in model.transformer.h.values():
+        block.attn.core = core
+    return model
+
+
+def check_step(impl):
     ref = serial_reference()
-    with installed((cpar, "SPLITS", {**cpar.SPLITS, "lightseq": fn})):
-        return run(ref, 4, "lightseq")
+    with installed((cpar, "ring_step", impl["ring_step"])):
+        for cp in (2, 4):
+            reasons = in_the_model(ref, _gathered_gpt, cp, "ring_step in a GPT-2 whose attention gathers the sequence")
+            if reasons:
+                return reasons
+    return []
 
 
 # ----------------------------------------------------------------------------------------------
 # Planted wrong answers
 
 
-def _merge_no_rescale(a, b):
-    if a is None or b is None:
-        return a or b
-    return cpar.State(torch.maximum(a.m, b.m), a.l + b.l, a.acc + b.acc)
+def _scores_unmasked(q, k, own):
+    return q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5  # own or not
 
 
-def _forward_scales_q_in_place(q, k, v, diagonal, scale):
-    q.mul_(scale)  # the mistake: q is a view of the caller's queries, which it uses again
-    return cpar.block_forward(q, k, v, diagonal, 1.0)
+class _RingScalesQInPlace(cpar.OneRing):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        q.mul_(q.shape[-1] ** 0.5)  # the mistake: q is the caller's (a view of the projection's output)
+        return REFERENCE["OneRing"].forward(ctx, q * q.shape[-1] ** -0.5, k, v, group)
 
 
-def _forward_not_returned(q, k, v, diagonal, scale):
-    st = cpar.block_forward(q, k, v, diagonal, scale)  # the mistake: the State is made, never returned  # noqa: F841
+class _RingNoRescale(cpar.OneRing):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        r, cp = dist.get_rank(group), dist.get_world_size(group)
+        out, lse = torch.zeros_like(q), q.new_full((*q.shape[:-1], 1), -math.inf)
+        kb, vb = k, v
+        for s in range(cp):
+            if s > 0:
+                kb, vb = cpar.pass_on(group, kb, vb)
+            src = (r - s) % cp
+            if src > r:
+                continue
+            scores = cpar.block_scores(q, kb, src == r)
+            new = torch.logaddexp(lse, scores.logsumexp(-1, keepdim=True))
+            out = out + torch.exp(scores - new) @ vb  # the old part not rescaled to the new log-sum-exp
+            lse = new
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
 
 
-def _forward_no_mask(q, k, v, diagonal, scale):
-    return cpar.block_forward(q, k, v, False, scale)
+class _RingNotReturned(cpar.OneRing):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        out = REFERENCE["OneRing"].forward(ctx, q, k, v, group)  # noqa: F841
+        ctx.group = group  # the mistake: out is made and never returned
 
 
-def _lightseq_owner_only(cp):
-    steps = [[[] for _ in range(cp // 2 + 1)] for _ in range(cp)]
-    for i in range(cp):
-        for j in range(i + 1):
-            if i - j <= cp // 2:
-                steps[i][i - j].append(cpar.Block(i, j))
-    return cpar.RingSchedule("lightseq", [[r] for r in range(cp)], steps)
+class _RingNoLastHop(cpar.OneRing):
+    @staticmethod
+    def backward(ctx, do):
+        (q, k, v, out, lse), group = ctx.saved_tensors, ctx.group
+        r, cp, scale = dist.get_rank(group), dist.get_world_size(group), q.shape[-1] ** -0.5
+        D = (do * out).sum(-1, keepdim=True)
+        dq, kb, vb, dk, dv = torch.zeros_like(q), k, v, torch.zeros_like(k), torch.zeros_like(v)
+        for s in range(cp):
+            if s > 0:
+                kb, vb, dk, dv = cpar.pass_on(group, kb, vb, dk, dv)
+            src = (r - s) % cp
+            if src > r:
+                continue
+            p = torch.exp(cpar.block_scores(q, kb, src == r) - lse)
+            ds = p * (do @ vb.transpose(-2, -1) - D)
+            dq += ds @ kb * scale
+            dk += ds.transpose(-2, -1) @ q * scale
+            dv += p.transpose(-2, -1) @ do
+        return dq, dk, dv, None  # no last hop: dK and dV are still one rank short of home
 
 
-def _lightseq_helper_late(cp):
-    steps = [[[] for _ in range(cp // 2 + 1)] for _ in range(cp)]
-    for i in range(cp):
-        for j in range(i + 1):
-            d = i - j
-            steps[i][d].append(cpar.Block(i, j)) if d <= cp // 2 else steps[j][cp // 2].append(cpar.Block(i, j))
-    return cpar.RingSchedule("lightseq", [[r] for r in range(cp)], steps)
+class _RingThreeGradients(cpar.OneRing):
+    @staticmethod
+    def backward(ctx, do):
+        dq, dk, dv, _ = REFERENCE["OneRing"].backward(ctx, do)
+        return dq, dk, dv  # the mistake: forward had four inputs (q, k, v, group)
+
+
+def _step_local_mean(model, idx, targets, group):
+    r, cp, T_ = dist.get_rank(group), dist.get_world_size(group), idx.shape[1]
+    pos = torch.arange(r * T_ // cp, (r + 1) * T_ // cp)
+    tr = model.transformer
+    x = tr.wte(idx[:, pos]) + tr.wpe(pos)
+    for block in tr.h.values():
+        x = block(x)
+    logits = model.lm_head(tr.ln_f(x))
+    loss = F.cross_entropy(logits.flatten(0, 1), targets[:, pos].flatten(), ignore_index=-100)  # its own mean
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=group)
+    return tensor_parallel.all_reduce(loss.detach(), group)
+
+
+def _step_positions_from_zero(model, idx, targets, group):
+    r, cp, T_ = dist.get_rank(group), dist.get_world_size(group), idx.shape[1]
+    pos = torch.arange(r * T_ // cp, (r + 1) * T_ // cp)
+    tr = model.transformer
+    x = tr.wte(idx[:, pos]) + tr.wpe(pos - pos[0])  # every rank's block embedded at positions 0 .. T/cp - 1
+    for block in tr.h.values():
+        x = block(x)
+    logits = model.lm_head(tr.ln_f(x))
+    mine = F.cross_entropy(logits.flatten(0, 1), targets[:, pos].flatten(), ignore_index=-100, reduction="sum")
+    loss = mine / (targets != -100).sum().clamp(min=1)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=group)
+    return tensor_parallel.all_reduce(loss.detach(), group)
+
+
+def _step_grads_averaged(model, idx, targets, group):
+    loss = REFERENCE["ring_step"](model, idx, targets, group)
+    for p in model.parameters():
+        p.grad /= dist.get_world_size(group)  # averaged over the ring, as data parallelism would
+    return loss
 
 
 EXERCISES = [
-    Exercise("08.1", "blocks", "ring attention's blocks: FlashAttention-2's recurrences", ("block_forward", "merge"),
-             "Dao 2023, Algorithm 1; Li et al. 2023, Section 3.1", check_blocks,
-             lambda: {"block_forward": REFERENCE["block_forward"], "merge": REFERENCE["merge"]},
-             [Planted("merge_without_rescaling", "merge adds the sums without rescaling them to the larger max",
-                      lambda: {"merge": _merge_no_rescale}, "rescale both to the larger one"),
-              Planted("diagonal_block_unmasked", "the diagonal block attends to later keys of its own block",
-                      lambda: {"block_forward": _forward_no_mask}, "mask the scores above its diagonal"),
-              Planted("block_forward_scales_q_in_place", "block_forward scales the queries in place (q.mul_)",
-                      lambda: {"block_forward": _forward_scales_q_in_place}, "it wrote into its argument q in place",
+    Exercise("08.1", "ring", "one ring: the blocks' scores and ring attention", ("block_scores", "OneRing"),
+             "Li et al. 2023, Section 3.1; Dao 2023, Algorithm 1 (the online softmax)", check_ring,
+             lambda: {"block_scores": REFERENCE["block_scores"], "OneRing": REFERENCE["OneRing"]},
+             [Planted("own_block_unmasked", "block_scores leaves the rank's own block unmasked",
+                      lambda: {"block_scores": _scores_unmasked}, "its own block attends to all of itself"),
+              Planted("merge_without_rescaling", "OneRing adds a block's part without rescaling the old output",
+                      lambda: {"OneRing": _RingNoRescale}, "both parts rescaled to the new log-sum-exp"),
+              Planted("dkv_not_sent_home", "OneRing's backward leaves out the last hop home",
+                      lambda: {"OneRing": _RingNoLastHop}, "one hop from home"),
+              Planted("one_ring_scales_q_in_place", "OneRing's forward scales the queries in place (q.mul_)",
+                      lambda: {"OneRing": _RingScalesQInPlace}, "forward wrote into its input q in place",
                       at_line=True),
-              Planted("block_forward_not_returned", "block_forward makes the State and does not return it",
-                      lambda: {"block_forward": _forward_not_returned}, "it returned None", at_line=True)]),
-    Exercise("08.2", "lightseq", "LightSeq's balanced schedule, as data", ("lightseq",),
-             "Li et al. 2023, Section 3.2", check_lightseq, lambda: {"lightseq": REFERENCE["lightseq"]},
-             [Planted("lightseq_without_helpers", "only the queries' owners compute, in cp // 2 + 1 steps",
-                      lambda: {"lightseq": _lightseq_owner_only}, "is never computed"),
-              Planted("lightseq_helper_at_the_wrong_step", "a helper computes its block at the last step",
-                      lambda: {"lightseq": _lightseq_helper_late}, "it meets rank")]),
+              Planted("one_ring_not_returned", "OneRing's forward makes the output and does not return it",
+                      lambda: {"OneRing": _RingNotReturned}, "forward returned None", at_line=True),
+              Planted("one_ring_three_gradients", "OneRing's backward returns no gradient for the group",
+                      lambda: {"OneRing": _RingThreeGradients}, "one gradient per input", at_line=True)]),
+    Exercise("08.2", "step", "the ring's step: true positions, the loss, the gradients", ("ring_step",),
+             "Li et al. 2023, Section 3.1; Megatron Core's context parallelism", check_step,
+             lambda: {"ring_step": REFERENCE["ring_step"]},
+             [Planted("ring_step_local_mean", "each rank's loss is the mean of its own tokens",
+                      lambda: {"ring_step": _step_local_mean}, "divide each rank's summed loss by the whole batch's"),
+              Planted("ring_step_positions_from_zero", "every rank embeds its block at positions 0 .. T/cp - 1",
+                      lambda: {"ring_step": _step_positions_from_zero}, "true positions"),
+              Planted("ring_step_grads_averaged", "the gradients are averaged over the ring, not summed",
+                      lambda: {"ring_step": _step_grads_averaged}, "summed over the ring, not averaged")]),
 ]
