@@ -1,19 +1,31 @@
 """The checks of 09's exercises (exercises/ex09_expert_parallel.py), and the planted wrong answers.
 
-4 fork-started CPU ranks, a two-layer GPT-2 with 4 experts in each MoE layer, float64. 09.1 runs the
-student's dispatch alone first, with identity experts (which tokens each rank receives, in which
-order, and whether combine gives every token back exactly), then in 09's whole model against the
-serial model with experts (09's against_serial: the loss, the auxiliary loss and every gradient), at
-tp 2 x dp 2 -> ep 4 and dp 4 -> ep 2. 09.2 compares the student's loss with the formula on known
-routings, then on tp 2 ranks that split each microbatch, then in the whole model.
+Both are on 09's lesson: every rank a replica of the dense GPT-2 on its rows of the batch, each MoE
+layer's E experts spread over the ep ranks of its group. The expected answers are this file's own:
+a dense mixture of experts (every expert run on every token, its output weighted by the token's
+renormalised router probability where the token chose it, 0 elsewhere) and the load-balancing
+formula written with one-hot counts; nothing expected comes from the pieces an exercise stubs.
+
+09.1 (MoE's forward: the router, the dispatch, the experts, the combine) runs alone first on 4 CPU
+ranks (E = 8 over ep 4, top-2, another number of tokens on every rank): which rows each local
+expert receives, then the layer's output, its auxiliary loss and every gradient (the router's and
+each expert's, summed over every rank's tokens) against the dense layer; then in 09's moe_gpt and
+lesson_step at ep 4 (top-2) and ep 2 (top-1) against 09's serial_step on the dense model: the loss,
+the auxiliary loss and every gradient, float64, to 1e-10. While 09.1 is graded, 09's aux_loss is
+this file's formula, so 09.1 needs nothing of 09.2.
+
+09.2 (aux_loss) is compared with the formula on known routings (an even load, every token on one
+expert, a random top-2, no token at all) with its gradient, then in lesson_step on 4 ranks with the
+dense MoE layers (so it needs nothing of 09.1) against serial_step: some targets ignored, one rank's
+row counting none (its auxiliary loss 0, not 0/0).
 """
-from argparse import Namespace
+import types
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from exercises.autograder import Exercise, Planted, differences, first, installed, merged, numbered, ranks, warm
-from plumbing.launch import gather_rows
 
 tensor_parallel = numbered("01_tensor_parallel")
 gpt3d = numbered("05_3d_gpt")
@@ -21,126 +33,188 @@ experts = numbered("09_expert_parallel")
 F64 = torch.float64
 CFG = tensor_parallel.GPTConfig(vocab_size=53, block_size=16, n_layer=2, n_head=2, n_embd=16)
 WORLD = 4
-REFERENCE = {"dispatch": experts.dispatch, "load_balancing_loss": experts.load_balancing_loss}
+REFERENCE = {"MoE": experts.MoE, "aux_loss": experts.aux_loss}
+MOE_CLASS = experts.MoE  # the numbered class, taken before anything is installed: its __init__ builds the weights
 
 
 # ----------------------------------------------------------------------------------------------
-# The whole model against the serial one (09's against_serial), on each rank
+# The expected answers, this file's own
 
 
-def _model(env, layouts):
-    reasons = []
-    for layout, moe in layouts:
-        args = Namespace(etp=1, sequence_parallel=False, **layout)
-        groups = gpt3d.new_groups(env, experts.fold(gpt3d.rank_grid(env.world_size, args.tp, args.dp), args.ep))
-        full = experts.moe_state_dict(CFG, moe, 7, dtype=F64, random_all=True)
-        idx, targets = torch.randint(CFG.vocab_size, (2, 2 * args.dp, 8), generator=torch.Generator().manual_seed(11))
-        diffs = experts.against_serial(env, CFG, moe, args, groups, full, idx, targets)[0]
-        where = f"tp {args.tp} x dp {args.dp} -> ep {args.ep}, top-{moe.top_k}"
-        reasons += [f"in the whole model ({where}): the {what} differs from the serial model's by {d:.2e}"
-                    for what, d in sorted(diffs.items(), key=lambda x: -x[1])[:2] if d > 1e-10]
-    return reasons
-
-
-LAYOUTS = [(dict(tp=2, dp=2, ep=4), experts.MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=1.0)),
-           (dict(tp=1, dp=4, ep=2), experts.MoEConfig(num_experts=4, top_k=1, aux_loss_coeff=1.0))]
-
-
-def whole_model():
-    warm(meta=True)  # 09's weights are drawn on the meta device's shapes: import that once, here
-    return first(merged(ranks(_model, WORLD, LAYOUTS)))
-
-
-# ----------------------------------------------------------------------------------------------
-# 09.1 dispatch
-
-
-def _dispatch_alone(env):
-    E, k, N = 8, 2, 5 + env.rank  # another number of tokens on every rank
-    x = (torch.arange(N, dtype=F64) + 10 * env.rank)[:, None].repeat(1, 3)  # token t of rank r: 10 r + t
-    gen = torch.Generator().manual_seed(env.rank)
-    chosen = torch.stack([torch.randperm(E - 2, generator=gen)[:k] for _ in range(N)])  # experts 6, 7: no token
-    rows, plan = experts.dispatch(x, chosen, E, dist.group.WORLD)
-    pairs = torch.tensor([(10 * env.rank + t) * E + e for t in range(N) for e in chosen[t].tolist()], dtype=F64)
-    every = [p.long().tolist() for p in gather_rows(pairs)]  # each rank's (token, expert) pairs
-    n, mine = E // env.world_size, range(E // env.world_size * env.rank, E // env.world_size * (env.rank + 1))
-    want = [p // E for s in range(env.world_size) for le in range(n) for p in every[s] if p % E == mine[le]]
-    got = [int(v) for v in rows[:, 0].tolist()]
-    reasons = []
-    if sorted(got) != sorted(want):
-        wrong = sorted(set(got) - set(want))[:3]
-        reasons.append(f"this rank received the tokens {got}, where the pairs for its experts {list(mine)} are "
-                       f"{sorted(want)}" + (f": {wrong[0] // 10}.{wrong[0] % 10} chose none of them; the rows must "
-                                            f"be the pairs sorted by expert (step 1), each pair's token "
-                                            f"(pair p is token p // k)" if wrong else ""))
-    elif got != want:
-        reasons.append(f"this rank received the right tokens in the wrong order ({got}, not {want}): rank s's "
-                       f"rows must come sorted by expert, so that 09's run_experts finds each local expert's "
-                       f"block where plan.blocks says")
-    back = experts.combine(rows, torch.full((N, k), 0.5, dtype=F64), plan, dist.group.WORLD)
-    if not reasons and not torch.equal(back, x):
-        reasons.append("09's combine, with identity experts and weights 1/2, does not give the tokens back exactly: "
-                       "the Plan's order, send or recv are not what the rows were sent with")
-    return reasons
-
-
-def check_dispatch(impl):
-    with installed((experts, "dispatch", impl["dispatch"])):
-        alone = first(merged(ranks(_dispatch_alone, WORLD)))
-        if alone:
-            return ["alone, with identity experts (E = 8 over 4 ranks, top-2):"] + alone
-        return whole_model()
-
-
-def _unsorted(x, chosen, E, group):  # the pairs in token order: each rank's rows go to the wrong ranks
-    ep, k = experts.size_of(group), chosen.shape[1]
-    order = torch.arange(chosen.numel())  # the mistake: no sort
-    counts = torch.bincount(chosen.flatten(), minlength=E)
-    blocks = experts.all_to_all(counts, [E // ep] * ep, [E // ep] * ep, group)
-    counts, blocks, n = counts.tolist(), blocks.tolist(), E // ep
-    send, recv = ([sum(c[s * n:(s + 1) * n]) for s in range(ep)] for c in (counts, blocks))
-    return experts.all_to_all(x[order // k], send, recv, group), experts.Plan(order, k, send, recv, blocks, counts)
-
-
-def _choice_major(x, chosen, E, group):  # pair p read as choice p // N of token p % N
-    rows, plan = REFERENCE["dispatch"](x, chosen, E, group)  # 09's own (the module's is this one now)
-    N = x.shape[0]
-    rows = experts.all_to_all(x[plan.order % N], plan.send, plan.recv, group)  # the mistake: % N, not // k
-    return rows, plan
-
-
-# ----------------------------------------------------------------------------------------------
-# 09.2 load_balancing_loss
-
-
-def _formula(probs, chosen):
-    E, k = probs.shape[1], chosen.shape[1]
-    f = torch.bincount(chosen.flatten(), minlength=E).to(probs.dtype) / chosen.numel()
+def _formula(probs, chosen, E):
+    """E sum_i f_i P_i with one-hot counts; 0 over no token."""
+    if chosen.shape[0] == 0:
+        return probs.sum() * 0
+    f = F.one_hot(chosen, E).sum((0, 1)).to(probs.dtype) / chosen.numel()
     return E * (f * probs.mean(0)).sum()
 
 
-def _aux_split(env):
-    """tp = every rank: each holds T/tp of one microbatch's tokens; the loss must be the whole one's."""
-    group = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, env.world_size, 1)).tp
-    gen = torch.Generator().manual_seed(3)
-    logits, chosen = torch.randn(16, 4, generator=gen, dtype=F64), torch.randint(4, (16, 2), generator=gen)
-    whole = logits.softmax(-1).requires_grad_()
-    want = _formula(whole, chosen)
-    want.backward()
-    mine = slice(16 // env.world_size * env.rank, 16 // env.world_size * (env.rank + 1))
-    probs = logits[mine].softmax(-1).requires_grad_()
-    got = experts.load_balancing_loss(probs, chosen[mine], group)
-    got.backward()
-    split = _formula(probs.detach(), chosen[mine])  # the loss of this rank's tokens alone
-    return differences([(f"the loss on tp rank {env.rank} of {env.world_size}", got.detach(), want.detach(),
-                         [(split, "is the loss of this rank's tokens alone: sum the counts, the probabilities and N "
-                                  "over the group first")]),
-                        ("the gradient of this rank's probabilities", probs.grad, whole.grad[mine])],
-                       factors={"k": 2, "tp": env.world_size})
+def _dense(aux, weighted=True, renormalised=True):
+    """A forward for a MoE layer: every expert it holds on every token, weighted by the token's
+    router probability where it chose that expert (0 elsewhere); its auxiliary loss by `aux`."""
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = self.router(tokens).softmax(-1)
+        top, chosen = probs.topk(self.k, dim=-1)
+        w = top / top.sum(-1, keepdim=True) if renormalised else top
+        w = w if weighted else torch.ones_like(w)
+        y = tokens * 0
+        for e, expert in self.experts.items():
+            y = y + (w * (chosen == int(e))).sum(-1, keepdim=True) * expert(tokens)
+        keep = self.keep.reshape(-1)
+        self.aux = aux(probs[keep], chosen[keep], self.E)
+        return y.view_as(x)
+    return forward
 
 
-def check_load_balancing_loss(impl):
-    fn = impl["load_balancing_loss"]
+def _densely(model, aux, **kw):
+    for block in model.transformer.h.values():
+        if isinstance(block.mlp, MOE_CLASS):
+            block.mlp.forward = types.MethodType(_dense(aux, **kw), block.mlp)
+    return model
+
+
+def _batch(T=8):
+    """(idx, targets) (WORLD, T), one row a rank: row 1 counts no target, row 3 loses its first third."""
+    idx, targets = torch.randint(CFG.vocab_size, (2, WORLD, T), generator=torch.Generator().manual_seed(11))
+    targets[1] = -100
+    targets[3, :T // 3] = -100
+    return idx, targets
+
+
+def serial_reference(moe, aux=_formula):
+    """09's serial_step on the dense model (every expert here) with the weights and batch: the loss
+    and auxiliary loss, every gradient."""
+    warm(meta=True)  # 09's weights are drawn on the meta device's shapes: import that once, here
+    full = experts.moe_state_dict(CFG, moe, 7, dtype=F64, random_all=True)
+    idx, targets = _batch()
+    serial = _densely(experts.moe_gpt(CFG, moe, None, full), aux)
+    got = experts.serial_step(serial, idx, targets, WORLD, moe.aux_loss_coeff)
+    return dict(full=full, idx=idx, targets=targets, got=got, grads={n: p.grad for n, p in serial.named_parameters()})
+
+
+def _whole_model(env, ref, moe, ep, dense):
+    groups = gpt3d.new_groups(env, experts.expert_grid(env.world_size, ep))
+    model = experts.moe_gpt(CFG, moe, None if dense else groups.ep, ref["full"])
+    if dense:  # every expert on every rank (ep = 1), each rank a replica: the experts' edp group is the world
+        _densely(model, experts.aux_loss)
+    x, y = (t[env.rank:env.rank + 1] for t in (ref["idx"], ref["targets"]))
+    got = experts.lesson_step(model, x, y, dist.group.WORLD if dense else groups.edp, moe.aux_loss_coeff)
+    pairs = [("the loss", got[0], ref["got"][0]), ("the auxiliary loss", got[1], ref["got"][1])]
+    pairs += [(f"the gradient of {n}", p.grad, ref["grads"][n]) for n, p in model.named_parameters()]
+    return differences(pairs, {"nonfinite": "a replica whose row counts no target has no token to average over: "
+                                            "its auxiliary loss is 0, not 0/0"}, factors={"k": moe.top_k})
+
+
+def in_lesson_step(ref, moe, ep, dense=False):
+    where = f"in 09's lesson_step, {'dense MoE layers' if dense else f'ep {ep}'}, top-{moe.top_k}, 4 ranks"
+    return first([f"{where}, {x}" for x in merged(ranks(_whole_model, WORLD, ref, moe, ep, dense))], 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# 09.1 MoE's forward
+
+
+E1, K1 = 8, 2
+
+
+def _layer_weights():
+    layer = MOE_CLASS(CFG, E1, K1, None, dtype=F64)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=F64) * 0.3)
+    return layer.state_dict()
+
+
+def _tokens(rank):
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, g = (torch.randn(1, 5 + rank, CFG.n_embd, generator=gen, dtype=F64) for _ in range(2))  # another N a rank
+    keep = torch.ones(1, 5 + rank, dtype=torch.bool)
+    keep[0, :rank] = False  # some tokens' targets not counted: the auxiliary loss is over the others
+    return x, g, keep
+
+
+def _layer_alone(env, weights):
+    r, world = env.rank, env.world_size
+    serial = MOE_CLASS(CFG, E1, K1, None, dtype=F64)
+    serial.load_state_dict(weights)
+    serial.forward = types.MethodType(_dense(_formula), serial)
+    want = {}
+    for s in [r] + [s for s in range(world) if s != r]:  # this rank's tokens first: its router gradient
+        x, g, keep = _tokens(s)
+        serial.keep = keep
+        y = serial(x)
+        (y * g).sum().backward()
+        if s == r:
+            want.update(y=y.detach(), aux=serial.aux.detach(), router=serial.router.weight.grad.clone())
+    layer = experts.MoE(CFG, E1, K1, dist.group.WORLD, dtype=F64)
+    layer.load_state_dict({n: weights[n] for n in layer.state_dict()})
+    received = {}
+    for e, expert in layer.experts.items():  # what each local expert is run on
+        expert.register_forward_hook(lambda mod, args, out, e=e: received.setdefault(e, []).append(args[0].detach()))
+    x, g, keep = _tokens(r)
+    layer.keep = keep
+    y = layer(x)
+    reasons = []
+    for e in layer.experts:  # the rows of every rank's tokens that chose e, in any order
+        chose = []
+        for s in range(world):
+            xs = _tokens(s)[0].reshape(-1, CFG.n_embd)
+            chosen = serial.router(xs).softmax(-1).topk(K1, dim=-1)[1]
+            chose.append(xs[(chosen == int(e)).any(-1)])
+        rows = torch.cat(received.get(e, [torch.zeros(0, CFG.n_embd, dtype=F64)]))
+        key = torch.linspace(1, 2, CFG.n_embd, dtype=F64)
+        wanted = torch.cat(chose)
+        if rows.shape != wanted.shape or not torch.allclose(rows[(rows @ key).argsort()],
+                                                            wanted[(wanted @ key).argsort()], rtol=0, atol=1e-12):
+            reasons.append(f"expert {e} did not run on the tokens that chose it ({rows.shape[0]} rows; "
+                           f"{wanted.shape[0]} tokens of the ranks chose it): some rows went to the wrong expert (step 1: the pairs sorted by expert, "
+                           f"stably, so that each rank's rows are one block, pair p being token p // k; step 2: the "
+                           f"counts, so that every rank knows what arrives)")
+            break
+    if reasons:
+        return reasons
+    if y is None:
+        return ["MoE's forward returned None: it returns the layer's output, (B, T, C)"]
+    (y * g).sum().backward()
+    serial.keep = keep
+    suspects = [(_dense(_formula, weighted=False)(serial, x).detach(), "each expert's output was added as it is: "
+                 "weight each row by its token's router probability for that expert (step 5)"),
+                (_dense(_formula, renormalised=False)(serial, x).detach(), "the weights are the raw top-k "
+                 "probabilities: renormalise a token's k probabilities to sum to 1 (Mixtral's convention)")]
+    pairs = [("the layer's output", y.detach(), want["y"], suspects),
+             ("the auxiliary loss (layer.aux)", None if layer.aux is None else layer.aux.detach(), want["aux"]),
+             ("the router's gradient", layer.router.weight.grad, want["router"])]
+    pairs += [(f"expert {e}'s gradient of {n}", p.grad, serial.get_parameter(f"experts.{e}.{n}").grad)
+              for e, expert in layer.experts.items() for n, p in expert.named_parameters()]
+    return differences(pairs)
+
+
+def check_moe(impl):
+    weights, refs = _layer_weights(), [serial_reference(moe) for moe, _ in LAYOUTS]  # before anything is installed
+    with installed((experts, "MoE", impl["MoE"]), (experts, "aux_loss", _formula)):
+        alone = first(merged(ranks(_layer_alone, WORLD, weights)))
+        if alone:
+            return [f"alone (one layer, E = {E1} over ep {WORLD}, top-{K1}, another number of tokens on every "
+                    f"rank), {x}" for x in alone]
+        for (moe, ep), ref in zip(LAYOUTS, refs):
+            reasons = in_lesson_step(ref, moe, ep)
+            if reasons:
+                return reasons
+    return []
+
+
+LAYOUTS = [(experts.MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=1.0), 4),
+           (experts.MoEConfig(num_experts=4, top_k=1, aux_loss_coeff=1.0), 2)]
+
+
+# ----------------------------------------------------------------------------------------------
+# 09.2 aux_loss
+
+
+def check_aux(impl):
+    fn = impl["aux_loss"]
     E, N = 4, 8
     even, one = torch.full((N, E), 1 / E, dtype=F64), torch.zeros(N, E, dtype=F64)
     one[:, 2] = 1
@@ -148,41 +222,86 @@ def check_load_balancing_loss(impl):
     probs, top2 = torch.randn(N, E, generator=gen, dtype=F64).softmax(-1), torch.randint(E, (N, 2), generator=gen)
     cases = [("an even load, top-1", even, torch.arange(N)[:, None] % E),
              ("every token on expert 2, top-1", one, torch.full((N, 1), 2)),
-             ("a random routing, top-2", probs, top2)]
-    reasons = differences([(f"the loss of {what}", fn(p, c, None), _formula(p, c)) for what, p, c in cases],
-                          hints={"k x too large": "f_i is the share of the N k choices, not of the N tokens"},
-                          factors={"k": 2})
+             ("a random routing, top-2", probs, top2),
+             ("no token (a replica whose targets are all ignored), top-2", probs[:0], top2[:0])]
+    pairs = []
+    for what, p, c in cases:
+        mine, theirs = p.clone().requires_grad_(), p.clone().requires_grad_()
+        got, want = fn(mine, c, E), _formula(theirs, c, E)
+        pairs.append((f"the loss of {what}", None if got is None else got.detach(), want.detach()))
+        if got is not None and got.requires_grad and N and p.shape[0]:
+            got.backward()
+            want.backward()
+            pairs.append((f"the gradient of the probabilities, {what}", mine.grad, theirs.grad))
+    reasons = differences(pairs, hints={"k x too large": "f_i is the share of the N k choices, not of the N tokens",
+                                        "nonfinite": "over no token the loss is 0, not 0/0"}, factors={"k": 2})
     if reasons:
         return reasons
-    with installed((experts, "load_balancing_loss", fn)):
-        split = first(merged(ranks(_aux_split, 2)))
-        if split:
-            return split
-        return whole_model()
+    moe = experts.MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=1.0)
+    ref = serial_reference(moe)
+    with installed((experts, "aux_loss", fn)):
+        return in_lesson_step(ref, moe, 1, dense=True)
 
 
-def _not_summed(probs, chosen, group):  # each tp rank's own tokens only
-    return REFERENCE["load_balancing_loss"](probs, chosen, None)
+# ----------------------------------------------------------------------------------------------
+# Planted wrong answers: MoE forwards near the lesson's, each with one mistake
 
 
-def _per_token_share(probs, chosen, group):  # f_i over N, not N k
-    return REFERENCE["load_balancing_loss"](probs, chosen, group) * chosen.shape[1]
+def _forward(sort=True, weighted=True, renormalised=True):
+    def forward(self, x):
+        B, T, C = x.shape
+        ep, n, k = experts.size_of(self.group), self.E // experts.size_of(self.group), self.k
+        tokens = x.reshape(B * T, C)
+        probs = self.router(tokens).softmax(-1)
+        top, chosen = probs.topk(k, dim=-1)
+        weights = top / top.sum(-1, keepdim=True) if renormalised else top
+        self.aux = experts.aux_loss(probs[self.keep.flatten()], chosen[self.keep.flatten()], self.E)
+        order = chosen.flatten().argsort(stable=True) if sort else torch.arange(chosen.numel())
+        counts = torch.bincount(chosen.flatten(), minlength=self.E)
+        got = experts.all_to_all(counts, [n] * ep, [n] * ep, self.group)
+        send, recv = counts.view(ep, n).sum(1).tolist(), got.view(ep, n).sum(1).tolist()
+        rows = experts.all_to_all(tokens[order // k], send, recv, self.group)
+        blocks = list(rows.split(got.tolist()))
+        for i, expert in enumerate(self.experts.values()):
+            mine = blocks[i::n]
+            blocks[i::n] = expert(torch.cat(mine)).split([len(b) for b in mine])
+        back = experts.all_to_all(torch.cat(blocks), recv, send, self.group)
+        w = weights.flatten()[order, None] if weighted else 1
+        return tokens.new_zeros(tokens.shape).index_add(0, order // k, back * w).view(B, T, C)
+    return type("MoE", (MOE_CLASS,), {"forward": forward})
+
+
+def _aux_over_tokens(probs, chosen, E):
+    return REFERENCE["aux_loss"](probs, chosen, E) * chosen.shape[1]  # f_i over the N tokens, not the N k choices
+
+
+def _aux_no_guard(probs, chosen, E):
+    N, k = chosen.shape
+    f = torch.bincount(chosen.flatten(), minlength=E).to(probs.dtype) / (N * k)
+    return E * (f * probs.sum(0) / N).sum()  # over no token: 0 / 0
+
+
+def _aux_not_returned(probs, chosen, E):
+    loss = REFERENCE["aux_loss"](probs, chosen, E)  # the mistake: computed, never returned  # noqa: F841
 
 
 EXERCISES = [
-    Exercise("09.1", "dispatch", "the token dispatcher: sort, counts, uneven all-to-all",
-             ("dispatch",), "Megatron's all-to-all token dispatcher; Liu et al. 2025 (MoE Parallel Folding)", check_dispatch,
-             lambda: {"dispatch": REFERENCE["dispatch"]},
-             [Planted("dispatch_unsorted", "the pairs are sent in token order, not sorted by expert",
-                      lambda: {"dispatch": _unsorted}, "the rows must be the pairs sorted by expert"),
-              Planted("dispatch_choice_major", "pair p is read as token p % N (choice-major), not p // k",
-                      lambda: {"dispatch": _choice_major}, "pair p is token p // k")]),
-    Exercise("09.2", "load_balancing_loss", "the load-balancing loss over the whole microbatch",
-             ("load_balancing_loss",), "Fedus et al. 2022 (Switch Transformer), Section 2.2, eq. 4; Lepikhin et "
-             "al. 2020 (GShard)", check_load_balancing_loss,
-             lambda: {"load_balancing_loss": REFERENCE["load_balancing_loss"]},
-             [Planted("aux_not_summed_over_tp", "each tp rank's loss is over its own tokens only",
-                      lambda: {"load_balancing_loss": _not_summed}, "sum the counts, the probabilities and N over the group"),
-              Planted("aux_f_over_tokens", "f_i is counted over the N tokens, not the N k choices",
-                      lambda: {"load_balancing_loss": _per_token_share}, "not of the N tokens")]),
+    Exercise("09.1", "moe", "one dispatch and combine: the lesson's MoE layer", ("MoE",),
+             "Megatron's all-to-all token dispatcher; Liu et al. 2025 (MoE Parallel Folding)", check_moe,
+             lambda: {"MoE": REFERENCE["MoE"]},
+             [Planted("moe_unsorted", "the pairs are sent in token order, not sorted by expert",
+                      lambda: {"MoE": _forward(sort=False)}, "some rows went to the wrong expert"),
+              Planted("moe_combine_unweighted", "the combine adds the experts' outputs without the router's weights",
+                      lambda: {"MoE": _forward(weighted=False)}, "weight each row by its token's router probability"),
+              Planted("moe_weights_not_renormalised", "the top-k probabilities are used as they are",
+                      lambda: {"MoE": _forward(renormalised=False)}, "renormalise a token's k probabilities")]),
+    Exercise("09.2", "aux_loss", "the load-balancing loss: E sum f_i P_i", ("aux_loss",),
+             "Fedus et al. 2022 (Switch Transformer), Section 2.2, eq. 4; Lepikhin et al. 2020 (GShard)", check_aux,
+             lambda: {"aux_loss": REFERENCE["aux_loss"]},
+             [Planted("aux_f_over_tokens", "f_i is counted over the N tokens, not the N k choices",
+                      lambda: {"aux_loss": _aux_over_tokens}, "not of the N tokens"),
+              Planted("aux_over_no_token_nan", "no guard for a replica with no counted token: 0 / 0",
+                      lambda: {"aux_loss": _aux_no_guard}, "not 0/0"),
+              Planted("aux_loss_not_returned", "aux_loss computes the loss and does not return it",
+                      lambda: {"aux_loss": _aux_not_returned}, "it returned None", at_line=True)]),
 ]
