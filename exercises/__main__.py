@@ -25,7 +25,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from exercises import FILES, exercises, student_impl, writes  # noqa: E402
+from exercises import FILES, exercises, stub, student_impl, writes  # noqa: E402
 from exercises.autograder import DEADLINE_S, Grade, TimeLimit, grade, time_limit  # noqa: E402
 
 
@@ -85,11 +85,16 @@ def not_written(exercise, impl):
         mine, theirs = impl[name], reference[name]
         if (exercise.key, name) in _stubbed or _is_stub(theirs):
             continue
+        # A class's methods to write: the stub's own (09.1's MoE stub subclasses 09's and writes forward alone)
+        stubbed = getattr(stub(exercise.file), name, None)
+        methods = _own_methods(stubbed) if isinstance(stubbed, type) and isinstance(theirs, type) else None
+        if methods and all(_is_stub(_function(theirs, m)) for m in methods if m in vars(theirs)):
+            continue  # the student copy: those methods of the numbered class are the stubs themselves
         if mine is theirs or (isinstance(mine, type) and isinstance(theirs, type) and any(
-                getattr(mine, m, None) is getattr(theirs, m) for m in _own_methods(theirs))):
+                getattr(mine, m, None) is getattr(theirs, m) for m in methods or _own_methods(theirs))):
             reasons.append(f"{exercise.key}: {name} is {numbered}.py's own (imported, not written): write it in "
                            f"{stub_file}.py")
-        elif _statements(mine) is not None and _statements(mine) == _statements(theirs):
+        elif _statements(mine, methods) is not None and _statements(mine, methods) == _statements(theirs, methods):
             reasons.append(f"{exercise.key}: {name} is a copy of {numbered}.py's own (its source is the "
                            f"reference's): write it yourself in {stub_file}.py")
     return reasons
@@ -141,12 +146,12 @@ def _own_methods(cls):
     return [m for m, v in vars(cls).items() if isinstance(v, (staticmethod, classmethod)) or inspect.isfunction(v)]
 
 
-def _statements(obj):
+def _statements(obj, methods=None):
     """What obj's source does, without its docstring, comments or layout: for a function the dump of
     its body's statements, for a class each method's (read from the methods, whose code knows its
     file, as a class loaded from a --file does not). None if the source is not to be had."""
     if isinstance(obj, type):
-        methods = [(m, _statements(_function(obj, m))) for m in sorted(_own_methods(obj))]
+        methods = [(m, _statements(_function(obj, m))) for m in sorted(methods or _own_methods(obj))]
         return None if not methods or any(b is None for _, b in methods) else methods
     try:
         node = ast.parse(textwrap.dedent(inspect.getsource(obj))).body[0]

@@ -99,8 +99,8 @@ def _body(node):
 def kept_code():
     """The text of the code the student copy keeps as it is: the numbered files outside
     the replaced bodies, and every other tracked .py outside exercises/ and tests/ (a later chapter
-    may repeat a line of an earlier one's solution: `dist.all_reduce(p.grad, group=group)` is 04.1's
-    and also 08's own code, which students are given)."""
+    may repeat a line of an earlier one's solution: 08.1's `OneRing` opens with the line that gets the
+    rank and the size of its group, as 08's machine, which students are given, does too)."""
     numbered = {f"{n}.py" for n, _, _ in FILES.values()}
     out = []
     for path in tracked():
