@@ -124,10 +124,9 @@ def check_ring(impl):
         for cp in (2, 4):
             found = ranks(_alone, cp, cp)
             if not any(x.startswith("the output") for x in found[0]):  # rank 0 sees its own block alone
-                found = [x if not any(y.startswith("the output ") for y in x) else ["rank 0, which attends to its own block alone, is right: how "
-                                                    "blocks join the running output is wrong (both parts rescaled "
-                                                    "to the new log-sum-exp before adding)"] + x
-                         for r, x in enumerate(found)]
+                merge = ("rank 0, which attends to its own block alone, is right: how blocks join the running output "
+                         "is wrong (both parts rescaled to the new log-sum-exp before adding)")
+                found = [[merge] + x if any(y.startswith("the output ") for y in x) else x for x in found]
             reasons = first([f"alone at cp={cp} (each rank's block of random q, k, v against torch's causal "
                              f"attention of the whole sequence), {x}" for x in merged(found)], 4)
             if reasons:

@@ -169,9 +169,9 @@ def _layer_alone(env, weights):
         if rows.shape != wanted.shape or not torch.allclose(rows[(rows @ key).argsort()],
                                                             wanted[(wanted @ key).argsort()], rtol=0, atol=1e-12):
             reasons.append(f"expert {e} did not run on the tokens that chose it ({rows.shape[0]} rows; "
-                           f"{wanted.shape[0]} tokens of the ranks chose it): some rows went to the wrong expert (step 1: the pairs sorted by expert, "
-                           f"stably, so that each rank's rows are one block, pair p being token p // k; step 2: the "
-                           f"counts, so that every rank knows what arrives)")
+                           f"{wanted.shape[0]} tokens of the ranks chose it): some rows went to the wrong expert "
+                           f"(step 1: the pairs sorted by expert, stably, so that each rank's rows are one block, "
+                           f"pair p being token p // k; step 2: the counts, so that every rank knows what arrives)")
             break
     if reasons:
         return reasons

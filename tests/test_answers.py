@@ -376,51 +376,81 @@ class Claim:
     value: object  # () -> what the code says those groups must be (a string, or a tuple of them)
 
 
-def merge_order():
-    """08.2: two States of the same rows over different keys, merged both ways, against softmax attention."""
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, dtype=F64) for _ in range(3))
-    k2, v2 = (torch.randn(1, 2, 4, 8, generator=gen, dtype=F64) for _ in range(2))
-    a, b = (context.block_forward(q, kk, vv, False, 8 ** -0.5) for kk, vv in ((k, v), (k2, v2)))
-    ab, ba = context.finish(context.merge(a, b))[0], context.finish(context.merge(b, a))[0]
-    full = F.scaled_dot_product_attention(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2))
-    return "any" if torch.allclose(ab, ba, rtol=0, atol=1e-14) and torch.allclose(ab, full, rtol=0, atol=1e-12) else "one"
+@functools.cache
+def ring_facts():
+    """08.1, 08.2, 08.4: the lesson's OneRing on 4 CPU ranks at the demo's sizes (B, T, C, nh), each rank's
+    block of one random q, k, v: which blocks block_scores scores in which order, what pass_on carries
+    forward and backward, what forward saves, and the output and gradients against torch's causal attention."""
+    from plumbing.launch import launch
+    return launch(_ring, 4, timeout_s=20, deadline_s=60)
+
+
+def _ring(env):
+    import torch.distributed as dist
+    args, cp, r = context.parser().parse_args([]), env.world_size, env.rank
+    B, T, nh, hs = args.batch_size, args.seq_len, args.n_head, args.n_embd // args.n_head
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(B, nh, T, hs, generator=gen, dtype=F64) for _ in range(4))
+    c, scored, hops = T // cp, [], []
+    mine = [t[:, :, r * c:(r + 1) * c].clone().requires_grad_() for t in (q, k, v)]
+    scores, pass_on = context.block_scores, context.pass_on
+    context.block_scores = lambda q_, k_, own: scored.append(own) or scores(q_, k_, own)
+    context.pass_on = lambda group, *ts: hops.append([t.numel() * t.element_size() for t in ts]) or pass_on(group, *ts)
+    try:
+        out = context.OneRing.apply(*mine, dist.group.WORLD)
+        forward, saved, ahead = len(hops), out.grad_fn.saved_tensors, list(scored)  # forward's, before backward's
+        out.backward(do[:, :, r * c:(r + 1) * c])
+    finally:
+        context.block_scores, context.pass_on = scores, pass_on
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*whole, is_causal=True)
+    want.backward(do)
+    diff = max([float(tensor_parallel.max_rel_diff(out.detach(), want.detach()[:, :, r * c:(r + 1) * c]))] +
+               [float(tensor_parallel.max_rel_diff(m.grad, w.grad[:, :, r * c:(r + 1) * c])) for m, w in zip(mine, whole)])
+    return dict(work=sum(Fraction(1, 2) if own else Fraction(1) for own in ahead), own_first=ahead[0],
+                scored=len(ahead), forward_hops=forward, forward_bytes=sum(map(sum, hops[:forward])),
+                backward_hops=len(hops) - forward, backward_tensors=[len(h) for h in hops[forward:]],
+                saved=len(saved), largest_saved=max(t.numel() for t in saved) == mine[0].numel(), diff=diff,
+                shape=(B, nh, c, hs))
+
+
+def contiguous_forward_bytes(shape):
+    """08.4: the bytes of the machine's contiguous split at cp = 4, forward, every exchange of one layer."""
+    sched = context.contiguous(4)
+    return sum(context.message_bytes(kind, shape, False, 8) for s in range(len(sched.steps[0]) + 1)
+               for _, _, kind, _ in context.messages(sched, s))
 
 
 @functools.cache
-def context_step_facts():
-    """08.3: the loss `step` returns at cp = 2 against the serial mean (full), and the gradient it gives
-    against serial (multiplied by cp: equal; not multiplied: 1/cp of it). Two CPU ranks."""
+def ring_step_facts():
+    """08.3: the lesson's ring_step at cp = 2 against the serial mean, and exercise 08.2's planted
+    ring_step_local_mean and ring_step_grads_averaged (exercises/checks_08.py) beside it. Two CPU ranks."""
     from plumbing.launch import launch
-    return launch(_context_step, 2, timeout_s=20, deadline_s=60)[0]
+    return launch(_ring_step, 2, timeout_s=20, deadline_s=60)[0]
 
 
-def _context_step(env):
+def _ring_step(env):
     import torch.distributed as dist
+    checks = load("exercises.checks_08")
     cfg, group = PIPELINE_CFG, dist.group.WORLD
     full = tensor_parallel.init_state_dict(cfg, 5, dtype=F64, random_all=True)
-    idx, targets = pipeline_batch(2)
-    serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
+    idx, targets = pipeline_batch(2)  # 5 targets of the first row ignored: rank 0's block counts fewer
+    serial = tensor_parallel.ParallelGPT(cfg, dtype=F64)
     serial.load_full_state_dict(full)
     whole = serial(idx, targets)[1]
     whole.backward()
-    model = context.context_parallel(tensor_parallel.GPT(cfg, None, init=False, dtype=F64), context.contiguous(2), group)
-    model.load_full_state_dict(full)
-    loss = context.step(model, idx, targets, group, group)[1]
-    grad = max(float(tensor_parallel.max_rel_diff(p.grad, serial.get_parameter(n).grad)) for n, p in model.named_parameters())
-    return {"divides_by": "full" if float(tensor_parallel.max_rel_diff(loss, whole.detach())) < 1e-12 else "local",
-            "multiplied_by": "cp" if grad < 1e-10 else "1"}
-
-
-def lightseq_messages():
-    """08.4: exchange 1's q and exchange 2's out in LightSeq's schedule at cp = 4, with the demo's sizes."""
-    args = context.parser().parse_args([])
-    cfg, sched = tensor_parallel.GPTConfig(n_embd=args.n_embd, n_head=args.n_head), context.lightseq(4)
-    shape = (args.batch_size, cfg.n_head, args.seq_len // sched.n, cfg.n_embd // cfg.n_head)
-    (q,) = [m for m in context.messages(sched, 1) if m[2] == "q"]
-    (out,) = [m for m in context.messages(sched, 2) if m[2] == "out"]
-    return (str(q[3]), str(q[0]), str(q[1]), f"{context.message_bytes('q', shape, False, 8):,}",
-            str(out[3]), str(out[0]), f"{context.message_bytes('out', shape, False, 8):,}", str(out[1]))
+    out = {}
+    for name, step in (("lesson", context.ring_step), ("own_mean", checks._step_local_mean),
+                       ("averaged", checks._step_grads_averaged)):
+        model = context.ring_gpt(cfg, group, dtype=F64)
+        model.load_full_state_dict(full)
+        loss = step(model, idx, targets, group)
+        ratios = {round(float((p.grad * serial.get_parameter(n).grad).sum() / serial.get_parameter(n).grad.norm() ** 2), 9)
+                  for n, p in model.named_parameters()}
+        out[name] = dict(loss=float(abs(loss - whole.detach())), value=loss.item(), serial=whole.item(), ratio=one(ratios) if len(ratios) == 1 else None,
+                         grads=max(float(tensor_parallel.max_rel_diff(p.grad, serial.get_parameter(n).grad))
+                                   for n, p in model.named_parameters()))
+    return out
 
 
 EP_DEMO, EP_CP_DEMO = ("09_expert_parallel.py",), ("09_expert_parallel.py", "--tp", "2", "--cp", "2", "--dp", "1")
@@ -623,28 +653,42 @@ CLAIMS = [
                                       f"{spread([c[1] for c in fig['compute']]):.2f}",
                                       f"{fig['sims'][0].step_time / fig['sims'][1].step_time:.2f}"))(
               *balance_at(vocab.parser().parse_args([]).large_vocab))),
-    # 08
-    Claim("08.1", r"times the mean, ([\d.]+) at cp = 4 \(`simulate`'s balance factor; ([\d.]+) at cp = 2, ([\d.]+) at "
-                  r"cp = 8\)", lambda: tuple(f"{float(context.simulate(context.contiguous(cp)).factor):.2f}" for cp in (4, 2, 8))),
-    Claim("08.1", r"in lockstep the ring takes ([\d.]+) block-times where ([\d.]+) would do",
-          lambda: (lambda b: (f"{float(b.time):.2f}", f"{float(b.ideal):.2f}"))(context.simulate(context.contiguous(4)))),
-    Claim("08.1", r"computes exactly (two) of them \(1/2 of a full block\), balance factor (\d+\.\d+)",
-          lambda: (WORDS[int(one(sum(map(context.work, blocks)) for steps in context.megatron(4).steps for blocks in steps))],
-                   f"{float(context.simulate(context.megatron(4)).factor):.2f}")),
-    Claim("08.2", r"so blocks may be merged in (any) order", lambda: merge_order()),
-    Claim("08.3", r"`step` divides the rank's sum by \(targets != -100\)\.sum\(\) over the (full) sequence",
-          lambda: context_step_facts()["divides_by"]),
-    Claim("08.3", r"so the loss is multiplied by (cp) first", lambda: context_step_facts()["multiplied_by"]),
-    Claim("08.4", r"the one block at distance 3, \((\d), (\d)\), goes to its keys' owner, rank (\d), at step 4 - 3 = (\d)",
-          lambda: next((str(b.q), str(b.kv), str(r), str(s)) for r, steps in enumerate(context.lightseq(4).steps)
-                       for s, blocks in enumerate(steps) for b in blocks if b.q - b.kv == 3)),
-    Claim("08.4", r"So exchange 1 carries q\[(\d)\] from rank (\d) to rank (\d) \(([\d,]+) bytes in the demo\), and "
-                  r"exchange 2 out\[(\d)\], rank (\d)'s partial attention of those queries \(acc, max and sum: ([\d,]+) bytes\), "
-                  r"back to rank (\d)", lambda: lightseq_messages()),
-    Claim("08.4", r"so the ring needs (\d) steps \(0, 1, 2\) where the contiguous ring needs cp = (\d); the busiest rank "
-                  r"does (\d+/\d+) blocks against a mean of (\d+), ([\d.]+) times",
-          lambda: (lambda b: (str(len(context.lightseq(4).steps[0])), str(len(context.contiguous(4).steps[0])),
-                              str(max(b.totals)), str(b.ideal), f"{float(b.factor):.2f}"))(context.simulate(context.lightseq(4)))),
+    # 08: the lesson's OneRing and ring_step, run (ring_facts, ring_step_facts)
+    Claim("08.1", r"Run at cp = 4, the four ranks' forwards score (\d), (\d), (\d) and (\d) blocks, (\[[\d/, ]+\]) blocks of "
+                  r"work: the last rank does cp - 1/2 = (\d+/\d+) against a mean of cp/2 = (\d+), ([\d.]+) times",
+          lambda: (lambda w: (*(str(x["scored"]) for x in ring_facts()), show(w), str(max(w)), str(sum(w) / len(w)),
+                              f"{float(max(w) / (sum(w) / len(w))):.2f}"))([x["work"] for x in ring_facts()])),
+    Claim("08.1", r"the machine's `simulate` gives the (same) factor for its `contiguous` split",
+          lambda: "same" if context.simulate(context.contiguous(4)).factor == max(x["work"] for x in ring_facts()) / (
+              sum(x["work"] for x in ring_facts()) / 4) else "another"),
+    Claim("08.1", r"\(`pass_on`, (\d) times at cp = 4 on every rank, rank 0 included\)",
+          lambda: str(one(x["forward_hops"] for x in ring_facts()))),
+    Claim("08.2", r"at cp = 4 every rank's first `block_scores` call is its \((own)\) block",
+          lambda: "own" if all(x["own_first"] for x in ring_facts()) else "another"),
+    Claim("08.2", r"equal torch's causal attention of the whole sequence to (float64 rounding)",
+          lambda: "float64 rounding" if max(x["diff"] for x in ring_facts()) < 1e-12 else "not"),
+    Claim("08.2", r"`OneRing`'s forward saves q, k, v, out and lse, \((\d)\) tensors, (none larger) than the rank's",
+          lambda: (str(one(x["saved"] for x in ring_facts())),
+                   "none larger" if all(x["largest_saved"] for x in ring_facts()) else "one larger")),
+    Claim("08.3", r"the ring's loss is the serial loss to (float64 rounding)",
+          lambda: "float64 rounding" if max(ring_step_facts()["lesson"][k] for k in ("loss", "grads")) < 1e-12 else "not"),
+    Claim("08.3", r"the ring adds cp means, each about the serial mean: ([\d.]+) against the serial ([\d.]+)\.",
+          lambda: (f"{ring_step_facts()['own_mean']['value']:.3f}", f"{ring_step_facts()['own_mean']['serial']:.3f}")),
+    Claim("08.3", r"every gradient is \((\d)\) x too small at cp = 2",
+          lambda: str(round(1 / ring_step_facts()["averaged"]["ratio"]))),
+    Claim("08.4", r"at cp = 4, (\d) calls of `pass_on` with (\d) tensors each on every rank\); backward relays k, v, dK and "
+                  r"dV together for cp - 1 hops \((\d) calls with (\d) tensors\) and makes one last hop with dK and dV alone "
+                  r"\(a (\d)th call with (\d) tensors\)",
+          lambda: (str(one(x["forward_hops"] for x in ring_facts())), "2",
+                   str(one(x["backward_hops"] - 1 for x in ring_facts())), str(one(t for x in ring_facts()
+                                                                                  for t in x["backward_tensors"][:-1])),
+                   str(one(x["backward_hops"] for x in ring_facts())),
+                   str(one(x["backward_tensors"][-1] for x in ring_facts())))),
+    Claim("08.4", r"a block's keys and values are ([\d,]+) bytes, so one layer's forward sends ([\d,]+) bytes over the "
+                  r"whole ring, twice the ([\d,]+) of the machine's contiguous split",
+          lambda: (f"{one(x['forward_bytes'] // x['forward_hops'] for x in ring_facts()):,}",
+                   f"{sum(x['forward_bytes'] for x in ring_facts()):,}",
+                   f"{contiguous_forward_bytes(ring_facts()[0]['shape']):,}")),
     # 09
     Claim("09.1", r"In the demo \(E = (\d+) experts over ep = (\d) ranks\) each rank sends (\d+) counts to each rank, "
                   r"and cuts the rows it receives into (\d+) blocks, (\d+) local experts from each of (\d) ranks",
