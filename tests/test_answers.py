@@ -698,6 +698,9 @@ CLAIMS = [
                   r"receive (\d+) rows",
           lambda: (lambda d: ({4: "four"}.get(d["ranks"], str(d["ranks"])), str(d["sent"]), str(d["received"])))(
               expert_demo(*EP_DEMO))),
+    Claim("09.3", r"In the lesson, `expert_grid\(4, 4\)` makes one ep group, (\[[\d, ]+\]), and the edp groups "
+                  r"(\[\d\], \[\d\], \[\d\], \[\d\])",
+          lambda: (lambda g: (str(one(map(str, g["ep"]))), ", ".join(map(str, g["edp"]))))(experts.expert_grid(4, 4))),
     Claim("09.3", r"With tp (\d) x dp (\d) -> ep (\d), edp = (\d) / (\d) = (\d): expert e lives on rank e // (\d) only, "
                   r"and its gradient, .* is summed over its edp group, (\[r\]), alone",
           lambda: (lambda d, plain, _: (str(d.tp), str(d.dp), str(d.ep), str(d.tp * d.dp), str(d.ep),
@@ -712,6 +715,11 @@ CLAIMS = [
                               str(g["ep"][0]) if g["ep"] == g["tp_cp"] else "not the tp x cp group",
                               str(len(g["edp"][0])), str(g["dp"][0]), str(g["dp"][1]), str(len(g["dp"][0]))))(
               expert_groups()[2])),
+    Claim("09.4", r"every token sending nearly all its probability to experts 0 and 1 \(0.499 each\) gives ([\d.]+), near "
+                  r"E/k = (\d)", lambda: (lambda p: (f"{float(experts.aux_loss(p, torch.tensor([[0, 1]] * 5), 8)):.3f}", "4"))(
+                      torch.tensor([[0.499, 0.499] + [0.002 / 6] * 6] * 5, dtype=F64))),
+    Claim("09.4", r"returns \((\d)\), not 0/0",
+          lambda: f"{float(experts.aux_loss(torch.zeros(0, 8, dtype=F64), torch.zeros(0, 2, dtype=torch.long), 8)):g}"),
     Claim("09.4", r"together the load is even and `load_balancing_loss` is ([\d.]+), but each half alone gives ([\d.]+)\.",
           lambda: split_aux_loss()),
     Claim("09.4", r"the demo at `--tp 2 --cp 2 --dp 1` prints the (same) auxiliary loss, ([\d.]+), on the serial and the "
