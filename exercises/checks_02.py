@@ -71,6 +71,7 @@ class Watch:
         self.schedule, self.rank, self.pp, self.expected = schedule, rank, pp, expected
         self.chunks, self.microbatches, self.done, self.outputs = chunks, microbatches, [], {}
         self.sent = None  # 02's loops: {"F": outputs sent to stage s + 1, "B": input gradients sent to s - 1}
+        self.neighbours = {}  # 02's loops: {stage s -+ 1: its list}, to say what it needs from here
 
     def count(self, kind):
         return sum(a[0] == kind for a in self.done)
@@ -120,27 +121,33 @@ class Watch:
         """Before a receive: the input of forward (kind "F") or the output gradient of backward ("B")
         (chunk, mb), with `pending` forwards of the same step that will run first (03's steady pair).
         The schedule posts it only after the other kind's actions listed before it have run."""
-        try:
-            p = self.expected.index((kind, chunk, mb))
-        except ValueError:
-            return
+        if (kind, chunk, mb) not in self.expected:
+            what = f"microbatch {mb}'s " + ("input" if kind == "F" else "output gradient")
+            raise Mistake(f"{self.place()}: it waits for {what}, which {WHAT[self.schedule]} never receives here "
+                          f"(m = {len(self.microbatches)}, microbatches 0 to {len(self.microbatches) - 1}): nothing "
+                          f"will send it, and the rank would wait forever (the last steady step sends its input "
+                          f"gradient alone, with pipeline.send_to)")
+        p = self.expected.index((kind, chunk, mb))
         other = "B" if kind == "F" else "F"
         need, have = sum(a[0] == other for a in self.expected[:p]), self.count(other) + (pending if kind == "B" else 0)
-        sent = None if self.sent is None or not 0 <= self.rank + (1 if kind == "B" else -1) < self.pp else \
-            self.sent[other]
-        if have >= need and sent is not None and sent < need:  # 02's loops: what the neighbour needs, first
-            thing = "output" if kind == "B" else "input gradient"
-            raise Mistake(f"{self.place()}: it waits for microbatch {mb}'s {'output gradient' if kind == 'B' else 'input'} "
-                          f"from stage {self.rank + (1 if kind == 'B' else -1)} having sent it only {sent} "
-                          f"{thing}{'s' * (sent != 1)} of the {need} it needs first: both would wait (a deadlock): "
-                          f"send first, or send and receive at once with pipeline.send_recv")
         if have < need:
             what = f"microbatch {mb}'s " + ("input" if kind == "F" else "output gradient") + \
                 (f" on chunk {chunk}" if len(self.chunks) > 1 else "")
             raise Mistake(f"{self.place()}: it waits for {what}, which {WHAT[self.schedule]} receives only after "
                           f"{need} {'backward' if other == 'B' else 'forward'}{'s' * (need != 1)} "
-                          f"(the neighbour would wait too: a deadlock): " + (self.why("B", ("F",)) if kind == "B" else
+                          + ("(the neighbour would wait too: a deadlock): " if kind == "B" else "(one microbatch too many in flight): ") + (self.why("B", ("F",)) if kind == "B" else
                                                                                self.why("F", ("B",))))
+        peer = self.rank + (1 if kind == "B" else -1)
+        if self.sent is None or not 0 <= peer < self.pp:
+            return
+        theirs = self.neighbours[peer]  # 02's loops: what the neighbour must have from here before it sends this
+        theirs_need = sum(a[0] == other for a in theirs[:theirs.index((kind, chunk, mb))])
+        if self.sent[other] < theirs_need:
+            thing = "output" if kind == "B" else "input gradient"
+            raise Mistake(f"{self.place()}: it waits for microbatch {mb}'s {'output gradient' if kind == 'B' else 'input'} "
+                          f"from stage {peer} having sent it only {self.sent[other]} {thing}"
+                          f"{'s' * (self.sent[other] != 1)} of the {theirs_need} that stage needs first: both would "
+                          f"wait (a deadlock): send first, or send and receive at once with pipeline.send_recv")
 
     def which(self, mb):
         return next((i for i, b in enumerate(self.microbatches) if b is mb or b[0] is mb[0]), None)
@@ -248,13 +255,15 @@ def _lesson(env, step, schedule, ref):
     stage = pipeline.stage_model(ref["cfg"], dtype=F64).load_full_state_dict(ref["full"])
     micro = list(zip(ref["idx"].chunk(m), ref["targets"].chunk(m)))
     lists = {"gpipe": pipeline.gpipe, "1f1b": pipeline.one_f_one_b}[schedule]
-    watch = Watch(schedule, s, pp, [(a.kind, a.chunk, a.mb) for a in lists(pp, m, s)], [stage], micro)
+    listed = [[(a.kind, a.chunk, a.mb) for a in lists(pp, m, r)] for r in range(pp)]
+    watch = Watch(schedule, s, pp, listed[s], [stage], micro)
+    watch.neighbours = {r: listed[r] for r in (s - 1, s + 1) if 0 <= r < pp}
     calls = []
     with installed(*watch.lesson_pieces(), (pipeline, "sum_tied_grads",
                                             summed_by_the_grader(lambda st: [st], embed_group, calls))):
         loss = step(stage, micro)
     left = watch.expected[len(watch.done):]
-    if left:
+    if left and watch.done:  # none watched: the loop does its arithmetic and messages itself (serial decides)
         return [f"rank {s}: the step ended after {len(watch.done)} actions; {WHAT[schedule]} runs {len(watch.expected)} "
                 f"(every microbatch forward and backward once): {left[0][0]}{left[0][2]} never ran"]
     return compared(env, loss, [stage], ref, calls, s == pp - 1)
@@ -344,9 +353,9 @@ def _gpipe_planted(newest_first=False, tied=True, means=False):
     return gpipe_step
 
 
-def _one_f_one_b_planted(warmup_of=lambda pp, s: pp - s - 1, recv_first=False):
-    """1F1B's loops with another warm-up, warmup_of(pp, stage) between 0 and m; or (recv_first) a steady
-    state that waits for the gradient before it sends the forward's output, with two calls."""
+def _one_f_one_b_planted(warmup_of=lambda pp, s: pp - s - 1, past_end=False):
+    """1F1B's loops with another warm-up, warmup_of(pp, stage) between 0 and m; or (past_end) a steady
+    state whose last step also waits for a next microbatch's input, which never comes."""
     def one_f_one_b_step(stage, microbatches, pp_group=None, weights=None):
         s, pp, m, g = dist.get_rank(pp_group), dist.get_world_size(pp_group), len(microbatches), pp_group
         w, losses, flight = weights or pipeline.loss_weights(microbatches), [], []
@@ -358,13 +367,9 @@ def _one_f_one_b_planted(warmup_of=lambda pp, s: pp - s - 1, recv_first=False):
         x = pipeline.recv_from(s - 1, out, g) if warmup < m else None
         for i in range(warmup, m):
             flight.append(pipeline.forward_step(stage, microbatches[i], x, w[i], losses))
-            if recv_first:  # stage s + 1 cannot send that gradient before it has this output: both wait
-                dy = pipeline.recv_from(s + 1, out, g)
-                pipeline.send_to(flight[-1][1], s + 1, g)
-            else:
-                dy = pipeline.send_recv(flight[-1][1], s + 1, out, g)
+            dy = pipeline.send_recv(flight[-1][1], s + 1, out, g)
             dx = pipeline.backward_step(*flight.pop(0), dy)
-            if i + 1 < m:
+            if i + 1 < m or past_end:
                 x = pipeline.send_recv(dx, s - 1, out, g)
             else:
                 pipeline.send_to(dx, s - 1, g)
@@ -378,7 +383,7 @@ def _one_f_one_b_planted(warmup_of=lambda pp, s: pp - s - 1, recv_first=False):
 
 _warmup_too_long = _one_f_one_b_planted(lambda pp, s: pp - s)  # one more forward than it takes
 _warmup_too_short = _one_f_one_b_planted(lambda pp, s: pp - s - 2)  # neighbours would wait for each other
-_recv_before_send = _one_f_one_b_planted(recv_first=True)  # a deadlock without the watch
+_past_the_end = _one_f_one_b_planted(past_end=True)  # a rank waiting forever, without the watch
 
 
 def _sum_nothing(stage, pp_group=None):
@@ -410,8 +415,8 @@ EXERCISES = [
                       lambda: {"one_f_one_b_step": _warmup_too_long}, "warm-up too long"),
               Planted("warmup_too_short", "1F1B warms up with pp - stage - 2 forwards, one too few",
                       lambda: {"one_f_one_b_step": _warmup_too_short}, "warm-up too short"),
-              Planted("steady_recv_before_send", "the steady state waits for the gradient, then sends the output",
-                      lambda: {"one_f_one_b_step": _recv_before_send}, "both would wait (a deadlock)")]),
+              Planted("steady_past_the_end", "the last steady step also waits for a next microbatch's input",
+                      lambda: {"one_f_one_b_step": _past_the_end}, "nothing will send it, and the rank would wait")]),
     Exercise("02.3", "sum_tied_grads", "the tied embedding's gradient across stages",
              ("sum_tied_grads",), "Shoeybi et al. 2019, Section 3 (the shared embedding)",
              check_sum_tied_grads, lambda: {"sum_tied_grads": REFERENCE["sum_tied_grads"]},
