@@ -381,9 +381,6 @@ def _one_f_one_b_planted(warmup_of=lambda pp, s: pp - s - 1, past_end=False):
     return one_f_one_b_step
 
 
-_warmup_too_long = _one_f_one_b_planted(lambda pp, s: pp - s)  # one more forward than it takes
-_warmup_too_short = _one_f_one_b_planted(lambda pp, s: pp - s - 2)  # neighbours would wait for each other
-_past_the_end = _one_f_one_b_planted(past_end=True)  # a rank waiting forever, without the watch
 
 
 def _sum_nothing(stage, pp_group=None):
@@ -412,11 +409,11 @@ EXERCISES = [
              "Narayanan et al. 2021, Section 2.2.1 (Figure 4, top); PipeDream-Flush (Narayanan et al. 2021, ICML)",
              check_one_f_one_b_step, lambda: {"one_f_one_b_step": REFERENCE["one_f_one_b_step"]},
              [Planted("warmup_too_long", "1F1B warms up with pp - stage forwards, one too many",
-                      lambda: {"one_f_one_b_step": _warmup_too_long}, "warm-up too long"),
+                      lambda: {"one_f_one_b_step": _one_f_one_b_planted(lambda pp, s: pp - s)}, "warm-up too long"),
               Planted("warmup_too_short", "1F1B warms up with pp - stage - 2 forwards, one too few",
-                      lambda: {"one_f_one_b_step": _warmup_too_short}, "warm-up too short"),
+                      lambda: {"one_f_one_b_step": _one_f_one_b_planted(lambda pp, s: pp - s - 2)}, "warm-up too short"),
               Planted("steady_past_the_end", "the last steady step also waits for a next microbatch's input",
-                      lambda: {"one_f_one_b_step": _past_the_end}, "nothing will send it, and the rank would wait")]),
+                      lambda: {"one_f_one_b_step": _one_f_one_b_planted(past_end=True)}, "nothing will send it, and the rank would wait")]),
     Exercise("02.3", "sum_tied_grads", "the tied embedding's gradient across stages",
              ("sum_tied_grads",), "Shoeybi et al. 2019, Section 3 (the shared embedding)",
              check_sum_tied_grads, lambda: {"sum_tied_grads": REFERENCE["sum_tied_grads"]},
