@@ -1,26 +1,29 @@
 """The checks of 03's exercises (exercises/ex03_interleaved.py), and the planted wrong answers.
 
-Both are pure functions, checked first without any process for every pp up to 6 and v up to 4:
-the layer assignment against its definition, the schedule through 02's validate() and simulate()
-and against its definition (order, warmup). Then each runs: 2 CPU ranks with v = 2 chunks each
-execute 03's schedule with 02's executor on chunks built from the student's layer ranges, or run
-the student's schedule through 02's own pipeline_step, and the loss and every gradient are compared
-with the serial model's (float64, 1e-10).
+03.1, the layer assignment, is a pure function, checked first without any process for every pp up
+to 6 and v up to 4 against its definition; then 2 CPU ranks with v = 2 chunks each, built from the
+student's layer ranges, execute 03's interleaved lists with 02's executor. 03.2 is the lesson's
+loop, interleaved_step: it runs on CPU ranks (pp = 2, v = 2, m = 4: steady pairs; pp = 3, v = 2,
+m = 3: a warm-up cut at m v; pp = 1, v = 2: the hand-over on one rank), on chunks the grader builds,
+float64, on a batch whose microbatches count unequal numbers of targets (one none), and the loss
+and every gradient are compared with the serial model's (1e-10). Its forwards, backwards and the
+receives of each interleaved.exchange are watched against 03's machine's list (interleaved, from
+chunk_and_microbatch: the paper's order and warm-up), and a receive the schedule would not yet post
+stops the rank at once, saying so (checks_02.Watch), instead of a deadlock. The tied embedding is
+summed by the grader's stand-in for 02.3's sum_tied_grads. Nothing expected comes from 03's own
+interleaved_step, which the student copy replaces by the stub.
 """
-from fractions import Fraction
-
 import torch
 import torch.distributed as dist
 
-from exercises.autograder import Exercise, Planted, called, differences, first, new_group, numbered, ranks
-from exercises.checks_02 import ROWS, T, first_difference, lists_of, name, serial_reference, validated
+from exercises.autograder import Exercise, Mistake, Planted, called, differences, first, installed, new_group, numbered, ranks
+from exercises.checks_02 import ROWS, T, Watch, compared, diagnoses_first, serial_reference, summed_by_the_grader
 
 tensor_parallel = numbered("01_tensor_parallel")
 pipeline = numbered("02_pipeline_1f1b")
 interleaved = numbered("03_interleaved")
 F64 = torch.float64
-REFERENCE = {"chunk_layers": interleaved.chunk_layers, "interleaved": interleaved.interleaved}
-LEGAL = [(pp, v, m) for pp in range(1, 7) for v in range(1, 5) for m in range(pp, 13, pp)]
+REFERENCE = {"chunk_layers": interleaved.chunk_layers, "interleaved_step": interleaved.interleaved_step}
 
 
 def _run(env, lists, ref, layers_of):
@@ -87,83 +90,81 @@ def _show(got):
 
 
 # ----------------------------------------------------------------------------------------------
-# 03.2 The interleaved schedule
+# 03.2 The lesson's interleaved_step on CPU ranks, against the serial model
 
 
-def order_of(pp, v, k, forward):
-    """(chunk, microbatch) of a rank's k-th forward (or backward) in Megatron's interleaved order:
-    the definition the check holds the lists to (03's own `at`, written from the paper's text)."""
-    chunk, mb = (k % (pp * v)) // pp, (k // (pp * v)) * pp + k % pp
-    return (chunk if forward else v - 1 - chunk), mb
+def _chunks(cfg, pp, v, r):
+    """Rank r's v chunks from the layer ranges 03.1 asks for (built here, so 03.2 is graded alone)."""
+    per, out = cfg.n_layer // (pp * v), []
+    for c, layers in enumerate([range((c * pp + r) * per, (c * pp + r + 1) * per) for c in range(v)]):
+        k = c * pp + r  # the virtual stage: the first holds the embeddings, the last the head
+        out.append(tensor_parallel.GPT(cfg, None, layers=layers, pre_process=k == 0, post_process=k == pp * v - 1,
+                                       init=False, dtype=F64))
+    return out
 
 
-def check_interleaved_lists(fn):
-    for pp, v, m in LEGAL:
-        where = f"pp={pp}, v={v}, m={m}"
-        lists = lists_of(fn, pp, m, v, what="interleaved")
-        if v == 1:
-            diff = next(filter(None, (first_difference(a, pipeline.one_f_one_b(pp, m, s), f"{where}, rank {s}",
-                                                       "02's 1F1B") for s, a in enumerate(lists))), None)
-            if diff:
-                return [diff + " (with v = 1, interleaving is 1F1B)"]
-            continue
-        bad = _order(lists, pp, v, m, where) or _warmups(lists, pp, v, m, where)
+def _lesson(env, step, v, ref):
+    pp, r, m = env.world_size, env.rank, ref["m"]
+    embed_group = new_group([0, pp - 1]) if pp > 1 else None
+    chunks = [c.load_full_state_dict(ref["full"]) for c in _chunks(ref["cfg"], pp, v, r)]
+    micro = list(zip(ref["idx"].chunk(m), ref["targets"].chunk(m)))
+    expected = [(a.kind, a.chunk, a.mb) for a in interleaved.interleaved(pp, m, r, v)]
+    watch, calls = Watch("interleaved", r, pp, expected, chunks, micro), []
+    real_exchange, listed = interleaved.exchange, interleaved.interleaved(pp, m, r, v)
+    # The schedule's steps: a steady forward and the backward after it are one step (no exchange between).
+    steps = []
+    for a in listed:
+        pair = steps and a.steady and a.kind == "B" and len(steps[-1]) == 1 and steps[-1][0].steady
+        steps[-1].append(a) if pair else steps.append([a])
+    bounds, at = [0], 0
+    for group in steps:
+        at += len(group)
+        bounds.append(at)
+    exchanges = []  # how many actions had run at each exchange
+
+    def exchange(sends, receives, box, like):  # each receive checked against the schedule before it is posted
+        done = len(watch.done)
+        if done not in bounds:  # inside a steady pair
+            raise Mistake(f"{watch.place()}: an exchange between the steady forward and its backward; 03 runs the "
+                          f"pair back to back with no boundary between (with v chunks, a boundary there can make "
+                          f"two ranks wait on each other)")
+        exchanges.append(done)
+        for kind, k, i in receives:
+            p = expected.index((kind, k // pp, i)) if (kind, k // pp, i) in expected else None
+            steady_pair = p is not None and kind == "B" and len(watch.done) == p - 1 and expected[p - 1][0] == "F"
+            watch.awaits(kind, k // pp, i, pending=int(steady_pair))
+        return real_exchange(sends, receives, box, like)
+
+    holding = lambda stage: [c for c in chunks if "wte" in c.transformer]  # noqa: E731
+    with installed(*watch.lesson_pieces(messages=False), (interleaved, "exchange", exchange),
+                   (pipeline, "sum_tied_grads", summed_by_the_grader(holding, embed_group, calls))):
+        try:
+            loss = step(chunks, micro)
+        except Exception as e:  # noqa: BLE001 - the student's loop raised: where was it in the schedule?
+            j = len(exchanges) - 1  # the step it was in: the one after its last exchange
+            if exchanges and j < len(steps) and len(watch.done) >= bounds[j + 1] and not steps[j][0].steady \
+                    and steps[j][0].kind == "F":
+                raise Mistake(f"{watch.place()}: it raised {type(e).__name__}: {e} in its step {j}, after that step's "
+                              f"forward had run, where the schedule's step {j} is a warm-up forward alone (an action "
+                              f"run early: its forward has not run, or its gradient has not arrived): "
+                              + watch.interleaved_why("B", ("F",))) from e
+            raise
+    left = expected[len(watch.done):]
+    if left and watch.done:  # none watched: the loop does its arithmetic itself (serial decides)
+        return [f"rank {r}: the step ended after {len(watch.done)} actions; interleaved 1F1B runs {len(expected)} "
+                f"(every microbatch forward and backward once on each of the {v} chunks)"]
+    return compared(env, loss, chunks, ref, calls, r == pp - 1)
+
+
+def check_interleaved_step(impl):
+    for pp, v, m in ((2, 2, 4), (3, 2, 3), (1, 2, 2)):  # steady pairs; a warm-up cut at m v; one rank
+        ref = serial_reference(pp * v, m, unequal=True)
+        where = f"pp={pp}, v={v}, m={m}, interleaved 1F1B on {pp} CPU rank{'s' * (pp > 1)} against the serial model: "
+        bad = first(diagnoses_first([where + x for rs in ranks(_lesson, pp, impl["interleaved_step"], v, ref)
+                                     for x in rs]), 3)
         if bad:
-            verdict = validated(lists, pp, m, where, interleaved.InterleavedSchedule)
-            return [bad + (f" ({verdict.split(': ', 1)[1]})" if verdict else "")]
-        bad = validated(lists, pp, m, where, interleaved.InterleavedSchedule)
-        if bad:
-            return [bad]
-        sim = pipeline.simulate(pipeline.Schedule(lists), Fraction(1, v), Fraction(2, v))
-        if sim.bubble != Fraction(pp - 1, v * m):
-            return [f"{where}: the simulated bubble is {sim.bubble}, not (pp - 1)/(v m) = {Fraction(pp - 1, v * m)}"]
-        diff = next(filter(None, (first_difference(a, interleaved.interleaved(pp, m, s, v), f"{where}, rank {s}",
-                                                   "03's interleaved") for s, a in enumerate(lists))), None)
-        if diff:
-            return [diff]
+            return bad
     return []
-
-
-def _order(lists, pp, v, m, where):
-    for s, acts in enumerate(lists):
-        for kind, forward in (("F", True), ("B", False)):
-            mine = [a for a in acts if a.kind == kind]
-            for k, a in enumerate(mine):
-                chunk, mb = order_of(pp, v, k, forward)
-                if (a.chunk, a.mb) != (chunk, mb):
-                    step = "forward" if forward else "backward"
-                    return (f"{where}, rank {s}: {step} number {k} is {name(a)}, microbatch {a.mb} on chunk "
-                            f"{a.chunk}; the interleaved order runs microbatch {mb} on chunk {chunk} there: groups "
-                            f"of pp={pp} microbatches go through chunk {'0, then 1, ...' if forward else 'v - 1, then v - 2, ...'}"
-                            f", before the next group starts")
-            if len(mine) != m * v:
-                return f"{where}, rank {s}: {len(mine)} {kind} actions, not m v = {m * v}"
-    return None
-
-
-def _warmups(lists, pp, v, m, where):
-    for s, acts in enumerate(lists):
-        got = next((i for i, a in enumerate(acts) if a.kind == "B"), len(acts))
-        warm = min((pp - s - 1) * 2 + (v - 1) * pp, m * v)
-        want = warm + (warm < m * v)  # then the first steady forward
-        if got != want:
-            return (f"{where}, rank {s}: {got} forward{'s' * (got != 1)} before the first backward, where the interleaved schedule "
-                    f"runs {want}: a warmup of 2 (pp - rank - 1) + (v - 1) pp = {(pp - s - 1) * 2 + (v - 1) * pp} "
-                    f"(at most m v = {m * v}), then the first steady forward")
-        steady = [i for i, a in enumerate(acts) if a.steady]
-        if steady != list(range(warm, warm + 2 * (m * v - warm))):
-            return (f"{where}, rank {s}: steady=True on actions {steady[:6]}{' ...' if len(steady) > 6 else ''}; "
-                    f"the steady pairs are the {m * v - warm} forward-backward pairs after the warmup of {warm}")
-    return None
-
-
-def check_interleaved(impl):
-    fn = impl["interleaved"]
-    bad = check_interleaved_lists(fn)
-    if bad:
-        return bad
-    lists = [called(fn, 2, 4, s, 2, what=f"interleaved(2, 4, {s}, 2)") for s in range(2)]
-    return run(lists, 2, 4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,33 +176,43 @@ def _layers_rank_major(n_layer, pp, v, rank):  # rank r holds v consecutive stag
     return [range((rank * v + c) * per, (rank * v + c + 1) * per) for c in range(v)]
 
 
-def _interleaved_warmup(delta):
-    def schedule(pp, m, stage, v):
-        if v == 1:
-            return pipeline.one_f_one_b(pp, m, stage)
-        at = lambda k, fwd: pipeline.Action("F" if fwd else "B", order_of(pp, v, k, fwd)[1], order_of(pp, v, k, fwd)[0])  # noqa: E731
-        total = m * v
-        warm = max(0, min((pp - stage - 1) * 2 + (v - 1) * pp + delta, total))
-        acts = [at(k, True) for k in range(warm)]
-        for i in range(total - warm):
-            f, b = at(warm + i, True), at(i, False)
-            acts += [pipeline.Action("F", f.mb, f.chunk, steady=True), pipeline.Action("B", b.mb, b.chunk, steady=True)]
-        return acts + [at(k, False) for k in range(total - warm, total)]
-    return schedule
+def _interleaved_planted(delta=0, chunk_major=False, tied=True):
+    """The lesson's loop with one thing changed: the warm-up by delta forwards, every microbatch
+    through chunk 0 before any reaches chunk 1, or the tied embedding left unsummed."""
+    def interleaved_step(chunks, microbatches):
+        r, pp, v, m = dist.get_rank(), dist.get_world_size(), len(chunks), len(microbatches)
+        S, n, w, losses = pp * v, m * v, pipeline.loss_weights(microbatches), []
+        like = next(chunks[0].parameters()).new_empty(*microbatches[0][0].shape, chunks[0].cfg.n_embd)
+        warmup = max(0, min(2 * (pp - r - 1) + (v - 1) * pp + delta, n))
 
-
-def _chunk_major_order(pp, m, stage, v):  # every microbatch through chunk 0 before any reaches chunk 1
-    if v == 1:
-        return pipeline.one_f_one_b(pp, m, stage)
-    acts = interleaved.interleaved(pp, m, stage, v)
-    fwd = iter([(k // m, k % m) for k in range(m * v)])
-    out = []
-    for a in acts:
-        if a.kind == "F":
-            c, mb = next(fwd)
-            a = pipeline.Action("F", mb, c, steady=a.steady)
-        out.append(a)
-    return out
+        def order(k, forward):
+            if chunk_major:
+                return (k // m if forward else v - 1 - k // m), k % m
+            return interleaved.chunk_and_microbatch(k, pp, v, forward)
+        fwd, bwd = ([(kind, *order(k, kind == "F")) for k in range(n)] for kind in "FB")
+        steps = [[f] for f in fwd[:warmup]] + [[f, b] for f, b in zip(fwd[warmup:], bwd)] + \
+            [[b] for b in bwd[n - warmup:]]
+        box, flight, sends, src = {}, {}, {}, {"F": -1, "B": 1}
+        for step in steps + [[]]:
+            interleaved.exchange(sends, {(kind, c * pp + r, i): (r + src[kind]) % pp for kind, c, i in step
+                                         if pp > 1 and 0 <= c * pp + r + src[kind] < S}, box, like)
+            sends = {}
+            for kind, c, i in step:
+                k, x = c * pp + r, box.pop((kind, c * pp + r, i), None)
+                if kind == "F":
+                    flight[c, i] = pipeline.forward_step(chunks[c], microbatches[i], x, w[i], losses)
+                    out, dst = flight[c, i][1].detach(), k + 1
+                else:
+                    out, dst = pipeline.backward_step(*flight.pop((c, i)), x), k - 1
+                if 0 <= dst < S:
+                    (sends if pp > 1 else box)[(kind, dst, i)] = out
+        if pp > 1 and tied:
+            pipeline.sum_tied_grads(chunks[0] if r == 0 else chunks[-1])
+        elif pp == 1:
+            first_, last = (c.transformer.wte.weight.grad for c in (chunks[0], chunks[-1]))
+            last.copy_(first_.add_(last))
+        return sum(losses) if r == pp - 1 else None
+    return interleaved_step
 
 
 EXERCISES = [
@@ -210,11 +221,15 @@ EXERCISES = [
              lambda: {"chunk_layers": REFERENCE["chunk_layers"]},
              [Planted("layers_rank_major", "rank r holds v consecutive virtual stages",
                       lambda: {"chunk_layers": _layers_rank_major}, "chunk c is virtual stage c * pp + rank")]),
-    Exercise("03.2", "interleaved", "the interleaved 1F1B schedule: its order and its warmup", ("interleaved",),
-             "Narayanan et al. 2021, Section 2.2.2 (Figure 4, bottom)", check_interleaved,
-             lambda: {"interleaved": REFERENCE["interleaved"]},
-             [Planted("interleaved_warmup_short", "the warmup is one forward short",
-                      lambda: {"interleaved": _interleaved_warmup(-1)}, "a warmup of 2 (pp - rank - 1) + (v - 1) pp"),
+    Exercise("03.2", "interleaved_step", "interleaved 1F1B, the lesson's loop: order and warm-up",
+             ("interleaved_step",), "Narayanan et al. 2021, Section 2.2.2 (Figure 4, bottom)", check_interleaved_step,
+             lambda: {"interleaved_step": REFERENCE["interleaved_step"]},
+             [Planted("interleaved_warmup_short", "the warm-up is one forward short",
+                      lambda: {"interleaved_step": _interleaved_planted(delta=-1)}, "warm-up too short"),
               Planted("chunk_major_order", "every microbatch goes through chunk 0 before any reaches chunk 1",
-                      lambda: {"interleaved": _chunk_major_order}, "microbatches go through chunk 0, then 1")]),
+                      lambda: {"interleaved_step": _interleaved_planted(chunk_major=True)},
+                      "groups of pp = 2 microbatches go through chunk 0, then chunk 1"),
+              Planted("interleaved_tied_not_summed", "the loop never calls sum_tied_grads",
+                      lambda: {"interleaved_step": _interleaved_planted(tied=False)},
+                      "the step never called pipeline.sum_tied_grads")]),
 ]

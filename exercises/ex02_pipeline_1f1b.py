@@ -1,34 +1,46 @@
-"""Exercises on 02_pipeline_1f1b.py: pipeline schedules as data, and the tied embedding.
+"""Exercises on 02_pipeline_1f1b.py: the lesson's pipeline loops, and the tied embedding.
 
-A schedule is a pure function (pp, m, stage) -> that stage's ordered list of pipeline.Action: "F3"
-is the forward of microbatch 3, "B3" its backward. The autograder reads your lists with 02's own
-validate() (every microbatch once each way, backward after forward, messages that can be matched
-without deadlock) and simulate() (the bubble, the microbatches in flight), then runs them on CPU
-ranks with 02's own pipeline_step (build the chunks, execute the lists, sync the tied embedding)
-and compares the loss and every gradient with the serial model's.
+You write 02's lesson: the loop each stage runs for one step of the batch, GPipe's (02.1) and
+1F1B's (02.2), from the lesson's pieces, which are given (02's own: call them as pipeline.X):
+    pipeline.loss_weights(microbatches)          each microbatch mean's weight (its share of the counted targets)
+    pipeline.recv_from(src, like, pp_group)      dist.recv from stage src (None where there is no such stage)
+    pipeline.send_to(t, dst, pp_group)           dist.send to stage dst (nothing where there is none)
+    pipeline.send_recv(t, peer, like, pp_group)  send to and receive from stage peer, as one batch
+    pipeline.forward_step(stage, mb, x, weight, losses) -> (input, output)
+    pipeline.backward_step(input, output, dy) -> the input's gradient
+    pipeline.sum_tied_grads(stage, pp_group)     after the last backward (02.3 writes it)
+The autograder runs your loop on CPU ranks (one stage each: 02's stage_model, the serial model's
+weights), float64, on a batch whose microbatches count unequal numbers of targets (one none), and
+compares the loss and every gradient with the serial model's (1e-10). It also watches the order in
+which your loop runs the forwards and backwards and waits for messages, and says where it leaves
+the schedule (a warm-up too short makes two neighbours wait for each other: it is stopped there).
 
     python3 -m exercises check 02              # your functions
     python3 -m exercises check 02.2            # one exercise
     python3 -m exercises check 02 --solution   # 02's own functions
-
-Try the pure ones by hand first:
-    python3 -c "import exercises.ex02_pipeline_1f1b as e; print([str(a) for a in e.one_f_one_b(4, 8, 1)])"
 """
 import importlib
 
+import torch.distributed as dist  # noqa: F401 (dist.get_rank(pp_group), dist.get_world_size(pp_group))
+
 pipeline = importlib.import_module("02_pipeline_1f1b")
-Action = pipeline.Action  # Action("F", 3) is "F3", Action("B", 3) "B3" (chunk and steady are 03's)
 
 
 # ----------------------------------------------------------------------------------------------
 # 02.1 GPipe (Huang et al. 2019; Narayanan et al. 2021, Section 2.2.1 and Figure 3)
 
 
-def gpipe(pp, m, stage):
-    """GPipe on stage `stage` of pp: the m forwards, microbatch 0 first, then the m backwards, in
-    the same order. Every stage runs the same list. Returns [Action, ...] of length 2 m."""
-    raise NotImplementedError("02.1 gpipe: all forwards, then all backwards. Read Narayanan et al. 2021, "
-                              "Section 2.2.1 (Figure 3); then run: python3 -m exercises check 02.1")
+def gpipe_step(stage, microbatches, pp_group=None, weights=None):
+    """GPipe on this rank's stage s of pp (s = dist.get_rank(pp_group)): every microbatch forward in
+    order (receive its input from stage s - 1, forward it, send the output to s + 1), all m kept in
+    flight; then each backward in the same order, microbatch 0 first (receive the output's gradient
+    from s + 1, backward, send the input's gradient to s - 1); then sum_tied_grads. What travels
+    between stages is shaped (b, T, C) like next(stage.parameters()).new_empty(*idx.shape, stage.cfg.n_embd).
+    weights: each microbatch mean's (None: pipeline.loss_weights(microbatches)). Returns the
+    step's loss (the weighted means' sum) on the last stage (stage.post_process), else None."""
+    raise NotImplementedError("02.1 gpipe_step: every forward (receive, forward, send), then every backward in "
+                              "the same order. Read Narayanan et al. 2021, Section 2.2.1 (Figure 3); then run: "
+                              "python3 -m exercises check 02.1")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -36,16 +48,17 @@ def gpipe(pp, m, stage):
 # Training"; Narayanan et al. 2021, Section 2.2.1 and Figure 4, top)
 
 
-def one_f_one_b(pp, m, stage):
-    """1F1B on stage `stage` of pp (0 is the first), m microbatches, in three phases:
-      warmup: as many forwards as it takes the first microbatch to reach the last stage and its
-              backward to come back here (how many is that for stage s? for the last stage?),
-              capped at m;
-      steady: one forward of the next new microbatch, then the backward of the oldest one in
-              flight, repeated while forwards remain;
-      drain:  the backwards that remain, oldest first.
-    Returns [Action, ...] of length 2 m. At most pp - stage microbatches are ever in flight."""
-    raise NotImplementedError("02.2 one_f_one_b: how many forwards must stage s run before a backward can "
+def one_f_one_b_step(stage, microbatches, pp_group=None, weights=None):
+    """1F1B on this rank's stage s of pp, m microbatches, in three loops (gpipe_step's contract):
+      warm-up: forwards only, as many as it takes microbatch 0 to reach the last stage and its
+               gradient to come back here (how many for stage s? for the last stage?), at most m;
+      steady:  forward the next new microbatch, then backward the oldest in flight: its output goes
+               to s + 1 and its gradient comes back in one send_recv (send forward, receive
+               backward), and the input's gradient goes to s - 1 with the next microbatch's input
+               received in one send_recv (send backward, receive forward);
+      drain:   the backwards left, oldest first; then sum_tied_grads.
+    At most pp - s microbatches are ever in flight. Returns the loss on the last stage, else None."""
+    raise NotImplementedError("02.2 one_f_one_b_step: how many forwards must stage s run before a gradient can "
                               "reach it? Read Narayanan et al. 2021, Section 2.2.1 (Figure 4, top); then "
                               "run: python3 -m exercises check 02.2")
 

@@ -1,21 +1,24 @@
-"""Exercises on 03_interleaved.py: virtual stages, and the interleaved 1F1B schedule as data.
+"""Exercises on 03_interleaved.py: virtual stages, and the lesson's interleaved 1F1B loop.
 
 The model is cut into pp * v chunks; each rank holds v of them, and a microbatch crosses every rank
-v times. Your schedule is read by 02's validate() and simulate() (the bubble must be exactly
-(pp - 1)/(v m)) and run through 02's pipeline_step on CPU ranks against the serial model.
+v times. 03.1 says which layers a rank holds (03's chunk_layers); 03.2 is the lesson's loop,
+interleaved_step, run on CPU ranks (v = 2 chunks each, the serial model's weights, float64, on a
+batch whose microbatches count unequal numbers of targets, one none) against the serial model's loss
+and every gradient (1e-10), its forwards, backwards and receives watched against the paper's order.
 
     python3 -m exercises check 03              # your functions
     python3 -m exercises check 03 --solution   # 03's own functions
 
-Try them by hand first:
+Try 03.1 by hand first, and read the order 03.2 runs (03's own chunk_and_microbatch, given):
     python3 -c "import exercises.ex03_interleaved as e; print(e.chunk_layers(16, 4, 2, 0))"
-    python3 -c "import exercises.ex03_interleaved as e; print(' '.join(map(str, e.interleaved(2, 4, 0, 2))))"
-(an Action prints as F3 for chunk 0, F3.1 for chunk 1.)
+    python3 -c "import exercises.ex03_interleaved as e; print([e.interleaved.chunk_and_microbatch(k, 2, 2) for k in range(8)])"
 """
 import importlib
 
-pipeline = importlib.import_module("02_pipeline_1f1b")
-Action = pipeline.Action  # Action("F", mb, chunk), Action("B", mb, chunk, steady=True)
+import torch.distributed as dist  # noqa: F401 (dist.get_rank(), dist.get_world_size())
+
+pipeline = importlib.import_module("02_pipeline_1f1b")  # forward_step, backward_step, loss_weights, sum_tied_grads
+interleaved = importlib.import_module("03_interleaved")  # chunk_and_microbatch, exchange (the lesson's, given)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -32,25 +35,29 @@ def chunk_layers(n_layer, pp, v, rank):
 
 
 # ----------------------------------------------------------------------------------------------
-# 03.2 The interleaved 1F1B schedule (Narayanan et al. 2021, Section 2.2.2 and Figure 4, bottom)
+# 03.2 The interleaved 1F1B loop (Narayanan et al. 2021, Section 2.2.2 and Figure 4, bottom)
 
 
-def interleaved(pp, m, stage, v):
-    """Rank `stage`'s list of 2 m v Actions over its v chunks (m is a multiple of pp; v = 1 is 02's
-    1F1B, pipeline.one_f_one_b(pp, m, stage)).
+def interleaved_step(chunks, microbatches):
+    """Interleaved 1F1B on this rank's v chunks (rank r of pp = the world; chunk c is virtual stage
+    k = c pp + r of S = pp v; m = len(microbatches), a multiple of pp; v = 1 is 02's one_f_one_b_step).
 
-    Order: the k-th forward of a rank runs microbatches in groups of pp: the first pp microbatches
-    through chunk 0, then the same pp through chunk 1, ..., through chunk v - 1, then the next pp
-    microbatches through chunk 0 again. The k-th backward follows the same order with the chunks
-    reversed (v - 1 first: gradients enter at the last stage).
-    Warmup: forwards before the first backward. Rank r's first backward (on its last chunk) can run
-    only after the first microbatch has gone forward through every later stage and back, and after
-    the first group of pp microbatches has gone through its earlier chunks: count the forwards that
-    takes (at most m v).
-    Then steady pairs, one new forward and the oldest backward, both marked steady=True (02's
-    Schedule.plan runs such a pair back to back, with no exchange between them: with v chunks a
-    boundary there can make two ranks wait on each other), and then the remaining backwards."""
-    raise NotImplementedError("03.2 interleaved: the order (groups of pp microbatches per chunk) and the warmup "
-                              "(how far is rank r from the last stage, twice, plus a round of pp per extra "
-                              "chunk?). Read Narayanan et al. 2021, Section 2.2.2 (Figure 4); then run: "
+    Order: the rank's n = m v forwards, the k-th being interleaved.chunk_and_microbatch(k, pp, v)
+    (groups of pp microbatches through chunk 0, then chunk 1, ...), and its n backwards likewise
+    (forward=False: chunk v - 1 first). Steps: the warm-up's forwards, one a step (how many before
+    rank r's first backward? microbatch 0 must go through its earlier chunks, then reach the last
+    stage and come back: at most n); then steady steps, each one new forward and the oldest
+    backward, run back to back with no messages between (with v chunks, a boundary there can make two
+    ranks wait on each other); then the drain's backwards, one a step.
+    Messages: before each step, one interleaved.exchange(sends, receives, box, like): the previous
+    step's outputs sent (a forward's to stage k + 1, a backward's input gradient to stage k - 1, keyed
+    (kind, stage, microbatch), kind that of the action that will read it) and this step's inputs
+    received into box (from rank (r -+ 1) mod pp), and one more exchange after the last step for its
+    sends. pipeline.forward_step and pipeline.backward_step do the arithmetic (the weights from
+    pipeline.loss_weights); at pp = 1 outputs are handed over on the rank, no messages. At the end
+    the tied embedding: pipeline.sum_tied_grads on the chunk holding a copy (pp > 1; at pp = 1 both
+    copies are on this rank: add them). Returns the loss on rank pp - 1, else None."""
+    raise NotImplementedError("03.2 interleaved_step: the warm-up (how far is rank r from the last stage, twice, "
+                              "plus a round of pp per extra chunk?), the steady pairs, the drain, an exchange "
+                              "before each step. Read Narayanan et al. 2021, Section 2.2.2 (Figure 4); then run: "
                               "python3 -m exercises check 03.2")

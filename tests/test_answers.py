@@ -259,9 +259,17 @@ def verdict(check):
 
 
 def planted_1f1b(name):
-    """Exercise 02.2's planted mistake `name`: 1F1B with another warm-up (exercises/checks_02.py)."""
-    checks = load("exercises.checks_02")
-    return getattr(checks, "_" + name)
+    """1F1B's lists with the warm-up of exercise 02.2's planted mistake `name` (exercises/checks_02.py plants it
+    in the lesson's loop): pp - s - 2 forwards clamped at 0 (warmup_too_short), or pp - s (warmup_too_long)."""
+    shift = {"warmup_too_short": -1, "warmup_too_long": 1}[name]
+
+    def schedule(pp, m, stage):
+        warmup = max(0, min(pp - stage - 1 + shift, m))
+        acts = [pipeline.Action("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            acts += [pipeline.Action("F", warmup + i), pipeline.Action("B", i)]
+        return acts + [pipeline.Action("B", i) for i in range(m - warmup, m)]
+    return schedule
 
 
 class SendsThenReceives(pipeline.Schedule):

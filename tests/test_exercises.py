@@ -214,20 +214,54 @@ def test_a_collective_only_some_ranks_call_ends_as_an_error_saying_so(monkeypatc
     assert result.status == "error" and "every rank of a group must call the same collectives" in result.lines[1]
 
 
+def _divides_by_zero(stage, microbatches, pp_group=None, weights=None):
+    return 1 / 0
+
+
 def test_a_student_function_that_raises_is_an_error_naming_the_exception():
-    e = BY_KEY["02.1"]
-    result = autograder.grade(e, {"gpipe": lambda pp, m, stage: 1 / 0})
-    assert result.status == "error" and "gpipe(1, 1, 0) raised ZeroDivisionError" in result.lines[0]
-    assert re.search(r"at \S*test_exercises\.py:\d+ in <lambda>", result.lines[1]), result.lines  # the student's line
+    e = BY_KEY["02.1"]  # raised on its ranks
+    result = autograder.grade(e, {"gpipe_step": _divides_by_zero})
+    assert result.status == "error" and "ZeroDivisionError" in result.lines[0], result.lines
+    assert re.search(r"at \S*test_exercises\.py:\d+ in _divides_by_zero", result.lines[1]), result.lines  # its line
 
 
-def _torch_not_implemented(pp, m, stage):
+def _torch_not_implemented(stage, microbatches, pp_group=None, weights=None):
     raise NotImplementedError("an operator without a kernel for this dtype")  # not a stub's hint
 
 
 def test_a_not_implemented_error_that_is_not_a_stubs_hint_is_an_error_not_a_stub():
-    result = autograder.grade(BY_KEY["02.1"], {"gpipe": _torch_not_implemented})
+    result = autograder.grade(BY_KEY["02.1"], {"gpipe_step": _torch_not_implemented})
     assert result.status == "error" and "an operator without a kernel" in result.lines[0]
+
+
+def test_a_deadlock_the_lesson_watch_does_not_see_ends_as_an_error_at_the_collective_timeout(monkeypatch):
+    # 02.2's planted steady_past_the_end waits, in its last steady step, for the input of a microbatch
+    # that does not exist: the watch (checks_02.Watch) stops it first. Without the watch the rank waits
+    # in dist.recv for a message nobody sends, and the grader's collective timeout ends it, said so.
+    checks_02 = load("exercises.checks_02")
+    monkeypatch.setattr(autograder, "COLLECTIVE_TIMEOUT_S", 3)
+    monkeypatch.setattr(autograder, "DEADLINE_S", 30)
+    monkeypatch.setattr(checks_02.Watch, "awaits", lambda self, *args, **kwargs: None)
+    e, planted = PLANTED["steady_past_the_end"]
+    result = autograder.grade(e, {**e.reference(), **planted.impl()})
+    assert result.status == "error" and "a collective timed out" in " ".join(result.lines), result.lines
+
+
+def test_the_lesson_loops_are_graded_without_the_numbered_files_own_loop():
+    # The student copy replaces 02's gpipe_step and one_f_one_b_step and 03's interleaved_step by their
+    # stubs: the checks must not need them. With the numbered file's own made to raise, the reference
+    # (the same code, passed as the student's) still passes: its answer is the serial model's.
+    pipeline, interleaved = load("02_pipeline_1f1b"), load("03_interleaved")
+
+    def gone(*args, **kwargs):
+        raise AssertionError("the check called the numbered file's own loop")
+    for key, owner, attr in (("02.1", pipeline, "gpipe_step"), ("02.2", pipeline, "one_f_one_b_step"),
+                             ("03.2", interleaved, "interleaved_step")):
+        e = BY_KEY[key]
+        impl = e.reference()
+        with autograder.installed((owner, attr, gone)):
+            result = autograder.grade(e, impl)
+        assert result.status == "pass", (key, result.lines)
 
 
 # ----------------------------------------------------------------------------------------------
