@@ -193,14 +193,16 @@ def to_torch_order(schedule, placement=None, reduce_grad=False):
     if not isinstance(lists, (list, tuple)) or not all(isinstance(acts, (list, tuple)) for acts in lists):
         raise ValueError(f"to_torch_order: expects a 02 Schedule or a list of each rank's Actions, got "
                          f"{type(schedule).__name__}")
+    for r, acts in enumerate(lists):
+        for a in acts:
+            if getattr(a, "kind", None) not in KINDS_TO_TORCH:
+                raise ValueError(f"to_torch_order: rank {r}'s {a!r} is not an Action of kind "
+                                 f"{', '.join(KINDS_TO_TORCH)} (torch has no other computation)")
     pp, m = len(lists), 1 + max((a.mb for acts in lists for a in acts), default=-1)
     order = {}
     for r, acts in enumerate(lists):
         row = []
         for a in acts:
-            if getattr(a, "kind", None) not in KINDS_TO_TORCH:
-                raise ValueError(f"to_torch_order: rank {r}'s {a!r} is not an Action of kind "
-                                 f"{', '.join(KINDS_TO_TORCH)} (torch has no other computation)")
             row.append(S._Action(placement(pp, a.chunk, r), getattr(S._ComputationType, KINDS_TO_TORCH[a.kind]), a.mb))
         order[r] = S._add_reduce_grad(row, m) if reduce_grad else row
     return order
