@@ -104,6 +104,9 @@ def tp_shard(full, cfg, tp, rank):
             out[name] = _tp.split_full(full[name], p, tp, rank)
         except ValueError as e:
             raise ValueError(f"tp_shard: {name}: {e}") from None
+        if out[name].shape != p.shape:  # a replicated tensor is not split, so its shape is checked here
+            raise ValueError(f"tp_shard: {name}: a full tensor of shape {tuple(full[name].shape)} where cfg's GPT-2 "
+                             f"has {tuple(p.shape)}")
     return out
 
 
