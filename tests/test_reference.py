@@ -12,8 +12,6 @@ Cost: two tp=2 runs (about 2 s each on 2 cores), the rest in-process.
 """
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -131,13 +129,16 @@ def test_a_wrong_gradient_or_loss_is_caught_by_the_golden_check():
         ["transformer.h.1.mlp.c_proj.weight gradient probe"]
 
 
-def test_regenerating_is_deliberate_and_reproduces_the_file(tmp_path):
+def test_regenerating_is_deliberate_and_reproduces_the_file(tmp_path, capsys):
+    # main() is `python3 -m megatron_scratch.golden`, run in this process (a subprocess would reimport torch)
     out = tmp_path / "g.json"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_scratch.golden", "--config", "tiny", "--out", str(out),
-                                     *a], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert run().returncode == 0
+    args = ["--config", "tiny", "--out", str(out)]
+    golden.main(args)
     first = out.read_text()
-    refused = run()
-    assert refused.returncode == 2 and "exists: regenerating golden values is deliberate, add --overwrite" in refused.stderr
-    assert run("--overwrite").returncode == 0 and out.read_text() == first  # bit for bit, on one machine
+    with pytest.raises(SystemExit) as refused:
+        golden.main(args)
+    assert refused.value.code == 2
+    assert "exists: regenerating golden values is deliberate, add --overwrite" in capsys.readouterr().err
+    golden.main(args + ["--overwrite"])
+    assert out.read_text() == first  # bit for bit, on one machine
     assert golden.differences(json.loads(first), golden.load(GOLDEN)) == []  # and within RTOL of the committed one
