@@ -257,7 +257,7 @@ def test_the_wheel_holds_the_chapters_and_runs_the_readme_library_example(wheel_
                                          "megatron_scratch.golden.__file__)\n")
     proc = _outside(target, tmp_path, "example.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    where = proc.stdout.split("FROM ")[1].split() + proc.stdout.split("KIT ")[1].split()
+    where = proc.stdout.split("FROM ")[1].split("KIT ")[0].split() + proc.stdout.split("KIT ")[1].split()
     assert all(path.startswith(str(target)) for path in where), where  # the installed copy, not the checkout
     assert seconds < 60, f"building and installing the wheel took {seconds:.1f} s"
 
