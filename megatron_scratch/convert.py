@@ -57,6 +57,10 @@ ours (02's Schedule) is lists[rank] = [Action(kind, mb, chunk)]. They number thi
     ScheduleInterleaved1F1B's, are ours. Compare with torch's 1F1B order after shifting the last rank's
     forwards down by one (tests/test_convert.py shows the shift, and that nothing else differs);
     to_torch_order writes the numbers the schedule runs.
+torch's runtime runs what to_torch_order writes: _PipelineScheduleRuntime's
+_prepare_schedule_with_comms(order) adds the sends and receives, or write the order row by row with
+csv.writer and give the file to its _load_csv; tests/test_convert.py runs GPipe, 1F1B and interleaved
+1F1B both ways on gloo ranks and gets the serial gradients.
 """
 import dataclasses
 

@@ -1,11 +1,13 @@
 """megatron_scratch.convert: Hugging Face GPT-2 <-> our full state dict, the fused QKV layout, and our
 pipeline lists <-> torch.distributed.pipelining's pipeline_order (issue 42, point 3).
 
-Tolerances: none. Every conversion moves or transposes tensors and renames actions, so every
-comparison is exact (torch.equal, ==); the HF mapping the tests compare against is written out here
-by hand, independent of convert.py and plumbing/gpt2.py. Each equality is also shown failing on a
-planted mistake (a Conv1D left untransposed, the naive contiguous QKV cut, torch's own off-by-one in
-Schedule1F1B's IR), so none passes vacuously. Cost: no process group, under 2 s in all.
+Tolerances: the conversions are exact. Each moves or transposes tensors and renames actions, so
+their comparisons are torch.equal and ==; the HF mapping the tests compare against is written out
+here by hand, independent of convert.py and plumbing/gpt2.py. Each equality is also shown failing on
+a planted mistake (a Conv1D left untransposed, the naive contiguous QKV cut, torch's own off-by-one in
+Schedule1F1B's IR, a B written as torch's I), so none passes vacuously. torch's runtime running our
+lists is compared with one process's autograd in float64 at the kit's defaults (rtol 1e-10, atol
+1e-12): the same gradients summed over microbatches in another order, ~1e-16. Cost: about 2 s.
 """
 import dataclasses
 from types import SimpleNamespace
@@ -15,6 +17,7 @@ import torch
 
 from conftest import load
 from megatron_scratch import convert, reference
+from megatron_scratch.testing import RankFailure, compare_state
 
 pipeline, interleaved, zb = load("02_pipeline_1f1b"), load("03_interleaved"), load("06_zero_bubble")
 tensor_parallel = load("01_tensor_parallel")
@@ -206,3 +209,70 @@ def test_the_csv_strings_of_torchs_ir_read_back_and_what_we_lack_is_refused():
         convert.from_torch_order({0: [], 2: []})
     with pytest.raises(ValueError, match=r"rank 0's 'F0' is not an Action of kind F, B, I, W"):
         convert.to_torch_order([["F0"]])
+
+
+# ----------------------------------------------------------------------------------------------
+# torch's own runtime runs our lists: to_torch_order's IR given to _PipelineScheduleRuntime (in memory,
+# and written as the CSV its _load_csv reads), float64 gradients against one process's autograd.
+
+D = 6
+
+
+def _layers(n):  # the same n stages in every process: Linear then tanh, float64
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), torch.nn.Tanh()) for _ in range(n)]
+
+
+def _data(m):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(2 * m, D, generator=g, dtype=torch.float64) for _ in range(2))
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _torch_runs_ours(env, name, pp, v, m, csv_dir):
+    import csv
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    mods, ids = _layers(pp * v), [c * pp + env.rank for c in range(v)]
+    like = torch.empty(2, D, dtype=torch.float64)  # shapes given: torch's inference sends pickles, which need numpy
+    stages = [PipelineStage(mods[s], s, pp * v, torch.device("cpu"), input_args=like if s == 0 else
+                            like.clone().requires_grad_(), output_args=like, output_grads=like, input_grads=like)
+              for s in ids]
+    runtime = _PipelineScheduleRuntime(stages, m, loss_fn=_mse)  # scale_grads: the mean over microbatches
+    order = convert.to_torch_order(ours(name, pp, m, v))
+    if csv_dir:
+        path = f"{csv_dir}/schedule.csv"
+        if env.rank == 0:
+            with open(path, "w", newline="") as f:
+                csv.writer(f).writerows(order[r] for r in range(pp))  # as _dump_csv writes: str(_Action) cells
+        torch.distributed.barrier()
+        runtime._load_csv(path)
+    else:
+        runtime._prepare_schedule_with_comms(order)
+    x, y = _data(m)
+    runtime.step(*([x] if env.rank == 0 else []), target=y)
+    return {f"{s}.{n}": p.grad for s in ids for n, p in mods[s].named_parameters()}
+
+
+@pytest.mark.parametrize("name,pp,v,m,how", [("ScheduleInterleaved1F1B", 2, 2, 4, "csv"), ("ScheduleInterleaved1F1B", 2, 2, 4, "ir"),
+                                             ("Schedule1F1B", 3, 1, 3, "ir"), ("ScheduleGPipe", 2, 1, 3, "csv"),
+                                             ("ScheduleInterleaved1F1B", 3, 2, 6, "ir")],
+                         ids=lambda x: str(x))
+def test_torchs_runtime_runs_our_lists_to_the_serial_gradients(run_ranks, tmp_path, name, pp, v, m, how):
+    got = {}
+    for part in run_ranks(_torch_runs_ours, pp, name, pp, v, m, str(tmp_path) if how == "csv" else None):
+        got.update(part)
+    mods = _layers(pp * v)
+    x, y = _data(m)
+    (sum(_mse(torch.nn.Sequential(*mods)(a), b) for a, b in zip(x.chunk(m), y.chunk(m))) / m).backward()
+    compare_state(got, {f"{s}.{n}": p.grad for s in range(pp * v) for n, p in mods[s].named_parameters()})
+
+
+def test_a_planted_mistake_in_the_ir_fails_on_torchs_runtime(run_ranks, monkeypatch):
+    # our B written as torch's I (the input's gradient only): torch's runtime refuses the IR, naming it
+    monkeypatch.setitem(convert.KINDS_TO_TORCH, "B", "BACKWARD_INPUT")
+    with pytest.raises(RankFailure, match=r"stage 0: I and W must have equal counts"):
+        test_torchs_runtime_runs_our_lists_to_the_serial_gradients(run_ranks, None, "Schedule1F1B", 2, 1, 2, "ir")
