@@ -60,7 +60,8 @@ ours (02's Schedule) is lists[rank] = [Action(kind, mb, chunk)]. They number thi
 torch's runtime runs what to_torch_order writes: _PipelineScheduleRuntime's
 _prepare_schedule_with_comms(order) adds the sends and receives, or write the order row by row with
 csv.writer and give the file to its _load_csv; tests/test_convert.py runs GPipe, 1F1B and interleaved
-1F1B both ways on gloo ranks and gets the serial gradients.
+1F1B both ways on gloo ranks and gets the serial gradients, and runs torch's own orders, read back by
+from_torch_order, on 02's executor (pipeline_step) to the serial loss and gradients.
 """
 import dataclasses
 

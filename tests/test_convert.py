@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import load
+from conftest import PIPELINE_CFG, load
 from megatron_scratch import convert, reference
-from megatron_scratch.testing import RankFailure, compare_state
+from megatron_scratch.testing import RankFailure, assert_close, compare_state
 
 pipeline, interleaved, zb = load("02_pipeline_1f1b"), load("03_interleaved"), load("06_zero_bubble")
 tensor_parallel = load("01_tensor_parallel")
@@ -276,3 +276,31 @@ def test_a_planted_mistake_in_the_ir_fails_on_torchs_runtime(run_ranks, monkeypa
     monkeypatch.setitem(convert.KINDS_TO_TORCH, "B", "BACKWARD_INPUT")
     with pytest.raises(RankFailure, match=r"stage 0: I and W must have equal counts"):
         test_torchs_runtime_runs_our_lists_to_the_serial_gradients(run_ranks, None, "Schedule1F1B", 2, 1, 2, "ir")
+
+
+# And the other way: torch's own pipeline_order, read back by from_torch_order, run by 02's executor on
+# GPT-2 chunks, gives the serial model's loss and gradients (float64, the kit's defaults).
+
+def _ours_runs_torchs(env, name, v, m):
+    import torch.distributed as dist
+    from conftest import lesson_reference
+    pp = env.world_size
+    cfg = dataclasses.replace(PIPELINE_CFG, n_layer=pp * v)
+    _, _, full, (ref_loss, ref_grads), micro = lesson_reference(cfg, m)
+    lists = convert.from_torch_order(torch_order(name, pp, m, v))
+    embed_group = dist.new_group([0, pp - 1]) if pp > 1 else None
+    chunks, result = pipeline.pipeline_step(cfg, interleaved.InterleavedSchedule(lists), dist.group.WORLD, embed_group,
+                                            full, micro)
+    got = {n: p.grad for c in chunks for n, p in c.named_parameters()}
+    compare_state(got, {n: ref_grads[n] for n in got})
+    if result.loss is not None:
+        assert_close(result.loss, ref_loss, name="loss")
+    return sorted(got)
+
+
+@pytest.mark.parametrize("name,pp,v,m", [("ScheduleInterleaved1F1B", 2, 2, 4), ("ScheduleGPipe", 2, 1, 3),
+                                         ("ScheduleInterleaved1F1B", 3, 2, 6)], ids=lambda x: str(x))
+def test_our_executor_runs_torchs_own_order_to_the_serial_loss_and_gradients(run_ranks, name, pp, v, m):
+    held = run_ranks(_ours_runs_torchs, pp, name, v, m)
+    every = reference.init_weights(dataclasses.replace(PIPELINE_CFG, n_layer=pp * v))
+    assert set().union(*held) == set(every)  # each parameter compared on some rank
