@@ -113,6 +113,14 @@ def import_gpt2(path, cfg=None):
         weights, raw = pt, _load(pt, lambda f: torch.load(f, map_location="cpu", weights_only=True))
     else:
         raise ValueError(f"{path} holds no weights: neither model.safetensors nor pytorch_model.bin")
+    return cfg, full_from_hf(raw, cfg, weights, path), None
+
+
+def full_from_hf(raw, cfg, weights, path, config="its config.json"):
+    """Our full state dict from GPT2LMHeadModel's (or GPT2Model's, unprefixed) tensors, checked to be
+    exactly cfg's GPT-2: the Conv1D weights transposed, the causal-mask buffers skipped, lm_head.weight
+    (tied) checked equal to wte and dropped. weights, path: the names the refusals give (the weight file,
+    its directory); config: what cfg is, in words. megatron_scratch.convert.from_hf calls it in memory."""
     full, head = {}, None
     for key, value in raw.items():
         name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
@@ -129,12 +137,20 @@ def import_gpt2(path, cfg=None):
                          f"output layer to the token embedding and cannot represent an untied one")
     bad, extra = _misfits(cfg, full)
     if bad:
-        raise ValueError(f"{path} does not fit its config.json: " + "; ".join(bad[:5]))
+        raise ValueError(f"{path} does not fit {config}: " + "; ".join(bad[:5]))
     if extra:
         raise ValueError(f"{weights} holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which the GPT-2 "
-                         f"of its config.json (n_layer={cfg.n_layer}) does not have: the weights and the config do "
+                         f"of {config} (n_layer={cfg.n_layer}) does not have: the weights and the config do "
                          f"not belong together")
-    return cfg, full, None
+    return full
+
+
+def hf_from_full(full):
+    """GPT2LMHeadModel's tensors from our full state dict: the Conv1D weights transposed (new, contiguous
+    tensors), lm_head.weight a copy of wte (tied); no causal-mask buffers. export_gpt2 writes them."""
+    hf = {k: (v.t() if k.endswith(CONV1D) else v).contiguous() for k, v in full.items()}
+    hf["lm_head.weight"] = full["transformer.wte.weight"].clone()
+    return hf
 
 
 def _check_weight(file, name, value):
@@ -226,8 +242,7 @@ def export_gpt2(cfg, full, out, overwrite=False):
     names = ("config.json", "model.safetensors", "pytorch_model.bin")
     paths.check_outputs([("--export-hf", os.path.join(out, n)) for n in names], overwrite=overwrite)
     make_dir(out, "--export-hf")  # our names are GPT2LMHeadModel's; only Conv1D is transposed
-    hf = {k: (v.t() if k.endswith(CONV1D) else v).contiguous() for k, v in full.items()}
-    hf["lm_head.weight"] = full["transformer.wte.weight"].clone()
+    hf = hf_from_full(full)
     eos = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
     config = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size,
                   n_positions=cfg.block_size, n_ctx=cfg.block_size, n_embd=cfg.n_embd,

@@ -248,11 +248,16 @@ def test_the_wheel_holds_the_chapters_and_runs_the_readme_library_example(wheel_
     code = text.split("## Use it as a correctness baseline")[1].split("```python\n")[1].split("```")[0]
     assert "megatron_scratch.testing import" in code and "sys.path" not in code
     (tmp_path / "example.py").write_text(code + "\nimport megatron_scratch, plumbing\n"
+                                         "import megatron_scratch.convert, megatron_scratch.reference, megatron_scratch.golden\n"
+                                         "from megatron_scratch import from_hf, split_qkv\n"
+                                         "assert megatron_scratch.reference.signatures()\n"
                                          "print('FROM', megatron_scratch.__file__, tensor_parallel.__file__, "
-                                         "plumbing.__file__)\n")
+                                         "plumbing.__file__)\n"
+                                         "print('KIT', megatron_scratch.convert.__file__, megatron_scratch.reference.__file__, "
+                                         "megatron_scratch.golden.__file__)\n")
     proc = _outside(target, tmp_path, "example.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    where = proc.stdout.split("FROM ")[1].split()
+    where = proc.stdout.split("FROM ")[1].split("KIT ")[0].split() + proc.stdout.split("KIT ")[1].split()
     assert all(path.startswith(str(target)) for path in where), where  # the installed copy, not the checkout
     assert seconds < 60, f"building and installing the wheel took {seconds:.1f} s"
 
