@@ -152,7 +152,9 @@ def _stuck(error):
             os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plumbing"))
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(ours)
               and "multiprocessing" not in f.filename and "contextlib" not in f.filename]
-    if frames and not frames[-1].filename.endswith("launch.py"):
+    on_ranks = any(f.filename.endswith(os.path.join("plumbing", "launch.py"))
+                   for f in traceback.extract_tb(error.__traceback__))
+    if frames and not on_ranks:
         f = frames[-1]
         return f"an endless loop? It was at {f.filename}:{f.lineno} in {f.name}: {f.line}"
     return ("its ranks were stopped: an endless loop in your function, or a rank waiting for a collective "

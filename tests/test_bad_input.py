@@ -861,12 +861,17 @@ HOSTILE = {
         "{tmp}/mine.py does not import: it calls sys.exit(0) at its top level",
         _stub("import sys\nsys.exit(0)\n"), None),
     "an exercise file that lacks the function": ("ex", ["check", "02.1", "--file", "{tmp}/mine.py"],
-        "{tmp}/mine.py has no gpipe: write 02.1's functions there, with the names and signatures of the stubs in "
+        "{tmp}/mine.py has no gpipe_step: write 02.1's functions there, with the names and signatures of the stubs in "
         "exercises/ex02_pipeline_1f1b.py",
         _stub("pass\n"), None),
-    "an exercise that never ends": ("ex", ["check", "02.1", "--file", "{tmp}/mine.py", "--time-limit", "1"],
-        "it ran past its time limit of 1 s: an endless loop? It was at {tmp}/mine.py:4 in gpipe",
-        _stub("def gpipe(pp, m, stage):\n    while True: pass\n"), None),
+    # 05.1 is checked in this process, so the loop's own line is said; on ranks (below) the ranks are stopped.
+    "an exercise that never ends": ("ex", ["check", "05.1", "--file", "{tmp}/mine.py", "--time-limit", "1"],
+        "it ran past its time limit of 1 s: an endless loop? It was at {tmp}/mine.py:4 in rank_grid",
+        _stub("def rank_grid(world, tp=1, dp=1, pp=1):\n    while True: pass\n"), None),
+    "an exercise on ranks that never ends": ("ex", ["check", "02.1", "--file", "{tmp}/mine.py", "--time-limit", "2"],
+        "it ran past its time limit of 2 s: its ranks were stopped: an endless loop in your function, or a rank "
+        "waiting for a collective that the others never call",
+        _stub("def gpipe_step(stage, microbatches, pp_group=None, weights=None):\n    while True: pass\n"), None),
     "plot a FIFO": ("plot", ["{fifo}"], "the metrics file {fifo}: it is a FIFO", None, None),
     "data from a FIFO": ("05", ["--data", "{fifo}"],
         "--data {fifo}: it is a FIFO (a named pipe), not a regular file", None, None),

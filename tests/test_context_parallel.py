@@ -453,20 +453,16 @@ def _section(doc):
     return " ".join(text[text.index("## 08_context_parallel.py"):].split("\n## ")[0].split())
 
 
-def test_the_guide_and_the_answers_state_the_figures_the_code_computes():
-    guide, answers = _section("GUIDE.md"), _section("ANSWERS.md")
+def test_the_guide_states_the_figures_the_code_computes():
+    # ANSWERS' 08 answers are on the lesson now (OneRing, ring_step): test_answers recomputes their figures.
+    guide = _section("GUIDE.md")
     sims = {(name, cp): cpar.simulate(make(cp)) for name, make in cpar.SPLITS.items() for cp in (2, 4, 8)}
     contiguous = [f"{float(sims['contiguous', cp].factor):.2f}" for cp in (2, 4, 8)]
     assert contiguous == ["1.50", "1.75", "1.88"]
-    assert f"({', '.join(contiguous)})" in guide and f"1.75 at cp = 4 (`simulate`'s balance factor; 1.50 at cp = 2, " \
-        f"1.88 at cp = 8)" in answers
-    assert f"{float(sims['contiguous', 4].time):.2f} block-times where {float(sims['contiguous', 4].ideal):.2f}" in answers
-    assert sims["megatron", 4].factor == 1 and "balance factor 1.00" in answers
+    assert f"({', '.join(contiguous)})" in guide
+    assert sims["megatron", 4].factor == 1
     light = sims["lightseq", 4]
     assert (len(light.work[0]), light.factor, max(light.totals)) == (3, Fraction(5, 4), Fraction(5, 2))
-    assert "the ring needs 3 steps" in answers and "5/2 blocks against a mean of 2, 1.25 times" in answers
-    sizes = {kind: cpar.message_bytes(kind, (2, 4, 8, 16), False, 8) for kind in ("q", "out")}  # the demo's B, nh, T/cp, hs
-    assert f"({sizes['q']:,} bytes in the demo)" in answers and f"sum: {sizes['out']:,} bytes)" in answers
     first = load("test_budgets").measure("08")
     assert f"{first} lines read first" in guide
 
