@@ -34,6 +34,25 @@ pipeline = importlib.import_module("02_pipeline_1f1b")
 _open = paths.create_new  # exclusive, never through a link; tests put a full disk here
 
 
+class _Bar(tqdm):
+    """tqdm, with a lock of this process's own and no monitor thread.
+
+    tqdm's default lock is a multiprocessing semaphore, made by the first bar of a process and
+    shared by every process forked after that. A process killed while it held it (a SIGKILL in the
+    middle of a bar's refresh: a killed rank, a stopped run) left it held for good, and every later
+    bar in every process sharing it waited forever, before the first step, in a futex: trainer runs
+    forked from one test session hung, idle, one after another. Only rank 0 shows a bar, so no two
+    processes need one lock. The monitor is a thread, and launch must not fork a running thread."""
+    monitor_interval = 0
+    owner = None  # the pid whose lock _Bar holds
+
+    @classmethod
+    def own_lock(cls):
+        if cls.owner != os.getpid():  # a fresh lock in each process: one copied by fork may be held
+            cls.set_lock(threading.RLock())
+            cls.owner = os.getpid()
+
+
 LISTED_WORLD = 4096  # --print-layout lists every rank and group up to this world; beyond, a summary
 
 
@@ -270,7 +289,8 @@ class Progress:
         self.metrics = (_open(tc.metrics, "a") if append else _open(paths.fresh(tc.metrics), "w")) \
             if tc.metrics and env.rank == 0 else None
         self.metrics_path = tc.metrics
-        self.bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=not self.show,
+        _Bar.own_lock()
+        self.bar = _Bar(range(start, tc.steps), initial=start, total=tc.steps, disable=not self.show,
                         desc="train", dynamic_ncols=True)
 
     def __iter__(self):
@@ -291,7 +311,8 @@ class Progress:
 
     def note(self, text):
         if self.show:
-            tqdm.write(text)
+            _Bar.own_lock()
+            _Bar.write(text)
 
     def log(self, record, durable=False):
         """record: step, loss, lr, grad_norm, time_s, and eval_loss on eval steps. durable: fsync the

@@ -86,3 +86,53 @@ def test_a_loop_that_ends_normally_puts_the_previous_handler_back():
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_process_killed_holding_a_bar_lock_does_not_hang_the_next_runs_bars():
+    """tqdm's default lock is one semaphore shared by every process forked after the first bar: a
+    process SIGKILLed while it held it (a bar's refresh as a run is stopped) left it held, and every
+    later bar in those processes waited forever in a futex before its first step. CI saw this as
+    trainer runs forked from one pytest session hanging idle one after another, after test_report
+    had made a bar in-process. Here, in a fresh interpreter (so this session's own lock is not the
+    one left held): a bar made there, a child killed holding tqdm's lock, then a forked child makes
+    05's progress bar and prints a note above it; it must finish, not hang."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = """if True:
+        import os, signal, sys, time
+        import torch
+        from tqdm import tqdm
+        from conftest import TRAINER_BASE
+        from plumbing import report
+        from plumbing.launch import RankEnv
+        tqdm(range(1), disable=True)  # this process makes tqdm's shared lock, as test_report did
+        holder = os.fork()
+        if holder == 0:
+            tqdm.get_lock().acquire()
+            time.sleep(60)
+        time.sleep(0.3)
+        os.kill(holder, signal.SIGKILL)  # killed while it holds the lock
+        os.waitpid(holder, 0)
+        child = os.fork()
+        if child == 0:
+            progress = report.Progress(RankEnv(0, 1, 0, torch.device("cpu")), TRAINER_BASE, 1.0, 0, torch.float64,
+                                       quiet=False)
+            progress.note("a note above the bar")
+            for step in progress:
+                pass
+            os._exit(0)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                sys.exit(os.waitstatus_to_exitcode(status))
+            time.sleep(0.05)
+        os.kill(child, signal.SIGKILL)
+        sys.exit("the forked bar hung on the lock the killed process held")
+    """
+    tests = Path(__file__).parent
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "PYTHONPATH": f"{tests}:{tests.parent}"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "a note above the bar" in proc.stderr + proc.stdout
