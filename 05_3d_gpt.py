@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -395,7 +396,8 @@ def train(env, cfg, tc, quiet=False, schedule_of=None, check=None):
     train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
                                                        writer=env.rank == 0)
     agreement.check(env, cfg, tc, path, start)  # every rank the same flags, data and checkpoint, or none trains
-    if check and not check(env, tc, say):  # the same on every rank: none trains
+    checking = tc.check if tc.check is not None else env.device.type == "cpu"  # --check; unset: on a CPU
+    if check and checking and not check(env, tc, say):  # the same on every rank: none trains
         raise FloatingPointError("the check before training failed (FAIL above): nothing was trained")
     if acceleration(tc, env.device)[0]:
         kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
@@ -645,6 +647,9 @@ def main(parser=parser, config=TrainConfig, schedule_of=None):
     """The trainer's command line (plumbing/command.py); 06-09 run it with their flags and schedules. 05's
     own run checks the lesson and the machine first (demo); a later chapter's --train trains at once."""
     own = schedule_of is None and config is TrainConfig
+    if not own and "--check" in sys.argv[1:]:
+        raise ValueError("--check checks 05's lesson step before 05 trains; a later chapter's --train has its own "
+                         "demo for that: run it without --train")
     return command.main(parser(), config, functools.partial(train, check=demo) if own else train,
                         schedule_of or interleaved_schedule, rank_grid)
 

@@ -75,7 +75,7 @@ FIELDS = {
     # Below a second a healthy run's ordinary waits (a stage's receive while its neighbour computes) look hung.
     "hang_s": (lambda v: v == 0 or 1 <= v <= MAX_TIMEOUT_S, f"0 (off), or at least 1 and at most {MAX_TIMEOUT_S} "
                                                             f"(seconds)"),
-    "straggler_every": _at_least(0), "rehearse_fault": _ANY, "watch": _ANY,
+    "straggler_every": _at_least(0), "rehearse_fault": _ANY, "watch": _ANY, "check": _ANY,
     "save": _ANY, "save_every": _at_least(0), "keep": _at_least(1),
     "save_timeout_s": [(lambda v: 0 < v <= 24 * 3600, "positive and at most 86400 (seconds)"), _A_SECOND],
     "async_save": _ANY, "snapshot_every": _at_least(0), "snapshot_dir": _ANY, "restarts": _at_least(0),

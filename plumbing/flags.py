@@ -32,6 +32,7 @@ class Loop:
     straggler_every: int = 0  # compare every rank's busy time with its stage's every N steps (0: only at the end)
     rehearse_fault: list[str] = field(default_factory=list)  # KIND:RANK:ARG: slow:R:MS, hang:R:STEP, kill:R:STEP, stop:R:STEP
     watch: bool = True  # each rank's record on the side channel: the hang report, the straggler report (off: neither)
+    check: bool | None = None  # 05's run first checks its lesson's float64 step at this layout against serial, and the machine against the lesson, and trains only if both pass (unset: on a CPU; off on GPUs, where it would add process groups to a cluster's start; 06-09's --train: never)
 
 
 @dataclass

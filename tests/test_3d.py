@@ -10,6 +10,7 @@ embedding's buckets not held back: 0.43, and 0.34 with ZeRO-1).
 """
 import functools
 import math
+import re
 import struct
 import time
 from dataclasses import replace
@@ -321,10 +322,24 @@ def test_the_main_job_trains_8_ranks_shows_progress_and_summaries(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 8 = tp 2 x pp 2 x dp 2" in proc.stdout and "FLOPs per iteration (eq. 3)" in proc.stdout
     assert "train: 100%" in proc.stderr  # the progress bar
+    # On a CPU, unasked, 05 first checks its lesson and its machine at this layout (--check's default)
+    assert re.search(r"check: the lesson against serial .*: \S+ PASS \(tolerance 1e-10\)", proc.stdout), proc.stdout
+    assert re.search(r"check: the machine .* against the lesson .*: \S+ PASS \(tolerance 1e-12\)", proc.stdout)
     lines = [__import__("json").loads(x) for x in metrics.read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(20))
     assert lines[-1]["loss"] < lines[0]["loss"] - 1.0  # it learns the built-in corpus
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "time_s"} <= set(lines[0])
+
+
+def test_no_check_trains_at_once_and_a_later_chapters_train_refuses_check():
+    """--no-check skips the lesson's check (a training run's own choice; on GPUs it is off unless --check);
+    06-09's --train never run 05's check, so --check there is refused by name, before anything starts."""
+    proc = run("--n-layer", "2", "--batch-size", "8", "--microbatches", "2", "--seq-len", "16", "--block-size", "16",
+               "--eval-every", "0", "--steps", "1", "--no-check")
+    assert proc.returncode == 0 and "check:" not in proc.stdout and "done: 1 steps" in proc.stdout, proc.stderr[-2000:]
+    refused = run_script("06_zero_bubble.py", "--train", "--check")
+    assert refused.returncode != 0 and "--check checks 05's lesson step" in refused.stderr, refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr
 
 
 def _switches(env, tc):

@@ -240,7 +240,7 @@ def _torchrun(tmp_path, name, *args):
     metrics = tmp_path / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(ROOT / "05_3d_gpt.py"), "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "6",
-           "--dtype", "float32", "--eval-every", "0", "--metrics", str(metrics), *args]
+           "--dtype", "float32", "--eval-every", "0", "--no-check", "--metrics", str(metrics), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=80, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.tensor([json.loads(line)["loss"] for line in metrics.read_text().splitlines()]), proc.stdout

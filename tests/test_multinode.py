@@ -38,7 +38,7 @@ RUNBOOK = ROOT / "docs" / "RUNBOOK.md"
 # an eval every other step.
 TRAIN_FLAGS = ["--tp", "2", "--pp", "2", "--dp", "1", "--n-layer", "2", "--n-head", "2", "--n-embd", "16",
                "--block-size", "16", "--seq-len", "16", "--batch-size", "4", "--microbatches", "2",
-               "--eval-every", "2", "--eval-batches", "1"]
+               "--eval-every", "2", "--eval-batches", "1", "--no-check"]
 # The collective timeout of the run whose node is killed: well above the spread of the ranks'
 # start-up (each imports torch, which on a loaded 2-core machine takes from seconds to tens of
 # seconds), so that only the kill can end the run. The kill itself is seen at once (the dead
@@ -262,7 +262,8 @@ def test_a_killed_node_stops_the_job_within_the_timeout_and_leaves_nothing_runni
 # (a relative path, 3e-3 for 0.003, a default given explicitly) trains.
 
 AGREE_FLAGS = ["--tp", "1", "--pp", "2", "--dp", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-               "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--timeout-s", "30"]
+               "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--timeout-s", "30",
+               "--no-check"]
 AGREE_TIMEOUT_S = 90  # two agents and two ranks, each importing torch afresh, on a loaded 2-core machine
 
 
