@@ -357,3 +357,18 @@ def test_a_size_that_only_some_of_the_figures_take_is_said_for_the_others(figure
     assert figures.main(["grid", "f-and-g", "--pp", "1", "--no-svg"], out=lines.append) == 0
     assert "(f-and-g takes no --pp: drawn at its own sizes)\n" in lines
     assert "world 4 = tp 2 x dp 2 x pp 1" in "".join(lines)
+
+
+def test_the_figures_with_ranks_run_them_at_the_asked_sizes(figures):
+    make, text, svg = figures.figure("memory", pp=2, m=4)  # 2 CPU ranks
+    memory = make()
+    gpipe, ofob, inter = memory.values()
+    assert len(gpipe) == 2 and ofob[0] * 2 == gpipe[0]  # 1F1B keeps pp = 2 of GPipe's m = 4 on stage 0
+    assert "pp=2, m=4" in text(memory) and slide_ready(svg(memory)) is not None
+    make, text, svg = figures.figure("dispatch", experts=6, topk=3, tokens=5)  # ep = 2 CPU ranks
+    d = make()
+    assert (d["E"], d["k"], d["N"]) == (6, 3, 5)
+    for q in d["ranks"]:
+        assert sum(q["send"]) == 5 * 3 and sum(q["recv"]) == len(q["rows"])  # every pair sent once
+    drawn = svg(d)
+    assert drawn.count('class="travel"') == 2 * 5 * 3 and slide_ready(drawn) is not None
