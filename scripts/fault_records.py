@@ -134,7 +134,8 @@ def _records(rng, g, waits, step, culprit, kind):
     if kind == "outside communication":
         out[culprit]["phase"] = rng.choice([f"forward {micro}", "loss", "optimizer", "data loading"])
     elif kind == "dead":
-        out[culprit]["state"] = rng.choice(["dead: signal 9 (SIGKILL)", "dead: exit code 1", "dead: signal 11 (SIGSEGV)"])
+        out[culprit]["state"] = rng.choice(["dead: signal 9 (SIGKILL)", "dead: exit code 1",
+                                            "dead: signal 11 (SIGSEGV)"])
     elif kind == "silent":
         out[culprit]["state"] = "silent"
     return out
@@ -209,7 +210,8 @@ def _key(seed, records, busy, stage, found, kind, g, layout):
         "change": change, "changed_diagnosis": f"{changed.kind} at {changed.culprits}: {changed.why}",
         "stragglers": health.stragglers(busy, stage), "against_the_world": naive,
         "medians": "each rank against the median of the other ranks of its stage; stage "
-                   + ", ".join(f"{p}: {sorted(busy[r] for r in busy if stage[r] == p)}" for p in sorted(set(stage.values()))),
+                   + ", ".join(f"{p}: {sorted(busy[r] for r in busy if stage[r] == p)}"
+                               for p in sorted(set(stage.values()))),
     }
 
 

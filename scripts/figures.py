@@ -479,8 +479,9 @@ def schedules_data(pp=4, m=8, v=2):
 def schedules_text(data, width=132):
     pp, m, v, runs = data
     end = max(sim.step_time for sim in runs.values())
+    odd = "the second chunk" if v == 2 else "the odd chunks"
     out = [f"1F1B and interleaved 1F1B, pp={pp}, m={m}, on one time scale (02's simulate()): F<mb> a "
-           f"forward, B<mb>== a backward,", "lower case the second chunk, '.' idle; a stage's forward takes 1, its "
+           f"forward, B<mb>== a backward,", f"lower case {odd}, '.' idle; a stage's forward takes 1, its "
            "backward 2, a chunk's 1/v of that"]
     for (name, sim), formula in zip(runs.items(), ("(pp-1)/m", "(pp-1)/(v m)")):
         out += ["", f"{name}: step time {float(sim.step_time):g}, bubble {sim.bubble} = {formula}",
@@ -1260,9 +1261,10 @@ def size_errors(name, z):
     computing, so that a bad size is refused at once, not by a stack trace from a rank."""
     errors = []
 
-    def need(ok, size, why):
+    def need(ok, size, why):  # size: the flag to blame, or None for the sizes together
         if not ok:
-            errors.append(f"{name}: --{size} {z[size]}: {why}")
+            flags = f"--{size} {z[size]}" if size else " ".join(f"--{k} {v}" for k, v in z.items())
+            errors.append(f"{name}: {flags}: {why}")
     for size, value in z.items():  # every size is a count of at least 1 (of 2 for the parallel ones)
         low = 0 if size == "step" else 2 if size in ("cp", "ep", "m", "v", "experts") or \
             (size == "pp" and name in ("schedules", "bubble", "memory")) or \
@@ -1279,7 +1281,7 @@ def size_errors(name, z):
         world = z["tp"] * z["dp"] * z["pp"]
         groups = gpt3d.rank_grid(world, z["tp"], z["dp"], z["pp"]) if world <= 64 else None  # integers: at once
         longest = max(text_width(head + str(groups[k]), 13) for k, head in GRID_LEGEND.items()) if groups else math.inf
-        need(48 + longest <= WIDTH, "dp", f"the world tp x dp x pp = {world}: its groups do not fit a line of the "
+        need(48 + longest <= WIDTH, None, f"the world tp x dp x pp = {world}: its groups do not fit a line of the "
              f"legend (at most {WIDTH} px)")
     elif name in ("schedules", "memory"):
         need(z["v"] <= 4, "v", "at most 4 chunks per stage")
@@ -1288,8 +1290,9 @@ def size_errors(name, z):
         if name == "schedules":
             need(z["pp"] <= 16, "pp", "at most 16 (a row per rank)")
             need(z["m"] <= 64, "m", "at most 64")
-            need((z["m"] + z["pp"] - 1) * z["v"] <= 135, "m", f"(m + pp - 1) v = {(z['m'] + z['pp'] - 1) * z['v']} must "
-                 f"be at most 135: a chunk's forward at least 2 px wide on the 1F1B step's time scale")
+            span = (z["m"] + z["pp"] - 1) * z["v"]
+            need(span <= 135, "m", f"(m + pp - 1) v = {span} must be at most 135: a chunk's forward at least 2 px wide "
+                 f"on the 1F1B step's time scale")
         else:
             layers = MEMORY_CFG.n_layer
             need(layers % (z["pp"] * z["v"]) == 0 and z["pp"] <= MAX_RANKS, "pp" if layers % z["pp"] else "v",
@@ -1411,7 +1414,8 @@ def main(argv=None, out=print):
     for size in given:  # a size that none of the figures asked for takes: refused, with who takes it
         if not any(size in SIZED[n] for n in names):
             takers = [n for n, z in SIZED.items() if size in z]
-            errors.append(f"--{size} {given[size]}: not a size of {', '.join(names)} (it is one of {', '.join(takers)})")
+            errors.append(f"--{size} {given[size]}: not a size of {', '.join(names)} "
+                          f"(it is one of {', '.join(takers)})")
     for name in names:
         z = {**SIZED[name], **{k: v for k, v in given.items() if k in SIZED[name]}}
         errors += size_errors(name, z)

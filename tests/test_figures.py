@@ -343,7 +343,7 @@ def refusal(figures, argv, capsys):
     (["fold", "--ep", "2"], "fold: --ep 2: must be tp x dp = 4"),  # a size against another
     (["dispatch", "--experts", "6", "--ep", "4"], "dispatch: --experts 6: must be a multiple of --ep 4"),
     (["memory", "--pp", "3", "--m", "6"], "memory: --pp 3: pp x v = 3 x 2 must divide the model's 8 layers"),
-    (["grid", "--m", "16"], "--m 16: not a size of grid (it is one of schedules, memory)"),  # a size no figure asked takes
+    (["grid", "--m", "16"], "--m 16: not a size of grid (it is one of schedules, memory)"),  # no figure asked takes it
     (["schedules", "--pp", "8", "--m", "16"], "give --svg-dir (or --no-svg)"),  # a variant into docs/figures: no
 ])
 def test_a_size_a_figure_cannot_take_is_refused_by_flag_value_and_rule_before_anything_runs(figures, capsys,
