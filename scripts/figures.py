@@ -5,6 +5,12 @@ and an SVG of each, written by hand from Python (no plotting package), for slide
     python3 scripts/figures.py bubble memory         # some of them
     python3 scripts/figures.py --svg-dir /tmp/figs   # the SVGs elsewhere
     python3 scripts/figures.py --no-svg              # text only
+    python3 scripts/figures.py schedules --pp 8 --m 16 --svg-dir /tmp/exam   # a variant, at other sizes
+
+Every figure takes its sizes as flags (--help lists which figure takes which, and their defaults, the
+committed SVGs' sizes). A variant is written as NAME-pp8-m16.svg (the sizes that differ), never into
+docs/figures/; sizes a figure cannot be drawn at are refused first, naming the flag, the value and
+the rule (03's m % pp = 0, the figure's width, ...).
 
 The first command regenerates the committed docs/figures/*.svg, and tests/test_figures.py checks that
 they are byte for byte what this script writes today (all but overlap.svg, a timed run that differs
@@ -387,6 +393,12 @@ def grid_text(tp=2, dp=2, pp=2):
     return "\n".join(lines)
 
 
+GRID_LEGEND = {"tp": "tp groups, a row of a stage (adjacent ranks, one node: NVLink): ",
+               "dp": "dp groups, down a stage (the gradient all-reduce): ",
+               "pp": "pp groups, along the arrows (point-to-point): ",
+               "embed": "embedding groups, the first and the last stage (the tied wte): "}  # then the groups
+
+
 def grid_svg(_=None, tp=2, dp=2, pp=2):
     """Each rank placed by its position in its own groups, as rank_grid lists them: its index in its
     tp group is t, in its dp group d, in its pp group p."""
@@ -436,12 +448,12 @@ def grid_svg(_=None, tp=2, dp=2, pp=2):
                    anchor="middle", fill=INK)
     y = top + stage_h + 34
     legend = [(lambda yy: s.rect(12, yy - 8, 28, 16, fill="#e3f4ee", stroke=GREEN, stroke_width=2, rx=4),
-               f"tp groups, a row of a stage (adjacent ranks, one node: NVLink): {grid['tp']}"),
+               GRID_LEGEND["tp"] + str(grid["tp"])),
               (lambda yy: s.arrow(10, yy, 40, yy, colour=BLUE, width=1.5, both=True),
-               f"dp groups, down a stage (the gradient all-reduce): {grid['dp']}"),
+               GRID_LEGEND["dp"] + str(grid["dp"])),
               (lambda yy: s.arrow(10, yy, 40, yy, colour=ORANGE, width=2),
-               f"pp groups, along the arrows (point-to-point): {grid['pp']}"),
-              (lambda yy: None, f"embedding groups, the first and the last stage (the tied wte): {grid['embed']}")]
+               GRID_LEGEND["pp"] + str(grid["pp"])),
+              (lambda yy: None, GRID_LEGEND["embed"] + str(grid["embed"]))]
     for draw, text in legend:
         draw(y)
         s.label(48, y, text, size=13)
@@ -467,8 +479,9 @@ def schedules_data(pp=4, m=8, v=2):
 def schedules_text(data, width=132):
     pp, m, v, runs = data
     end = max(sim.step_time for sim in runs.values())
+    odd = "the second chunk" if v == 2 else "the odd chunks"
     out = [f"1F1B and interleaved 1F1B, pp={pp}, m={m}, on one time scale (02's simulate()): F<mb> a "
-           f"forward, B<mb>== a backward,", "lower case the second chunk, '.' idle; a stage's forward takes 1, its "
+           f"forward, B<mb>== a backward,", f"lower case {odd}, '.' idle; a stage's forward takes 1, its "
            "backward 2, a chunk's 1/v of that"]
     for (name, sim), formula in zip(runs.items(), ("(pp-1)/m", "(pp-1)/(v m)")):
         out += ["", f"{name}: step time {float(sim.step_time):g}, bubble {sim.bubble} = {formula}",
@@ -485,8 +498,8 @@ def schedules_svg(data):
     scale = (right - left) / float(end)
     colours = {("F", 0): (BLUE, "white"), ("F", 1): (SKY, INK), ("B", 0): (VERMILLION, "white"),
                ("B", 1): (ORANGE, INK)}
-    names = {("F", 0): "forward", ("F", 1): "forward, second chunk", ("B", 0): "backward",
-             ("B", 1): "backward, second chunk"}
+    odd = "second chunk" if v == 2 else "odd chunks"  # v > 2: the colours alternate chunk by chunk
+    names = {("F", 0): "forward", ("F", 1): f"forward, {odd}", ("B", 0): "backward", ("B", 1): f"backward, {odd}"}
     x = left
     for key, (fill, _) in colours.items():
         s.swatch(x, 78, fill, names[key])
@@ -505,8 +518,9 @@ def schedules_svg(data):
                 fill, ink = colours[(action.kind, action.chunk % 2)]
                 bx, bw = left + float(start) * scale, float(stop - start) * scale
                 s.rect(bx, ry, bw, row_h, fill=fill, stroke="white", stroke_width=1, class_=action.kind)
-                s.label(bx + bw / 2, ry + row_h / 2, str(action.mb), size=11 if bw < 16 else 12,
-                        anchor="middle", fill=ink)
+                if bw >= 8:  # a number fits (always at the committed sizes; not in a big variant's chunks)
+                    s.label(bx + bw / 2, ry + row_h / 2, str(action.mb), size=11 if bw < 16 else 12,
+                            anchor="middle", fill=ink)
         stop_x = left + float(sim.step_time) * scale
         s.line(stop_x, y - 4, stop_x, y + pp * (row_h + 4), stroke=INK, stroke_dasharray="4 3")
         y += pp * (row_h + 4) + 18
@@ -1212,23 +1226,149 @@ def tidy(text):
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
-FIGURES = {  # name: (data, text, svg); each svg(data) is the text of NAME.svg
-    "f-and-g": (lambda: None, lambda _: f_and_g_text(), f_and_g_svg),
-    "sequence-parallel": (lambda: None, lambda _: sequence_parallel_text(), sequence_parallel_svg),
-    "grid": (lambda: None, lambda _: grid_text(), grid_svg),
-    "schedules": (schedules_data, schedules_text, schedules_svg),
-    "bubble": (bubble_data, bubble_text, bubble_svg),
-    "memory": (memory_data, memory_text, memory_svg),
-    "overlap": (overlap_data, overlap_text, overlap_svg),
-    "zero": (zero_data, zero_text, zero_svg),
-    "ring-step": (ring_step_data, ring_step_text, ring_step_svg),
-    "balance-contiguous": (lambda: balance_data("contiguous"), balance_text, balance_svg),
-    "balance-megatron": (lambda: balance_data("megatron"), balance_text, balance_svg),
-    "balance-lightseq": (lambda: balance_data("lightseq"), balance_text, balance_svg),
-    "fold": (fold_data, fold_text, fold_svg),
-    "fold-cp": (lambda: fold_data(tp=2, cp=2, dp=2, pp=1, ep=4), fold_text, fold_svg),
-    "dispatch": (dispatch_data, dispatch_text, dispatch_svg),
+# ----------------------------------------------------------------------------------------------
+# Sizes: every figure drawn at other sizes too (an exam's variant), each checked before anything runs
+
+
+SIZED = {  # figure: {size: its default, the size of the committed SVG}; a figure not here has none
+    "f-and-g": {"tp": 2},
+    "sequence-parallel": {"tp": 2},
+    "grid": {"tp": 2, "dp": 2, "pp": 2},
+    "schedules": {"pp": 4, "m": 8, "v": 2},
+    "bubble": {"pp": 4},
+    "memory": {"pp": 4, "m": 8, "v": 2},
+    "overlap": {"dp": 2},
+    "zero": {"dp": 4},
+    "ring-step": {"cp": 4, "step": 1},
+    "balance-contiguous": {"cp": 4},
+    "balance-megatron": {"cp": 4},
+    "balance-lightseq": {"cp": 4},
+    "fold": {"tp": 2, "dp": 2, "pp": 2, "ep": 4, "experts": 8},
+    "fold-cp": {"tp": 2, "cp": 2, "dp": 2, "pp": 1, "ep": 4, "experts": 8},
+    "dispatch": {"ep": 2, "experts": 4, "topk": 2, "tokens": 4},
 }
+SIZE_HELP = {"tp": "tensor-parallel ranks", "dp": "data-parallel replicas", "pp": "pipeline stages",
+             "m": "microbatches per step", "v": "model chunks per stage (interleaving)",
+             "cp": "context-parallel ranks", "step": "the ring step drawn", "ep": "expert-parallel ranks",
+             "experts": "experts per MoE layer (E)", "topk": "experts per token (k)",
+             "tokens": "tokens per rank"}
+MAX_RANKS = 8  # the figures that run ranks (memory, overlap, zero, dispatch) start at most this many CPU processes
+
+
+def size_errors(name, z):
+    """Why figure `name` cannot be drawn at sizes z ({size: value}, all of its sizes): a list of
+    sentences, each naming the flag, its value and the constraint (empty: it can). Checked before any
+    computing, so that a bad size is refused at once, not by a stack trace from a rank."""
+    errors = []
+
+    def need(ok, size, why):  # size: the flag to blame, or None for the sizes together
+        if not ok:
+            flags = f"--{size} {z[size]}" if size else " ".join(f"--{k} {v}" for k, v in z.items())
+            errors.append(f"{name}: {flags}: {why}")
+    for size, value in z.items():  # every size is a count of at least 1 (of 2 for the parallel ones)
+        low = 0 if size == "step" else 2 if size in ("cp", "ep", "m", "v", "experts") or \
+            (size == "pp" and name in ("schedules", "bubble", "memory")) or \
+            (size in ("tp", "dp") and name in ("f-and-g", "sequence-parallel", "overlap", "zero")) else 1
+        need(value >= low, size, f"must be at least {low}")
+    if errors:
+        return errors
+    if name in ("f-and-g", "sequence-parallel"):
+        need(z["tp"] <= 8, "tp", "at most 8 (a lane per rank)")
+    elif name == "grid":
+        wide = z["pp"] * (120 * z["tp"] + 36) + 96 * (z["pp"] - 1)  # the stages side by side, as grid_svg lays them
+        need(wide <= 800, "pp" if z["pp"] > 1 else "tp", f"pp x tp = {z['pp']} x {z['tp']} ranks a row is {wide} px "
+             f"wide: at most 800 px fit the {WIDTH} px figure (pp stages of tp ranks side by side)")
+        world = z["tp"] * z["dp"] * z["pp"]
+        groups = gpt3d.rank_grid(world, z["tp"], z["dp"], z["pp"]) if world <= 64 else None  # integers: at once
+        longest = max(text_width(head + str(groups[k]), 13) for k, head in GRID_LEGEND.items()) if groups else math.inf
+        need(48 + longest <= WIDTH, None, f"the world tp x dp x pp = {world}: its groups do not fit a line of the "
+             f"legend (at most {WIDTH} px)")
+    elif name in ("schedules", "memory"):
+        need(z["v"] <= 4, "v", "at most 4 chunks per stage")
+        need(z["m"] % z["pp"] == 0, "m", f"must be a multiple of --pp {z['pp']} (03's interleaving runs "
+             f"microbatches in groups of pp)")
+        if name == "schedules":
+            need(z["pp"] <= 16, "pp", "at most 16 (a row per rank)")
+            need(z["m"] <= 64, "m", "at most 64")
+            span = (z["m"] + z["pp"] - 1) * z["v"]
+            need(span <= 135, "m", f"(m + pp - 1) v = {span} must be at most 135: a chunk's forward at least 2 px wide "
+                 f"on the 1F1B step's time scale")
+        else:
+            layers = MEMORY_CFG.n_layer
+            need(layers % (z["pp"] * z["v"]) == 0 and z["pp"] <= MAX_RANKS, "pp" if layers % z["pp"] else "v",
+                 f"pp x v = {z['pp']} x {z['v']} must divide the model's {layers} layers (02's split_layers), "
+                 f"pp at most {MAX_RANKS} CPU ranks")
+            need(z["m"] <= 32, "m", "at most 32")
+    elif name == "bubble":
+        need(z["pp"] <= 16, "pp", "at most 16 (m runs over pp, 2 pp, ... 8 pp)")
+    elif name in ("overlap", "zero"):
+        need(z["dp"] <= MAX_RANKS, "dp", f"at most {MAX_RANKS} CPU ranks")
+    elif name == "ring-step":
+        need(z["cp"] <= 4, "cp", f"at most 4 (a {170} px box per rank side by side in {WIDTH} px)")
+        need(1 <= z["step"] < z["cp"], "step", f"must be 1 to cp - 1 = {z['cp'] - 1} (step 0 exchanges nothing)")
+    elif name.startswith("balance-"):
+        need(z["cp"] <= 6, "cp", "at most 6 (a bar per rank on the work axis)")
+    elif name in ("fold", "fold-cp"):
+        block, what = (z["tp"] * z["cp"], "tp x cp") if name == "fold-cp" else (z["tp"] * z["dp"], "tp x dp")
+        need(z["ep"] == block, "ep", f"must be {what} = {block}: the figure shows the fold in which an ep group is "
+             f"{'one tp x cp block' if name == 'fold-cp' else 'a whole stage'}")
+        need(z["experts"] % z["ep"] == 0, "experts", f"must be a multiple of --ep {z['ep']} (E/ep experts a rank)")
+        need(z["pp"] * (190 * z["tp"] + 30) <= 860, "pp" if z["pp"] > 1 else "tp",
+             f"pp x tp = {z['pp']} x {z['tp']} boxes a row do not fit the {WIDTH} px figure")
+        rows = z["dp"] * (z["cp"] if name == "fold-cp" else 1)
+        need(rows <= 8, "dp", f"{'cp x dp' if name == 'fold-cp' else 'dp'} = {rows} rows: at most 8")
+    elif name == "dispatch":
+        need(z["ep"] <= 4, "ep", "at most 4 CPU ranks (a band each)")
+        need(z["experts"] % z["ep"] == 0 and z["experts"] <= 8, "experts", f"must be a multiple of --ep {z['ep']} and "
+             f"at most 8 (a colour each)")
+        need(z["topk"] <= z["experts"], "topk", f"at most --experts {z['experts']}")
+        need(z["tokens"] <= 10, "tokens", "at most 10 (token t of rank r is drawn as r.t)")
+    return errors
+
+
+def figure(name, **sizes):
+    """(data(), text(data), svg(data)) of figure `name` at `sizes` (the rest at SIZED's defaults, which
+    draw the committed SVG); ValueError with size_errors' sentences if it cannot be drawn at them."""
+    z = {**SIZED.get(name, {}), **sizes}
+    if set(z) != set(SIZED.get(name, {})):
+        raise ValueError(f"{name} takes no size {sorted(set(z) - set(SIZED.get(name, {})))}")
+    errors = size_errors(name, z)
+    if errors:
+        raise ValueError("; ".join(errors))
+    if name == "f-and-g":
+        return lambda: None, lambda _: f_and_g_text(z["tp"]), lambda d: f_and_g_svg(d, tp=z["tp"])
+    if name == "sequence-parallel":
+        return (lambda: None, lambda _: sequence_parallel_text(z["tp"]),
+                lambda d: sequence_parallel_svg(d, tp=z["tp"]))
+    if name == "grid":
+        return (lambda: None, lambda _: grid_text(z["tp"], z["dp"], z["pp"]),
+                lambda d: grid_svg(d, z["tp"], z["dp"], z["pp"]))
+    if name == "schedules":
+        return lambda: schedules_data(z["pp"], z["m"], z["v"]), schedules_text, schedules_svg
+    if name == "bubble":
+        ms = tuple(k * z["pp"] for k in (1, 2, 3, 4, 6, 8))  # pp = 4: 4, 8, 12, 16, 24, 32
+        return (lambda: bubble_data(z["pp"], ms), lambda d: bubble_text(d, z["pp"]),
+                lambda d: bubble_svg(d, z["pp"]))
+    if name == "memory":
+        return (lambda: memory_data(z["pp"], z["m"], v=z["v"]), lambda d: memory_text(d, z["pp"], z["m"]),
+                lambda d: memory_svg(d, z["pp"], z["m"]))
+    if name == "overlap":
+        return lambda: overlap_data(z["dp"]), lambda d: overlap_text(d, z["dp"]), lambda d: overlap_svg(d, z["dp"])
+    if name == "zero":
+        return lambda: zero_data(z["dp"]), zero_text, zero_svg
+    if name == "ring-step":
+        return lambda: ring_step_data(z["cp"], z["step"]), ring_step_text, ring_step_svg
+    if name.startswith("balance-"):
+        return lambda: balance_data(name[len("balance-"):], z["cp"]), balance_text, balance_svg
+    if name in ("fold", "fold-cp"):
+        return (lambda: fold_data(z["tp"], z["dp"], z["pp"], z["ep"], z["experts"], z.get("cp", 1)), fold_text,
+                fold_svg)
+    if name == "dispatch":
+        return lambda: dispatch_data(z["ep"], z["tokens"], z["experts"], z["topk"]), dispatch_text, dispatch_svg
+    raise KeyError(name)
+
+
+FIGURES = {name: figure(name) for name in SIZED}  # name: (data, text, svg) at the committed sizes
 TIMED = {"overlap"}  # a real run's times: its SVG differs on every run
 
 
@@ -1238,23 +1378,66 @@ def write_svg(path, svg):
     return path
 
 
+def variant(name, z):
+    """The SVG's file name: NAME.svg at the committed sizes, else NAME-pp8-m16.svg (the sizes that differ),
+    so that the variants of one figure can share a folder."""
+    changed = "".join(f"-{k}{v}" for k, v in z.items() if v != SIZED.get(name, {}).get(k))
+    return f"{name}{changed}.svg"
+
+
+def sizes_epilog():
+    """The help's list of which figures take which sizes, from SIZED (so it cannot drift)."""
+    lines = ["sizes (each figure's defaults are the committed SVG's; other sizes draw a variant, NAME-pp8-m16.svg,",
+             "into --svg-dir, which must then be given: docs/figures/ keeps the committed ones):"]
+    for name, z in SIZED.items():
+        lines.append(f"    {name:<19}" + " ".join(f"--{k} {v}" for k, v in z.items()))
+    lines.append("e.g.: python3 scripts/figures.py schedules --pp 8 --m 16 --svg-dir /tmp/exam")
+    return "\n".join(lines)
+
+
 def main(argv=None, out=print):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=sizes_epilog(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("figures", nargs="*", choices=[[]] + list(FIGURES), metavar="FIGURE",
                         help=f"any of {', '.join(FIGURES)} (default: all)")
-    parser.add_argument("--svg-dir", default=SVG_DIR, help="the folder for the SVGs (default: docs/figures/ "
+    parser.add_argument("--svg-dir", default=None, help="the folder for the SVGs (default: docs/figures/ "
                         "of this repository, the committed ones)")
     parser.add_argument("--no-svg", action="store_true", help="text only")
+    for size, what in SIZE_HELP.items():
+        takers = [n for n, z in SIZED.items() if size in z]
+        parser.add_argument(f"--{size}", type=int, default=None, metavar="N",
+                            help=f"{what}: a size of {', '.join(takers)}")
     args = parser.parse_args(argv)
+    names = args.figures or list(FIGURES)
+    given = {size: getattr(args, size) for size in SIZE_HELP if getattr(args, size) is not None}
+    errors, plans = [], []
+    for size in given:  # a size that none of the figures asked for takes: refused, with who takes it
+        if not any(size in SIZED[n] for n in names):
+            takers = [n for n, z in SIZED.items() if size in z]
+            errors.append(f"--{size} {given[size]}: not a size of {', '.join(names)} "
+                          f"(it is one of {', '.join(takers)})")
+    for name in names:
+        z = {**SIZED[name], **{k: v for k, v in given.items() if k in SIZED[name]}}
+        errors += size_errors(name, z)
+        plans.append((name, z))
+    if args.svg_dir is None and not args.no_svg and any(variant(n, z) != f"{n}.svg" for n, z in plans):
+        errors.append("sizes other than the defaults draw a variant: give --svg-dir (or --no-svg); docs/figures/ "
+                      "keeps the committed figures only")
+    if errors:
+        parser.error("\n  ".join([""] + errors))
+    svg_dir = args.svg_dir or SVG_DIR
     torch.set_num_threads(1)  # tiny models: a second thread only waits for a core (the ranks use one too)
     if not args.no_svg:
-        os.makedirs(args.svg_dir, exist_ok=True)
-    for name in args.figures or list(FIGURES):
-        make, text, svg = FIGURES[name]
+        os.makedirs(svg_dir, exist_ok=True)
+    for name, z in plans:
+        ignored = [f"--{k}" for k in given if k not in z]
+        if ignored:  # asked for another figure of this command: said, not silently dropped
+            out(f"({name} takes no {', '.join(ignored)}: drawn at its own sizes)\n")
+        make, text, svg = figure(name, **z)
         data = make()
         out(f"=== {name} ===\n{tidy(text(data))}\n")
         if not args.no_svg:
-            path = write_svg(os.path.join(args.svg_dir, name + ".svg"), svg(data))
+            path = write_svg(os.path.join(svg_dir, variant(name, z)), svg(data))
             out(f"wrote {path}" + (" (a timed run: it differs every time)" if name in TIMED else "") + "\n")
     return 0
 

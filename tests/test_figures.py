@@ -258,3 +258,117 @@ def test_the_fold_onto_08s_grid_is_drawn_from_09_with_each_ep_group_a_tp_x_cp_bl
     assert fold in DIAGRAMS
     svg = svg_of(figures, data, "fold-cp")
     assert svg.count('class="ep"') == 2 and "attention: t1 · c1 · d1" in svg
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes: every figure at other sizes (an exam's variant), refused before anything runs when it cannot be drawn
+
+
+def slide_ready(svg):
+    """The checks every committed SVG passes (above), on an SVG's text: its root."""
+    root = ET.fromstring(svg)
+    width, height = int(root.get("width")), int(root.get("height"))
+    assert 800 <= width <= 960 and root.get("viewBox") == f"0 0 {width} {height}" and height > 0
+    page = root.find("svg:rect", NS)
+    assert (page.get("width"), page.get("height"), page.get("fill")) == (str(width), str(height), "white")
+    assert root.find("svg:title", NS).text in [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    return root
+
+
+def test_every_figure_has_its_sizes_and_the_defaults_are_the_committed_figures(figures):
+    assert sorted(figures.SIZED) == sorted(figures.FIGURES) == SVGS
+    help_text = figures.sizes_epilog()  # --help's list, from the same table
+    for name, sizes in figures.SIZED.items():
+        assert figures.variant(name, sizes) == f"{name}.svg"
+        assert f"    {name:<19}" + " ".join(f"--{k} {v}" for k, v in sizes.items()) in help_text
+
+
+def test_schedules_at_pp_8_and_m_16_draws_8_rows_and_every_pass_with_the_formulas_bubbles(figures, tmp_path):
+    lines = []
+    assert figures.main(["schedules", "--pp", "8", "--m", "16", "--svg-dir", str(tmp_path)], out=lines.append) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["schedules-pp8-m16.svg"]  # the committed name is left alone
+    svg = (tmp_path / "schedules-pp8-m16.svg").read_text(encoding="utf-8")
+    root = slide_ready(svg)
+    assert svg != (SVG_DIR / "schedules.svg").read_text(encoding="utf-8")
+    rows = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text.startswith("rank ")]
+    assert rows == [f"rank {r}" for r in range(8)] * 2  # 8 rows for each of the two schedules
+    boxes = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("class") in ("F", "B")]
+    assert len(boxes) == 2 * 8 * 16 * (1 + 2)  # a forward and a backward per microbatch, stage and chunk
+    text = "".join(lines)
+    assert "bubble 7/16 = (pp-1)/m" in text and "bubble 7/32 = (pp-1)/(v m)" in text
+
+
+def test_the_bubble_at_another_pp_equals_the_formula_at_that_pp(figures):
+    make, text, svg = figures.figure("bubble", pp=8)
+    data = make()
+    assert [m for m, _, _ in data[1]] == [8, 16, 24, 32, 48, 64]  # pp, 2 pp, ... 8 pp: 03's lists need m % pp = 0
+    for v, rows in data.items():
+        assert [s for _, s, _ in rows] == [Fraction(7, v * m) for m, _, _ in rows]
+    assert "pp=8" in text(data) and "every simulated bubble equals its formula" in text(data)
+    root = slide_ready(svg(data))
+    assert len([c for c in root.iter("{http://www.w3.org/2000/svg}circle") if c.get("class") == "simulated"]) == 18
+
+
+@pytest.mark.parametrize("name,sizes", [("grid", dict(tp=4, pp=1)), ("f-and-g", dict(tp=4)),
+                                        ("ring-step", dict(cp=3, step=2)), ("balance-lightseq", dict(cp=5)),
+                                        ("fold", dict(tp=1, dp=4)), ("fold-cp", dict(dp=1, pp=2, experts=4))])
+def test_the_figures_without_ranks_draw_a_different_valid_figure_at_other_sizes(figures, name, sizes):
+    make, text, svg = figures.figure(name, **sizes)
+    data = make()
+    drawn = svg(data)
+    slide_ready(drawn)
+    assert drawn != (SVG_DIR / f"{name}.svg").read_text(encoding="utf-8")
+    if name == "grid":  # tp 4 x dp 2 x pp 1: a tp group of 4 in each of 2 rows
+        assert "tp groups, a row of a stage (adjacent ranks, one node: NVLink): [[0, 1, 2, 3], [4, 5, 6, 7]]" in drawn
+    if name == "balance-lightseq":
+        assert len(data[1].totals) == 5 and sum(data[1].totals) == Fraction(5 * 5, 2)  # cp^2/2 blocks of work
+    if name == "ring-step":
+        assert all(src == (dst - 2) % 3 for src, dst, _, _ in data[2])  # step 2: from the rank 2 before
+
+
+def refusal(figures, argv, capsys):
+    """main(argv)'s refusal: its message (argparse's, exit status 2), nothing drawn."""
+    with pytest.raises(SystemExit) as exit_:
+        figures.main(argv, out=lambda line: pytest.fail(f"drew before refusing: {line}"))
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["schedules", "--pp", "1"], "schedules: --pp 1: must be at least 2"),  # below a size's least
+    (["schedules", "--m", "10"], "schedules: --m 10: must be a multiple of --pp 4"),  # 03's interleaving's rule
+    (["ring-step", "--cp", "5"], "ring-step: --cp 5: at most 4"),  # the figure's width
+    (["ring-step", "--step", "4"], "ring-step: --step 4: must be 1 to cp - 1 = 3"),
+    (["grid", "--pp", "3"], "grid: --pp 3: pp x tp = 3 x 2 ranks a row is 1020 px wide: at most 800 px"),
+    (["fold", "--ep", "2"], "fold: --ep 2: must be tp x dp = 4"),  # a size against another
+    (["dispatch", "--experts", "6", "--ep", "4"], "dispatch: --experts 6: must be a multiple of --ep 4"),
+    (["memory", "--pp", "3", "--m", "6"], "memory: --pp 3: pp x v = 3 x 2 must divide the model's 8 layers"),
+    (["grid", "--m", "16"], "--m 16: not a size of grid (it is one of schedules, memory)"),  # no figure asked takes it
+    (["schedules", "--pp", "8", "--m", "16"], "give --svg-dir (or --no-svg)"),  # a variant into docs/figures: no
+])
+def test_a_size_a_figure_cannot_take_is_refused_by_flag_value_and_rule_before_anything_runs(figures, capsys,
+                                                                                            monkeypatch, argv, said):
+    monkeypatch.setattr(figures, "launch", lambda *a, **k: pytest.fail("ranks started before the refusal"))
+    assert said in refusal(figures, argv, capsys)
+
+
+def test_a_size_that_only_some_of_the_figures_take_is_said_for_the_others(figures, tmp_path):
+    lines = []
+    assert figures.main(["grid", "f-and-g", "--pp", "1", "--no-svg"], out=lines.append) == 0
+    assert "(f-and-g takes no --pp: drawn at its own sizes)\n" in lines
+    assert "world 4 = tp 2 x dp 2 x pp 1" in "".join(lines)
+
+
+def test_the_figures_with_ranks_run_them_at_the_asked_sizes(figures):
+    make, text, svg = figures.figure("memory", pp=2, m=4)  # 2 CPU ranks
+    memory = make()
+    gpipe, ofob, inter = memory.values()
+    assert len(gpipe) == 2 and ofob[0] * 2 == gpipe[0]  # 1F1B keeps pp = 2 of GPipe's m = 4 on stage 0
+    assert "pp=2, m=4" in text(memory) and slide_ready(svg(memory)) is not None
+    make, text, svg = figures.figure("dispatch", experts=6, topk=3, tokens=5)  # ep = 2 CPU ranks
+    d = make()
+    assert (d["E"], d["k"], d["N"]) == (6, 3, 5)
+    for q in d["ranks"]:
+        assert sum(q["send"]) == 5 * 3 and sum(q["recv"]) == len(q["rows"])  # every pair sent once
+    drawn = svg(d)
+    assert drawn.count('class="travel"') == 2 * 5 * 3 and slide_ready(drawn) is not None
