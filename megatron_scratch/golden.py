@@ -258,40 +258,6 @@ def layout_batches(cfg, steps):
     return out
 
 
-def _layout_rank(env, cfg, tp, pp, dp, full, batches):
-    """One rank of 05's machine at tp x pp x dp on `full`: (every step's loss, every step's gradient norm,
-    {name: gradient} of step 0 gathered to full shapes: this rank's chunks', on dp rank 0 and tp rank 0,
-    else {})."""
-    from megatron_scratch import data_parallel, gpt3d
-    tc = gpt3d.TrainConfig(tp=tp, pp=pp, dp=dp, batch_size=BATCH_ROWS, microbatches=BATCH_ROWS // dp,
-                           seq_len=SEQ_ROWS, dtype="float64", lr=LR, warmup_steps=0, min_lr=LR, weight_decay=WD,
-                           grad_clip=math.inf, steps=len(batches), fused_kernels=False, cuda_graphs=False,
-                           eval_every=0, seed=SEED)
-    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tp, dp, pp), tc.timeout_s)
-    run = gpt3d.build(env, cfg, tc, groups)
-    for c in run.chunks:
-        c.load_full_state_dict(full)  # as 05's prove_machine: our weights, not build's own draw
-    grads, zero_grad = {}, run.ddp.zero_grad
-
-    def read_grads():  # train_step's last call: the gradients are read just before they are cleared
-        grads.update({n: g.clone() for c in run.chunks for n, g in c.full_grads().items()})
-        zero_grad()
-
-    losses, norms, dp_rank = [], [], dist_rank(groups.dp)
-    for step, (idx, targets) in enumerate(batches):
-        run.ddp.zero_grad = read_grads if step == 0 else zero_grad
-        loss, norm, _ = gpt3d.train_step(run, *data_parallel.shard_batch(idx, targets, dp, dp_rank), LR)
-        losses.append(float(loss))
-        norms.append(float(norm))
-    keep = dp_rank == 0 and dist_rank(groups.tp) == 0
-    return losses, norms, grads if keep else {}
-
-
-def dist_rank(group):
-    import torch.distributed as dist
-    return dist.get_rank(group)
-
-
 def serial_training(cfg, full, batches):
     """The serial model (01's GPT at tp=1) trained on batches by torch's AdamW with the recipe: (every
     step's loss, {name: gradient} of step 0). What the layouts' losses are checked against."""
@@ -319,16 +285,13 @@ def compute_layout(layout, config, steps):
     layout tp1pp1dp1 too: one rank of it). A ValueError if its losses are not within LAYOUT_RTOL of the
     serial model's (a bug: nothing is written then)."""
     from megatron_scratch import reference
-    from megatron_scratch.testing import run_ranks
     tp, pp, dp, c = check_layout_args(layout, config, steps)
     cfg = reference.gpt_config(**c, tp=tp)
     full = reference.init_weights(cfg, seed=SEED)
     batches = layout_batches(cfg, steps)
-    ranks = run_ranks(_layout_rank, tp * pp * dp, cfg, tp, pp, dp, full, batches)
-    grads = {}
-    for _, _, g in ranks:
-        grads.update(g)  # the tied wte's two copies hold the same sum: either will do
-    losses, norms = ranks[0][0], ranks[0][1]
+    run = reference.gpt3d_training(cfg, full, batches, tp=tp, pp=pp, dp=dp, microbatches=BATCH_ROWS // dp, lr=LR,
+                                   weight_decay=WD)
+    losses, norms, grads = run.losses, run.grad_norms, run.grads
     serial_losses, _ = serial_training(cfg, full, batches)
     bad = [(i, a, b) for i, (a, b) in enumerate(zip(losses, serial_losses)) if not abs(a - b) <= LAYOUT_RTOL * abs(b)]
     if bad or set(grads) != set(full):
