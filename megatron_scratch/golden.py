@@ -1,6 +1,12 @@
-"""Golden values: a tiny GPT-2's float64 loss and per-parameter gradient figures, written as plain JSON
-(json.load reads it; no pickle, nothing executed on load), for a system that cannot import us and for
-our own tests (tests/test_reference.py recomputes tests/golden/tiny_gpt2.json serially and at tp=2).
+"""Golden values for a system that cannot import us: a tiny GPT-2's float64 loss and per-parameter gradient
+figures as plain JSON, and golden directories of 05's trainer at a layout (safetensors and JSON; the
+section "Golden files across layouts" below):
+
+    python3 -m megatron_scratch.golden --layout tp2pp2dp2 --config small --steps 3 --out DIR
+    python3 -m megatron_scratch.golden check DIR --grads FILE [--losses FILE]
+
+The JSON file (json.load reads it; no pickle, nothing executed on load) serves our own tests too
+(tests/test_reference.py recomputes tests/golden/tiny_gpt2.json serially and at tp=2).
 
     python3 -m megatron_scratch.golden --config tiny --out tests/golden/tiny_gpt2.json [--overwrite]
 
