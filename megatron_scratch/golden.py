@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 
 import torch
@@ -356,7 +357,7 @@ def write_layout(out, layout, config, steps, overwrite=False, command=None):
     for name in FILES[:-1]:
         with open(os.path.join(out, name), "rb") as f:
             sums[name] = hashlib.sha256(f.read()).hexdigest()
-    dump("manifest.json", {"command": command or " ".join(["python3 -m megatron_scratch.golden", *sys.argv[1:]]),
+    dump("manifest.json", {"command": command or shlex.join(["python3", "-m", "megatron_scratch.golden", *sys.argv[1:]]),
                            "versions": {"megatron_scratch": version, "torch": torch.__version__,
                                         "python": platform.python_version(), "platform": platform.platform()},
                            "sha256": sums, "files": list(FILES),
@@ -370,6 +371,11 @@ def check_out(out, overwrite):
         raise ValueError(f"--out {out}: a file, not a directory: the golden files are a directory")
     if os.path.exists(out) and not overwrite:
         raise ValueError(f"--out {out} exists: regenerating golden values is deliberate, add --overwrite")
+    up = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):  # before anything is computed, as the rest
+        raise ValueError(f"--out {out}: cannot be written ({up} is a file, not a directory)")
 
 
 def read_dir(path):
@@ -378,7 +384,10 @@ def read_dir(path):
     missing = [n for n in FILES if not os.path.isfile(os.path.join(path, n))]
     if missing:
         raise ValueError(f"{path}: not a golden directory: {', '.join(missing)} missing")
-    load_json = lambda n: json.load(open(os.path.join(path, n)))  # noqa: E731
+    def load_json(name):
+        with open(os.path.join(path, name)) as f:
+            return json.load(f)
+
     batches = read_safetensors(os.path.join(path, "batches.safetensors"))[0]
     return dict(config=load_json("config.json"), weights=read_safetensors(os.path.join(path, "weights.safetensors"))[0],
                 batches=[(batches[f"step{i}.tokens"], batches[f"step{i}.targets"]) for i in range(len(batches) // 2)],
@@ -466,9 +475,11 @@ def main(argv=None):
         steps = 3 if args.steps is None else args.steps
         try:
             write_layout(args.out, args.layout, args.config, steps, args.overwrite,
-                         command=" ".join(["python3 -m megatron_scratch.golden", *argv]))
+                         command=shlex.join(["python3", "-m", "megatron_scratch.golden", *argv]))
         except ValueError as e:
             ap.error(str(e))
+        except OSError as e:  # a parent that is a file, no permission: said, not a traceback
+            ap.error(f"--out {args.out}: cannot be written ({e.strerror or e})")
         print(f"wrote {args.out}: {', '.join(FILES)} (05's trainer at {args.layout}, {steps} steps, its losses "
               f"equal to serial's within {LAYOUT_RTOL:g})")
         return 0

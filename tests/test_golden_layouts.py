@@ -172,6 +172,7 @@ def test_the_readme_example_runs_and_passes(made, tmp_path, monkeypatch, capsys)
     ("--layout tp1pp1dp1 --out EXISTING", "--out EXISTING exists: regenerating golden values is deliberate, add --overwrite"),
     ("--config tiny --steps 3 --out D", "--steps: only with --layout"),
     ("--layout tp1pp1dp1", "the following arguments are required: --out"),
+    ("--layout tp1pp1dp1 --out FILE/D", "--out FILE/D: cannot be written ("),
     ("check D", "give --grads FILE or --losses FILE"),
     ("check D --grads NOPE", "--grads NOPE: no such file"),
     ("check D --losses FILE", "D: not a golden directory: config.json, weights.safetensors"),
