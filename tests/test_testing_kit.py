@@ -265,10 +265,15 @@ def test_the_wheel_holds_the_chapters_and_runs_the_readme_library_example(wheel_
 def test_the_installed_plugin_gives_run_ranks_with_no_conftest(wheel_target, tmp_path):
     target, _ = wheel_target
     (tmp_path / "test_outside.py").write_text(PLUGIN_TEST)
-    proc = _outside(target, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_outside.py")
+    shutil.copy2(ROOT / "tests" / "engineer_suite.py", tmp_path / "test_engineer.py")  # FSDP2, DTensor: 3 pass
+    proc = _outside(target, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "test_outside.py",
+                    "test_engineer.py")
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out[-3000:]  # one test passes and one fails, with the failing rank's sentence
-    assert "1 failed, 1 passed" in out, out[-3000:]
+    assert proc.returncode == 1, out[-3000:]  # one test fails, with the failing rank's sentence; the rest pass
+    assert "1 failed, 4 passed" in out, out[-3000:]
+    assert all(f"PASSED test_engineer.py::{name}" in out for name in (
+        "test_fsdp2_trains_as_04s_reference", "test_fsdp2_averaging_each_replicas_mean_is_caught",
+        "test_dtensor_tp_of_the_mlps_equals_serial")), out[-3000:]
     assert "fixture 'run_ranks' not found" not in out
     assert "ValueError: rank one refuses" in out and "rank 1" in out, out[-3000:]
     assert not (tmp_path / "conftest.py").exists()
