@@ -3,8 +3,9 @@ this file into a directory of its own as test_engineer.py and runs it with pytes
 wheel, whose plugin gives run_ranks (no conftest). Their own GPT-2 in plain torch (our full state
 dict's names: it loads reference.init_weights as it is), run by torch's FSDP2 (3 AdamW steps against
 reference_training, and a planted mistake: each replica's own mean averaged, which the unequal counts
-make wrong) and by DTensor tensor parallelism of its MLPs (the loss and every gradient against
-serial_loss_and_grads), all in float64 with the kit's default tolerances. Not named test_*.py here,
+make wrong), by DTensor tensor parallelism of its MLPs (the loss and every gradient against
+serial_loss_and_grads) and by torch.distributed.pipelining's runtime running 02's 1F1B lists through
+megatron_scratch.to_torch_order (2 stages, the tied wte's two halves summed), all in float64 with the kit's default tolerances. Not named test_*.py here,
 so the repository's own run does not collect it."""
 import math
 
@@ -122,5 +123,53 @@ def dtensor_grads(env):
 def test_dtensor_tp_of_the_mlps_equals_serial(run_ranks):
     loss, grads = run_ranks(dtensor_grads, 2)[0]
     want = reference.serial_loss_and_grads(CFG, FULL, *BATCHES[0])
+    assert_close(loss, want.loss)
+    compare_state(grads, want.grads)
+
+
+class Part(nn.Module):
+    """Pipeline stage r of the engineer's GPT-2 (2 stages): the embeddings and block 0, or block 1, ln_f and
+    the head, which uses this process's own copy of wte (its gradient is the other half of wte's)."""
+
+    def __init__(self, model, first):
+        super().__init__()
+        self.model, self.first = model, first
+
+    def forward(self, x):
+        tr = self.model.transformer
+        if self.first:
+            return tr.h[0](tr.wte(x) + tr.wpe(torch.arange(x.shape[1])))
+        return tr.ln_f(tr.h[1](x)) @ tr.wte.weight.T
+
+
+def torch_pipelining_grads(env, m):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from megatron_scratch import pipeline, to_torch_order
+    model, (idx, targets) = mine(FULL), UNMASKED
+    b, T, C, V = idx.shape[0] // m, idx.shape[1], CFG.n_embd, CFG.vocab_size
+    act = torch.empty(b, T, C, dtype=torch.float64)
+    ins, outs = (idx[:b], act) if env.rank == 0 else (act.clone().requires_grad_(), torch.empty(b, T, V, dtype=torch.float64))
+    stage = PipelineStage(Part(model, env.rank == 0), env.rank, 2, torch.device("cpu"), input_args=ins,
+                          output_args=outs, output_grads=outs, input_grads=None if env.rank == 0 else ins)
+    loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731: a microbatch's mean
+    runtime = _PipelineScheduleRuntime([stage], m, loss_fn=loss_fn)  # scale_grads: the mean over microbatches
+    runtime._prepare_schedule_with_comms(to_torch_order(pipeline.Schedule([pipeline.one_f_one_b(2, m, r) for r in range(2)])))
+    losses = []
+    runtime.step(*([idx] if env.rank == 0 else []), target=targets, losses=losses)
+    used = ("transformer.wte", "transformer.wpe", "transformer.h.0") if env.rank == 0 else \
+        ("transformer.wte", "transformer.h.1", "transformer.ln_f")
+    return sum(losses) / m if losses else None, {n: p.grad for n, p in model.named_parameters() if n.startswith(used)}
+
+
+_gen2 = torch.Generator().manual_seed(4)
+UNMASKED = tuple(torch.randint(61, (2, 4, 8), generator=_gen2))  # every microbatch counts alike: torch's mean of means
+
+
+def test_torch_pipelining_runs_our_1f1b_via_the_converter_to_the_serial_gradients(run_ranks):
+    (_, first), (loss, last) = run_ranks(torch_pipelining_grads, 2, 4)
+    grads = dict(first, **last)
+    grads["transformer.wte.weight"] = first["transformer.wte.weight"] + last["transformer.wte.weight"]  # tied
+    want = reference.serial_loss_and_grads(CFG, FULL, *UNMASKED)
     assert_close(loss, want.loss)
     compare_state(grads, want.grads)
