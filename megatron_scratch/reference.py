@@ -9,6 +9,8 @@ thin wrapper over the chapters; everything else in the repository is internal an
     tp_unshard(shards, cfg) -> full state dict               the inverse, from every rank's, in rank order
     tp_loss_and_grads(cfg, full, tokens, targets, *, tp=2, sequence_parallel=False, ignore_index=-100)
                                                              -> LossAndGrads, computed on tp gloo ranks
+    pipeline_loss_and_grads(cfg, full, tokens, targets, *, pp=2, microbatches=4, schedule="1f1b",
+                            virtual_stages=1) -> PipelineStep      02's and 03's schedules on pp ranks
     reference_training(cfg, full, batches, *, mode="bucketed", dp=2, microbatches=1, lr=1e-3,
                        betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, bucket_numel=20000) -> Training
                                                              04: serial, naive, bucketed or ZeRO-1 AdamW steps
@@ -140,6 +142,65 @@ def tp_loss_and_grads(cfg, full, tokens, targets, *, tp=2, sequence_parallel=Fal
     equal). With sequence_parallel, T must divide by tp."""
     from megatron_scratch.testing import run_ranks
     return run_ranks(_tp_rank, tp, cfg, full, tokens, targets, tp, sequence_parallel, ignore_index)[0]
+
+
+@dataclass
+class PipelineStep:
+    """loss: the batch's mean loss over its counted targets (0-dim, from the last stage); grads: every
+    gradient, full names and shapes (wte's the sum of its two copies'); lists: every rank's actions
+    (02's Action: kind, microbatch, chunk), what ran: megatron_scratch.convert.to_torch_order takes them."""
+    loss: torch.Tensor
+    grads: dict
+    lists: list
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _pipeline_schedule(schedule, pp, m, v):
+    from megatron_scratch import interleaved, pipeline
+    if schedule == "interleaved":
+        return interleaved.InterleavedSchedule([interleaved.interleaved(pp, m, r, v) for r in range(pp)])
+    return pipeline.Schedule([pipeline.SCHEDULES[schedule](pp, m, r) for r in range(pp)])
+
+
+def _pipeline_rank(env, cfg, full, tokens, targets, schedule, m, v):
+    import torch.distributed as dist
+    from megatron_scratch import pipeline
+    pp = env.world_size
+    embed = dist.new_group([0, pp - 1]) if pp > 1 else None
+    sched = _pipeline_schedule(schedule, pp, m, v)
+    chunks, result = pipeline.pipeline_step(cfg, sched, dist.group.WORLD, embed, full,
+                                            list(zip(tokens.chunk(m), targets.chunk(m))))
+    grads = {n: p.grad.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    return None if result.loss is None else result.loss.detach(), grads
+
+
+def pipeline_loss_and_grads(cfg, full, tokens, targets, *, pp=2, microbatches=4, schedule="1f1b", virtual_stages=1):
+    """serial_loss_and_grads's loss and gradients (targets -100 not counted: each counted target of the
+    batch weighs the same, whichever microbatch holds it) computed by 02's pipeline executor on pp gloo
+    ranks: the batch cut into `microbatches`, run by schedule "gpipe", "1f1b" (02's) or "interleaved"
+    (03's, virtual_stages chunks per rank), 01's GPT-2 chunks from `full`, the tied embedding's two
+    copies summed: PipelineStep. n_layer must divide by pp x virtual_stages, B by microbatches."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline_loss_and_grads: schedule={schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+    for name, n in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"pipeline_loss_and_grads: {name}={n!r} must be a whole number of at least 1")
+    v = virtual_stages if schedule == "interleaved" else 1
+    if v != virtual_stages:
+        raise ValueError(f"pipeline_loss_and_grads: virtual_stages={virtual_stages} needs schedule='interleaved'")
+    if cfg.n_layer % (pp * v) or tokens.dim() != 2 or tokens.shape != targets.shape or tokens.shape[0] % microbatches:
+        raise ValueError(f"pipeline_loss_and_grads: n_layer={cfg.n_layer} must divide by pp x virtual_stages = {pp} x {v}, "
+                         f"and tokens {tuple(tokens.shape)}, targets {tuple(targets.shape)} be one (B, T), B divisible "
+                         f"by microbatches={microbatches}")
+    from megatron_scratch.testing import run_ranks
+    ranks = run_ranks(_pipeline_rank, pp, cfg, full, tokens, targets, schedule, microbatches, v)
+    grads = {}
+    for _, g in ranks:
+        grads.update(g)  # wte on the first and the last stage: the same sum
+    return PipelineStep(next(loss for loss, _ in ranks[::-1] if loss is not None), {n: grads[n] for n in full},
+                        _pipeline_schedule(schedule, pp, microbatches, v).lists)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +479,7 @@ def moe_layer(cfg, weights, x, *, num_experts, top_k, ep=1, grad_output=None):
 
 
 STABLE = ["gpt_config", "init_weights", "serial_loss_and_grads", "tp_shard", "tp_unshard", "tp_loss_and_grads",
-          "reference_training", "gpt3d_training", "cp_loss_and_grads", "moe_weights", "moe_layer"]
+          "pipeline_loss_and_grads", "reference_training", "gpt3d_training", "cp_loss_and_grads", "moe_weights", "moe_layer"]
 
 
 def signatures():

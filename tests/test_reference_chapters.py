@@ -1,5 +1,6 @@
 """megatron_scratch.reference's functions for 04, 05, 08 and 09 (issue 42, point 2), each against the
-serial model in float64: reference_training (04's three modes), gpt3d_training (05's machine),
+serial model in float64: pipeline_loss_and_grads (02's and 03's schedules), reference_training (04's
+three modes), gpt3d_training (05's machine),
 cp_loss_and_grads (08's ring), moe_layer (09's layer; its serial form against a formula written here).
 
 Tolerances: megatron_scratch.testing's float64 defaults (rtol 1e-10, atol 1e-12; its docstring): a
@@ -76,6 +77,24 @@ def test_gpt3d_training_at_pp_2_dp_2_with_zero1_equals_serial():
         compare_state(got.weights, _serial_05(full, batches, 1e-2, 0.2)[1])
 
 
+@pytest.mark.parametrize("schedule, pp, m, v", [("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2)])
+def test_pipeline_loss_and_grads_equals_serial_with_microbatches_counting_unequally(schedule, pp, m, v):
+    cfg = reference.gpt_config(vocab_size=61, block_size=16, n_layer=4, n_head=4, n_embd=16)
+    full, ((tokens, targets),) = reference.init_weights(cfg, seed=7), _batches(1)
+    targets[1, 2:] = -100  # the 4 microbatches count 3, 2, 8 and 8 targets
+    serial = reference.serial_loss_and_grads(cfg, full, tokens, targets)
+    got = reference.pipeline_loss_and_grads(cfg, full, tokens, targets, pp=pp, microbatches=m, schedule=schedule,
+                                            virtual_stages=v)
+    assert_close(got.loss, serial.loss)
+    compare_state(got.grads, serial.grads)
+    from megatron_scratch import to_torch_order
+    assert [str(a) for a in to_torch_order(got.lists)[0][:2]] == ["0F0", "0F1"]  # torch's IR of what ran
+    # planted: the mean of the microbatches' means (torch's and Megatron's default), not the batch's mean
+    means = [reference.serial_loss_and_grads(cfg, full, a, b) for a, b in zip(tokens.chunk(m), targets.chunk(m))]
+    with pytest.raises(AssertionError, match="entries differ"):
+        compare_state(got.grads, {n: sum(r.grads[n] for r in means) / m for n in full})
+
+
 @pytest.mark.parametrize("split", ["megatron", "lightseq"])
 def test_cp_loss_and_grads_equals_serial(split):
     full, ((tokens, targets),) = reference.init_weights(CFG, seed=4), _batches(1, B=2, T=8)
@@ -133,6 +152,10 @@ def test_the_chapters_references_refuse_bad_arguments_naming_them():
         reference.reference_training(CFG, full, batches, dp=3)
     with pytest.raises(ValueError, match=r"gpt3d_training: n_layer=2 must be divisible by pp x virtual_stages = 4 x 1"):
         reference.gpt3d_training(CFG, full, _batches(1, B=8), pp=4)
+    with pytest.raises(ValueError, match=r"pipeline_loss_and_grads: schedule='zb' must be one of gpipe, 1f1b, interleaved"):
+        reference.pipeline_loss_and_grads(CFG, full, *batches[0], schedule="zb")
+    with pytest.raises(ValueError, match=r"n_layer=2 must divide by pp x virtual_stages = 2 x 2"):
+        reference.pipeline_loss_and_grads(CFG, full, *batches[0], schedule="interleaved", virtual_stages=2)
     with pytest.raises(ValueError, match=r"cp_loss_and_grads: split='ring' must be one of"):
         reference.cp_loss_and_grads(CFG, full, *batches[0], split="ring")
     with pytest.raises(ValueError, match=r"T divisible by 8 \(the megatron split's blocks at cp=4\)"):
