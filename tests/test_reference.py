@@ -31,12 +31,25 @@ SIGNATURES = {
     "tp_shard": "(full, cfg, tp, rank)",
     "tp_unshard": "(shards, cfg)",
     "tp_loss_and_grads": "(cfg, full, tokens, targets, *, tp=2, sequence_parallel=False, ignore_index=-100)",
+    "pipeline_loss_and_grads": "(cfg, full, tokens, targets, *, pp=2, microbatches=4, schedule='1f1b', "
+                               "virtual_stages=1)",
+    "reference_training": "(cfg, full, batches, *, mode='bucketed', dp=2, microbatches=1, lr=0.001, "
+                          "betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, bucket_numel=20000)",
+    "gpt3d_training": "(cfg, full, batches, *, tp=1, pp=1, dp=1, microbatches=None, virtual_stages=1, "
+                      "sequence_parallel=False, zero1=False, lr=0.003, weight_decay=0.1, grad_clip=None, "
+                      "loss_normalization='token')",
+    "cp_loss_and_grads": "(cfg, full, tokens, targets, *, cp=2, split='megatron')",
+    "moe_weights": "(cfg, *, num_experts, seed=0, dtype=torch.float64)",
+    "moe_layer": "(cfg, weights, x, *, num_experts, top_k, ep=1, grad_output=None)",
 }
+RESULTS = {"LossAndGrads": ["loss", "logits", "grads"], "PipelineStep": ["loss", "grads", "lists"], "Training": ["losses", "weights"],
+           "Training3D": ["losses", "grad_norms", "grads", "weights"], "MoEOutput": ["y", "x_grad", "grads", "aux"]}
 
 
 def test_the_stable_signatures_are_pinned():
     assert reference.signatures() == SIGNATURES
-    assert [f.name for f in reference.LossAndGrads.__dataclass_fields__.values()] == ["loss", "logits", "grads"]
+    for name, fields in RESULTS.items():
+        assert [f.name for f in getattr(reference, name).__dataclass_fields__.values()] == fields, name
     for name in reference.STABLE:
         assert getattr(reference, name).__doc__, name  # each says its contract
 

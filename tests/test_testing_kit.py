@@ -4,6 +4,9 @@ with the chapters.
 Tolerances: assert_close's defaults are what is tested (float64: rtol 1e-10, atol 1e-12, written down
 with their reasons in megatron_scratch/testing.py); each test that passes a pair also shows the pair
 failing without the feature it tests (atol=0, a perturbation), so none of them can pass vacuously.
+The installed wheel runs an engineer's suite from a directory of its own (tests/engineer_suite.py:
+FSDP2, DTensor TP and torch's pipelining of their own plain-torch GPT-2 against the reference API,
+float64, with a planted mistake caught), beside the plugin's own two tests (one fails on purpose).
 """
 import os
 import shutil
@@ -265,10 +268,16 @@ def test_the_wheel_holds_the_chapters_and_runs_the_readme_library_example(wheel_
 def test_the_installed_plugin_gives_run_ranks_with_no_conftest(wheel_target, tmp_path):
     target, _ = wheel_target
     (tmp_path / "test_outside.py").write_text(PLUGIN_TEST)
-    proc = _outside(target, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_outside.py")
+    shutil.copy2(ROOT / "tests" / "engineer_suite.py", tmp_path / "test_engineer.py")  # FSDP2, DTensor, pipelining
+    proc = _outside(target, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "test_outside.py",
+                    "test_engineer.py")
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out[-3000:]  # one test passes and one fails, with the failing rank's sentence
-    assert "1 failed, 1 passed" in out, out[-3000:]
+    assert proc.returncode == 1, out[-3000:]  # one test fails, with the failing rank's sentence; the rest pass
+    assert "1 failed, 5 passed" in out, out[-3000:]
+    assert all(f"PASSED test_engineer.py::{name}" in out for name in (
+        "test_fsdp2_trains_as_04s_reference", "test_fsdp2_averaging_each_replicas_mean_is_caught",
+        "test_dtensor_tp_of_the_mlps_equals_serial",
+        "test_torch_pipelining_runs_our_1f1b_via_the_converter_to_the_serial_gradients")), out[-3000:]
     assert "fixture 'run_ranks' not found" not in out
     assert "ValueError: rank one refuses" in out and "rank 1" in out, out[-3000:]
     assert not (tmp_path / "conftest.py").exists()
