@@ -372,8 +372,8 @@ def lifespan_peak(pp, block, rank, w_share):
     each chunk held whole from its F to its I and w_share of it from I to W, summed over the
     repetitions of the block alive at each slot (peak_memory's figure once m fills the pipeline)."""
     def held(t):
-        return sum(sum(1 if block["F", k] <= s < block["I", k] else w_share if s < block["W", k] else 0
-                       for s in range(t % PERIOD, block["W", k] + 1, PERIOD))  # the repetitions alive at slot t
+        return sum(sum(1 if s < block["I", k] else w_share if s < block["W", k] else 0  # whole, then W's share
+                       for s in range(t % PERIOD, block["W", k], PERIOD) if s >= block["F", k])  # alive at slot t
                    for k in (rank, 2 * pp - 1 - rank))
     start = max(block["W", k] for k in (rank, 2 * pp - 1 - rank))  # by then every repetition overlaps
     return max(held(t) for t in range(start, start + PERIOD))
@@ -662,7 +662,7 @@ class DemoConfig(pipeline.PipelineDemoConfig):
 
 @dataclass
 class ZeroBubble:
-    schedule: Literal["zb-h1", "zb-v"] = "zb-v"  # 06's pipeline schedule: ZB-H1 (1F1B's memory) or ZB-V (two chunks per rank in a V)
+    schedule: Literal["zb-h1", "zb-v", "v-half", "v-min", "dualpipev"] = "zb-v"  # 06's schedule: ZB-H1, or a V: ZB-V, V-Half, V-Min, DualPipeV
 
 
 @dataclass
@@ -674,7 +674,7 @@ def parser():
     p = cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=8,
                         n_head=4, n_embd=64)
     p.add_argument("--train", action="store_true", help="train with 05's loop instead: every flag of 05, and "
-                   "--schedule zb-h1|zb-v (see --train --help)")
+                   "--schedule zb-h1|zb-v|v-half|v-min|dualpipev (see --train --help)")
     return p
 
 
