@@ -645,8 +645,52 @@ def prove_machine(env, cfg, args, ref, lesson, say):
         f"hold nearly pp M_B,\n  rank 0 no more than 1F1B's")
     if env.device.type == "cpu":
         say(f"  measured timelines are not the simulated ones: here {pp} ranks share this machine's cores")
+    ok &= prove_v_schedules(env, cfg, args, ref, embed_group, sims["1f1b"], peaks["1f1b"], say)
     demos.write_trace(env, args.trace, {pipes[n].name: ranks for n, ranks in measured.items()}, say)
     say(f"\n{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def prove_v_schedules(env, cfg, args, ref, embed_group, one_f_one_b, one_bytes, say):
+    """V-Half, V-Min (a building block repeated) and DualPipeV: simulated peak memory per rank against
+    1F1B's beside the table's 1/2 and 1/3, the bubble beside its closed form, each run against serial."""
+    pp, m, (one, one_mem), ok = args.pp, args.microbatches, one_f_one_b, True
+    say("\n=== V schedules with controllable memory (Qi et al. 2024) and DualPipeV, t_F = t_I = t_W ===")
+    say(f"memory in chunks (half a stage's activations of one microbatch; M_W = M_B/2), as a share of 1F1B's peak "
+        f"(its rank 0's); 1F1B per rank: "
+        f"{[2 * x for x in one_mem]}; bubble: 02's, total idle / total busy; 1F1B's B = (pp-1)/m = {one.bubble}")
+    for name, share, table in (("v-half", Fraction(1, 2), "B/2"), ("v-min", Fraction(1, 3), "2B/3 (+O(pp))"),
+                               ("dualpipev", None, None)):
+        if name == "dualpipev" and m < 2 * pp:
+            say(f"  DualPipeV: not run, m = {m} < 2pp = {2 * pp} (it needs a microbatch per stage)")
+            continue
+        pipe = pipeline_schedule(name, pp, m)
+        sim, mem = simulate(pipe)
+        ratios = ", ".join(f"{float(a / (2 * max(one_mem))):.2f}" for a in mem)  # of 1F1B's peak, its rank 0's
+        if share is not None:
+            block = v_block(pp, V_SCHEDULES[name][1])
+            arithmetic = [lifespan_peak(pp, block, r, Fraction(1, 2)) for r in range(pp)]
+            say(f"  {pipe.name}: peak {[str(x) for x in mem]} = {ratios} of 1F1B's (the table: {share}); lifespan "
+                f"arithmetic {'(same)' if mem == arithmetic or m < 2 * pp else '(DIFFERENT)'}, at most 1F1B's "
+                f"rank 0 x {share} + 2 = {2 * pp * share + 2}: {'yes' if max(mem) <= 2 * pp * share + 2 else 'NO'}")
+            closed = Fraction(sim.idle[0], 3 * m)  # a repeated block idles the same on every rank, for any m
+            same = len(set(sim.idle)) == 1 and sim.bubble == closed
+            ok &= same and max(mem) <= 2 * pp * share + 2
+            say(f"    bubble {sim.bubble} = idle per rank {sim.idle[0]} / 3m {'(same)' if same else '(DIFFERENT)'}; "
+                f"{float(sim.bubble / one.bubble):.2f} of 1F1B's B, the table's {table}")
+        else:
+            formula = (pp - 1) * (3 + 2 - 3) * Fraction(1, 2)  # (PP/2-1)(F&B + B - 3W), per chunk F 1, B 2, W 1, slots 1/2
+            say(f"  DualPipeV: peak {[str(x) for x in mem]} = {ratios} of 1F1B's; idle per rank {[str(x) for x in sim.idle]}"
+                f" (F&B run back to back, not overlapped), DeepSeek's (PP/2-1)(F&B + B - 3W) at F&B = F + B: {formula}")
+        pipeline.validate(pipe, m)
+        worst, result, chunks = run_schedule(env, cfg, pipe, ref, embed_group)
+        ranks = demos.gather_figures(env, pipe.lists, worst, result, result)
+        worst = max(r.worst for r in ranks)
+        ok &= worst <= 1e-10
+        peak = [r.peak_bytes for r in ranks]
+        say(f"    against serial (loss and every gradient): {worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} "
+            f"(tolerance 1e-10); measured peak activation bytes {peak} = "
+            f"{', '.join(f'{a / max(one_bytes):.2f}' for a in peak)} of 1F1B's peak")
     return ok
 
 
