@@ -444,6 +444,18 @@ def split_whole_backwards(acts):
 V_SCHEDULES = {"v-half": ("V-Half", 2), "v-min": ("V-Min", 1)}  # name: (its name, v_block's spread)
 
 
+def v_schedule(name, pp, m):
+    """pipeline_schedule's "v-half", "v-min" (the block checked and repeated) and "dualpipev" (its
+    whole backwards split): on the V, their receives posted in lockstep, as ZB-V's."""
+    if name == "dualpipev":
+        lists, label = [split_whole_backwards(dualpipe_v(pp, m, r)) for r in range(pp)], "DualPipeV"
+    else:
+        label, block = V_SCHEDULES[name][0], v_block(pp, V_SCHEDULES[name][1])
+        check_block(pp, block)
+        lists = [v_repeat(pp, m, r, block) for r in range(pp)]
+    return ZeroBubbleSchedule(lists, v_shape, name=label, bubble=f"of {label}", times={"I": 1, "W": 1}, lockstep=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # How 02 runs them: I and W as kinds of action, with their executor; receives posted in lockstep.
 
@@ -526,20 +538,13 @@ def lockstep_rounds(schedule):
 
 
 def pipeline_schedule(name, pp, m):
-    """05's PipelineSchedule of "1f1b", "zb-h1", "zb-v", "v-half", "v-min" or "dualpipev": every rank's
-    list and how they run. The V schedules (all but 1F1B and ZB-H1) send activations (chunk 0) and
-    gradients (chunk 1) the same way between two ranks, so their receives are posted in lockstep with
-    their senders; ZB-H1's are not mixed."""
+    """05's PipelineSchedule of "1f1b", "zb-h1", "zb-v" (or v_schedule's): every rank's list and how they run.
+    ZB-V sends activations (chunk 0) and gradients (chunk 1) the same way between two ranks, so
+    its receives are posted in lockstep with their senders; ZB-H1's are not mixed."""
     if name == "1f1b":
         return gpt3d.PipelineSchedule([pipeline.one_f_one_b(pp, m, r) for r in range(pp)], name="1F1B")
-    if name in V_SCHEDULES:
-        block = v_block(pp, V_SCHEDULES[name][1])
-        check_block(pp, block)
-        return ZeroBubbleSchedule([v_repeat(pp, m, r, block) for r in range(pp)], v_shape, name=V_SCHEDULES[name][0],
-                                  bubble=f"of {V_SCHEDULES[name][0]}", times={"I": 1, "W": 1}, lockstep=True)
-    if name == "dualpipev":
-        return ZeroBubbleSchedule([split_whole_backwards(dualpipe_v(pp, m, r)) for r in range(pp)], v_shape,
-                                  name="DualPipeV", bubble="of DualPipeV", times={"I": 1, "W": 1}, lockstep=True)
+    if name in (*V_SCHEDULES, "dualpipev"):
+        return v_schedule(name, pp, m)
     if name == "zb-h1":
         return ZeroBubbleSchedule([zb_h1(pp, m, r) for r in range(pp)], name="ZB-H1", bubble="(pp-1)/(3m)",
                                   times={"I": 1, "W": 1})
