@@ -303,6 +303,160 @@ def zb_v(pp, m, stage):
 
 
 # ----------------------------------------------------------------------------------------------
+# Controllable memory (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", Section 3): a
+# V schedule as one building block repeated. The block gives each pass of microbatch 0 a time slot
+# (t_F = t_I = t_W = 1 slot a chunk); microbatch j's passes run j * 6 slots later, so each rank runs
+# its 6 passes (F, I, W of its two chunks) once every 6 slots, in 6 different residues mod 6.
+# Memory is set by the block's lifespans (F to W of each chunk: alive across repetitions of the
+# block), the bubble by how long one block is from its first pass to its last.
+
+PERIOD = 6  # slots between two microbatches' blocks: the passes of a rank's two chunks
+
+
+def v_rank(pp, k):
+    """The rank of stage k in the V (v_shape's inverse)."""
+    return k if k < pp else 2 * pp - 1 - k
+
+
+def v_block(pp, spread):
+    """The building block, {(kind, stage): slot}: every pass as early as its dependencies allow
+    (F after the previous stage's F, I after the next stage's I, W after its I) in a residue mod
+    PERIOD its rank has free. spread: slots between stages' Fs down the V's first leg and between
+    their Is back up its second: 1 is V-Min (the shortest lifespans: about a third of 1F1B's
+    memory), 2 V-Half (longer lifespans, about half of 1F1B's memory, a shorter bubble)."""
+    S, used, at = 2 * pp, [set() for _ in range(pp)], {}
+
+    def place(kind, k, t):
+        while t % PERIOD in used[v_rank(pp, k)]:
+            t += 1
+        used[v_rank(pp, k)].add(t % PERIOD)
+        at[kind, k] = t
+
+    for k in range(S):
+        place("F", k, 0 if k == 0 else at["F", k - 1] + (spread if k < pp else 1))
+    for k in reversed(range(S)):
+        place("I", k, at["F", k] + 1 if k == S - 1 else at["I", k + 1] + (spread if k >= pp else 1))
+    for r in range(pp):  # each rank's two Ws, in the order of their Is, in its two residues left
+        for k in sorted((r, S - 1 - r), key=lambda k: at["I", k]):
+            place("W", k, at["I", k] + 1)
+    return at
+
+
+def check_block(pp, block):
+    """Refuses a block that cannot repeat: a pass before what it waits for, or two passes of a rank
+    in one residue mod PERIOD (the repetitions would collide)."""
+    S = 2 * pp
+    for k in range(S):
+        waits = [("F", k, "F", k - 1)] * (k > 0) + [("I", k, "F", k), ("W", k, "I", k)] + [("I", k, "I", k + 1)] * (k < S - 1)
+        for kind, stage, dep, of in waits:
+            if block[kind, stage] <= block[dep, of]:
+                raise pipeline.ScheduleError(f"block: {kind} of stage {stage} at slot {block[kind, stage]} does not "
+                                             f"wait for {dep} of stage {of} at slot {block[dep, of]}")
+    for r in range(pp):
+        slots = [block[kind, k] % PERIOD for kind in "FIW" for k in (r, S - 1 - r)]
+        if len(set(slots)) < len(slots):
+            raise pipeline.ScheduleError(f"block: rank {r} has two passes in one residue mod {PERIOD}: {slots}")
+
+
+def v_repeat(pp, m, rank, block):
+    """Rank's list: the block repeated for microbatches 0..m-1, microbatch j's passes j * PERIOD slots
+    later, run in the order of their slots. Repeating a checked block needs no search, so nothing can
+    stall: every pass keeps the order its slot gave it (02's simulator then squeezes the empty slots)."""
+    passes = [(block[kind, k] + j * PERIOD, Action(kind, j, c)) for c, k in enumerate((rank, 2 * pp - 1 - rank))
+              for kind in "FIW" for j in range(m)]
+    return [a for _, a in sorted(passes, key=lambda p: p[0])]
+
+
+def lifespan_peak(pp, block, rank, w_share):
+    """The lifespan arithmetic: the most chunks' activations rank holds at once in the steady state,
+    each chunk held whole from its F to its I and w_share of it from I to W, summed over the
+    repetitions of the block alive at each slot (peak_memory's figure once m fills the pipeline)."""
+    def held(t):
+        return sum(sum(1 if s < block["I", k] else w_share if s < block["W", k] else 0  # whole, then W's share
+                       for s in range(t % PERIOD, block["W", k], PERIOD) if s >= block["F", k])  # alive at slot t
+                   for k in (rank, 2 * pp - 1 - rank))
+    start = max(block["W", k] for k in (rank, 2 * pp - 1 - rank))  # by then every repetition overlaps
+    return max(held(t) for t in range(start, start + PERIOD))
+
+
+def dualpipe_v(pp, m, rank):
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V on pp ranks, torch's ScheduleDualPipeV), on the
+    V placement: F of chunk 0 while microbatch 0 goes down; F of both chunks; I, W, F of chunk 1;
+    then its steady state, pairs of a forward and a whole backward (B) of the other chunk that
+    DualPipe overlaps (F&B: one's communication hidden under the other's compute), marked steady so
+    that 02's groups run each pair back to back, as one group (on CPU they run one after the other,
+    not overlapped); then B and the I/W split again in its cooldown. Needs m >= 2pp."""
+    if m < 2 * pp:
+        raise ValueError(f"--microbatches {m}: --schedule dualpipev needs at least as many microbatches as its "
+                         f"2 x pp = {2 * pp} stages (m >= 2pp)")
+    done, acts, waiting = Counter(), [], []
+
+    def run(kind, chunk, steady=False):
+        key = "I" if kind == "B" else kind  # a whole B counts as its chunk's I and W
+        acts.append(Action(kind, done[key, chunk], chunk, steady))
+        done[key, chunk] += 1
+        if kind == "B":
+            done["W", chunk] += 1
+        elif kind == "I":
+            waiting.append(acts[-1])
+
+    def weight():  # the oldest W an I left
+        if waiting:
+            a = waiting.pop(0)
+            acts.append(Action("W", a.mb, a.chunk))
+            done["W", a.chunk] += 1
+
+    def pair(f, b, split=False):  # F of chunk f overlapped with B of chunk b
+        run("F", f, not split)
+        run("B", b, not split)
+
+    for _ in range(2 * (pp - rank - 1)):
+        run("F", 0)
+    for _ in range(rank + 1):
+        run("F", 0), run("F", 1)
+    for _ in range(pp - rank - 1):
+        run("I", 1), weight(), run("F", 1)
+    for i in range(m - 2 * pp + rank + 1):
+        pair(0, 1, split=i == 0 and rank == pp - 1)  # the last rank's first pair is not overlapped
+        pair(1, 0)
+    for _ in range(pp - rank - 1):
+        run("B", 1), pair(1, 0)
+    split = False
+    for i in range(rank + 1):  # from the middle on, the I/W split again
+        split |= i == (rank + 1) // 2 and rank % 2 == 1
+        run("I" if split else "B", 1)
+        split |= i == (rank + 1) // 2 and rank % 2 == 0
+        run("I" if split else "B", 0)
+    for _ in range(pp - rank - 1):
+        weight(), run("I" if split else "B", 0)
+    for _ in range(rank + 1):
+        weight()
+    return acts
+
+
+def split_whole_backwards(acts):
+    """What runs a list with whole backwards: each B as its I then its W, back to back (an overlapped
+    B's I stays paired with its F: steady)."""
+    return [b for a in acts for b in ([Action("I", a.mb, a.chunk, a.steady), Action("W", a.mb, a.chunk)]
+                                      if a.kind == "B" else [a])]
+
+
+V_SCHEDULES = {"v-half": ("V-Half", 2), "v-min": ("V-Min", 1)}  # name: (its name, v_block's spread)
+
+
+def v_schedule(name, pp, m):
+    """pipeline_schedule's "v-half", "v-min" (the block checked and repeated) and "dualpipev" (its
+    whole backwards split): on the V, their receives posted in lockstep, as ZB-V's."""
+    if name == "dualpipev":
+        lists, label = [split_whole_backwards(dualpipe_v(pp, m, r)) for r in range(pp)], "DualPipeV"
+    else:
+        label, block = V_SCHEDULES[name][0], v_block(pp, V_SCHEDULES[name][1])
+        check_block(pp, block)
+        lists = [v_repeat(pp, m, r, block) for r in range(pp)]
+    return ZeroBubbleSchedule(lists, v_shape, name=label, bubble=f"of {label}", times={"I": 1, "W": 1}, lockstep=True)
+
+
+# ----------------------------------------------------------------------------------------------
 # How 02 runs them: I and W as kinds of action, with their executor; receives posted in lockstep.
 
 
@@ -384,11 +538,13 @@ def lockstep_rounds(schedule):
 
 
 def pipeline_schedule(name, pp, m):
-    """05's PipelineSchedule of "1f1b", "zb-h1" or "zb-v": every rank's list and how they run.
+    """05's PipelineSchedule of "1f1b", "zb-h1", "zb-v" (or v_schedule's): every rank's list and how they run.
     ZB-V sends activations (chunk 0) and gradients (chunk 1) the same way between two ranks, so
     its receives are posted in lockstep with their senders; ZB-H1's are not mixed."""
     if name == "1f1b":
         return gpt3d.PipelineSchedule([pipeline.one_f_one_b(pp, m, r) for r in range(pp)], name="1F1B")
+    if name in (*V_SCHEDULES, "dualpipev"):
+        return v_schedule(name, pp, m)
     if name == "zb-h1":
         return ZeroBubbleSchedule([zb_h1(pp, m, r) for r in range(pp)], name="ZB-H1", bubble="(pp-1)/(3m)",
                                   times={"I": 1, "W": 1})
@@ -494,8 +650,52 @@ def prove_machine(env, cfg, args, ref, lesson, say):
         f"hold nearly pp M_B,\n  rank 0 no more than 1F1B's")
     if env.device.type == "cpu":
         say(f"  measured timelines are not the simulated ones: here {pp} ranks share this machine's cores")
+    ok &= prove_v_schedules(env, cfg, args, ref, embed_group, sims["1f1b"], peaks["1f1b"], say)
     demos.write_trace(env, args.trace, {pipes[n].name: ranks for n, ranks in measured.items()}, say)
     say(f"\n{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def prove_v_schedules(env, cfg, args, ref, embed_group, one_f_one_b, one_bytes, say):
+    """V-Half, V-Min (a building block repeated) and DualPipeV: simulated peak memory per rank against
+    1F1B's beside the table's 1/2 and 1/3, the bubble beside its closed form, each run against serial."""
+    pp, m, (one, one_mem), ok = args.pp, args.microbatches, one_f_one_b, True
+    say("\n=== V schedules with controllable memory (Qi et al. 2024) and DualPipeV, t_F = t_I = t_W ===")
+    say(f"memory in chunks (half a stage's activations of one microbatch; M_W = M_B/2), as a share of 1F1B's peak "
+        f"(its rank 0's); 1F1B per rank: "
+        f"{[2 * x for x in one_mem]}; bubble: 02's, total idle / total busy; 1F1B's B = (pp-1)/m = {one.bubble}")
+    for name, share, table in (("v-half", Fraction(1, 2), "B/2"), ("v-min", Fraction(1, 3), "2B/3 (+O(pp))"),
+                               ("dualpipev", None, None)):
+        if name == "dualpipev" and m < 2 * pp:
+            say(f"  DualPipeV: not run, m = {m} < 2pp = {2 * pp} (it needs a microbatch per stage)")
+            continue
+        pipe = pipeline_schedule(name, pp, m)
+        sim, mem = simulate(pipe)
+        ratios = ", ".join(f"{float(a / (2 * max(one_mem))):.2f}" for a in mem)  # of 1F1B's peak, its rank 0's
+        if share is not None:
+            block = v_block(pp, V_SCHEDULES[name][1])
+            arithmetic = [lifespan_peak(pp, block, r, Fraction(1, 2)) for r in range(pp)]
+            say(f"  {pipe.name}: peak {[str(x) for x in mem]} = {ratios} of 1F1B's (the table: {share}); lifespan "
+                f"arithmetic {'(same)' if mem == arithmetic or m < 2 * pp else '(DIFFERENT)'}, at most 1F1B's "
+                f"rank 0 x {share} + 2 = {2 * pp * share + 2}: {'yes' if max(mem) <= 2 * pp * share + 2 else 'NO'}")
+            closed = Fraction(sim.idle[0], 3 * m)  # a repeated block idles the same on every rank, for any m
+            same = len(set(sim.idle)) == 1 and sim.bubble == closed
+            ok &= same and max(mem) <= 2 * pp * share + 2
+            say(f"    bubble {sim.bubble} = idle per rank {sim.idle[0]} / 3m {'(same)' if same else '(DIFFERENT)'}; "
+                f"{float(sim.bubble / one.bubble):.2f} of 1F1B's B, the table's {table}")
+        else:
+            formula = (pp - 1) * (3 + 2 - 3) * Fraction(1, 2)  # (PP/2-1)(F&B + B - 3W), per chunk F 1, B 2, W 1, slots 1/2
+            say(f"  DualPipeV: peak {[str(x) for x in mem]} = {ratios} of 1F1B's; idle per rank {[str(x) for x in sim.idle]}"
+                f" (F&B run back to back, not overlapped), DeepSeek's (PP/2-1)(F&B + B - 3W) at F&B = F + B: {formula}")
+        pipeline.validate(pipe, m)
+        worst, result, chunks = run_schedule(env, cfg, pipe, ref, embed_group)
+        ranks = demos.gather_figures(env, pipe.lists, worst, result, result)
+        worst = max(r.worst for r in ranks)
+        ok &= worst <= 1e-10
+        peak = [r.peak_bytes for r in ranks]
+        say(f"    against serial (loss and every gradient): {worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} "
+            f"(tolerance 1e-10); measured peak activation bytes {peak} = "
+            f"{', '.join(f'{a / max(one_bytes):.2f}' for a in peak)} of 1F1B's peak")
     return ok
 
 
@@ -511,7 +711,7 @@ class DemoConfig(pipeline.PipelineDemoConfig):
 
 @dataclass
 class ZeroBubble:
-    schedule: Literal["zb-h1", "zb-v"] = "zb-v"  # 06's pipeline schedule: ZB-H1 (1F1B's memory) or ZB-V (two chunks per rank in a V)
+    schedule: Literal["zb-h1", "zb-v", "v-half", "v-min", "dualpipev"] = "zb-v"  # 06's schedule: ZB-H1, or a V: ZB-V, V-Half, V-Min, DualPipeV
 
 
 @dataclass
@@ -523,7 +723,7 @@ def parser():
     p = cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=8,
                         n_head=4, n_embd=64)
     p.add_argument("--train", action="store_true", help="train with 05's loop instead: every flag of 05, and "
-                   "--schedule zb-h1|zb-v (see --train --help)")
+                   "--schedule zb-h1|zb-v|v-half|v-min|dualpipev (see --train --help)")
     return p
 
 

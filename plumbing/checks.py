@@ -92,7 +92,8 @@ FIELDS = {
 }
 
 
-ZERO_BUBBLE = ("zb-h1", "zb-v")  # 06's --schedule values
+ZERO_BUBBLE = ("zb-h1", "zb-v", "v-half", "v-min", "dualpipev")  # 06's --schedule values
+V_SHAPED = ("zb-v", "v-half", "v-min", "dualpipev")  # those of them with two chunks per rank in a V
 
 
 def flag(name):
@@ -177,9 +178,12 @@ def check_config(cfg, tc, world=None):
     if schedule in ZERO_BUBBLE and v > 1:
         raise ValueError(f"--virtual-stages {v}: --schedule {schedule} places its own chunks (ZB-H1 one per rank, "
                          f"ZB-V two in a V); leave --virtual-stages at 1")
-    if schedule == "zb-v" and cfg.n_layer % (2 * pp):
-        raise ValueError(f"--schedule zb-v runs two chunks per rank in a V: --n-layer {cfg.n_layer} is not divisible "
-                         f"by its 2 x pp = {2 * pp} stages; uneven splits are not supported")
+    if schedule in V_SHAPED and cfg.n_layer % (2 * pp):
+        raise ValueError(f"--schedule {schedule} runs two chunks per rank in a V: --n-layer {cfg.n_layer} is not "
+                         f"divisible by its 2 x pp = {2 * pp} stages; uneven splits are not supported")
+    if schedule == "dualpipev" and m < 2 * pp:
+        raise ValueError(f"--microbatches {m}: --schedule dualpipev needs at least as many microbatches as its "
+                         f"2 x pp = {2 * pp} stages (m >= 2pp)")
     barriers = getattr(tc, "vocab_barriers", None)  # 07's vocabulary parallelism
     if barriers and v > 1:
         raise ValueError(f"--virtual-stages {v}: --vocab-barriers puts its passes into 1F1B or 06's schedules "

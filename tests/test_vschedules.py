@@ -1,0 +1,251 @@
+"""06's V schedules with controllable memory (Qi et al. 2024: V-Half, V-Min, one building block
+repeated) and DualPipeV: lists, simulated figures, float64 runs against serial, the trainer.
+
+Tolerances, and why:
+  - Lists and simulated figures: exact (lists compared action for action, Fractions).
+  - The simulated memory, in chunks (half a stage's activations of one microbatch), 06's simulate
+    (M_W = M_B / 2), at m = 3pp, against 1F1B's rank 0 (2pp chunks): the block's steady state
+    holds, on rank r, the repetitions alive over each chunk's lifespan, so the peak is the
+    lifespans' sum over 6 slots plus rounding: each of a rank's two chunks may hold one repetition
+    more than its average. So V-Half's peak is within 2 chunks of pp (1/2 of 1F1B's) and V-Min's
+    within 2 of 2pp/3 (1/3), for pp 2..8 (the exact figures are in test_the_peaks_are_these).
+  - The bubble is 02's: total idle over total busy time at t_F = t_I = t_W (1 per stage, 1/2 per
+    chunk). A repeated block's idle per rank is a constant of pp, the same on every rank and for
+    every m >= 2pp: the bubble is that constant over 3m exactly. Against 1F1B's (pp-1)/m: V-Half's
+    within 0.1 of 1/2 (B/2 in the table), V-Min's within 0.06 of 2/3 (2B/3) for pp 4..8.
+  - Pipelines against the serial model: float64, 1e-10, as in test_zero_bubble.py (a pipeline adds
+    the microbatches' gradients in another order, ~1e-15; a lost or doubled W is O(1/m)).
+  - The trainer against 05's, float64: 1e-10 on every loss over 4 AdamW steps (both add the same terms).
+"""
+import dataclasses
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import PIPELINE_CFG, TOL, TRAINER_BASE, TRAINER_CFG, load, pipeline_batch, run_script
+
+tensor_parallel, pipeline, gpt3d = load("01_tensor_parallel"), load("02_pipeline_1f1b"), load("05_3d_gpt")
+zb = load("06_zero_bubble")
+Action = pipeline.Action
+V = ("v-half", "v-min")
+HALF = Fraction(1, 2)
+
+
+def sim(name, pp, m):
+    return zb.simulate(zb.pipeline_schedule(name, pp, m))
+
+
+# ----------------------------------------------------------------------------------------------
+# The block and its lists
+
+
+@pytest.mark.grid(keep=["pp1", "pp2", "pp3", "pp4"])  # pp 5..8: most of the cost, under --full-grid
+@pytest.mark.parametrize("pp", range(1, 9), ids=[f"pp{pp}" for pp in range(1, 9)])
+def test_every_schedule_validates_for_m_up_to_3pp(pp):
+    for name in (*V, "dualpipev"):
+        for m in range(1, 3 * pp + 1):
+            if name == "dualpipev" and m < 2 * pp:
+                with pytest.raises(ValueError, match=f"--microbatches {m}: --schedule dualpipev needs"):
+                    zb.pipeline_schedule(name, pp, m)
+                continue
+            pipe = zb.pipeline_schedule(name, pp, m)
+            pipeline.validate(pipe, m)
+            pipeline.check_plans(pipe.forward_only())
+
+
+def test_each_rank_runs_its_blocks_passes_in_slot_order_and_every_residue_once():
+    pp, block = 4, zb.v_block(4, 1)
+    zb.check_block(pp, block)
+    for r in range(pp):
+        slots = [block[k, s] % 6 for k in "FIW" for s in (r, 7 - r)]
+        assert sorted(slots) == list(range(6))  # the rank is busy in every slot of the steady state
+        acts = zb.v_repeat(pp, 3, r, block)
+        times = [block[a.kind, zb.v_shape(pp, a.chunk, r)] + 6 * a.mb for a in acts]
+        assert times == sorted(times) and len(acts) == 18
+
+
+def test_a_block_that_cannot_repeat_is_refused_by_name():
+    block = zb.v_block(2, 1)
+    with pytest.raises(pipeline.ScheduleError, match="F of stage 1 at slot 0 does not wait for F of stage 0"):
+        zb.check_block(2, {**block, ("F", 1): 0})
+    clash = {**block, ("W", 0): block["W", 0] + 6 + (block["F", 0] - block["W", 0]) % 6}  # W0 into F0's residue
+    with pytest.raises(pipeline.ScheduleError, match="rank 0 has two passes in one residue"):
+        zb.check_block(2, clash)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory and bubble, simulated
+
+
+def test_the_lifespan_arithmetic_is_the_simulated_peak_once_m_fills_the_pipeline():
+    for name in V:
+        for pp in range(1, 9):
+            block = zb.v_block(pp, zb.V_SCHEDULES[name][1])
+            _, mem = sim(name, pp, 3 * pp)
+            assert mem == [zb.lifespan_peak(pp, block, r, HALF) for r in range(pp)], (name, pp)
+
+
+def test_a_wrong_lifespan_is_seen_by_the_arithmetic():  # the check above can fail: W one period later
+    pp, block = 4, zb.v_block(4, 1)
+    late = {**block, ("W", 0): block["W", 0] + 6}
+    assert zb.lifespan_peak(pp, late, 0, HALF) == zb.lifespan_peak(pp, block, 0, HALF) + HALF
+
+
+PEAKS = {  # pp: the most chunks any rank holds at m = 3pp (06's simulate, M_W = M_B / 2); 1F1B's rank 0: 2pp
+    "v-half": {2: Fraction(7, 2), 3: 4, 4: 6, 5: 6, 6: 8, 7: 8, 8: 10},
+    "v-min": {2: 3, 3: 4, 4: 4, 5: 5, 6: 6, 7: 6, 8: 7},
+}
+
+
+def test_the_peaks_are_these():
+    for name in V:
+        assert {pp: max(sim(name, pp, 3 * pp)[1]) for pp in range(2, 9)} == PEAKS[name], name
+
+
+@pytest.mark.parametrize("name,share", [("v-half", HALF), ("v-min", Fraction(1, 3))])
+def test_peak_activations_are_within_two_chunks_of_a_half_and_a_third_of_1f1bs(name, share):
+    for pp in range(2, 9):
+        one = max(sim("1f1b", pp, 3 * pp)[1]) * 2  # 1F1B's rank 0: pp microbatches of a whole stage
+        assert one == 2 * pp
+        assert share * one - 1 <= max(sim(name, pp, 3 * pp)[1]) <= share * one + 2, (name, pp)
+    for pp in range(4, 9):  # and below ZB-V's 2pp: ZB-V > V-Half > V-Min
+        assert 2 * pp > max(sim("v-half", pp, 3 * pp)[1]) > max(sim("v-min", pp, 3 * pp)[1])
+
+
+@pytest.mark.parametrize("name,ratio,tol", [("v-half", HALF, Fraction(1, 10)), ("v-min", Fraction(2, 3), Fraction(6, 100))])
+def test_the_bubble_is_a_constant_idle_over_3m_near_the_tables_fraction_of_1f1bs(name, ratio, tol):
+    for pp in range(2, 9):
+        idle = sim(name, pp, 2 * pp)[0].idle
+        assert len(set(idle)) == 1, (name, pp)  # every rank idles the same
+        for m in range(2 * pp, 3 * pp + 1):
+            s, one = sim(name, pp, m)[0], sim("1f1b", pp, m)[0]
+            assert s.idle == idle and s.bubble == idle[0] / (3 * m), (name, pp, m)  # the closed form
+            if pp >= 4 or name == "v-half":
+                assert abs(s.bubble / one.bubble - ratio) <= tol, (name, pp, m, s.bubble / one.bubble)
+
+
+def test_dualpipev_idles_pp_minus_1_chunk_slots_per_rank_with_f_and_b_back_to_back():
+    for pp in range(2, 9):
+        for m in (2 * pp, 3 * pp):
+            assert sim("dualpipev", pp, m)[0].idle == [Fraction(pp - 1, 2)] * pp  # 1/2 per chunk pass
+
+
+# ----------------------------------------------------------------------------------------------
+# DualPipeV: torch's lists
+
+
+def torch_dualpipev(pp, m):
+    """ScheduleDualPipeV's pipeline_order as {rank: [(stage, kind, microbatch, overlapped)]}, an
+    overlapped F&B as its two sub-actions; built from stand-in stages, never run."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+    stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=2 * pp, submod=None,
+                              stage_index_to_group_rank=None) for _ in range(2)]
+    out = {}
+    for r, acts in ScheduleDualPipeV(stages, m).pipeline_order.items():
+        out[r] = []
+        for a in filter(None, acts):
+            subs = a.sub_actions or [a]
+            out[r] += [(s.stage_index, s.computation_type.value, s.microbatch_index, bool(a.sub_actions)) for s in subs]
+    return out
+
+
+def test_dualpipev_is_torchs_list_action_for_action_pairs_included():
+    compared = 0
+    for pp in range(1, 9):
+        for m in range(1, 17):
+            if m < 2 * pp:  # torch refuses fewer microbatches than stages, as 06 does
+                with pytest.raises(ValueError):
+                    torch_dualpipev(pp, m)
+                continue
+            got = {r: [(zb.v_shape(pp, a.chunk, r), a.kind, a.mb, a.steady) for a in zb.dualpipe_v(pp, m, r)]
+                   for r in range(pp)}
+            assert got == torch_dualpipev(pp, m), (pp, m)
+            compared += 1
+    assert compared == 64  # every (pp, m) torch accepts, pp <= 8, m <= 16
+
+
+def test_a_whole_backward_runs_as_its_i_then_its_w_its_pairing_kept():
+    acts = [Action("F", 0), Action("F", 1, 1, True), Action("B", 0, 0, True)]
+    assert zb.split_whole_backwards(acts) == [Action("F", 0), Action("F", 1, 1), Action("I", 0), Action("W", 0)]
+    pipe = zb.pipeline_schedule("dualpipev", 2, 4)
+    pairs = [g for g in pipe.groups(0) if len(g) == 2]
+    assert pairs and all(f.kind == "F" and i.kind == "I" and f.chunk != i.chunk for f, i in pairs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Float64 against the serial model
+
+
+def _against_serial(env, ms):
+    """Loss and every gradient of each schedule at each m, one step, against the serial model."""
+    pp, cfg = env.world_size, dataclasses.replace(PIPELINE_CFG, n_layer=2 * env.world_size)
+    full = tensor_parallel.init_state_dict(cfg, 5, dtype=torch.float64, random_all=True)
+    serial = tensor_parallel.GPT(cfg, init=False, dtype=torch.float64)
+    serial.load_full_state_dict(full)
+    out = {}
+    for m in ms:
+        idx, targets = pipeline_batch(m, seed=m)
+        serial.zero_grad()
+        ref_loss = serial(idx, targets)[1]
+        ref_loss.backward()
+        ref = dict(serial.named_parameters())
+        for name in (*V, "dualpipev"):
+            if name == "dualpipev" and m < 2 * pp:
+                continue
+            pipe = zb.pipeline_schedule(name, pp, m)
+            chunks = pipeline.build_chunks(cfg, pp, env.rank, pipe.v, placement=pipe.placement, init=False,
+                                           dtype=torch.float64)
+            for c in chunks:
+                c.load_full_state_dict(full)
+            pipe.prepare(chunks)
+            res = pipeline.execute(pipe, chunks, dist.group.WORLD, pipeline.split_batch(idx, targets, m),
+                                   pipeline.Wire((2, 16, cfg.n_embd)))
+            pipeline.sync_tied_embeddings(chunks, None)  # the V: both copies on rank 0
+            worst = max([tensor_parallel.max_rel_diff(p.grad, ref[n].grad) for c in chunks for n, p in c.named_parameters()]
+                        + ([tensor_parallel.max_rel_diff(res.loss, ref_loss.detach())] if res.loss is not None else []))
+            out[name, m] = worst
+    return out
+
+
+@pytest.mark.grid(keep=["pp2"])
+@pytest.mark.parametrize("pp", [2, 3, 4], ids=["pp2", "pp3", "pp4"])
+def test_every_schedule_equals_serial_in_float64_for_m_from_pp_to_3pp(run_ranks, pp):
+    ms = range(pp, 3 * pp + 1) if pp < 4 else (4, 7, 8, 12)  # pp 4: from pp, the first DualPipeV m, and 3pp
+    for rank in run_ranks(_against_serial, pp, list(ms)):
+        assert set(rank) == {(n, m) for m in ms for n in (*V, "dualpipev") if n != "dualpipev" or m >= 2 * pp}
+        for key, worst in rank.items():
+            assert worst <= TOL, (pp, key, worst)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer: 05's float64 losses
+
+
+def _trainers(env, tc):
+    out = [gpt3d.train(env, TRAINER_CFG, tc, quiet=True)["losses"]]
+    for name in (*V, "dualpipev"):
+        out.append(zb.train(env, TRAINER_CFG, zb.TrainConfig(**{**dataclasses.asdict(tc), "schedule": name}),
+                            quiet=True)["losses"])
+    return out
+
+
+def test_the_trainer_has_05s_float64_losses_over_4_adamw_steps(run_ranks):
+    tc = dataclasses.replace(TRAINER_BASE, pp=2, microbatches=4, steps=4)
+    ref, *runs = run_ranks(_trainers, 2, tc)[0]
+    assert ref[-1] < ref[0] and len(ref) == 4
+    for losses in runs:
+        assert tensor_parallel.max_rel_diff(torch.tensor(losses), torch.tensor(ref)) <= TOL
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--train", "--schedule", "dualpipev", "--pp", "2", "--microbatches", "2"],
+     "--microbatches 2: --schedule dualpipev needs at least as many microbatches as its 2 x pp = 4 stages"),
+    (["--train", "--schedule", "v-min", "--pp", "2", "--n-layer", "6"],
+     "--schedule v-min runs two chunks per rank in a V: --n-layer 6 is not divisible by its 2 x pp = 4 stages"),
+], ids=["dualpipev-few-microbatches", "v-min-odd-split"])
+def test_bad_input_is_refused_by_name_before_anything_starts(args, message):
+    proc = run_script("06_zero_bubble.py", *args, timeout=30)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
