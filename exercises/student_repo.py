@@ -4,6 +4,7 @@
 
 What it writes: every file `git ls-files` lists (nothing untracked or ignored leaks), except
   - docs/ANSWERS.md, the key to GUIDE's questions (a link to it becomes a sentence saying so);
+  - the handouts' rubrics' full answers (docs/course/week*.md): each question keeps its points;
   - tests/: most of it needs the reference (the solution runs of test_exercises.py, the lessons'
     tests, the chapters' equality tests), so none of it is copied;
 and with, in each numbered file, every piece an exercise asks for (the exercise table's functions:
@@ -175,6 +176,20 @@ def without_planted(text):
 ANSWERS_LINK = re.compile(r"\[([^\]]*)\]\((?:\.\./|docs/)?ANSWERS\.md[^)]*\)")
 
 
+FULL_ANSWERS = "What a full answer contains:"
+RUBRIC_ITEM = re.compile(r"^(- GUIDE \d\d Q\d+ \(\d+ points?\)):.*$")
+ANSWERS_KEPT = "The full answers are the instructor's (in the instructor's copy of this handout); the points:"
+
+
+def without_rubric_answers(text):
+    """A week's handout with its rubric's full answers gone (they are the key to GUIDE's questions, as
+    ANSWERS.md is): each "- GUIDE 0N Qk (p points): what it contains" keeps its question and points."""
+    if FULL_ANSWERS not in text:
+        return text
+    head, tail = text.split(FULL_ANSWERS, 1)
+    return head + ANSWERS_KEPT + "\n".join(RUBRIC_ITEM.sub(r"\1", line) for line in tail.split("\n"))
+
+
 def without_key_links(text):
     """Markdown with each link to ANSWERS.md turned into words saying that the key is the instructor's."""
     return ANSWERS_LINK.sub(KEY_IS_THE_INSTRUCTORS, text)
@@ -216,6 +231,7 @@ def write(out):
             text = without_planted(_read(path))
         elif path.endswith(".md"):
             text = without_key_links(_read(path))
+            text = without_rubric_answers(text) if path.startswith("docs/course/") else text
         else:
             shutil.copy2(os.path.join(ROOT, path), target)
             written += 1

@@ -142,3 +142,19 @@ def test_in_the_student_copy_a_written_piece_is_graded_and_a_wrong_one_fails(stu
     assert "this check needs 01_tensor_parallel.py's own, which the student copy does not have" in said
     assert failed.returncode == 1 and re.search(r"01\.1 f and g, the conjugate operators +FAIL", failed.stdout), \
         failed.stdout + failed.stderr
+
+
+def test_the_handouts_in_the_student_copy_keep_each_questions_points_but_not_its_full_answer(student):
+    """The rubric's "what a full answer contains" is the key to GUIDE's questions, as ANSWERS.md is: in
+    the copy each question keeps its line and points, and no answer text of the instructor's handout."""
+    import re
+    from pathlib import Path
+    from exercises import student_repo
+    for week in sorted((Path(ROOT) / "docs" / "course").glob("week*.md")):
+        ours, theirs = week.read_text(), (student / "docs" / "course" / week.name).read_text()
+        answers = [m.group(2) for m in re.finditer(r"^(- GUIDE \d\d Q\d+ \(\d+ points?\)): (.+)$", ours, re.M)]
+        assert answers, week.name  # the instructor's handout has them
+        assert student_repo.FULL_ANSWERS not in theirs and student_repo.ANSWERS_KEPT in theirs, week.name
+        assert not [a for a in answers if a in theirs], week.name
+        kept = re.findall(r"^- GUIDE \d\d Q\d+ \(\d+ points?\)$", theirs, re.M)
+        assert len(kept) == len(answers), (week.name, kept)
