@@ -18,6 +18,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import sys
 import textwrap
 import time
@@ -273,16 +274,31 @@ def _check(args, chosen, out, rows):
 
 
 STATUS = {"pass": "PASS", "fail": "FAIL", "not implemented": "not implemented", "error": "ERROR"}
-POINTS = 1.0  # each exercise's max_score in results.json
+POINTS = 1.0  # the max_score in results.json of an exercise no handout gives points to
+HANDOUT_ROW = re.compile(r"^\| (\d\d\.\d) \| [^|]+ \| (\d+) \|\s*$", re.M)  # | 01.1 | f and g | 10 |
 
 
-def results(rows, seconds):
+def handout_points(folder=None):
+    """{exercise key: its points}, from the exercise tables of docs/course/week*.md: the handouts are
+    the one place a teacher sets them, and results.json gives the same."""
+    folder = folder or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "course")
+    points = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if re.fullmatch(r"week\d+\.md", name):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                points.update((key, float(n)) for key, n in HANDOUT_ROW.findall(f.read()))
+    return points
+
+
+def results(rows, seconds, points=None):
     """The Gradescope-style results (exercises/README.md gives the schema): one test per exercise
-    graded, POINTS if it passes, else 0; its output is what `check` prints for it."""
+    graded, all its points if it passes, else 0 (its handout's points; POINTS where no handout
+    names it); its output is what `check` prints for it."""
+    points = handout_points() if points is None else points
     tests = []
     for e, result, took, extra in rows:
-        passed = result.status == "pass"
-        tests.append({"name": f"{e.key} {e.title}", "score": POINTS if passed else 0.0, "max_score": POINTS,
+        passed, worth = result.status == "pass", points.get(e.key, POINTS)
+        tests.append({"name": f"{e.key} {e.title}", "score": worth if passed else 0.0, "max_score": worth,
                       "status": "passed" if passed else "failed",
                       "output": "\n".join(extra + [f"{STATUS[result.status]} ({took:.1f} s)"] + result.lines)})
     return {"score": sum(t["score"] for t in tests), "max_score": sum(t["max_score"] for t in tests),

@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -430,13 +431,17 @@ def _violations(value, schema, where="results"):
 
 def _results(path):
     """results.json read, checked against the README's schema and its rules in words: score and
-    max_score the sums of the tests', a test passed iff its score is its max_score (1)."""
+    max_score the sums of the tests', a test passed iff its score is its max_score: the points its
+    week's handout gives it (docs/course/week*.md's exercise table, read here by its own pattern)."""
     data = json.loads(path.read_text())
     assert _violations(data, _schema()) == [], _violations(data, _schema())
     tests = data["tests"]
     assert data["score"] == sum(t["score"] for t in tests) and data["max_score"] == sum(t["max_score"] for t in tests)
-    assert all(t["max_score"] == 1 and t["score"] == (t["max_score"] if t["status"] == "passed" else 0)
-               for t in tests)
+    handouts = "".join(p.read_text() for p in (ROOT / "docs" / "course").glob("week*.md"))
+    for t in tests:
+        row = re.search(rf"^\| {re.escape(t['name'][:4])} \|.*\| (\d+) \|$", handouts, re.M)
+        assert t["max_score"] == (int(row.group(1)) if row else 1), t
+        assert t["score"] == (t["max_score"] if t["status"] == "passed" else 0), t
     return data
 
 
@@ -456,7 +461,7 @@ def test_check_json_validates_for_a_passing_a_failing_planted_and_an_untouched_s
     path = tmp_path / "results.json"
     assert cli.main(["check", "01.1", "05.1", "--solution", "--json", str(path)]) == 0
     data = _results(path)
-    assert data["score"] == data["max_score"] == 2 and [t["name"][:4] for t in data["tests"]] == ["01.1", "05.1"]
+    assert data["score"] == data["max_score"] == 10 + 8 and [t["name"][:4] for t in data["tests"]] == ["01.1", "05.1"]
     assert all(t["status"] == "passed" and t["output"].startswith("PASS") for t in data["tests"])
     assert cli.main(["check", "01", "--planted", "g_backward_one_gradient", "--json", str(path)]) == 0  # caught
     data = _results(path)
@@ -493,3 +498,18 @@ def test_help_names_every_numbered_file_that_has_exercises(capsys):
     for text in helps:
         listed = re.search(r"(\d\d(?:, \d\d)+)", text).group(1).split(", ")
         assert listed == chapters, (listed, chapters)
+
+
+def test_results_json_gives_each_exercise_its_handouts_points_and_1_where_none_does(tmp_path):
+    """The handouts are where a teacher sets points; results.json follows them (a planted handout)."""
+    main_module = cli
+    assert main_module.handout_points()["04.2"] == 15 and main_module.handout_points()["02.1"] == 8
+    (tmp_path / "week1.md").write_text("| Exercise | Topic | Points |\n|---|---|---|\n| 01.1 | f and g | 7 |\n")
+    (tmp_path / "notes.md").write_text("| 01.4 | not a week | 99 |\n")
+    points = main_module.handout_points(str(tmp_path))
+    assert points == {"01.1": 7.0}
+    rows = [(e, SimpleNamespace(status=s, lines=[]), 0.1, []) for e, s in
+            zip(exercises.exercises("01")[:1] + exercises.exercises("01")[3:4], ["pass", "fail"])]
+    data = main_module.results(rows, 1.0, points)
+    assert [(t["score"], t["max_score"]) for t in data["tests"]] == [(7.0, 7.0), (0.0, 1.0)]
+    assert (data["score"], data["max_score"]) == (7.0, 8.0)
