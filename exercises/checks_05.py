@@ -1,34 +1,30 @@
-"""The checks of 05's exercises (exercises/ex05_3d_gpt.py), and the planted wrong answers.
+"""The checks of 05's exercises (exercises/ex05_3d_gpt.py), and the planted wrong answers. Each
+exercise stubs a function of 05's lesson.
 
-The rank grid is pure: it is checked here, for several worlds, against its definition. 05.4, the
-lesson's step, runs as 05's demo does, against the serial model's step (loss, every gradient, every
-weight after AdamW) at two layouts, on a batch whose replicas count unequal numbers of targets. The other
-two run 05's own trainer (train) on tp=2 x pp=2 CPU ranks, the student's function in place of 05's,
-against plumbing.reference's serial_train on the same data (computed here, before anything is installed): every
-step's loss and global gradient norm, in float64 to 1e-10, with clipping active so that the norm
-matters. Before that each looks at its piece alone: ScatterGather's pack and unpack on one tp
-group, and, parameter by parameter on every rank, whether counts_in_norm counts it.
+05.1, the rank grid, is pure: checked here for ten worlds against a grid this file builds its own way
+(each rank's coordinates, then the ranks that differ in one of them), not against 05's rank_grid.
+05.2, new_groups, runs first on every rank of two grids in this process with dist.new_group recorded
+(no rank started, so a wrong order cannot hang): every rank must create every group, in the same
+order, and keep its own; then on 4 CPU ranks, each returned group all-reducing its ranks. 05.3, the
+trainer's AdamW, is compared in float64 over three steps with an AdamW written out here (decoupled
+decay on the 2-D weights only, betas (0.9, 0.95)), to 1e-12: the same formula in another order of
+operations, a few ulps. 05.4, the lesson's step, runs as 05's demo does, against the serial model's
+step (loss, every gradient, every weight after AdamW) at two layouts, on a batch whose replicas
+count unequal numbers of targets.
 """
-import functools
-import os
-import tempfile
-from dataclasses import replace
-
 import torch
 
 from exercises.autograder import Exercise, Mistake, Planted, called, differences, first, installed, merged, \
-    numbered, ranks, tp_group, warm
-from plumbing.reference import serial_train, unequal_counts
+    numbered, ranks
+from plumbing.launch import RankEnv
+from plumbing.reference import unequal_counts
 
 tensor_parallel = numbered("01_tensor_parallel")
 gpt3d = numbered("05_3d_gpt")
 F64 = torch.float64
-CFG = tensor_parallel.GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=2, n_embd=16)
-BASE = gpt3d.TrainConfig(tp=2, pp=2, dp=1, batch_size=8, microbatches=2, seq_len=16, steps=3, lr=1e-2, min_lr=1e-3,
-                         warmup_steps=1, grad_clip=0.5, dtype="float64", eval_every=0, bucket_numel=500,
-                         timeout_s=20)
-REFERENCE = {"rank_grid": gpt3d.rank_grid, "pack": gpt3d.ScatterGather.pack, "unpack": gpt3d.ScatterGather.unpack,
-             "counts_in_norm": gpt3d.counts_in_norm, "ptd_p_step": gpt3d.ptd_p_step}
+TIMEOUT_S = 20
+REFERENCE = {"rank_grid": gpt3d.rank_grid, "new_groups": gpt3d.new_groups, "adamw": gpt3d.adamw,
+             "ptd_p_step": gpt3d.ptd_p_step}
 GRIDS = [(1, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (8, 2, 2, 2), (16, 2, 2, 4), (12, 3, 2, 2),
          (6, 1, 3, 2), (16, 8, 1, 2), (24, 2, 3, 4)]  # (world, tp, dp, pp)
 
@@ -42,11 +38,28 @@ WHY = {"tp": "a tp group is tp adjacent ranks (t fastest: one node, its all-redu
        "embed": "each pp group's first and last rank (none at pp = 1)"}
 
 
+def expected_grid(world, tp, dp, pp):
+    """The grid from its definition, built another way than 05's rank_grid: rank r's coordinates are
+    (t, d, p) = (r mod tp, r // tp mod dp, r // (tp dp)); a group of a kind is the ranks equal in the
+    other two coordinates, ascending; the groups in ascending order of their first rank."""
+    coords = {r: (r % tp, r // tp % dp, r // (tp * dp)) for r in range(world)}
+
+    def apart_in(axis):
+        groups = {}
+        for r, c in coords.items():
+            groups.setdefault(c[:axis] + c[axis + 1:], []).append(r)
+        return sorted(groups.values())
+
+    grid = {"tp": apart_in(0), "dp": apart_in(1), "pp": apart_in(2)}
+    grid["embed"] = [[g[0], g[-1]] for g in grid["pp"]] if pp > 1 else []
+    return grid
+
+
 def check_rank_grid(impl):
     fn = impl["rank_grid"]
     for world, tp, dp, pp in GRIDS:
         got = called(fn, world, tp, dp, pp, what=f"rank_grid({world}, tp={tp}, dp={dp}, pp={pp})")
-        want = gpt3d.rank_grid(world, tp, dp, pp)
+        want = expected_grid(world, tp, dp, pp)
         where = f"rank_grid({world}, tp={tp}, dp={dp}, pp={pp})"
         if not isinstance(got, dict) or set(got) != set(want):
             return [f"{where} returned {got!r:.80}: a dict with the keys {sorted(want)}"]
@@ -77,119 +90,144 @@ def _short(groups):
 
 
 # ----------------------------------------------------------------------------------------------
-# Training with 05's trainer, against serial training
+# 05.2 new_groups
+
+GROUP_GRIDS = [(8, 2, 2, 2), (4, 2, 2, 1), (6, 1, 2, 3)]  # (world, tp, dp, pp): 05's, one with no embed, tp = 1
+ORDER_RULE = ("dist.new_group is a collective over every rank: each rank calls it for every group of the grid, "
+              "member or not, in the same order (a rank that skips one pairs the next call with another group, "
+              "or waits forever)")
 
 
-@functools.lru_cache(maxsize=1)
-def data_file():
-    """A small text file to train on (its bytes are the tokens): 05's built-in corpus is 1 MB, and
-    making it takes seconds."""
-    path = os.path.join(tempfile.mkdtemp(prefix="exercises-05-"), "counting.txt")
-    words = " ".join(f"{a} plus {b} is {a + b}." for a in range(10) for b in range(10))
-    with open(path, "w") as f:
-        f.write(words * 4)
-    return path
+class _Recorded:
+    """What the recording dist.new_group returns: the group's ranks, shown in a reason."""
+
+    def __init__(self, ranks):
+        self.ranks = sorted(ranks)
+
+    def __repr__(self):
+        return f"the group {self.ranks}"
 
 
-def config():
-    return replace(BASE, data=data_file())
+def _recording(world, tp, dp, pp, fn):
+    """new_groups(env, grid) on every rank of the grid in this process, dist.new_group recorded: the reasons."""
+    grid = expected_grid(world, tp, dp, pp)
+    made = {}
+
+    def new_group(ranks=None, timeout=None, **kwargs):
+        made[rank].append(sorted(range(world) if ranks is None else ranks))
+        return _Recorded(range(world) if ranks is None else ranks)
+
+    where = f"grid {world} = tp {tp} x dp {dp} x pp {pp}"
+    kept = {}
+    with installed((gpt3d.dist, "new_group", new_group)):
+        for rank in range(world):
+            made[rank] = []
+            kept[rank] = called(fn, RankEnv(rank, world, rank, torch.device("cpu")), grid, TIMEOUT_S,
+                                what=f"new_groups on rank {rank} of the {where}")
+    every = [g for kind in ("tp", "dp", "pp", "embed") for g in grid[kind]]
+    for rank in range(world):
+        missing = [g for g in every if g not in made[rank]]
+        if missing:
+            return [f"{where}: rank {rank} never creates the group {missing[0]}"
+                    + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + f": {ORDER_RULE}"]
+        if made[rank] != made[0]:
+            at = next(i for i, (a, b) in enumerate(zip(made[rank], made[0])) if a != b) \
+                if any(a != b for a, b in zip(made[rank], made[0])) else min(len(made[rank]), len(made[0]))
+            return [f"{where}: rank {rank}'s call {at + 1} to dist.new_group makes "
+                    f"{made[rank][at] if at < len(made[rank]) else 'nothing'}, rank 0's makes "
+                    f"{made[0][at] if at < len(made[0]) else 'nothing'}: {ORDER_RULE}"]
+    for rank in range(world):
+        groups = kept[rank]
+        for kind in ("tp", "dp", "pp", "embed"):
+            own = next((g for g in grid[kind] if rank in g), None)
+            got = getattr(groups, kind, "missing")
+            if got == "missing":
+                return [f"{where}: rank {rank}'s result has no {kind!r}: return Groups(tp=, dp=, pp=, embed=)"]
+            if own is None and got is not None:
+                return [f"{where}: rank {rank} is in no {kind} group, and its result's {kind} is {got!r}: None there"]
+            if own is not None and not (isinstance(got, _Recorded) and got.ranks == own):
+                return [f"{where}: rank {rank}'s {kind} is {got!r}, not its own {own}: keep, of each kind, the "
+                        f"group that holds env.rank"]
+    return []
 
 
-def serial_reference():
-    warm(meta=True)  # 05's build draws its weights on the meta device: import that once, here
-    ref = serial_train(CFG, config())
-    if max(ref["norms"]) <= BASE.grad_clip:
-        raise RuntimeError("the check's serial run never clips: its gradient norm would not matter")
-    return ref
-
-
-def _train(env, ref):
-    out = gpt3d.train(env, CFG, config(), quiet=True)
-    pairs = [(f"the {what} of step {i}", torch.tensor(a, dtype=F64), torch.tensor(b, dtype=F64))
-             for key, what in (("losses", "loss"), ("norms", "global gradient norm"))
-             for i, (a, b) in enumerate(zip(out[key], ref[key]))]
-    hints = {"other": "compared with serial training on the same data"}
-    return differences(pairs, hints, factors={"tp": BASE.tp, "pp": BASE.pp})
-
-
-def training(ref):
-    where = f"training tp={BASE.tp} x pp={BASE.pp} for {BASE.steps} steps with 05's trainer, "
-    return first([where + r for r in merged(ranks(_train, BASE.tp * BASE.pp, ref))], 3)
-
-
-# ----------------------------------------------------------------------------------------------
-# 05.2 Scatter/gather
-
-
-def _scatter_gather(env):
-    group = tp_group(env)
-    tp, r = env.world_size, env.rank
-    shape = (2, 4, 6)
-    t = torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=F64)  # the same on every tp rank
-    wire = gpt3d.ScatterGather(shape, group)
-    sent = wire.pack(t)
-    want = t.reshape(-1).chunk(tp)[r]
-    found = differences([("pack(t) (what this rank sends)", sent, want,
-                          [(t.reshape(-1), "it is the whole tensor: each tp rank sends only its 1/tp slice")] +
-                          [(t.reshape(-1).chunk(tp)[q], f"it is rank {q}'s slice: take this rank's (its index "
-                                                        f"in the tp group)") for q in range(tp) if q != r])])
-    if not found and not sent.is_contiguous():
-        found = ["pack(t) is not contiguous: point-to-point sends need contiguous buffers (.contiguous())"]
-    if found:
-        return found
-    got = wire.unpack(want.clone())
-    return differences([("unpack(this rank's slice) (the rebuilt boundary tensor)", got, t,
-                         [(torch.cat([want, torch.zeros(t.numel() - want.numel(), dtype=F64)]).view(shape),
-                           "only this rank's slice is filled: all-gather the slices over the tp group")])])
-
-
-def check_scatter_gather(impl):
-    patches = (gpt3d.ScatterGather, "pack", impl["pack"]), (gpt3d.ScatterGather, "unpack", impl["unpack"])
-    with installed(*patches):
-        alone = first([f"alone on tp=2, {r}" for r in merged(ranks(_scatter_gather, 2))], 3)
-    if alone:
-        return alone
-    ref = serial_reference()  # only now: it takes seconds, and a piece that fails alone needs none
-    with installed(*patches):
-        return training(ref)
-
-
-# ----------------------------------------------------------------------------------------------
-# 05.3 counts_in_norm
-
-
-def _counts(env):
-    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, BASE.tp, BASE.dp, BASE.pp), BASE.timeout_s)
-    run = gpt3d.build(env, CFG, config(), groups)
-    tp_rank, pp_rank = env.rank % BASE.tp, env.rank // (BASE.tp * BASE.dp)
+def _real_groups(env, fn):
+    """On real ranks: each kept group all-reduces its ranks' numbers, against its ranks' sum."""
+    grid = expected_grid(env.world_size, 2, 1, 2)
+    groups = fn(env, grid, TIMEOUT_S)
     out = []
-    for chunk in run.chunks:
-        for n, p in chunk.named_parameters():
-            got = gpt3d.counts_in_norm(p, chunk, groups.tp)
-            want = REFERENCE["counts_in_norm"](p, chunk, groups.tp)
-            if bool(got) != want:
-                out.append(f"(tp {tp_rank}, pp {pp_rank}) {n} is {'' if got else 'not '}counted: {_why(n, p, chunk, want)}")
+    for kind in ("tp", "dp", "pp", "embed"):
+        own = next(g for g in grid[kind] if env.rank in g)
+        x = torch.tensor([float(env.rank)], dtype=F64)
+        torch.distributed.all_reduce(x, group=getattr(groups, kind))
+        if int(x) != sum(own):
+            out.append(f"an all-reduce over the {kind} group summed {int(x)}, not {sum(own)} (ranks {own})")
     return out
 
 
-def _why(n, p, chunk, want):
-    if chunk.post_process and not chunk.pre_process and p is chunk.transformer.wte.weight:
-        return "this is the last stage's copy of the tied embedding, the first stage's wte again: count it once, there"
-    if hasattr(p, "tp_dim"):
-        return f"it is split across the tp ranks (tp_dim={p.tp_dim}): each rank holds a different slice, so every rank counts its own"
-    return ("it is replicated on every tp rank: count it on one (tp rank 0)" if not want else
-            "it is replicated on every tp rank, and tp rank 0 counts it")
+def check_new_groups(impl):
+    for world, tp, dp, pp in GROUP_GRIDS:
+        found = _recording(world, tp, dp, pp, impl["new_groups"])
+        if found:
+            return found
+    return first([f"on tp 2 x pp 2 CPU ranks, {r}" for r in merged(ranks(_real_groups, 4, impl["new_groups"]))], 3)
 
 
-def check_counts_in_norm(impl):
-    warm(meta=True)  # 05's build draws its weights on the meta device: import that once, here
-    with installed((gpt3d, "counts_in_norm", impl["counts_in_norm"])):
-        alone = first(merged(ranks(_counts, BASE.tp * BASE.pp * BASE.dp)), 4)
-    if alone:
-        return alone
-    ref = serial_reference()
-    with installed((gpt3d, "counts_in_norm", impl["counts_in_norm"])):
-        return training(ref)
+# ----------------------------------------------------------------------------------------------
+# 05.3 adamw, against AdamW written out
+
+
+def _model():
+    """Parameters of each kind 05 trains: an embedding and a linear's matrices (decayed), a LayerNorm and
+    a bias (not), random in float64; and three steps of random gradients."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"wte (2-D)": (11, 6), "ln.weight (1-D)": (6,), "ln.bias (1-D)": (6,), "fc.weight (2-D)": (5, 6),
+              "fc.bias (1-D)": (5,)}
+    params = {n: torch.nn.Parameter(torch.randn(*s, generator=gen, dtype=F64)) for n, s in shapes.items()}
+    grads = [{n: torch.randn(*s, generator=gen, dtype=F64) for n, s in shapes.items()} for _ in range(3)]
+    return params, grads
+
+
+def written_out(start, grads, lr, betas=(0.9, 0.95), decay=lambda p: p.dim() >= 2, eps=1e-8):
+    """AdamW step by step (Loshchilov and Hutter's decoupled decay, torch's eps): {name: weights after}."""
+    (b1, b2), out = betas, {}
+    for n, p in start.items():
+        w, m, v = p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)
+        for t, g in enumerate((step[n] for step in grads), 1):
+            w = w * (1 - lr * 0.1) if decay(w) else w
+            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            w = w - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        out[n] = w
+    return out
+
+
+def check_adamw(impl):
+    for lr in (None, 3e-2):  # its default (05's CHECK_LR) and one given
+        params, grads = _model()
+        start = {n: p.detach().clone() for n, p in params.items()}  # the weights before the optimizer's steps
+        what = f"adamw(params{'' if lr is None else f', lr={lr}'})"
+        opt = called(impl["adamw"], *([list(params.values())] + ([] if lr is None else [lr])), what=what)
+        if not isinstance(opt, torch.optim.Optimizer):
+            return [f"{what} returned {opt!r:.60}: a torch.optim.AdamW over the parameters (two parameter groups)"]
+        for step in grads:
+            for n, p in params.items():
+                p.grad = step[n].clone()
+            called(opt.step, what=f"{what}.step()")
+        lr = gpt3d.CHECK_LR if lr is None else lr
+        want = written_out(start, grads, lr)
+        wrong = {"every parameter decayed: weight decay is for the 2-D weights only (biases and LayerNorms "
+                 "keep theirs)": written_out(start, grads, lr, decay=lambda p: True),
+                 "no parameter decayed: the 2-D weights decay by lr x 0.1 a step": written_out(start, grads, lr,
+                                                                                            decay=lambda p: False),
+                 "betas (0.9, 0.999), torch's default: the trainer's are (0.9, 0.95)":
+                     written_out(start, grads, lr, betas=(0.9, 0.999)),
+                 "lr is not the one given": written_out(start, grads, 1e-3 if lr != 1e-3 else 3e-2)}
+        pairs = [(f"{what}: {n} after 3 steps", p.detach(), want[n], [(alt[n], hint) for hint, alt in wrong.items()])
+                 for n, p in params.items()]
+        found = differences(pairs, tol=1e-12)
+        if found:
+            return found
+    return []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,7 +242,7 @@ def _lesson_step(env, layout):
     tp, pp, dp = layout
     m = gpt3d.CHECK_M
     cfg = tensor_parallel.GPTConfig(vocab_size=97, block_size=8, n_layer=2 * pp, n_head=2 * tp, n_embd=8 * tp)
-    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tp, dp, pp), BASE.timeout_s)
+    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tp, dp, pp), TIMEOUT_S)
     full = tensor_parallel.init_state_dict(cfg, 3, dtype=F64, random_all=True)
     serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
     stage = gpt3d.pipeline.stage_model(cfg, groups.pp, group=groups.tp, dtype=F64)
@@ -249,21 +287,38 @@ def _grid_dp_fastest(world, tp=1, dp=1, pp=1):
     return grid
 
 
-def _pack_whole(self, t):
-    return t.reshape(-1).contiguous()
+def _grid_embed_at_pp_1(world, tp=1, dp=1, pp=1):
+    grid = gpt3d.rank_grid(world, tp, dp, pp)
+    grid["embed"] = [[g[0], g[-1]] for g in grid["pp"]]  # the mistake: at pp = 1 too, where no stage pair exists
+    return grid
 
 
-def _unpack_returns_gather(self, buf):
-    out = buf.new_empty(buf.numel() * self.tp)
-    return tensor_parallel.all_gather_single(out, buf, group=self.tp_group)  # the mistake: it returns None
+def _groups_only_mine(env, grid, timeout_s=60.0):
+    mine = dict(embed=None)
+    for kind, groups in grid.items():
+        for ranks in groups:
+            if env.rank in ranks:  # the mistake: only the groups that hold this rank are made here
+                mine[kind] = gpt3d.dist.new_group(ranks, timeout=gpt3d.timedelta(seconds=timeout_s))
+    return gpt3d.Groups(**mine)
 
 
-def _counts_replicated_everywhere(p, chunk, tp_group):
-    return not (chunk.post_process and not chunk.pre_process and p is chunk.transformer.wte.weight)
+def _groups_last_kept(env, grid, timeout_s=60.0):
+    mine = dict(embed=None)
+    for kind, groups in grid.items():
+        for ranks in groups:
+            mine[kind] = gpt3d.dist.new_group(ranks, timeout=gpt3d.timedelta(seconds=timeout_s))  # the mistake
+    return gpt3d.Groups(**mine)
 
 
-def _counts_tied_copy(p, chunk, tp_group):
-    return hasattr(p, "tp_dim") or torch.distributed.get_rank(tp_group) == 0
+def _adamw_decays_everything(params, lr=gpt3d.CHECK_LR):
+    return torch.optim.AdamW(list(params), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)  # the mistake: one group
+
+
+def _adamw_default_betas(params, lr=gpt3d.CHECK_LR):
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, weight_decay=0.1)  # the mistake: torch's default betas (0.9, 0.999)
 
 
 def _step_replica_means(stage, opt, idx, targets, groups, m):  # each replica's own mean, averaged (1/dp)
@@ -283,22 +338,24 @@ EXERCISES = [
     Exercise("05.1", "rank_grid", "the rank grid: tp fastest, then dp, then pp", ("rank_grid",),
              "Narayanan et al. 2021, Section 3", check_rank_grid, lambda: {"rank_grid": REFERENCE["rank_grid"]},
              [Planted("grid_dp_fastest", "the grid puts dp fastest, so a tp group spans nodes",
-                      lambda: {"rank_grid": _grid_dp_fastest}, "a tp group is tp adjacent ranks")]),
-    Exercise("05.2", "scatter_gather", "scatter/gather of the boundary tensor between stages", ("pack", "unpack"),
-             "Narayanan et al. 2021, Section 4.1", check_scatter_gather,
-             lambda: {"pack": REFERENCE["pack"], "unpack": REFERENCE["unpack"]},
-             [Planted("unpack_returns_gather", "unpack returns what all_gather_single returns (None), not out",
-                      lambda: {"unpack": _unpack_returns_gather}, "it returned None, but the piece it stands in for "
-                      "always returns a value", at_line=True),
-              Planted("pack_whole_tensor", "each tp rank sends the whole boundary tensor",
-                      lambda: {"pack": _pack_whole}, "each tp rank sends only its 1/tp slice")]),
-    Exercise("05.3", "counts_in_norm", "the global gradient norm: every element counted once", ("counts_in_norm",),
-             "Narayanan et al. 2021, Section 3 (the layout); 05's clip_gradients", check_counts_in_norm,
-             lambda: {"counts_in_norm": REFERENCE["counts_in_norm"]},
-             [Planted("norm_counts_replicated_twice", "replicated parameters are counted on every tp rank",
-                      lambda: {"counts_in_norm": _counts_replicated_everywhere}, "count it on one (tp rank 0)"),
-              Planted("norm_counts_tied_copy", "the last stage's copy of the tied embedding is counted too",
-                      lambda: {"counts_in_norm": _counts_tied_copy}, "count it once, there")]),
+                      lambda: {"rank_grid": _grid_dp_fastest}, "a tp group is tp adjacent ranks"),
+              Planted("grid_embed_at_pp_1", "an embed group at pp = 1, where the embedding is not tied across stages",
+                      lambda: {"rank_grid": _grid_embed_at_pp_1}, "none at pp = 1")]),
+    Exercise("05.2", "new_groups", "the process groups: every rank makes every group, in order",
+             ("new_groups",), "Narayanan et al. 2021, Section 3; torch.distributed.new_group", check_new_groups,
+             lambda: {"new_groups": REFERENCE["new_groups"]},
+             [Planted("groups_only_mine", "each rank makes only the groups that hold it",
+                      lambda: {"new_groups": _groups_only_mine}, "member or not, in the same order"),
+              Planted("groups_last_kept", "each kind keeps the last group made, not the rank's own",
+                      lambda: {"new_groups": _groups_last_kept}, "keep, of each kind, the group that holds env.rank")]),
+    Exercise("05.3", "adamw", "the trainer's AdamW: weight decay on the 2-D weights only", ("adamw",),
+             "Narayanan et al. 2021, Section 3 (each rank updates what it holds); Loshchilov and Hutter 2019",
+             check_adamw,
+             lambda: {"adamw": REFERENCE["adamw"]},
+             [Planted("adamw_decays_everything", "one parameter group: biases and LayerNorms decay too",
+                      lambda: {"adamw": _adamw_decays_everything}, "weight decay is for the 2-D weights only"),
+              Planted("adamw_default_betas", "torch's default betas, (0.9, 0.999)",
+                      lambda: {"adamw": _adamw_default_betas}, "the trainer's are (0.9, 0.95)")]),
     Exercise("05.4", "ptd_p_step", "one PTD-P step from the earlier chapters' lessons", ("ptd_p_step",),
              "Narayanan et al. 2021, Section 3; docs/LOSS.md", check_ptd_p_step,
              lambda: {"ptd_p_step": REFERENCE["ptd_p_step"]},

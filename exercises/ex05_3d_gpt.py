@@ -1,9 +1,10 @@
 """Exercises on 05_3d_gpt.py: composing tensor, pipeline and data parallelism (PTD-P).
 
-The autograder puts your function in place of 05's and runs 05's own trainer on 4 CPU ranks
-(tp=2 x pp=2) against the serial GPT-2 trained on the same data with the same optimizer, in
-float64: every step's loss and gradient norm, to 1e-10 (05.4: the lesson's step, against the
-serial model's, at tp x pp x dp = 1 x 1 x 2 and 2 x 2 x 2).
+Each stubs a function of 05's lesson. 05.1's grid is checked against its definition for ten worlds;
+05.2's groups first with dist.new_group recorded (no rank started: which groups each rank creates, in
+which order, and which it keeps), then on 4 CPU ranks; 05.3's AdamW against one written out in the
+checker, in float64, three steps; 05.4, the lesson's step, against the serial model's at
+tp x pp x dp = 1 x 1 x 2 and 2 x 2 x 2.
 
     python3 -m exercises check 05              # your functions
     python3 -m exercises check 05 --solution   # 05's own functions
@@ -14,6 +15,7 @@ and compare with python3 05_3d_gpt.py --print-layout --tp 2 --dp 2 --pp 2.
 """
 import importlib
 import math  # noqa: F401 (for your code)
+from datetime import timedelta  # noqa: F401 (for your code: new_group's timeout)
 
 import torch  # noqa: F401 (for your code)
 import torch.distributed as dist  # noqa: F401 (for your code)
@@ -21,6 +23,8 @@ import torch.distributed as dist  # noqa: F401 (for your code)
 tensor_parallel = importlib.import_module("01_tensor_parallel")  # all_gather_single
 pipeline = importlib.import_module("02_pipeline_1f1b")  # one_f_one_b_step (05.4)
 data_parallel = importlib.import_module("04_data_parallel")  # shard_batch, allreduce_gradients (05.4)
+Groups = importlib.import_module("05_3d_gpt").Groups  # what new_groups returns (05.2)
+CHECK_LR = 1e-3  # 05's CHECK_LR: adamw's default learning rate (05.3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,48 +45,32 @@ def rank_grid(world, tp=1, dp=1, pp=1):
 
 
 # ----------------------------------------------------------------------------------------------
-# 05.2 Scatter/gather between pipeline stages (Narayanan et al. 2021, Section 4.1)
-#
-# Without sequence parallelism both tp ranks of a stage hold the same boundary tensor (b, T, C).
-# Each sends only its 1/tp slice of the flattened tensor to its peer in the next stage, which
-# all-gathers the slices over its tp group. These are the two methods of 05's ScatterGather; the
-# object has self.tp, self.rank (this rank's place in self.tp_group), self.tp_group, self.full
-# (the boundary tensor's shape) and self.shape ((b T C / tp,), the buffer that travels).
+# 05.2 The process groups (Narayanan et al. 2021, Section 3; every group passed explicitly)
 
 
-def pack(self, t):
-    """ScatterGather.pack: what this rank sends, t (b, T, C) -> its 1/tp slice of t flattened,
-    contiguous, of shape self.shape."""
-    raise NotImplementedError("05.2 ScatterGather.pack: which slice is this rank's? Read Narayanan et al. 2021, "
-                              "Section 4.1; then run: python3 -m exercises check 05.2")
-
-
-def unpack(self, buf):
-    """ScatterGather.unpack: what this rank received, its slice buf (b T C / tp,) -> the whole
-    boundary tensor, shape self.full, from every tp rank's slice (01's all_gather_single(out, buf,
-    group=...) gathers them in rank order)."""
-    raise NotImplementedError("05.2 ScatterGather.unpack: the tp ranks of the receiving stage each hold one "
-                              "slice. Read Narayanan et al. 2021, Section 4.1; then run: python3 -m exercises "
-                              "check 05.2")
+def new_groups(env, grid, timeout_s=60.0):
+    """Create every group of rank_grid's grid and return this rank's group of each kind: a Groups
+    (05's: Groups(tp=..., dp=..., pp=..., embed=...)), embed None on a rank in no embed group.
+    dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) is a collective over ALL ranks: every
+    rank calls it for every group of the grid, member or not, in the same order; it returns the group
+    on its members (and a placeholder elsewhere). env.rank is this rank's global rank."""
+    raise NotImplementedError("05.2 new_groups: which ranks must call dist.new_group for a group that does not "
+                              "hold them, and in which order? Read Narayanan et al. 2021, Section 3, and "
+                              "torch.distributed.new_group's documentation; then run: python3 -m exercises check 05.2")
 
 
 # ----------------------------------------------------------------------------------------------
-# 05.3 The global gradient norm, each element of the model counted once (for clipping; Narayanan
-# et al. 2021, Section 3's layout: what each rank of the grid holds)
+# 05.3 The trainer's AdamW (Loshchilov and Hutter's decoupled weight decay, as GPT-2 and Megatron use
+# it: no decay on biases and LayerNorms)
 
 
-def counts_in_norm(p, chunk, tp_group):
-    """Whether this rank adds parameter p's gradient to the global norm's sum of squares (which is
-    then summed over the tp and pp groups: dp replicas hold the same gradients, so they count once;
-    with ZeRO-1 each holds 1/dp of the elements, and the sum runs over dp too).
-
-    A parameter split across the tp ranks (it has the attribute tp_dim) is a different slice on each
-    rank. Replicated ones (LayerNorms, row-parallel biases, the position embedding) are the same on
-    every tp rank. chunk is p's model chunk: chunk.pre_process (it holds the embeddings, the first
-    stage) and chunk.post_process (ln_f and the output layer, the last); the output layer is tied to
-    the token embedding chunk.transformer.wte.weight, of which the last stage holds a copy."""
-    raise NotImplementedError("05.3 counts_in_norm: which parameters would be counted twice: over tp, and over "
-                              "pp? Read Narayanan et al. 2021, Section 3; then run: python3 -m exercises check 05.3")
+def adamw(params, lr=CHECK_LR):
+    """A torch.optim.AdamW over params (an iterable of parameters): betas (0.9, 0.95), weight decay 0.1
+    on the 2-D weights (p.dim() >= 2: the linears' and the embeddings' matrices) and none on the rest
+    (biases, LayerNorms), learning rate lr. Two parameter groups."""
+    raise NotImplementedError("05.3 adamw: which parameters decay, and with which betas? Read Narayanan et al. 2021, "
+                              "Section 3, torch.optim.AdamW's parameter groups, and 05's TrainConfig; then run: "
+                              "python3 -m exercises check 05.3")
 
 
 # ----------------------------------------------------------------------------------------------
