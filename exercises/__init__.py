@@ -32,7 +32,9 @@ FILES = {
     "03": ("03_interleaved", "ex03_interleaved", "checks_03"),
     "04": ("04_data_parallel", "ex04_data_parallel", "checks_04"),
     "05": ("05_3d_gpt", "ex05_3d_gpt", "checks_05"),
-    "08": ("08_context_parallel", "ex08_context_parallel", "checks_08"),  # after the course's four weeks
+    "06": ("06_zero_bubble", "ex06_zero_bubble", "checks_06"),  # after the course's four weeks
+    #07
+    "08": ("08_context_parallel", "ex08_context_parallel", "checks_08"),
     "09": ("09_expert_parallel", "ex09_expert_parallel", "checks_09"),
 }
 
