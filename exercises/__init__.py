@@ -33,14 +33,14 @@ FILES = {
     "04": ("04_data_parallel", "ex04_data_parallel", "checks_04"),
     "05": ("05_3d_gpt", "ex05_3d_gpt", "checks_05"),
     "06": ("06_zero_bubble", "ex06_zero_bubble", "checks_06"),  # after the course's four weeks
-    #07
+    "07": ("07_vocab_parallel", "ex07_vocab_parallel", "checks_07"),
     "08": ("08_context_parallel", "ex08_context_parallel", "checks_08"),
     "09": ("09_expert_parallel", "ex09_expert_parallel", "checks_09"),
 }
 
 
 def exercises(file):
-    """The Exercise records of one numbered file ("01" ... "05", "08", "09"), in order."""
+    """The Exercise records of one numbered file ("01" ... "09"), in order."""
     return importlib.import_module(f"exercises.{FILES[file][2]}").EXERCISES
 
 

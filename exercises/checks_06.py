@@ -49,8 +49,9 @@ def _one_layer(split, wgrads, bias):
     """One layer, two microbatches: [reasons]."""
     gen = torch.Generator().manual_seed(3 + bias)
     weight, b = _leaf((4, 5), gen), _leaf((4,), gen) if bias else None
-    mine_w, mine_b = weight.detach().clone().requires_grad_(), None if b is None else b.detach().clone().requires_grad_()
-    where = "one layer " + ("with a bias" if bias else "without a bias (a row-parallel layer's: its bias comes after g)")
+    mine_w = weight.detach().clone().requires_grad_()
+    mine_b = None if b is None else b.detach().clone().requires_grad_()
+    where = "one layer " + ("with a bias" if bias else "without a bias (a row-parallel layer's, whose bias is after g)")
     total = None
     for mb in range(2):
         x, dy = _leaf((2, 3, 5), gen), torch.randn(2, 3, 4, generator=gen, dtype=F64)
@@ -178,8 +179,9 @@ class Watch:
         k = len(self.done)
         want = self.expected[k] if k < len(self.expected) else None
         if (kind, mb) != want:
-            raise Mistake(f"{self.place()}: its action number {k} is {kind}{mb}, where ZB-H1 runs "
-                          f"{'nothing more' if want is None else f'{want[0]}{want[1]}'} there: {self.why(kind, mb, want)}"
+            there = "nothing more" if want is None else f"{want[0]}{want[1]}"
+            raise Mistake(f"{self.place()}: its action number {k} is {kind}{mb}, where ZB-H1 runs {there} there: "
+                          f"{self.why(kind, mb, want)}"
                           + _student_line(GRADER))
         self.done.append((kind, mb))
 
@@ -272,7 +274,8 @@ def check_zb_h1_step(impl):
     for m in (6, 2):  # a steady state (rank 3's Ws deferred by 3); a warm-up cut at m
         ref = serial_reference(4, m, unequal=True)
         where = f"pp=4, m={m}, ZB-H1 on 4 CPU ranks, one stage each, against the serial model: "
-        reasons = first(diagnoses_first([where + r for rs in ranks(_lesson, 4, impl["zb_h1_step"], ref) for r in rs]), 3)
+        found = ranks(_lesson, 4, impl["zb_h1_step"], ref)
+        reasons = first(diagnoses_first([where + r for rs in found for r in rs]), 3)
         if reasons:
             return reasons
     return []
@@ -439,7 +442,7 @@ EXERCISES = [
               Planted("w_replaces_the_gradient", "W sets the weight's gradient to its dW instead of adding it",
                       lambda: {"weight_grads": _w_replaces}, "W replaced the weight's gradient")]),
     Exercise("06.2", "zb_h1_step", "ZB-H1, the lesson's loop: I at once, W deferred", ("zb_h1_step",),
-             "Qi et al. 2023 (Zero Bubble Pipeline Parallelism), Section 2.1 (ZB-H1, Figure 3)", check_zb_h1_step,
+             "Qi et al. 2023 (Zero Bubble Pipeline Parallelism), Section 2.1 (ZB-H1)", check_zb_h1_step,
              lambda: {"zb_h1_step": REFERENCE["zb_h1_step"]},
              [Planted("zb_ws_not_deferred", "every W runs right after its I, as 1F1B's B would",
                       lambda: {"zb_h1_step": _ws_not_deferred}, "defers its Ws", at_line=True),

@@ -78,5 +78,5 @@ def zb_h1_step(stage, microbatches):
     send_to, send_recv (no group: the world is the pipeline), and sum_tied_grads(stage) at the end.
     What travels is shaped like next(stage.parameters()).new_empty(*idx.shape, stage.cfg.n_embd)."""
     raise NotImplementedError("06.2 zb_h1_step: 1F1B with each B cut to I; when may rank s run a W, and how many "
-                              "may wait? Read Qi et al. 2023, Section 2.1 (ZB-H1, Figure 3); then run: python3 -m "
+                              "may wait? Read Qi et al. 2023, Section 2.1 (ZB-H1, the handcrafted schedule); then run: python3 -m "
                               "exercises check 06.2")
