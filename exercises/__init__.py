@@ -7,7 +7,7 @@
     python3 -m exercises check 01 --planted g_backward_all_reduces   # what a known mistake looks like
     python3 -m exercises check all --json results.json               # and a Gradescope-style results.json
 
-One stub file per numbered file with exercises (FILES: ex01_tensor_parallel.py ... 08's, 09's) holds the
+One stub file per numbered file with exercises (FILES: ex01_tensor_parallel.py ... ex09_expert_parallel.py) holds the
 functions and autograd Functions a student writes, each with the signature and the docstring contract of the
 piece it replaces and a body that raises NotImplementedError with a hint: the paper section to read
 and the command to run. The solutions are the numbered files themselves; nothing here copies them.

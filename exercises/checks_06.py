@@ -243,9 +243,9 @@ class Watch:
                 raise Mistake(f"{watch.place()}: a W of the entries of several Is ({mbs}): each W is one microbatch's, "
                               f"the entries its I kept (copy kept after each I, then clear it)" + _student_line(GRADER))
             watch.act("W", mbs[0])
-            for weight, x, g in entries:
-                dw = torch.einsum("...o,...i->oi", g, x)
-                weight.grad = dw if weight.grad is None else weight.grad + dw
+            for weight, x, g in entries:  # dW = dY^T X over every token, accumulated
+                part = torch.einsum("...o,...i->oi", g, x)
+                weight.grad = part + (0 if weight.grad is None else weight.grad)
 
         return [(pipeline, "forward_step", forward_step), (pipeline, "backward_step", backward_step),
                 (zero_bubble, "SplitLinear", GraderSplit), (zero_bubble, "weight_grads", weight_grads)]
