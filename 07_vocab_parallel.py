@@ -9,10 +9,10 @@ vocabulary the last stage is the pipeline's slowest and fullest, and every other
   - The lesson, read first: vocab_stage (02's stage without its vocabulary layers; on every rank its
     rows of wte, V padded to a multiple of pp tp: rank i = r tp + t holds rows [i n, (i + 1) n),
     n = V_pad / (pp tp), serving the input lookup and the tied output layer, so the tie is local),
-    output_layer (one microbatch's S and T, Algorithm 1, every collective inline: X broadcast from
-    the last stage; S: the slice's logits, their max all-reduced, then their sum of exponentials and
-    the target's logit, the first barrier; T: the slice's gradient from the softmax, its rows'
-    gradient and its share of X's, whose all-reduce is the second barrier) and vocab_1f1b_step
+    output_layer (one microbatch's S and T, Algorithm 1, every collective inline: X broadcast from the
+    last stage; output_s_pass, S: the slice's logits, their max all-reduced, then their sum of exponentials
+    and the target's logit, the first barrier; output_t_pass, T: the slice's gradient from the softmax, its
+    rows' gradient and its share of X's, whose all-reduce is the second barrier) and vocab_1f1b_step
     (02's 1F1B over its lesson pieces, the input layer around it: lookups all-reduced before, the
     gradient broadcast back after; each backward's gradient from its microbatch's output layer,
     which every rank runs just before it would receive that gradient).
@@ -98,46 +98,52 @@ def vocab_stage(cfg, groups, **factory):
 
 
 def output_layer(stage, x, targets, n, groups):
-    """One microbatch's output layer on every rank of the vocabulary group, Algorithm 1: S (this slice's
-    logits and their statistics), whose all-reduces are the first barrier, then T (this slice's gradient:
-    its rows', and its share of X's, whose all-reduce is the second). x: the last stage's X = ln_f(output)
-    (b, T, C) there, None elsewhere; targets (b, T); each counted target weighs 1 / n. Returns (the
-    microbatch's weighted loss, known on every rank; X's gradient (b, T, C), the last stage's to use)."""
+    """One microbatch's output layer on every rank of the vocabulary group, Algorithm 1: X broadcast from the
+    last stage (x: its ln_f(output) (b, T, C), None elsewhere), then S and T; targets (b, T), each counted one
+    weighing 1 / n. Returns (the weighted loss, known on every rank; X's gradient (b, T, C), the last's to use)."""
     shard, vocab, (b, T), C = stage.transformer.wte, groups.vocab, targets.shape, stage.cfg.n_embd
     last = dist.get_world_size(vocab) - tensor_parallel.tp_size(groups.tp)  # the last stage's first rank
     X = x.detach().reshape(b * T, C) if x is not None else shard.weight.new_empty(b * T, C)  # N = b T rows
     dist.broadcast(X, dist.get_global_rank(vocab, last), group=vocab)  # X to every rank
-    # S: this slice's logits (N, V_pad / (pp tp)), a padded row never a token, and their statistics
+    loss, softmax = output_s_pass(shard, X, targets.reshape(-1), n, stage.cfg.vocab_size, vocab)  # the first barrier
+    return loss, output_t_pass(shard, X, *softmax, vocab).view(b, T, C)  # the second
+
+
+def output_s_pass(shard, X, t, n, V, vocab):
+    """S on this rank's slice of wte (shard: rows [start, start + per_rank)) for X (N, C), targets t (N,): the
+    logits, their max all-reduced, then their sums of exponentials and the target's logit (the first barrier).
+    Returns (the weighted loss, every rank's; what T needs: exp (N, per_rank), total (N,), w, local, mine)."""
     W = shard.weight.detach()
     rows = torch.arange(shard.start, shard.start + shard.per_rank, device=W.device)
-    logits = (X @ W.T).masked_fill(rows >= stage.cfg.vocab_size, -math.inf)
+    logits = (X @ W.T).masked_fill(rows >= V, -math.inf)  # a padded row (>= V) never a token
     top = tensor_parallel.all_reduce(logits.max(dim=1).values, vocab, dist.ReduceOp.MAX)  # (N,) the global max
     exp = (logits - top[:, None]).exp()  # below 1 on every rank: no overflow; a padded row's 0
-    t = targets.reshape(-1)
     counted, local = t != -100, t - shard.start
     mine = counted & (local >= 0) & (local < shard.per_rank)  # the target's logit is in this slice
     local = local.masked_fill(~mine, 0)
     picked = logits.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
     total, picked = tensor_parallel.all_reduce(torch.stack([exp.sum(1), picked]), vocab)  # (N,) each, summed
     w = counted.to(X.dtype) / n
-    loss = ((total.log() + top - picked) * w).sum()  # cross-entropy: log sum exp - the target's logit
-    # T: d loss / d logits = (softmax - onehot) w on this slice's columns, back through its GEMM
+    return ((total.log() + top - picked) * w).sum(), (exp, total, w, local, mine)  # log sum exp - target's logit
+
+
+def output_t_pass(shard, X, exp, total, w, local, mine, vocab):
+    """T: d loss / d logits = (softmax - onehot) w on this slice's columns, back through its GEMM: its rows'
+    gradient added to shard.weight.grad; returns X's (N, C), every slice's share all-reduced (the second barrier)."""
     grad = exp / total[:, None] * w[:, None]
-    grad[torch.arange(b * T, device=W.device), local] -= mine * w
-    dW = grad.T @ X  # (V_pad / (pp tp), C): this rank's rows
+    grad[torch.arange(X.shape[0], device=X.device), local] -= mine * w
+    dW = grad.T @ X  # (per_rank, C): this rank's rows
     shard.weight.grad = dW if shard.weight.grad is None else shard.weight.grad + dW
-    dX = tensor_parallel.all_reduce(grad @ W, vocab)  # every slice's share of X's gradient, summed
-    return loss, dX.view(b, T, C)
+    return tensor_parallel.all_reduce(grad @ shard.weight.detach(), vocab)
 
 
 def vocab_1f1b_step(stage, microbatches, groups):
-    """02's one_f_one_b_step over the pipeline group, with the vocabulary layers on every rank. Before it the
-    input layer: each rank looks every token up in its rows (zeros for the others'), the sums all-reduced,
-    the first stage adding wpe. Each backward's gradient comes from its microbatch's output layer, which
-    every rank runs just before it would receive that gradient (the last stage: right after its forward),
-    so that the collectives go in one order everywhere, microbatch 0's first. After it the input layer's
-    backward: the first stage's input gradients broadcast to every rank, each through its own lookups.
-    Returns the loss on the last stage, else None."""
+    """02's one_f_one_b_step over the pipeline group, the vocabulary layers on every rank. Before it the input
+    layer: each rank looks every token up in its rows (zeros for the others'), the sums all-reduced, the first
+    stage adding wpe. Each backward's gradient comes from its microbatch's output layer, which every rank runs
+    just before it would receive that gradient (the last stage: right after its forward), so that the collectives
+    go in one order everywhere, microbatch 0's first. After it the input layer's backward: the first stage's input
+    gradients broadcast to every rank, each through its own lookups. Returns the loss on the last stage, else None."""
     s, pp, m, g = dist.get_rank(groups.pp), dist.get_world_size(groups.pp), len(microbatches), groups.pp
     first, last, (b, T) = s == 0, s == pp - 1, microbatches[0][0].shape
     n = max(sum(int((t != -100).sum()) for _, t in microbatches), 1)  # the batch's counted targets
@@ -196,8 +202,7 @@ def demo(env, cfg, args):
     say(f"{cfg}\npp={pp} tp={tp} m={m} global batch B={args.batch_size} T={args.seq_len} float64, "
         f"world={env.world_size} ({dist.get_backend()})")
     say(f"targets counted per microbatch: {[int((t != -100).sum()) for _, t in microbatches]}")
-    grid = {**gpt3d.rank_grid(env.world_size, tp, 1, pp), "vocab": [list(range(env.world_size))]}  # pp x tp ranks
-    groups = gpt3d.new_groups(env, grid)
+    groups = gpt3d.new_groups(env, {**gpt3d.rank_grid(env.world_size, tp, 1, pp), "vocab": [list(range(pp * tp))]})
     stage = vocab_stage(cfg, groups, dtype=torch.float64, device=env.device)
     stage.transformer.wte.weight.split_group = groups.vocab  # its rows cut over pp x tp (plumbing/shards)
     stage.load_full_state_dict(full)  # the serial model's weights

@@ -7,7 +7,7 @@
     python3 -m exercises check 01 --planted g_backward_all_reduces   # what a known mistake looks like
     python3 -m exercises check all --json results.json               # and a Gradescope-style results.json
 
-One stub file per numbered file with exercises (FILES: ex01_tensor_parallel.py ... 08's, 09's) holds the
+One stub file per numbered file with exercises (FILES: ex01_tensor_parallel.py ... ex09_expert_parallel.py) holds the
 functions and autograd Functions a student writes, each with the signature and the docstring contract of the
 piece it replaces and a body that raises NotImplementedError with a hint: the paper section to read
 and the command to run. The solutions are the numbered files themselves; nothing here copies them.
@@ -32,13 +32,15 @@ FILES = {
     "03": ("03_interleaved", "ex03_interleaved", "checks_03"),
     "04": ("04_data_parallel", "ex04_data_parallel", "checks_04"),
     "05": ("05_3d_gpt", "ex05_3d_gpt", "checks_05"),
-    "08": ("08_context_parallel", "ex08_context_parallel", "checks_08"),  # after the course's four weeks
+    "06": ("06_zero_bubble", "ex06_zero_bubble", "checks_06"),  # after the course's four weeks
+    "07": ("07_vocab_parallel", "ex07_vocab_parallel", "checks_07"),
+    "08": ("08_context_parallel", "ex08_context_parallel", "checks_08"),
     "09": ("09_expert_parallel", "ex09_expert_parallel", "checks_09"),
 }
 
 
 def exercises(file):
-    """The Exercise records of one numbered file ("01" ... "05", "08", "09"), in order."""
+    """The Exercise records of one numbered file ("01" ... "09"), in order."""
     return importlib.import_module(f"exercises.{FILES[file][2]}").EXERCISES
 
 
