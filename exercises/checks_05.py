@@ -10,12 +10,13 @@ trainer's AdamW, is compared in float64 over three steps with an AdamW written o
 decay on the 2-D weights only, betas (0.9, 0.95)), to 1e-12: the same formula in another order of
 operations, a few ulps. 05.4, the lesson's step, runs as 05's demo does, against the serial model's
 step (loss, every gradient, every weight after AdamW) at two layouts, on a batch whose replicas
-count unequal numbers of targets.
+count unequal numbers of targets, with the grader's own groups and AdamW (not 05.1's to 05.3's: in the
+student copy those are the student's, lent).
 """
 import torch
 
-from exercises.autograder import Exercise, Mistake, Planted, called, differences, first, installed, merged, \
-    numbered, ranks
+from exercises.autograder import Exercise, Mistake, Planted, called, differences, first, grid_groups, installed, \
+    merged, numbered, ranks
 from plumbing.launch import RankEnv
 from plumbing.reference import unequal_counts
 
@@ -238,11 +239,20 @@ CONTRACT = ("each counted target of the GLOBAL batch weighs 1/n, n counted over 
             "over groups.dp); microbatch i's mean weighs dp x valid_i / n, as allreduce_gradients averages")
 
 
+def trainers_adamw(params, lr=gpt3d.CHECK_LR):
+    """The trainer's AdamW, built here (not 05.3's, which the student copy lends from the student's file):
+    decay 0.1 on the 2-D weights only, betas (0.9, 0.95)."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
 def _lesson_step(env, layout):
     tp, pp, dp = layout
     m = gpt3d.CHECK_M
     cfg = tensor_parallel.GPTConfig(vocab_size=97, block_size=8, n_layer=2 * pp, n_head=2 * tp, n_embd=8 * tp)
-    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tp, dp, pp), TIMEOUT_S)
+    groups = grid_groups(env, expected_grid(env.world_size, tp, dp, pp))  # the grader's, not 05.1's and 05.2's
     full = tensor_parallel.init_state_dict(cfg, 3, dtype=F64, random_all=True)
     serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
     stage = gpt3d.pipeline.stage_model(cfg, groups.pp, group=groups.tp, dtype=F64)
@@ -252,8 +262,8 @@ def _lesson_step(env, layout):
     unequal_counts(targets, dp * m)  # replica 0's first microbatch counts none: the replicas count unequally
     ref_loss = serial(idx, targets)[1]
     ref_loss.backward()
-    gpt3d.adamw(serial.parameters()).step()
-    loss = gpt3d.ptd_p_step(stage, gpt3d.adamw(stage.parameters()), idx, targets, groups, m)
+    trainers_adamw(serial.parameters()).step()
+    loss = gpt3d.ptd_p_step(stage, trainers_adamw(stage.parameters()), idx, targets, groups, m)
     pairs = [("the loss (last stage)", loss, ref_loss.detach())] if stage.post_process else []
     pairs += [(f"the gradient of {n}", g, serial.get_parameter(n).grad) for n, g in stage.full_grads().items()]
     pairs += [(f"{n} after the AdamW step", w, serial.get_parameter(n).detach())
