@@ -13,8 +13,13 @@ step (loss, every gradient, every weight after AdamW) at two layouts, on a batch
 count unequal numbers of targets, with the grader's own groups and AdamW (not 05.1's to 05.3's: in the
 student copy those are the student's, lent).
 """
+import linecache
+import sys
+from datetime import timedelta
+
 import torch
 
+from exercises import autograder
 from exercises.autograder import Exercise, Mistake, Planted, called, differences, first, grid_groups, installed, \
     merged, numbered, ranks
 from plumbing.launch import RankEnv
@@ -100,23 +105,39 @@ ORDER_RULE = ("dist.new_group is a collective over every rank: each rank calls i
 
 
 class _Recorded:
-    """What the recording dist.new_group returns: the group's ranks, shown in a reason."""
+    """What the recording dist.new_group returns: the group's ranks and the student's line that made it."""
 
-    def __init__(self, ranks):
-        self.ranks = sorted(ranks)
+    def __init__(self, ranks, line):
+        self.ranks, self.line = sorted(ranks), line
 
     def __repr__(self):
-        return f"the group {self.ranks}"
+        return f"the group {self.ranks}" + (f", made at {self.line}" if self.line else "")
+
+
+def student_line(depth=2):
+    """"exercises/ex05_3d_gpt.py:63 (mine[kind] = dist.new_group(...))": the innermost frame above the
+    caller in the graded files (autograder's _student_files; the caller itself if none is), or None."""
+    frame, files = sys._getframe(depth), autograder._student_files
+    while frame is not None and files and frame.f_code.co_filename not in files:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    source = linecache.getline(path, line).strip()
+    source = source if len(source) <= 70 else source[:67] + "..."
+    return f"{autograder._short_path(path)}:{line}" + (f" ({source})" if source else "")
 
 
 def _recording(world, tp, dp, pp, fn):
-    """new_groups(env, grid) on every rank of the grid in this process, dist.new_group recorded: the reasons."""
+    """new_groups(env, grid) on every rank of the grid in this process, dist.new_group recorded: the reasons,
+    each said at the student's line that called dist.new_group."""
     grid = expected_grid(world, tp, dp, pp)
     made = {}
 
-    def new_group(ranks=None, timeout=None, **kwargs):
-        made[rank].append(sorted(range(world) if ranks is None else ranks))
-        return _Recorded(range(world) if ranks is None else ranks)
+    def new_group(ranks=None, timeout=None, *args, **kwargs):
+        group = _Recorded(range(world) if ranks is None else ranks, student_line())
+        made[rank].append((group, timeout))
+        return group
 
     where = f"grid {world} = tp {tp} x dp {dp} x pp {pp}"
     kept = {}
@@ -126,17 +147,26 @@ def _recording(world, tp, dp, pp, fn):
             kept[rank] = called(fn, RankEnv(rank, world, rank, torch.device("cpu")), grid, TIMEOUT_S,
                                 what=f"new_groups on rank {rank} of the {where}")
     every = [g for kind in ("tp", "dp", "pp", "embed") for g in grid[kind]]
+    ranks_of = {rank: [g.ranks for g, _ in made[rank]] for rank in range(world)}
     for rank in range(world):
-        missing = [g for g in every if g not in made[rank]]
+        at = f"{made[rank][0][0].line}: " if made[rank] and made[rank][0][0].line else ""
+        missing = [g for g in every if g not in ranks_of[rank]]
         if missing:
-            return [f"{where}: rank {rank} never creates the group {missing[0]}"
+            return [f"{at}{where}: rank {rank} never creates the group {missing[0]}"
                     + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + f": {ORDER_RULE}"]
-        if made[rank] != made[0]:
-            at = next(i for i, (a, b) in enumerate(zip(made[rank], made[0])) if a != b) \
-                if any(a != b for a, b in zip(made[rank], made[0])) else min(len(made[rank]), len(made[0]))
-            return [f"{where}: rank {rank}'s call {at + 1} to dist.new_group makes "
-                    f"{made[rank][at] if at < len(made[rank]) else 'nothing'}, rank 0's makes "
-                    f"{made[0][at] if at < len(made[0]) else 'nothing'}: {ORDER_RULE}"]
+        if ranks_of[rank] != ranks_of[0]:
+            mine, theirs = ranks_of[rank], ranks_of[0]
+            k = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            at = f"{made[rank][min(k, len(mine) - 1)][0].line}: " if made[rank][min(k, len(mine) - 1)][0].line else ""
+            return [f"{at}{where}: rank {rank}'s call {k + 1} to dist.new_group makes "
+                    f"{mine[k] if k < len(mine) else 'nothing'}, rank 0's makes "
+                    f"{theirs[k] if k < len(theirs) else 'nothing'}: {ORDER_RULE}"]
+        for group, timeout in made[rank]:
+            if timeout != timedelta(seconds=TIMEOUT_S):
+                return [f"{group.line + ': ' if group.line else ''}{where}: rank {rank} makes {group.ranks} with "
+                        f"timeout={timeout!r}, not timedelta(seconds=timeout_s): a group's own timeout bounds the "
+                        f"collectives on it, so that a rank waiting for a peer that never comes fails, naming the "
+                        f"group, instead of hanging (torch's default is 30 minutes)"]
     for rank in range(world):
         groups = kept[rank]
         for kind in ("tp", "dp", "pp", "embed"):
@@ -307,8 +337,8 @@ def _groups_only_mine(env, grid, timeout_s=60.0):
     mine = dict(embed=None)
     for kind, groups in grid.items():
         for ranks in groups:
-            if env.rank in ranks:  # the mistake: only the groups that hold this rank are made here
-                mine[kind] = gpt3d.dist.new_group(ranks, timeout=gpt3d.timedelta(seconds=timeout_s))
+            if env.rank in ranks:  # only the groups that hold this rank are made here
+                mine[kind] = gpt3d.dist.new_group(ranks, timeout=gpt3d.timedelta(seconds=timeout_s))  # the mistake
     return gpt3d.Groups(**mine)
 
 
@@ -317,6 +347,16 @@ def _groups_last_kept(env, grid, timeout_s=60.0):
     for kind, groups in grid.items():
         for ranks in groups:
             mine[kind] = gpt3d.dist.new_group(ranks, timeout=gpt3d.timedelta(seconds=timeout_s))  # the mistake
+    return gpt3d.Groups(**mine)
+
+
+def _groups_no_timeout(env, grid, timeout_s=60.0):
+    mine = dict(embed=None)
+    for kind, groups in grid.items():
+        for ranks in groups:
+            group = gpt3d.dist.new_group(ranks)  # the mistake: torch's default timeout, not the run's
+            if env.rank in ranks:
+                mine[kind] = group
     return gpt3d.Groups(**mine)
 
 
@@ -355,9 +395,13 @@ EXERCISES = [
              ("new_groups",), "Narayanan et al. 2021, Section 3; torch.distributed.new_group", check_new_groups,
              lambda: {"new_groups": REFERENCE["new_groups"]},
              [Planted("groups_only_mine", "each rank makes only the groups that hold it",
-                      lambda: {"new_groups": _groups_only_mine}, "member or not, in the same order"),
+                      lambda: {"new_groups": _groups_only_mine}, "member or not, in the same order", at_line=True),
               Planted("groups_last_kept", "each kind keeps the last group made, not the rank's own",
-                      lambda: {"new_groups": _groups_last_kept}, "keep, of each kind, the group that holds env.rank")]),
+                      lambda: {"new_groups": _groups_last_kept}, "keep, of each kind, the group that holds env.rank",
+                      at_line=True),
+              Planted("groups_no_timeout", "the groups are made without the run's timeout",
+                      lambda: {"new_groups": _groups_no_timeout}, "a group's own timeout bounds the collectives",
+                      at_line=True)]),
     Exercise("05.3", "adamw", "the trainer's AdamW: weight decay on the 2-D weights only", ("adamw",),
              "Narayanan et al. 2021, Section 3 (each rank updates what it holds); Loshchilov and Hutter 2019",
              check_adamw,
