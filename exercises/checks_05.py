@@ -232,14 +232,46 @@ def written_out(start, grads, lr, betas=(0.9, 0.95), decay=lambda p: p.dim() >= 
     return out
 
 
+def _recording_adamw(built):
+    """torch.optim.AdamW, each construction's line (the student's, student_line) appended to built."""
+    class AdamW(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs):
+            built.append(student_line())
+            super().__init__(*args, **kwargs)
+    return AdamW
+
+
 def check_adamw(impl):
     for lr in (None, 3e-2):  # its default (05's CHECK_LR) and one given
         params, grads = _model()
         start = {n: p.detach().clone() for n, p in params.items()}  # the weights before the optimizer's steps
-        what = f"adamw(params{'' if lr is None else f', lr={lr}'})"
-        opt = called(impl["adamw"], *([list(params.values())] + ([] if lr is None else [lr])), what=what)
+        what = f"adamw(model.parameters(){'' if lr is None else f', lr={lr}'})"
+        built = []  # the student's line that built each torch.optim.AdamW
+        args = [(p for p in params.values())] + ([] if lr is None else [lr])  # a generator, as 05's demo passes
+        with installed((torch.optim, "AdamW", _recording_adamw(built))):
+            opt = called(impl["adamw"], *args, what=what)
+        at = f"{built[-1]}: " if built and built[-1] else ""
         if not isinstance(opt, torch.optim.Optimizer):
-            return [f"{what} returned {opt!r:.60}: a torch.optim.AdamW over the parameters (two parameter groups)"]
+            return [f"{at}{what} returned {opt!r:.60}: a torch.optim.AdamW over the parameters (two parameter groups)"]
+        held = [id(p) for group in opt.param_groups for p in group["params"]]
+        for n, p in params.items():
+            if held.count(id(p)) != 1:
+                return [f"{at}{what}: {n} is in {held.count(id(p))} parameter groups, not 1"
+                        + (": params is a generator (05's demo passes model.parameters()), used up by the first "
+                           "pass over it: make it a list first" if not held.count(id(p)) else "")]
+        for n, p in params.items():
+            group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+            decay, want = group.get("weight_decay"), 0.1 if p.dim() >= 2 else 0.0
+            if decay != want:
+                return [f"{at}{what}: {n} is in a group with weight_decay {decay}, not {want}: "
+                        + ("weight decay is for the 2-D weights only; decay would pull a LayerNorm's gain toward 0, "
+                           "and a bias sets no scale to regularise: give the parameters with p.dim() < 2 a group "
+                           "of their own with weight_decay 0.0" if p.dim() < 2 else
+                           "the 2-D weights (the linears' and embeddings' matrices) decay by 0.1")]
+            if tuple(group.get("betas", ())) != (0.9, 0.95):
+                return [f"{at}{what}: {n}'s group has betas {group.get('betas')}: the trainer's are (0.9, 0.95), "
+                        f"GPT-3's (torch's default second-moment beta 0.999 averages over ~1000 steps, slow to "
+                        f"follow a loss spike)"]
         for step in grads:
             for n, p in params.items():
                 p.grad = step[n].clone()
@@ -257,7 +289,7 @@ def check_adamw(impl):
                  for n, p in params.items()]
         found = differences(pairs, tol=1e-12)
         if found:
-            return found
+            return [at + r for r in found]
     return []
 
 
@@ -366,9 +398,14 @@ def _adamw_decays_everything(params, lr=gpt3d.CHECK_LR):
 
 def _adamw_default_betas(params, lr=gpt3d.CHECK_LR):
     params = list(params)
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                             lr=lr, weight_decay=0.1)  # the mistake: torch's default betas (0.9, 0.999)
+    two, one = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": two}, {"params": one, "weight_decay": 0.0}], lr=lr, weight_decay=0.1)  # the mistake
+
+
+def _adamw_generator_twice(params, lr=gpt3d.CHECK_LR):
+    two, one = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]  # params: used up by the first
+    return torch.optim.AdamW([{"params": two}, {"params": one, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
+                             weight_decay=0.1)
 
 
 def _step_replica_means(stage, opt, idx, targets, groups, m):  # each replica's own mean, averaged (1/dp)
@@ -407,9 +444,12 @@ EXERCISES = [
              check_adamw,
              lambda: {"adamw": REFERENCE["adamw"]},
              [Planted("adamw_decays_everything", "one parameter group: biases and LayerNorms decay too",
-                      lambda: {"adamw": _adamw_decays_everything}, "weight decay is for the 2-D weights only"),
+                      lambda: {"adamw": _adamw_decays_everything}, "weight decay is for the 2-D weights only",
+                      at_line=True),
               Planted("adamw_default_betas", "torch's default betas, (0.9, 0.999)",
-                      lambda: {"adamw": _adamw_default_betas}, "the trainer's are (0.9, 0.95)")]),
+                      lambda: {"adamw": _adamw_default_betas}, "the trainer's are (0.9, 0.95)", at_line=True),
+              Planted("adamw_generator_twice", "params, a generator, read twice: the second group is empty",
+                      lambda: {"adamw": _adamw_generator_twice}, "make it a list first")]),
     Exercise("05.4", "ptd_p_step", "one PTD-P step from the earlier chapters' lessons", ("ptd_p_step",),
              "Narayanan et al. 2021, Section 3; docs/LOSS.md", check_ptd_p_step,
              lambda: {"ptd_p_step": REFERENCE["ptd_p_step"]},
