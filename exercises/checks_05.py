@@ -421,6 +421,20 @@ def _step_replica_means(stage, opt, idx, targets, groups, m):  # each replica's 
     return loss
 
 
+def _step_not_averaged(stage, opt, idx, targets, groups, m):  # the replicas' gradients left as each computed them
+    dp = torch.distributed.get_world_size(groups.dp)
+    idx, targets = gpt3d.data_parallel.shard_batch(idx, targets, dp, torch.distributed.get_rank(groups.dp))
+    microbatches = list(zip(idx.chunk(m), targets.chunk(m)))
+    weights = gpt3d.data_parallel.replica_loss_weights(microbatches, groups.dp)
+    opt.zero_grad()
+    loss = gpt3d.pipeline.one_f_one_b_step(stage, microbatches, groups.pp, weights)
+    opt.step()
+    if loss is not None:
+        torch.distributed.all_reduce(loss, group=groups.dp)
+        loss = loss / dp
+    return loss
+
+
 EXERCISES = [
     Exercise("05.1", "rank_grid", "the rank grid: tp fastest, then dp, then pp", ("rank_grid",),
              "Narayanan et al. 2021, Section 3", check_rank_grid, lambda: {"rank_grid": REFERENCE["rank_grid"]},
@@ -454,5 +468,7 @@ EXERCISES = [
              "Narayanan et al. 2021, Section 3; docs/LOSS.md", check_ptd_p_step,
              lambda: {"ptd_p_step": REFERENCE["ptd_p_step"]},
              [Planted("step_replica_means", "each replica's own mean loss, the replicas averaged (1/dp)",
-                      lambda: {"ptd_p_step": _step_replica_means}, "n counted over the dp replicas")]),
+                      lambda: {"ptd_p_step": _step_replica_means}, "n counted over the dp replicas"),
+              Planted("step_not_averaged", "the gradients are not all-reduced over the dp replicas",
+                      lambda: {"ptd_p_step": _step_not_averaged}, "as allreduce_gradients averages")]),
 ]
