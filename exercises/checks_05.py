@@ -10,12 +10,18 @@ trainer's AdamW, is compared in float64 over three steps with an AdamW written o
 decay on the 2-D weights only, betas (0.9, 0.95)), to 1e-12: the same formula in another order of
 operations, a few ulps. 05.4, the lesson's step, runs as 05's demo does, against the serial model's
 step (loss, every gradient, every weight after AdamW) at two layouts, on a batch whose replicas
-count unequal numbers of targets.
+count unequal numbers of targets, with the grader's own groups and AdamW (not 05.1's to 05.3's: in the
+student copy those are the student's, lent).
 """
+import linecache
+import sys
+from datetime import timedelta
+
 import torch
 
-from exercises.autograder import Exercise, Mistake, Planted, called, differences, first, installed, merged, \
-    numbered, ranks
+from exercises import autograder
+from exercises.autograder import Exercise, Mistake, Planted, called, differences, first, grid_groups, installed, \
+    merged, numbered, ranks
 from plumbing.launch import RankEnv
 from plumbing.reference import unequal_counts
 
@@ -99,23 +105,39 @@ ORDER_RULE = ("dist.new_group is a collective over every rank: each rank calls i
 
 
 class _Recorded:
-    """What the recording dist.new_group returns: the group's ranks, shown in a reason."""
+    """What the recording dist.new_group returns: the group's ranks and the student's line that made it."""
 
-    def __init__(self, ranks):
-        self.ranks = sorted(ranks)
+    def __init__(self, ranks, line):
+        self.ranks, self.line = sorted(ranks), line
 
     def __repr__(self):
-        return f"the group {self.ranks}"
+        return f"the group {self.ranks}" + (f", made at {self.line}" if self.line else "")
+
+
+def student_line(depth=2):
+    """"exercises/ex05_3d_gpt.py:63 (mine[kind] = dist.new_group(...))": the innermost frame above the
+    caller in the graded files (autograder's _student_files; the caller itself if none is), or None."""
+    frame, files = sys._getframe(depth), autograder._student_files
+    while frame is not None and files and frame.f_code.co_filename not in files:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    source = linecache.getline(path, line).strip()
+    source = source if len(source) <= 70 else source[:67] + "..."
+    return f"{autograder._short_path(path)}:{line}" + (f" ({source})" if source else "")
 
 
 def _recording(world, tp, dp, pp, fn):
-    """new_groups(env, grid) on every rank of the grid in this process, dist.new_group recorded: the reasons."""
+    """new_groups(env, grid) on every rank of the grid in this process, dist.new_group recorded: the reasons,
+    each said at the student's line that called dist.new_group."""
     grid = expected_grid(world, tp, dp, pp)
     made = {}
 
-    def new_group(ranks=None, timeout=None, **kwargs):
-        made[rank].append(sorted(range(world) if ranks is None else ranks))
-        return _Recorded(range(world) if ranks is None else ranks)
+    def new_group(ranks=None, timeout=None, *args, **kwargs):
+        group = _Recorded(range(world) if ranks is None else ranks, student_line())
+        made[rank].append((group, timeout))
+        return group
 
     where = f"grid {world} = tp {tp} x dp {dp} x pp {pp}"
     kept = {}
@@ -125,17 +147,26 @@ def _recording(world, tp, dp, pp, fn):
             kept[rank] = called(fn, RankEnv(rank, world, rank, torch.device("cpu")), grid, TIMEOUT_S,
                                 what=f"new_groups on rank {rank} of the {where}")
     every = [g for kind in ("tp", "dp", "pp", "embed") for g in grid[kind]]
+    ranks_of = {rank: [g.ranks for g, _ in made[rank]] for rank in range(world)}
     for rank in range(world):
-        missing = [g for g in every if g not in made[rank]]
+        at = f"{made[rank][0][0].line}: " if made[rank] and made[rank][0][0].line else ""
+        missing = [g for g in every if g not in ranks_of[rank]]
         if missing:
-            return [f"{where}: rank {rank} never creates the group {missing[0]}"
+            return [f"{at}{where}: rank {rank} never creates the group {missing[0]}"
                     + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + f": {ORDER_RULE}"]
-        if made[rank] != made[0]:
-            at = next(i for i, (a, b) in enumerate(zip(made[rank], made[0])) if a != b) \
-                if any(a != b for a, b in zip(made[rank], made[0])) else min(len(made[rank]), len(made[0]))
-            return [f"{where}: rank {rank}'s call {at + 1} to dist.new_group makes "
-                    f"{made[rank][at] if at < len(made[rank]) else 'nothing'}, rank 0's makes "
-                    f"{made[0][at] if at < len(made[0]) else 'nothing'}: {ORDER_RULE}"]
+        if ranks_of[rank] != ranks_of[0]:
+            mine, theirs = ranks_of[rank], ranks_of[0]
+            k = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            at = f"{made[rank][min(k, len(mine) - 1)][0].line}: " if made[rank][min(k, len(mine) - 1)][0].line else ""
+            return [f"{at}{where}: rank {rank}'s call {k + 1} to dist.new_group makes "
+                    f"{mine[k] if k < len(mine) else 'nothing'}, rank 0's makes "
+                    f"{theirs[k] if k < len(theirs) else 'nothing'}: {ORDER_RULE}"]
+        for group, timeout in made[rank]:
+            if timeout != timedelta(seconds=TIMEOUT_S):
+                return [f"{group.line + ': ' if group.line else ''}{where}: rank {rank} makes {group.ranks} with "
+                        f"timeout={timeout!r}, not timedelta(seconds=timeout_s): a group's own timeout bounds the "
+                        f"collectives on it, so that a rank waiting for a peer that never comes fails, naming the "
+                        f"group, instead of hanging (torch's default is 30 minutes)"]
     for rank in range(world):
         groups = kept[rank]
         for kind in ("tp", "dp", "pp", "embed"):
@@ -201,14 +232,46 @@ def written_out(start, grads, lr, betas=(0.9, 0.95), decay=lambda p: p.dim() >= 
     return out
 
 
+def _recording_adamw(built):
+    """torch.optim.AdamW, each construction's line (the student's, student_line) appended to built."""
+    class AdamW(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs):
+            built.append(student_line())
+            super().__init__(*args, **kwargs)
+    return AdamW
+
+
 def check_adamw(impl):
     for lr in (None, 3e-2):  # its default (05's CHECK_LR) and one given
         params, grads = _model()
         start = {n: p.detach().clone() for n, p in params.items()}  # the weights before the optimizer's steps
-        what = f"adamw(params{'' if lr is None else f', lr={lr}'})"
-        opt = called(impl["adamw"], *([list(params.values())] + ([] if lr is None else [lr])), what=what)
+        what = f"adamw(model.parameters(){'' if lr is None else f', lr={lr}'})"
+        built = []  # the student's line that built each torch.optim.AdamW
+        args = [(p for p in params.values())] + ([] if lr is None else [lr])  # a generator, as 05's demo passes
+        with installed((torch.optim, "AdamW", _recording_adamw(built))):
+            opt = called(impl["adamw"], *args, what=what)
+        at = f"{built[-1]}: " if built and built[-1] else ""
         if not isinstance(opt, torch.optim.Optimizer):
-            return [f"{what} returned {opt!r:.60}: a torch.optim.AdamW over the parameters (two parameter groups)"]
+            return [f"{at}{what} returned {opt!r:.60}: a torch.optim.AdamW over the parameters (two parameter groups)"]
+        held = [id(p) for group in opt.param_groups for p in group["params"]]
+        for n, p in params.items():
+            if held.count(id(p)) != 1:
+                return [f"{at}{what}: {n} is in {held.count(id(p))} parameter groups, not 1"
+                        + (": params is a generator (05's demo passes model.parameters()), used up by the first "
+                           "pass over it: make it a list first" if not held.count(id(p)) else "")]
+        for n, p in params.items():
+            group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+            decay, want = group.get("weight_decay"), 0.1 if p.dim() >= 2 else 0.0
+            if decay != want:
+                return [f"{at}{what}: {n} is in a group with weight_decay {decay}, not {want}: "
+                        + ("weight decay is for the 2-D weights only; decay would pull a LayerNorm's gain toward 0, "
+                           "and a bias sets no scale to regularise: give the parameters with p.dim() < 2 a group "
+                           "of their own with weight_decay 0.0" if p.dim() < 2 else
+                           "the 2-D weights (the linears' and embeddings' matrices) decay by 0.1")]
+            if tuple(group.get("betas", ())) != (0.9, 0.95):
+                return [f"{at}{what}: {n}'s group has betas {group.get('betas')}: the trainer's are (0.9, 0.95), "
+                        f"GPT-3's (torch's default second-moment beta 0.999 averages over ~1000 steps, slow to "
+                        f"follow a loss spike)"]
         for step in grads:
             for n, p in params.items():
                 p.grad = step[n].clone()
@@ -226,7 +289,7 @@ def check_adamw(impl):
                  for n, p in params.items()]
         found = differences(pairs, tol=1e-12)
         if found:
-            return found
+            return [at + r for r in found]
     return []
 
 
@@ -238,11 +301,20 @@ CONTRACT = ("each counted target of the GLOBAL batch weighs 1/n, n counted over 
             "over groups.dp); microbatch i's mean weighs dp x valid_i / n, as allreduce_gradients averages")
 
 
+def trainers_adamw(params, lr=gpt3d.CHECK_LR):
+    """The trainer's AdamW, built here (not 05.3's, which the student copy lends from the student's file):
+    decay 0.1 on the 2-D weights only, betas (0.9, 0.95)."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
 def _lesson_step(env, layout):
     tp, pp, dp = layout
     m = gpt3d.CHECK_M
     cfg = tensor_parallel.GPTConfig(vocab_size=97, block_size=8, n_layer=2 * pp, n_head=2 * tp, n_embd=8 * tp)
-    groups = gpt3d.new_groups(env, gpt3d.rank_grid(env.world_size, tp, dp, pp), TIMEOUT_S)
+    groups = grid_groups(env, expected_grid(env.world_size, tp, dp, pp))  # the grader's, not 05.1's and 05.2's
     full = tensor_parallel.init_state_dict(cfg, 3, dtype=F64, random_all=True)
     serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
     stage = gpt3d.pipeline.stage_model(cfg, groups.pp, group=groups.tp, dtype=F64)
@@ -252,8 +324,8 @@ def _lesson_step(env, layout):
     unequal_counts(targets, dp * m)  # replica 0's first microbatch counts none: the replicas count unequally
     ref_loss = serial(idx, targets)[1]
     ref_loss.backward()
-    gpt3d.adamw(serial.parameters()).step()
-    loss = gpt3d.ptd_p_step(stage, gpt3d.adamw(stage.parameters()), idx, targets, groups, m)
+    trainers_adamw(serial.parameters()).step()
+    loss = gpt3d.ptd_p_step(stage, trainers_adamw(stage.parameters()), idx, targets, groups, m)
     pairs = [("the loss (last stage)", loss, ref_loss.detach())] if stage.post_process else []
     pairs += [(f"the gradient of {n}", g, serial.get_parameter(n).grad) for n, g in stage.full_grads().items()]
     pairs += [(f"{n} after the AdamW step", w, serial.get_parameter(n).detach())
@@ -297,8 +369,8 @@ def _groups_only_mine(env, grid, timeout_s=60.0):
     mine = dict(embed=None)
     for kind, groups in grid.items():
         for ranks in groups:
-            if env.rank in ranks:  # the mistake: only the groups that hold this rank are made here
-                mine[kind] = gpt3d.dist.new_group(ranks, timeout=gpt3d.timedelta(seconds=timeout_s))
+            if env.rank in ranks:  # only the groups that hold this rank are made here
+                mine[kind] = gpt3d.dist.new_group(ranks, timeout=gpt3d.timedelta(seconds=timeout_s))  # the mistake
     return gpt3d.Groups(**mine)
 
 
@@ -310,15 +382,30 @@ def _groups_last_kept(env, grid, timeout_s=60.0):
     return gpt3d.Groups(**mine)
 
 
+def _groups_no_timeout(env, grid, timeout_s=60.0):
+    mine = dict(embed=None)
+    for kind, groups in grid.items():
+        for ranks in groups:
+            group = gpt3d.dist.new_group(ranks)  # the mistake: torch's default timeout, not the run's
+            if env.rank in ranks:
+                mine[kind] = group
+    return gpt3d.Groups(**mine)
+
+
 def _adamw_decays_everything(params, lr=gpt3d.CHECK_LR):
     return torch.optim.AdamW(list(params), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)  # the mistake: one group
 
 
 def _adamw_default_betas(params, lr=gpt3d.CHECK_LR):
     params = list(params)
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                             lr=lr, weight_decay=0.1)  # the mistake: torch's default betas (0.9, 0.999)
+    two, one = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": two}, {"params": one, "weight_decay": 0.0}], lr=lr, weight_decay=0.1)  # the mistake
+
+
+def _adamw_generator_twice(params, lr=gpt3d.CHECK_LR):
+    two, one = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]  # params: used up by the first
+    return torch.optim.AdamW([{"params": two}, {"params": one, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
+                             weight_decay=0.1)
 
 
 def _step_replica_means(stage, opt, idx, targets, groups, m):  # each replica's own mean, averaged (1/dp)
@@ -327,6 +414,20 @@ def _step_replica_means(stage, opt, idx, targets, groups, m):  # each replica's 
     opt.zero_grad()
     loss = gpt3d.pipeline.one_f_one_b_step(stage, list(zip(idx.chunk(m), targets.chunk(m))), groups.pp)
     gpt3d.data_parallel.allreduce_gradients(list(stage.parameters()), groups.dp)
+    opt.step()
+    if loss is not None:
+        torch.distributed.all_reduce(loss, group=groups.dp)
+        loss = loss / dp
+    return loss
+
+
+def _step_not_averaged(stage, opt, idx, targets, groups, m):  # the replicas' gradients left as each computed them
+    dp = torch.distributed.get_world_size(groups.dp)
+    idx, targets = gpt3d.data_parallel.shard_batch(idx, targets, dp, torch.distributed.get_rank(groups.dp))
+    microbatches = list(zip(idx.chunk(m), targets.chunk(m)))
+    weights = gpt3d.data_parallel.replica_loss_weights(microbatches, groups.dp)
+    opt.zero_grad()
+    loss = gpt3d.pipeline.one_f_one_b_step(stage, microbatches, groups.pp, weights)
     opt.step()
     if loss is not None:
         torch.distributed.all_reduce(loss, group=groups.dp)
@@ -345,20 +446,29 @@ EXERCISES = [
              ("new_groups",), "Narayanan et al. 2021, Section 3; torch.distributed.new_group", check_new_groups,
              lambda: {"new_groups": REFERENCE["new_groups"]},
              [Planted("groups_only_mine", "each rank makes only the groups that hold it",
-                      lambda: {"new_groups": _groups_only_mine}, "member or not, in the same order"),
+                      lambda: {"new_groups": _groups_only_mine}, "member or not, in the same order", at_line=True),
               Planted("groups_last_kept", "each kind keeps the last group made, not the rank's own",
-                      lambda: {"new_groups": _groups_last_kept}, "keep, of each kind, the group that holds env.rank")]),
+                      lambda: {"new_groups": _groups_last_kept}, "keep, of each kind, the group that holds env.rank",
+                      at_line=True),
+              Planted("groups_no_timeout", "the groups are made without the run's timeout",
+                      lambda: {"new_groups": _groups_no_timeout}, "a group's own timeout bounds the collectives",
+                      at_line=True)]),
     Exercise("05.3", "adamw", "the trainer's AdamW: weight decay on the 2-D weights only", ("adamw",),
              "Narayanan et al. 2021, Section 3 (each rank updates what it holds); Loshchilov and Hutter 2019",
              check_adamw,
              lambda: {"adamw": REFERENCE["adamw"]},
              [Planted("adamw_decays_everything", "one parameter group: biases and LayerNorms decay too",
-                      lambda: {"adamw": _adamw_decays_everything}, "weight decay is for the 2-D weights only"),
+                      lambda: {"adamw": _adamw_decays_everything}, "weight decay is for the 2-D weights only",
+                      at_line=True),
               Planted("adamw_default_betas", "torch's default betas, (0.9, 0.999)",
-                      lambda: {"adamw": _adamw_default_betas}, "the trainer's are (0.9, 0.95)")]),
+                      lambda: {"adamw": _adamw_default_betas}, "the trainer's are (0.9, 0.95)", at_line=True),
+              Planted("adamw_generator_twice", "params, a generator, read twice: the second group is empty",
+                      lambda: {"adamw": _adamw_generator_twice}, "make it a list first")]),
     Exercise("05.4", "ptd_p_step", "one PTD-P step from the earlier chapters' lessons", ("ptd_p_step",),
              "Narayanan et al. 2021, Section 3; docs/LOSS.md", check_ptd_p_step,
              lambda: {"ptd_p_step": REFERENCE["ptd_p_step"]},
              [Planted("step_replica_means", "each replica's own mean loss, the replicas averaged (1/dp)",
-                      lambda: {"ptd_p_step": _step_replica_means}, "n counted over the dp replicas")]),
+                      lambda: {"ptd_p_step": _step_replica_means}, "n counted over the dp replicas"),
+              Planted("step_not_averaged", "the gradients are not all-reduced over the dp replicas",
+                      lambda: {"ptd_p_step": _step_not_averaged}, "as allreduce_gradients averages")]),
 ]

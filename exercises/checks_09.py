@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from exercises.autograder import Exercise, Planted, differences, first, installed, merged, numbered, ranks, warm
+from exercises.autograder import Exercise, Planted, differences, first, grid_groups, installed, merged, numbered, ranks, warm
 
 tensor_parallel = numbered("01_tensor_parallel")
-gpt3d = numbered("05_3d_gpt")
 experts = numbered("09_expert_parallel")
 F64 = torch.float64
 CFG = tensor_parallel.GPTConfig(vocab_size=53, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -94,7 +93,7 @@ def serial_reference(moe, aux=_formula):
 
 
 def _whole_model(env, ref, moe, ep, dense):
-    groups = gpt3d.new_groups(env, experts.expert_grid(env.world_size, ep))
+    groups = grid_groups(env, experts.expert_grid(env.world_size, ep))
     model = experts.moe_gpt(CFG, moe, None if dense else groups.ep, ref["full"])
     if dense:  # every expert on every rank (ep = 1), each rank a replica: the experts' edp group is the world
         _densely(model, experts.aux_loss)

@@ -265,6 +265,22 @@ def test_the_lesson_loops_are_graded_without_the_numbered_files_own_loop():
         assert result.status == "pass", (key, result.lines)
 
 
+def test_05s_lesson_pieces_are_graded_without_05s_own():
+    # The student copy replaces 05's rank_grid, new_groups, adamw and ptd_p_step by their stubs: no check
+    # may take its expected answer (the grid, the groups, the optimizer) from them. With all four made to
+    # raise, each reference (the same code, passed as the student's) still passes.
+    gpt3d = load("05_3d_gpt")
+
+    def gone(*args, **kwargs):
+        raise AssertionError("the check called 05's own lesson piece")
+    pieces = ("rank_grid", "new_groups", "adamw", "ptd_p_step")
+    impls = {key: BY_KEY[key].reference() for key in ("05.1", "05.2", "05.3", "05.4")}
+    with autograder.installed(*[(gpt3d, name, gone) for name in pieces]):
+        for key, impl in impls.items():
+            result = autograder.grade(BY_KEY[key], impl)
+            assert result.status == "pass", (key, result.lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # The command line
 
@@ -275,7 +291,7 @@ def test_check_solution_and_planted_exit_0_and_an_unknown_name_exits_2(capsys):
     assert out.count("PASS") == 3 and "3 of 3 pass" in out
     assert cli.main(["check", "02", "--planted", "warmup_too_short"]) == 0  # caught, as it should be
     assert "the autograder caught it" in capsys.readouterr().out
-    assert cli.main(["check", "10"]) == 2 and "unknown file '10'" in capsys.readouterr().err
+    assert cli.main(["check", "07"]) == 2 and "unknown file '07'" in capsys.readouterr().err
     assert cli.main(["check", "02.9"]) == 2 and "no exercise '02.9'" in capsys.readouterr().err
     assert cli.main(["list"]) == 0 and "planted g_backward_all_reduces" in capsys.readouterr().out
 
