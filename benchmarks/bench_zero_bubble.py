@@ -130,8 +130,8 @@ def grads_after(step, chunks, pipe, embed_group):
         c.zero_grad(set_to_none=True)
     loss = step()
     pipeline.sync_tied_embeddings(chunks, embed_group if pipe.where[pipe.S - 1][0] else None)
-    return (None if loss is None else float(torch.as_tensor(loss).detach())), {(c, n): p.grad.detach().clone() for c, chunk in enumerate(chunks)
-                                                      for n, p in chunk.named_parameters()}
+    grads = {(c, n): p.grad.detach().clone() for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    return (None if loss is None else float(torch.as_tensor(loss).detach())), grads
 
 
 def check_64(env, cfg, args, embed_group):
@@ -139,7 +139,8 @@ def check_64(env, cfg, args, embed_group):
     batch, one step each; the worst relative difference of the loss and of every gradient."""
     pp, m, b, T = env.world_size, args.microbatches, args.microbatch_size, args.seq_len
     full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    idx, targets = torch.randint(cfg.vocab_size, (2, m * b, T), generator=torch.Generator().manual_seed(args.seed + 2))
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    idx, targets = torch.randint(cfg.vocab_size, (2, m * b, T), generator=gen)
     pipe = zb.pipeline_schedule("dualpipev", pp, m)
     ours = chunks_of(cfg, full, pipe, env.rank, split=True, dtype=torch.float64)
     peer = chunks_of(cfg, full, pipe, env.rank, split=False, dtype=torch.float64)
