@@ -356,3 +356,49 @@ def test_the_demo_passes_and_prints_every_figure_beside_its_formula():
     # (tests/test_vschedules.py); the machine's ZB-H1 against the lesson
     assert proc.stdout.count("PASS (tolerance 1e-10)") == 7 and proc.stdout.count("PASS (tolerance 1e-12)") == 1
     assert "FAIL" not in proc.stdout and proc.stdout.rstrip().endswith("PASS")
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/bench_zero_bubble.py's V schedules and DualPipeV against torch's, smoke-sized (no numpy needed:
+# torch's stages are given their shapes)
+
+BENCH_SMOKE = ["--n-layer", "4", "--n-embd", "16", "--n-head", "2", "--vocab-size", "32", "--seq-len", "8",
+               "--block-size", "8", "--microbatches", "4", "--microbatch-size", "1", "--repeats", "1", "--steps", "1", "--no-fed"]
+
+
+def test_the_bench_times_the_v_schedules_and_dualpipev_against_torchs_after_the_float64_check():
+    proc = run_script("benchmarks/bench_zero_bubble.py", "--schedules", "v-half", "v-min", "dualpipev", *BENCH_SMOKE,
+                      timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "ScheduleDualPipeV relative to ours" in out and out.count("all within tolerance") == 2
+    assert "all within tolerance (loss 1e-10, grad 1e-10)" in out  # the float64 check, before any timing
+    for pair in ("ours v-half/ours 1f1b", "ours v-min/ours 1f1b", "ours dualpipev/ours 1f1b",
+                 "ours dualpipev/torch dualpipev"):
+        assert f"{pair}: " in out and "of the medians; paired" in out.split(f"{pair}: ")[1].splitlines()[0], pair
+    assert "    torch dualpipev: " in out  # the per-iteration times
+    for side in ("ours 1f1b", "ours v-half", "ours v-min", "ours dualpipev", "torch dualpipev"):  # 2 ranks' peaks
+        line = next(x for x in out.splitlines() if x.startswith(f"  {side} ") and "of ours 1F1B's peak" in x)
+        peaks = [int(x) for x in line.split("[")[1].split("]")[0].split(",")]
+        assert len(peaks) == 2 and min(peaks) > 0, line
+
+
+def _bench_64_with_a_doubled_microbatch(env, args):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_zero_bubble as bench
+    split = bench.pipeline.split_batch
+    bench.pipeline.split_batch = lambda idx, targets, m: [(lambda mbs: [mbs[0], *mbs[:-1]])(split(idx, targets, m))][0]
+    try:  # ours sees microbatch 0 twice and not the last: the check must see it (O(1/m))
+        cfg = bench.tensor_parallel.GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
+        return bench.check_64(env, cfg, args, dist.new_group([0, 1]))
+    finally:
+        bench.pipeline.split_batch = split
+
+
+@pytest.mark.full_grid(covered_by=["test_the_bench_times_the_v_schedules_and_dualpipev_against_torchs_after_the_float64_check"],
+                       why="5 s (its ranks import torch's pipelining): the check it plants a mistake in runs in the smoke test")
+def test_the_benchs_float64_check_sees_a_wrong_microbatch(run_ranks):
+    args = SimpleNamespace(microbatches=4, microbatch_size=2, seq_len=16, seed=1234)
+    for rank in run_ranks(_bench_64_with_a_doubled_microbatch, 2, args):
+        assert rank["grad"] > 1e-3, rank
