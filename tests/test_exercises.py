@@ -291,7 +291,7 @@ def test_check_solution_and_planted_exit_0_and_an_unknown_name_exits_2(capsys):
     assert out.count("PASS") == 3 and "3 of 3 pass" in out
     assert cli.main(["check", "02", "--planted", "warmup_too_short"]) == 0  # caught, as it should be
     assert "the autograder caught it" in capsys.readouterr().out
-    assert cli.main(["check", "07"]) == 2 and "unknown file '07'" in capsys.readouterr().err
+    assert cli.main(["check", "10"]) == 2 and "unknown file '10'" in capsys.readouterr().err
     assert cli.main(["check", "02.9"]) == 2 and "no exercise '02.9'" in capsys.readouterr().err
     assert cli.main(["list"]) == 0 and "planted g_backward_all_reduces" in capsys.readouterr().out
 
