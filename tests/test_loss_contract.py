@@ -115,6 +115,8 @@ LAYOUTS = [
     ("05", dict(pp=2, microbatches=4)), ("05", dict(tp=2, recompute="full")), ("05", dict(dp=4)),
     ("05", dict(pp=2, dp=2, virtual_stages=2)), ("05", dict(tp=2, dp=2, recompute="selective")),
     ("06", dict(pp=2, dp=2, schedule="zb-h1")), ("06", dict(pp=2, schedule="zb-v")),
+    ("06", dict(pp=2, microbatches=4, schedule="v-half")), ("06", dict(pp=2, dp=2, microbatches=4, schedule="v-min")),
+    ("06", dict(pp=2, microbatches=4, schedule="dualpipev")),
     ("07", dict(pp=2, dp=2)), ("07", dict(tp=2, pp=2, vocab_barriers=1, schedule="zb-h1")),
     ("08", dict(cp=2, dp=2)), ("08", dict(cp=2, dp=2, cp_schedule="contiguous")),
     ("08", dict(cp=2, dp=2, cp_schedule="lightseq")),

@@ -159,13 +159,18 @@ def test_a_third_of_1f1bs_memory_is_out_of_reach_of_any_period_6_block(pp):
 
 
 @pytest.mark.parametrize("name,ratio,tol", [("v-half", HALF, Fraction(1, 10)), ("v-min", Fraction(2, 3), Fraction(6, 100))])
-def test_the_bubble_is_a_constant_idle_over_3m_near_the_tables_fraction_of_1f1bs(name, ratio, tol):
+def test_the_bubble_is_the_blocks_warm_up_and_cool_down_near_the_tables_fraction_of_1f1bs(name, ratio, tol):
+    """A repeated block idles only before its first full repetition and after its last: the same idle
+    on every rank, constant in m, and at most the block's span less one period (02's simulator may
+    squeeze the block's empty slots, never stretch them). The table's fraction is an approximation."""
     for pp in range(2, 9):
         idle = sim(name, pp, 2 * pp)[0].idle
-        assert len(set(idle)) == 1, (name, pp)  # every rank idles the same
+        block = zb.v_block(pp, zb.V_SCHEDULES[name][1])
+        span = Fraction(max(block.values()) + 1 - zb.PERIOD, 2)  # slots are half a stage's pass
+        assert len(set(idle)) == 1 and Fraction(1, 2) <= idle[0] <= span, (name, pp, idle, span)
         for m in range(2 * pp, 3 * pp + 1):
             s, one = sim(name, pp, m)[0], sim("1f1b", pp, m)[0]
-            assert s.idle == idle and s.bubble == idle[0] / (3 * m), (name, pp, m)  # the closed form
+            assert s.idle == idle, (name, pp, m)  # constant in m: no idle inside the repetitions
             if pp >= 4 or name == "v-half":
                 assert abs(s.bubble / one.bubble - ratio) <= tol, (name, pp, m, s.bubble / one.bubble)
 
