@@ -351,15 +351,20 @@ class FlatAdamW:
 # Read second: the demo's machine part, the lesson's training on BucketedDDP and FlatAdamW.
 
 
-def train_replica(env, cfg, args, mode, group, full, batches):
-    """train_lesson on the machine: an AdamW step of this replica in `mode` per batch, naive (the lesson's
-    allreduce_gradients), bucketed (BucketedDDP) or zero1 (BucketedDDP(zero=True) and FlatAdamW), each counted
-    target weighing 1/n (replica_loss_weights). Returns (losses, parameters, the last backward's bucket
-    timeline, the optimizer, the weights' checksum)."""
+def train_replica(env, cfg, args, mode, group, full, batches, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
+    """train_lesson on the machine: from the full weights `full`, in float64, one AdamW step of this replica
+    (lr args.lr, and betas, eps, weight_decay on every parameter) per global batch (idx, targets) of
+    `batches`, on its rows (shard_batch) in args.microbatches accumulation steps, in `mode`: naive (the
+    lesson's allreduce_gradients), bucketed (BucketedDDP, buckets of args.bucket_numel) or zero1
+    (BucketedDDP(zero=True) and FlatAdamW), each counted target weighing 1/n (replica_loss_weights).
+    Returns a 5-tuple: the losses (one float a batch: the global batch's mean loss, the same on every
+    replica), the parameters after the last step ({name: float64 CPU tensor}, full shapes), the last
+    backward's bucket timeline ((start, end, BucketedDDP.events, number of buckets); None when naive),
+    the optimizer, and the weights' checksum (demos.checksum: equal on replicas that agree to the bit)."""
     dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
     model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
     model.load_full_state_dict(full)
-    adamw = dict(lr=args.lr, weight_decay=0.1)
+    adamw = dict(lr=args.lr, betas=betas, eps=eps, weight_decay=weight_decay)
     ddp = None if mode == "naive" else BucketedDDP(model.parameters(), group, args.bucket_numel, zero=mode == "zero1")
     opt = FlatAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
     losses, timeline = [], None
@@ -509,11 +514,13 @@ def training_reference(cfg, args):
     return (batches, full, *serial_training(cfg, args, full, batches))
 
 
-def serial_training(cfg, args, full, batches):
-    """The reference: the same AdamW steps on one serial model and the whole batch."""
+def serial_training(cfg, args, full, batches, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
+    """The reference: the same AdamW steps (lr args.lr, and betas, eps, weight_decay on every parameter)
+    on one serial float64 model from `full`, one per whole batch (idx, targets) of `batches`. Returns
+    (the losses, one float a batch; {name: parameter} of the model after the last step)."""
     model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64)
     model.load_full_state_dict(full)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, eps=eps, weight_decay=weight_decay)
     losses = []
     for idx, targets in batches:
         loss = model(idx, targets)[1]

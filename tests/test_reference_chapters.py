@@ -72,9 +72,15 @@ def test_gpt3d_training_at_pp_2_dp_2_with_zero1_equals_serial():
     compare_state(got.weights, weights)
     grads = reference.serial_loss_and_grads(CFG, full, *batches[0]).grads
     norm = torch.cat([g.reshape(-1) for g in grads.values()]).norm().item()
-    assert abs(got.grad_norms[0] - norm) <= 1e-12 * norm and got.grads is None  # every element counted once
+    assert abs(got.grad_norms[0] - norm) <= 1e-12 * norm  # every element counted once
+    compare_state(got.grads, grads)  # ZeRO-1's shards, gathered over dp: every gradient, full shapes
     with pytest.raises(AssertionError, match="entries differ"):  # planted: 05's decay is not 0.2
         compare_state(got.weights, _serial_05(full, batches, 1e-2, 0.2)[1])
+    # planted: each replica's mean averaged (replica 0 counts fewer targets), or one replica's own mean alone
+    halves = [reference.serial_loss_and_grads(CFG, full, a, b).grads for a, b in zip(*(t.chunk(2) for t in batches[0]))]
+    for wrong in ({n: (halves[0][n] + halves[1][n]) / 2 for n in grads}, halves[0]):
+        with pytest.raises(AssertionError, match="entries differ"):
+            compare_state(got.grads, wrong)
 
 
 @pytest.mark.parametrize("schedule, pp, m, v", [("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2)])
