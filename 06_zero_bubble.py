@@ -599,7 +599,8 @@ def overlapped(pipe):
             out += [b, w, Action("P", f.mb, f.chunk, True)] if paired else [f]
             i += 3 if paired else 1
         lists.append(out)
-    return replace(pipe, lists=lists, kinds={**pipe.kinds, "P": pipe.kinds["F"], "I": replace(pipe.kinds["I"], after="act")})
+    kinds = {**pipe.kinds, "P": pipe.kinds["F"], "I": replace(pipe.kinds["I"], after="act")}
+    return replace(pipe, lists=lists, kinds=kinds)
 
 
 def run_schedule(env, cfg, pipe, ref, embed_group):
