@@ -273,7 +273,8 @@ def test_the_demo_with_v_half_prints_each_ranks_balance_as_computed():
         want = vp.v_half_balance(cfg, 32, vp.vocab_schedule(name.lower(), 2, 4, barriers), barriers)
         assert numbers(compute) == [round(float(x), 2) for x in want[0]] and numbers(memory) == [float(x) for x in want[1]]
         for figures, ratio in ((compute, c_ratio), (busy, b_ratio), (memory, m_ratio), (peak, p_ratio)):
-            assert f"{max(numbers(figures)) / min(numbers(figures)):.2f}" == ratio, (name, figures, ratio)
+            # the ratio of what is printed (busy ms to 0.1, the ratio to 0.01): the same to rounding
+            assert abs(max(numbers(figures)) / min(numbers(figures)) - float(ratio)) < 0.015, (name, figures, ratio)
         measured[name, barriers] = float(p_ratio)
         assert c_ratio == "1.00" and (m_ratio == "1.00") == (name == "V-Half"), (name, m_ratio)
     assert all(measured["V-Half", b] < measured["1F1B", b] for b in (1, 2)), measured  # measured: more even
