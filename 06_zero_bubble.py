@@ -707,6 +707,11 @@ def prove_v_schedules(env, cfg, args, ref, embed_group, one_f_one_b, one_bytes, 
             say(f"  {pipe.name}: peak {[str(x) for x in mem]} = {ratios} of 1F1B's (the table: {share}); lifespan "
                 f"arithmetic {'(same)' if mem == arithmetic or m < 2 * pp else '(DIFFERENT)'}, at most 1F1B's "
                 f"rank 0 x {share} + 2 = {2 * pp * share + 2}: {'yes' if max(mem) <= 2 * pp * share + 2 else 'NO'}")
+            twice, wide = simulate(pipeline_schedule(name, pp, 2 * m))[1], simulate(pipeline_schedule(name, 8, 24))[1]
+            say(f"    the table's {share} is a limit as pp grows, not reached here: the peak is the steady state's ("
+                f"{'the same' if twice == mem else 'not yet the same'} at m = {2 * m}), within a chunk or two of "
+                f"{share} of 1F1B's 2pp chunks\n    (at pp 8: {float(max(wide) / 16):.2f}); measured adds what W keeps "
+                f"(about M_B here, not the M_B/2 simulated), and on rank 0 both ends of the V")
             # A repeated block idles only in its warm-up and cool-down: the same on every rank, the same for
             # m + 1 microbatches, and at most the block's span less one period (before 02's simulator squeezes it).
             more, _ = simulate(pipeline_schedule(name, pp, m + 1))
