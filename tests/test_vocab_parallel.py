@@ -280,6 +280,21 @@ def test_the_demo_with_v_half_prints_each_ranks_balance_as_computed():
     assert all(measured["V-Half", b] < measured["1F1B", b] for b in (1, 2)), measured  # measured: more even
 
 
+def _v_half_trainers(env, tc):
+    out = [gpt3d.train(env, TRAINER_CFG, tc, quiet=True)["losses"]]
+    for barriers in (2, 1):
+        config = vp.TrainConfig(**{**dataclasses.asdict(tc), "vocab_barriers": barriers, "schedule": "v-half"})
+        out.append(vp.train(env, TRAINER_CFG, config, quiet=True)["losses"])
+    return out
+
+
+def test_the_trainer_with_v_half_has_05s_float64_losses_over_4_adamw_steps(run_ranks):
+    ref, *runs = run_ranks(_v_half_trainers, 2, replace(TRAINER_BASE, pp=2, microbatches=4, steps=4))[0]
+    assert ref[-1] < ref[0] and len(ref) == 4 and len(runs) == 2
+    for losses in runs:  # both algorithms
+        assert tensor_parallel.max_rel_diff(torch.tensor(losses), torch.tensor(ref)) <= TOL
+
+
 # ----------------------------------------------------------------------------------------------
 # The planner: Table 5's trend
 
