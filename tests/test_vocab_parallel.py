@@ -345,6 +345,7 @@ BAD = {
     "CUDA graphs": (["--train", "--cuda-graphs"], "--cuda-graphs: --vocab-barriers 2 runs the vocabulary passes'"),
     "a demo pp the V cannot split": (["--pp", "8"], "--n-layer 8: the demo runs ZB-V"),
     "a demo tp not dividing the heads": (["--tp", "3"], "n_head divisible by tp=3"),
+    "a demo schedule it does not run": (["--schedule", "zb-v"], "--schedule: invalid choice: 'zb-v'"),
 }
 
 
