@@ -478,8 +478,8 @@ def lesson_runs():
 
 
 def _recorded(step, *args, micro, chunks=(), sent=None):
-    """step(*args) with 02's lesson pieces and 03's exchange wrapped: (its result, this rank's actions
-    [(kind, chunk, mb)], its messages [[(direction, peer stage), ...] per blocking call], its peak count of
+    """step(*args) with 02's lesson pieces, 03's exchange and 06's weight_grads wrapped: (its result, this rank's
+    actions [(kind, chunk, mb)]: F, B (06's I) and W, its messages [[(direction, peer stage), ...] per blocking call], its peak count of
     microbatches in flight (chunks, with v > 1)). The tied embedding's sum is run but not recorded; sent:
     a list that gets each tensor sent forward (to stage s + 1)."""
     import torch.distributed as dist
@@ -537,10 +537,15 @@ def _recorded(step, *args, micro, chunks=(), sent=None):
         log(*[("send", msg[1] % dist.get_world_size()) for msg in sends], *[("recv", p) for p in receives.values()])
         return real_exchange(sends, receives, box, like)
 
+    def weight_grads(kept):  # 06's W: the oldest deferred microbatch's
+        actions.append(("W", 0, sum(a[0] == "W" for a in actions)))
+        return real_weight_grads(kept)
+
+    real_weight_grads = zero_bubble.weight_grads
     with installed(*[(pipeline, n, f) for n, f in (("forward_step", forward_step), ("backward_step", backward_step),
                                                    ("recv_from", recv_from), ("send_to", send_to),
                                                    ("send_recv", send_recv), ("sum_tied_grads", sum_tied_grads))],
-                   (interleaved, "exchange", exchange)):
+                   (interleaved, "exchange", exchange), (zero_bubble, "weight_grads", weight_grads)):
         result = step(*args)
     return result, actions, messages, flight[1]
 
@@ -828,6 +833,9 @@ CLAIMS = [
     Claim("06.1", r"Split so, one backward's gradients (equal) B's to float64 rounding",
           lambda: "equal" if serial_facts()["split_vs_B"] < 1e-12 and serial_facts()["weights_after_I"] == {True}
           else "differ from"),
+    Claim("06.2", r"the lesson's `zb_h1_step` runs the oldest W while more than r wait; `zb_h1` lists the (same) order\)",
+          lambda: "same" if [[("I" if k == "B" else k, mb) for k, _, mb in r["actions"]] for r in lesson("zb-h1")] == [
+              [(a.kind, a.mb) for a in zero_bubble.zb_h1(4, 8, r)] for r in range(4)] else "another"),
     Claim("06.2", r"the idle time per rank falls from (\d+) to (\d+), \(pp - 1\)\(t_F \+ t_I - t_W\), and the bubble "
                   r"from (\S+) to (\S+), a third",
           lambda: (str(one(zb("1f1b")[1][0].idle)), str(one(zb("zb-h1")[1][0].idle)), str(zb("1f1b")[1][0].bubble),
