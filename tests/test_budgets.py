@@ -255,6 +255,10 @@ def test_the_guides_rule_gives_the_fresh_readers_hours_and_a_changed_guide_fails
     machines = sum(exact_minutes(*measure_dense(ch, ("Read second",)), 0, 0, demo=False)
                    for ch in ("01", "02", "03", "04", "05"))
     assert 6.5 * 60 <= lessons <= 10.5 * 60 and 3 * 60 <= machines <= 5 * 60, (lessons / 60, machines / 60)
+    said = re.search(r"The same paces put 01-05's lessons \(.*?\) at about (\d+) hours and their machines at about "
+                     r"([\d.]+) more", " ".join(GUIDE.split()))
+    assert said and (int(said[1]), float(said[2])) == (round(lessons / 60), round(machines / 60, 1)), \
+        f"{said and said[0]!r}: the rule gives {lessons / 60:.2f} and {machines / 60:.2f} hours"
     assert dense_names("01") >= {"CopyToTP", "ReduceFromTP", "_VocabParallelCrossEntropy"}  # found by their base
     section = guide_sections()["03"]
     fewer_lines = GUIDE.replace(section, section.replace(f"{measure('03')} lines read first", "1 lines read first"))
