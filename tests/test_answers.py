@@ -717,7 +717,9 @@ CLAIMS = [
     Claim("02.1", r"run at pp = (\d), m = (\d) and watched from outside, its stages run (\[[\d, ]+\]) forwards before "
                   r"their first backward",
           lambda: ("4", "8", str(before_first_backward("1f1b")))),
-    Claim("02.1", r"clamped at 0.*?\), runs (\[[\d, ]+\])\. .* replayed in 02's simulator \(t_b = 2 t_f\), has a bubble "
+    Claim("02.1", r"The machine's lists, `one_f_one_b`, hold the (same) order as the lesson runs",
+          lambda: "same" if lesson_lists("1f1b") == one_f_one_b(4, 8) else "another"),
+    Claim("02.1", r"clamped at 0.*?\), runs (\[[\d, ]+\]) forwards before the first backward\. .* replayed in 02's simulator \(t_b = 2 t_f\), has a bubble "
                   r"of (\S+) instead of (\S+)\. Every message still meets its partner, so the loss and every gradient "
                   r"are still serial's to (float64 rounding)",
           lambda: (str(before_first_backward("short")), str(simulated(lesson_lists("short")).bubble),
