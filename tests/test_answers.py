@@ -6,8 +6,11 @@ The facts are checked as tests/test_docs.py checks the docs' prose (its CLAIMS):
 pattern over one answer (whitespace collapsed), whose groups are the figures, and a function that
 gets them from the code: a pure function of a numbered file (a schedule's lists, the simulator, the
 validator, the rank grid), what a demo prints today (conftest.script_output: the same runs as
-test_docs.py's, once per session), or a small run on CPU ranks (two launches, one rank and two, for
-all the answers that need one). Nothing is copied from an output. A doc that says another figure,
+test_docs.py's, once per session), or a small run on CPU ranks (launches of one, two and four ranks,
+each once per session). Where a question is about a chapter's lesson (the code on its read-first
+list), its facts come from the lesson run: 02's, 03's, 05's and 06's loops on four ranks, watched from
+outside (lesson_runs: what each rank ran, in order, and every blocking message call it made), 04's
+DDP and ZeRO1, 06's SplitLinear. Nothing is copied from an output. A doc that says another figure,
 or stops saying it, fails; and every answer must have at least one Claim, so that an answer added
 (08's, 09's) comes with its check.
 
