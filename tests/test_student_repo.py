@@ -5,6 +5,7 @@ The copy is built once for the module (about 5 s); `check all` there and 01's de
 would run them, from the command line, in that folder.
 """
 import importlib
+import importlib.util
 import inspect
 import linecache
 import os
@@ -158,3 +159,36 @@ def test_the_handouts_in_the_student_copy_keep_each_questions_points_but_not_its
         assert not [a for a in answers if a in theirs], week.name
         kept = re.findall(r"^- GUIDE \d\d Q\d+ \(\d+ points?\)$", theirs, re.M)
         assert len(kept) == len(answers), (week.name, kept)
+
+
+def test_the_student_copy_has_no_answer_key_of_the_fault_records_and_the_same_records(student, tmp_path):
+    """Week 4's scripts/fault_records.py: the students keep it (a cohort's records, by --seed), not its key.
+    The copy writes the instructor's bytes for a seed; its --key refuses, saying whose the key is; no
+    answer of the instructor's key (seeds 0-5) and no line of the key's code is anywhere in the copy; and
+    the same grep over the instructor's script finds that code (it can fail)."""
+    spec = importlib.util.spec_from_file_location("fault_records_ours", os.path.join(ROOT, "scripts",
+                                                                                     "fault_records.py"))
+    ours = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ours)
+    theirs = run(["scripts/fault_records.py", "--seed", "5"], student)
+    assert theirs.returncode == 0 and theirs.stdout == ours.student_text(ours.instance(5)[0]), theirs.stderr
+    refused = run(["scripts/fault_records.py", "--seed", "5", "--key"], student)
+    assert refused.returncode == 1 and student_repo.KEY_REFUSED in refused.stderr, refused.stdout + refused.stderr
+    assert "answer key (the teacher's" not in refused.stdout + refused.stderr
+    text = "\n".join(p.read_text(encoding="utf-8") for p in student.rglob("*") if p.is_file() and p.suffix in
+                     (".py", ".md", ".txt", ".json", ".sbatch"))
+    for seed in range(6):
+        for line in ours.key_text(ours.instance(seed)[1]).splitlines()[3:]:
+            answer = line.split(": ", 1)[-1].strip()
+            assert answer and answer not in text, (seed, answer)
+    key_code = {line: where for line, where in student_repo.reference_lines().items() if "answer key" in where}
+    assert len(key_code) >= 15, key_code  # the grep looks for the key's code, not for nothing
+    assert student_repo.leaks(str(student), key_code) == []
+    os.makedirs(tmp_path / "scripts")
+    shutil.copy(os.path.join(ROOT, "scripts", "fault_records.py"), tmp_path / "scripts")
+    assert {path for path, *_ in student_repo.leaks(str(tmp_path), key_code)} == {os.path.join("scripts",
+                                                                                               "fault_records.py")}
+    week4 = (student / "docs" / "course" / "week4.md").read_text(encoding="utf-8")
+    assert "For the teacher" in open(os.path.join(ROOT, "docs", "course", "week4.md"), encoding="utf-8").read()
+    assert "For the teacher" not in week4 and "<!-- teacher -->" not in week4 and "one stage does more work" \
+        not in week4
