@@ -113,6 +113,79 @@ def test_a_copy_of_the_references_source_is_refused_and_the_stubs_are_not():
                                        for n in e.functions}) == [], e.key
 
 
+OWN_F_AND_G = """\
+import torch
+from exercises.ex01_tensor_parallel import all_reduce, gather, reduce_scatter, SEQ
+
+
+class CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, SEQ), None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather(grad, ctx.group, SEQ), None
+"""
+
+
+def test_a_students_own_f_and_g_are_not_called_a_copy_though_their_statements_are_the_references(tmp_path):
+    # f, g and sequence parallelism's pair have one right answer, to the names the stub gives (3
+    # statements each): a teacher's trial hand-in, written without looking, was refused as "a copy of
+    # 01_tensor_parallel.py's own". A short piece is a copy only if its docstrings and comments are
+    # the reference's too (as 01's class, pasted whole, is: the test above).
+    path = tmp_path / "own_01.py"
+    path.write_text(OWN_F_AND_G)
+    spec = importlib.util.spec_from_file_location("own_01", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tp = importlib.import_module("01_tensor_parallel")
+    for exercise in (exercises_of("01")[0], exercises_of("01")[3]):
+        impl = {n: getattr(module, n) for n in exercise.functions}
+        assert all(cli._statements(impl[n]) == cli._statements(getattr(tp, n)) for n in impl)  # the same code
+        assert cli.not_written(exercise, impl) == [], exercise.key
+    source = OWN_F_AND_G.replace("class CopyToTP(torch.autograd.Function):\n",
+                                 "class CopyToTP(torch.autograd.Function):\n    " + repr(tp.CopyToTP.__doc__) + "\n")
+    path.write_text(source)  # the same, with 01's docstring pasted in: a copy
+    spec.loader.exec_module(module)
+    said = cli.not_written(exercises_of("01")[0], {n: getattr(module, n) for n in ("CopyToTP", "ReduceFromTP")})
+    assert said == ["01.1: CopyToTP is a copy of 01_tensor_parallel.py's own (its source is the reference's): write it "
+                    "yourself in ex01_tensor_parallel.py"], said
+
+
 def test_in_the_student_copy_a_written_piece_is_graded_and_a_wrong_one_fails(student, tmp_path):
     # A student who has written 01.1 to 01.3 (here: 01's own code, typed in, as the instructor's
     # copy has it) passes 01.1 there, the serial model running their 01.2 and 01.3; 01.2's own check
