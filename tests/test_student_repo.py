@@ -218,6 +218,46 @@ def test_in_the_student_copy_a_written_piece_is_graded_and_a_wrong_one_fails(stu
         failed.stdout + failed.stderr
 
 
+OWN_LINEARS = """
+
+def column_parallel_forward(self, x):
+    return F.linear(tensor_parallel.copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+def row_parallel_forward(self, x):
+    y = tensor_parallel.reduce_from_tp(F.linear(x, self.weight), self.group)
+    return y + self.bias
+"""
+
+
+def test_in_the_student_copy_01_4_says_what_its_whole_model_lacks_and_still_grades_its_operators(student):
+    # 01.2's contract is the layers without sequence parallelism; 01.4's whole model runs the layers with
+    # it. Lent to it, a student's right 01.2 gave a RuntimeError at their 01.3 line (the logits T/tp
+    # rows short). Now 01.4 says, in a sentence, that it needs 01's own linears there; and a wrong
+    # GatherFromSP still fails there, on the operators' own check, before the whole model.
+    tp = importlib.import_module("01_tensor_parallel")
+    mine = student / "exercises" / "ex01_tensor_parallel.py"
+    original = mine.read_text(encoding="utf-8")
+    own = OWN_F_AND_G.split("\n\n\n", 1)[1]  # the classes, without their imports
+    written = "\n\n".join([original, own, inspect.getsource(tp._VocabParallelCrossEntropy), OWN_LINEARS])
+    wrong = written.replace("return reduce_scatter(grad, ctx.group, SEQ), None",
+                            "return grad.chunk(tp_size(ctx.group), SEQ)[tp_rank(ctx.group)], None", 1)
+    assert wrong != written
+    try:
+        mine.write_text(written, encoding="utf-8")
+        right = run(["-m", "exercises", "check", "01.4"], student)
+        mine.write_text(wrong, encoding="utf-8")
+        failed = run(["-m", "exercises", "check", "01.4"], student)
+    finally:
+        mine.write_text(original, encoding="utf-8")
+    said = " ".join(right.stdout.split())
+    assert "01.4 sequence parallelism's all-gather / reduce-scatter pair not implemented" in said, said
+    assert "01.2 ColumnParallelLinear.forward with sequence parallelism: 01.2 asks for the layers without it" in said
+    assert "write that first" not in said and "Error" not in said and said.count("the student copy does not have") == 1
+    said = " ".join(failed.stdout.split())
+    assert failed.returncode == 1 and re.search(r"01\.4 .* FAIL", said) and "gather_from_sp" in said, said
+
+
 def test_the_handouts_in_the_student_copy_keep_each_questions_points_but_not_its_full_answer(student):
     """The rubric's "what a full answer contains" is the key to GUIDE's questions, as ANSWERS.md is: in
     the copy each question keeps its line and points, and no answer text of the instructor's handout."""
