@@ -664,7 +664,8 @@ def check_context(tc, cfg, splits):
 
 def check_experts(flags, n_embd):
     """The relations of 09's experts' flags (its demo's or its trainer's), each refused in a sentence before
-    anything starts (check_config calls it, as the config's check_relations)."""
+    anything starts (check_config calls it, as the config's check_relations); for the trainer, the one pair
+    not composed: 06's split backward (--schedule zb-*) with 08's executor (--cp, --recompute lightseq)."""
     tp, cp, dp, pp, ep, etp = (getattr(flags, k, 1) for k in ("tp", "cp", "dp", "pp", "ep", "etp"))
     E, k = flags.num_experts, flags.top_k
     if k < 1 or k > E:
@@ -685,6 +686,12 @@ def check_experts(flags, n_embd):
     if getattr(flags, "cuda_graphs", None):
         raise ValueError("--cuda-graphs: the dispatcher's all-to-all sizes are read on the host each step, which a "
                          "captured graph cannot; drop the flag")
+    schedule, recompute = getattr(flags, "schedule", "1f1b"), getattr(flags, "recompute", "none")  # the trainer's
+    if (cp > 1 or recompute == "lightseq") and schedule != "1f1b":
+        why = f"--cp {cp}" if cp > 1 else "--recompute lightseq"
+        raise ValueError(f"--schedule {schedule} with {why}: 08's ring runs in 05's 1F1B and interleaved "
+                         f"1F1B, whose executor weights each rank's share of the loss; 06's executor of I and W "
+                         f"does not, so the two are not composed here; give --schedule 1f1b")
 
 
 def check_expert_demo(flags, cfg):
