@@ -570,8 +570,8 @@ def prove_machine(env, cfg, groups, batch, full, reference, lessons, say):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the simulator, which reads a schedule's lists as 02's reads its (the validator,
-# validate, is plumbing/rings.py's)
+# After the concept: the simulator, which reads a schedule's lists as 02's reads its; the validator,
+# which reads them too, is plumbing/rings.py's validate
 
 
 @dataclass

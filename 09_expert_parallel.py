@@ -63,8 +63,8 @@ from einops import rearrange
 from plumbing import cli, shards
 from plumbing.checks import check_expert_demo, check_experts, check_router
 from plumbing.checkpoint import EXTENSIONS
-from plumbing.experts import draw_fold, plan_figures, report_experts, report_routing, train_action  # noqa: F401
-from plumbing.experts import LAYOUT_FLAGS, NOT_FOR_EXPERTS  # noqa: F401 (re-exported: 09's command line's)
+from plumbing.experts import draw_fold, report_experts, report_routing, train_action  # the figures, the actions
+from plumbing.experts import LAYOUT_FLAGS, NOT_FOR_EXPERTS, plan_figures  # noqa: F401 (re-exported)
 from plumbing.launch import gather_numbers, printer, run_main
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
