@@ -23,9 +23,9 @@ value, so those travel.
     ranks that finish early compute part of a busy rank's attention, sending the partial result
     home. Dense gradients are averaged over dp x cp together, the loss multiplied by cp first, as
     Megatron does.
-After the concept: DeepSpeed-Ulysses' all-to-all (heads over ranks for the attention core, the whole
-sequence there), LightSeq's rematerialization-aware checkpointing (--recompute lightseq), and 05's
-trainer with cp in the rank grid (tp fastest, then cp, dp, pp: Megatron's order).
+After the concept: LightSeq's rematerialization-aware checkpointing (--recompute lightseq), and 05's
+trainer with cp in the rank grid (tp fastest, then cp, dp, pp: Megatron's order); its --cp-attention
+ulysses is the contrast, DeepSpeed-Ulysses' all-to-all of heads (plumbing/ulysses.py).
 
 Run it:
     python 08_context_parallel.py                          # 4 CPU ranks: cp = 2 and cp = 4, float64
@@ -45,9 +45,7 @@ import functools
 import importlib
 import math
 import sys
-from collections import Counter
 from dataclasses import dataclass
-from datetime import timedelta
 from fractions import Fraction
 from typing import ClassVar, Literal
 
@@ -56,9 +54,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plumbing import cli, demos
-from plumbing.checks import check_rows, check_split
+from plumbing.checks import check_context, check_rows, check_split
 from plumbing.launch import gather_numbers, printer, run_main
+from plumbing.launch import new_tp_group as cp_groups  # this rank's group of cp consecutive ranks
 from plumbing.meter import ActivationMeter
+from plumbing.rings import report_balance, report_messages, report_parity, validate  # the lists checked, printed
+from plumbing.rings import message_bytes  # noqa: F401 (re-exported: one ring message's bytes)
+from plumbing.ulysses import AllToAll, ulysses, ulysses_core  # noqa: F401 (the contrast: --cp-attention ulysses)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 pipeline = importlib.import_module("02_pipeline_1f1b")
@@ -523,8 +525,8 @@ def prove_machine(env, cfg, groups, batch, full, reference, lessons, say):
     (idx, targets), (ref_logits, ref_loss, ref_grads), dt = batch, reference, torch.float64
     B, T = idx.shape
     if env.rank == 0:
-        report_balance(say, (2, 4, 8), show=4)
-        report_messages(say, cfg, B, T, 4)
+        report_balance(say, SPLITS, simulate, (2, 4, 8), show=4)
+        report_messages(say, SPLITS, messages, cfg, B, T, 4)
     worst, peaks, against_lesson = {}, {}, 0.0
     for cp in (2, 4):
         for name, make in SPLITS.items():
@@ -568,36 +570,8 @@ def prove_machine(env, cfg, groups, batch, full, reference, lessons, say):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the validator and the simulator, which read a schedule's lists as 02's read its
-
-
-def validate(sched):
-    """Refuse a schedule that is not causal attention exactly once, or not a ring: every rank the same
-    number of rows and of steps; every block causal (q >= kv); at step s only the rank's own blocks and
-    its visitor's, (r - s) mod cp, and at least one side its own; every causal pair of blocks computed
-    exactly once, on some rank at some step. Messages then match by construction (messages())."""
-    cp, n = sched.cp, sched.n
-    if sorted(sched.owner) != list(range(n)) or len(sched.owner) != n or len({len(b) for b in sched.split}) != 1:
-        raise pipeline.ScheduleError(f"{sched.name}: the split {sched.split} does not give every rank as many of "
-                                     f"the {n} blocks, each to one rank")
-    if len({len(steps) for steps in sched.steps}) != 1 or len(sched.steps) != cp:
-        raise pipeline.ScheduleError(f"{sched.name}: every rank must run as many ring steps")
-    done = Counter()
-    for r in range(cp):
-        for s, blocks in enumerate(sched.steps[r]):
-            for blk in blocks:
-                if not (0 <= blk.kv <= blk.q < n):
-                    raise pipeline.ScheduleError(f"{sched.name}: rank {r} step {s} computes {blk}, not causal")
-                owners = {sched.owner[blk.q], sched.owner[blk.kv]}
-                if r not in owners or not owners <= {r, (r - s) % cp}:
-                    raise pipeline.ScheduleError(f"{sched.name}: rank {r} step {s} computes {blk}, which needs "
-                                                 f"ranks {sorted(owners)}; at step {s} it meets rank {(r - s) % cp}")
-                done[blk] += 1
-    want = Counter(Block(i, j) for i in range(n) for j in range(i + 1))
-    for blk in want - done:
-        raise pipeline.ScheduleError(f"{sched.name}: {blk} is never computed")
-    for blk in done - want:
-        raise pipeline.ScheduleError(f"{sched.name}: {blk} is computed {done[blk]} times")
+# After the concept: the simulator, which reads a schedule's lists as 02's reads its; the validator,
+# which reads them too, is plumbing/rings.py's validate
 
 
 @dataclass
@@ -615,51 +589,6 @@ def simulate(sched):
     totals = [sum(row, Fraction(0)) for row in w]
     mean = sum(totals) / sched.cp
     return Balance(w, totals, max(totals) / mean, sum(max(col) for col in zip(*w)), mean)
-
-
-# ----------------------------------------------------------------------------------------------
-# After the concept: DeepSpeed-Ulysses (Jacobs et al. 2023), the contrast LightSeq argues against.
-# Everything but the attention core keeps T/cp rows, as above; around the core an all-to-all trades
-# rows for heads: each rank gets the whole sequence of nh/(tp cp) heads, attends as 01 does, and a
-# second all-to-all gives the rows back. Per rank and layer the four all-to-alls (q, k, v in, o out)
-# move 4 (cp-1)/cp^2 of B T C/tp, falling with cp, where the ring moves (cp-1)/cp of 2 B T C/tp, the
-# keys and values; but cp can be no larger than the heads a rank holds, nh/tp.
-
-
-class AllToAll(torch.autograd.Function):
-    """x split into cp pieces along dim `split`, piece j sent to rank j; the pieces received put side
-    by side along dim `cat`, in rank order. Backward is the all-to-all the other way."""
-
-    @staticmethod
-    def forward(ctx, x, group, split, cat):
-        ctx.group, ctx.split, ctx.cat = group, split, cat
-        cp = dist.get_world_size(group)
-        send = torch.stack(x.chunk(cp, split)).contiguous()  # (cp, ...): piece j for rank j
-        got = torch.empty_like(send)
-        dist.all_to_all_single(got, send, group=group)
-        return torch.cat(got.unbind(0), cat)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return AllToAll.apply(grad, ctx.group, ctx.cat, ctx.split), None, None, None
-
-
-def ulysses(chunk, sched, group):
-    """Every block's attention core of `chunk` (already context_parallel) as Ulysses' all-to-all."""
-    for block in chunk.transformer.h.values():
-        block.attn.core = functools.partial(ulysses_core, sched, group)
-
-
-def ulysses_core(sched, group, q, k, v, p):
-    """q, k, v (B, nh/tp, T/cp, hs): heads out, rows in (B, nh/(tp cp), T, hs), the rows put in true
-    order (the split's order is not, for Megatron's split), causal attention, and back."""
-    check_rows(sched, None, q, k, v, "ulysses_core")  # T comes from the shapes: it must split as sched does
-    T = q.shape[2] * sched.cp
-    order = torch.cat([positions(sched, r, T, q.device) for r in range(sched.cp)])  # gathered row -> position
-    true = torch.argsort(order)  # position -> gathered row
-    q, k, v = (AllToAll.apply(t, group, 1, 2)[:, :, true] for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return AllToAll.apply(y[:, :, order], group, 2, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -807,16 +736,7 @@ def context_schedule(tc):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the demo's helpers (groups, the sequence gathered back, its reports), its flags
-
-
-def cp_groups(env, cp):
-    """This rank's group of cp consecutive ranks (every rank creates every group, in one order)."""
-    mine = None
-    for start in range(0, env.world_size, cp):
-        g = dist.new_group(list(range(start, start + cp)), timeout=timedelta(seconds=60))
-        mine = g if start <= env.rank < start + cp else mine
-    return mine
+# After the concept: the sequence gathered back, the demo's flags (its reports: plumbing/rings.py)
 
 
 def gather_sequence(x, sched, group):
@@ -828,55 +748,6 @@ def gather_sequence(x, sched, group):
     for r, part in enumerate(parts):
         out[:, positions(sched, r, T, x.device)] = part
     return out
-
-
-def report_balance(say, cps, show):
-    say("\n=== causal balance: each rank's attention per ring step, in (T/cp)^2 blocks ===")
-    for cp in cps:
-        for name, make in SPLITS.items():
-            sched = make(cp)
-            validate(sched)
-            b = simulate(sched)
-            say(f"cp={cp} {name:10s}: balance factor {float(b.factor):.2f} (the busiest rank over the mean), "
-                f"{len(b.work[0])} steps, lockstep time {float(b.time):.2f} against {float(b.ideal):.2f} if even")
-            if cp == show:
-                for r, row in enumerate(b.work):
-                    say(f"    rank {r}: " + " ".join(f"{str(x):>4s}" for x in row) + f"  = {b.totals[r]}")
-
-
-def message_bytes(kind, shape, backward, elt):
-    """A message's bytes: shape (B, nh, c, hs), and its kind's width in head-size columns."""
-    B, nh, c, hs = shape
-    width = {"kv": 2 * hs, "q": 2 * hs + 2 if backward else hs, "out": hs + 2, "dq": hs, "dkv": 2 * hs}[kind]
-    return B * nh * c * width * elt
-
-
-def report_messages(say, cfg, B, T, cp, elt=8):
-    say(f"\n=== every ring message of one layer's attention at cp={cp}, B={B}, T={T}, float64 ===")
-    hs, nh = cfg.n_embd // cfg.n_head, cfg.n_head
-    for name, make in SPLITS.items():
-        sched = make(cp)
-        for backward in (False, True):
-            total = 0
-            for s in range(len(sched.steps[0]) + 1):
-                msgs = messages(sched, s, backward)
-                nbytes = [message_bytes(kind, (B, nh, T // sched.n, hs), backward, elt) for *_, kind, _ in msgs]
-                total += sum(nbytes)
-                say(f"{name:10s} {'backward' if backward else 'forward '} exchange {s}: " + (", ".join(
-                    f"{a}->{b} {kind}[{blk}] {n:,} B" for (a, b, kind, blk), n in zip(msgs, nbytes)) or "nothing"))
-            say(f"{name:10s} {'backward' if backward else 'forward '}: {total:,} bytes in all, "
-                f"{total / cp:,.0f} per rank")
-
-
-def report_parity(say, worst, peaks):
-    say("\n=== every gradient's worst relative difference from serial, over cp = 2, 4 and the three schedules ===")
-    for key, d in worst.items():
-        say(f"{key:45s} {d:.2e}")
-    say("\n=== peak activation bytes per rank (what autograd saves for backward), Megatron's split ===")
-    for cp, rows in peaks.items():
-        mine = [int(r[0]) for r in rows]
-        say(f"cp={cp}: " + ", ".join(f"{x:,}" for x in mine) + f"  ({max(mine) / max(int(r[0]) for r in peaks[1]):.2f} "
-            f"of cp=1's)")
 
 
 @dataclass
@@ -913,35 +784,8 @@ class TrainConfig(ContextParallel, gpt3d.TrainConfig):
 
     def check_relations(self, cfg, world=None):
         """The relations of 08's flags to the others (plumbing.checks.check_config calls it, before
-        anything starts); each refusal names the flag, the value and the constraint."""
-        for name, default in (("cp_schedule", "megatron"), ("cp_attention", "ring")):
-            if self.cp == 1 and getattr(self, name) != default:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} with --cp 1: one rank holds the "
-                                 f"whole sequence, so it would change nothing; drop it, or give --cp 2 or more")
-        ring = self.cp > 1 or self.recompute == "lightseq"
-        n = SPLITS[self.cp_schedule](self.cp).n * (self.tp if self.sequence_parallel else 1)
-        if ring and self.seq_len % n:
-            parts = f"{SPLITS[self.cp_schedule](self.cp).n} blocks" + (
-                f", each split again over tp={self.tp} by --sequence-parallel" if self.sequence_parallel else "")
-            raise ValueError(f"--seq-len {self.seq_len}: --cp {self.cp} with --cp-schedule {self.cp_schedule} cuts "
-                             f"each sequence into {parts}: it must be divisible by {n}")
-        if ring and cfg.dropout:
-            raise ValueError(f"--dropout {cfg.dropout:g} with --cp {self.cp}: context parallelism's attention "
-                             f"computes the probabilities block by block and drops none of them, which would differ "
-                             f"from --dropout's model; give --dropout 0 (or --cp 1)")
-        if self.cp_attention == "ulysses" and (cfg.n_head // self.tp) % self.cp:
-            raise ValueError(f"--cp-attention ulysses gives each of the cp={self.cp} ranks 1/cp of the "
-                             f"n_head / tp = {cfg.n_head} / {self.tp} heads a rank holds: {cfg.n_head // self.tp} "
-                             f"is not divisible by --cp {self.cp}")
-        if self.recompute == "lightseq" and self.cp_attention == "ulysses":
-            raise ValueError("--recompute lightseq keeps ring attention's output and log-sum-exp; --cp-attention "
-                             "ulysses has neither: use --recompute full or selective with it")
-        if ring and self.fused_kernels and not self.flash_attention:
-            raise ValueError(f"--no-flash-attention with --cp {self.cp}: it chooses the fused kernels' attention "
-                             f"core, which context parallelism replaces (the other fused kernels stay); drop the flag")
-        if self.cuda_graphs and self.cp > 1:
-            raise ValueError(f"--cuda-graphs with --cp {self.cp}: a captured stage cannot hold the ring's "
-                             f"point-to-point exchanges; drop the flag")
+        anything starts): plumbing/checks.py's check_context, each refusal naming the flag, the value and the constraint."""
+        check_context(self, cfg, SPLITS)
 
 
 def parser():

@@ -11,22 +11,19 @@ becomes E experts (each a GPT-2 MLP, 01's ParallelMLP) and a router that sends e
     (1) sort this rank's (token, expert) pairs by expert, (2) exchange the counts with an all-to-all,
     (3) send the tokens with an uneven all-to-all, (4) run each local expert once on the rows it
     received from every rank, (5) combine: the reverse all-to-all, then each row weighted by its router
-    probability and added back in its token's place. The all-to-all is an autograd Function whose
-    backward is the reverse all-to-all (AllToAll), as f's backward is g's forward. Dropless: every
-    token goes where it is sent. The auxiliary loss (aux_loss): Switch's and GShard's E sum_i f_i P_i,
-    f_i the share of the choices that went to expert i, P_i its mean router probability, over the
-    microbatch's counted tokens, with --aux-loss-coeff (0: off). Every rank is a replica of the dense
-    model on its rows of the batch; the experts' gradients are summed over edp (the ranks holding the
-    same experts), the dense ones over every rank.
+    probability and added back in its token's place. The all-to-all's backward is the reverse
+    all-to-all (AllToAll). Dropless: every token goes where it is sent. The auxiliary loss (aux_loss):
+    Switch's and GShard's E sum_i f_i P_i over the microbatch's counted tokens, with --aux-loss-coeff
+    (0: off). Every rank is a replica of the dense model on its rows of the batch; the experts'
+    gradients are summed over edp (the ranks holding the same experts), the dense ones over every rank.
   - The machine, read second, which the trainer runs: the same layer as MoELayer over Plan, dispatch
     and combine, with the seams the rest needs, and parallel folding: attention keeps 05's tp x dp x pp
     grid (08's tp x cp x dp x pp with context parallelism); the experts get their own etp x ep x edp x
-    pp grid over the same ranks (fold): both in Megatron's generator's order tp-cp-ep-dp-pp,
-    attention's at ep = 1, the experts' at cp = 1 (etp fastest, then ep, edp, pp); the pipeline groups
+    pp grid over the same ranks (fold), both in Megatron's order tp-cp-ep-dp-pp, the pipeline groups
     the same in both (checked). So an ep group may span attention's tp and dp groups (tp 2 x dp 2 ->
     ep 4), or its tp and cp groups (tp 2 x cp 2 -> ep 4: a sequence's tokens meet in one all-to-all),
-    and the load-balancing loss's sums are taken over the tp x cp ranks that split a microbatch.
-    Expert gradients are summed over edp, dense ones over dp x cp, both divided by dp x cp.
+    and the load-balancing loss is summed over the tp x cp ranks that split a microbatch. Expert
+    gradients are summed over edp, dense ones over dp x cp, both divided by dp x cp.
 The serial MoE layer is the same class with no groups, as tp = 1 is the serial GPT-2. After the
 concept: a capacity factor (tokens over an expert's capacity dropped, the rest padded to a fixed
 shape, as GShard and Switch do), experts tensor-parallel over etp > 1 ranks (01's sequence-parallel
@@ -63,10 +60,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-import planner
 from plumbing import cli, shards
-from plumbing.checks import check_router
+from plumbing.checks import check_expert_demo, check_experts, check_router
 from plumbing.checkpoint import EXTENSIONS
+from plumbing.experts import draw_fold, report_experts, report_routing, train_action  # the figures, the actions
+from plumbing.experts import LAYOUT_FLAGS, NOT_FOR_EXPERTS, plan_figures  # noqa: F401 (re-exported)
 from plumbing.launch import gather_numbers, printer, run_main
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -249,7 +247,7 @@ def demo(env, cfg, args):
     say(draw_fold(grid))
     diffs, (ref_loss, ref_aux), (loss, aux), model = against_serial(env, cfg, moe, args, groups, full, idx, targets)
     worst = max(x[0] for x in gather_numbers([max(diffs.values())], device=env.device))
-    report_routing(env, say, cfg, args, model)
+    report_routing(env, say, cfg, args, model, moe_layers(model))
     say(f"\nloss: serial {ref_loss:.12f}  expert-parallel {loss:.12f}\nauxiliary loss (the sum over "
         f"{len(moe_layers(model))} MoE layers; each 1 when the load is even, up to E/k = {moe.num_experts / moe.top_k:g} when "
         f"every token picks the same {moe.top_k}): serial {ref_aux:.12f}  expert-parallel {aux:.12f}")
@@ -660,69 +658,6 @@ def expert_weights(cfg, moe, dense, seed, upcycle=False):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the demo's figures: both grids and the fold, the routing and the bytes it moves
-
-
-def draw_fold(grid):
-    """Both grids over the same ranks, stage by stage: each rank's place in attention's (tp, dp; cp) and in
-    the experts' (ep, edp; etp), then every group, and what the fold did."""
-    cp = len(grid["cp"][0]) if "cp" in grid else 1
-    kinds = [k for k in ("tp", "cp", "dp", "tp_cp", "ep", "edp", "etp", "pp") if k in grid]
-    size = {k: len(grid[k][0]) for k in kinds}
-    place = {k: {r: i for g in grid[k] for i, r in enumerate(g)} for k in kinds}
-    which = {k: {r: i for i, g in enumerate(grid[k]) for r in g} for k in kinds}  # the index of r's group
-    replica = {r: i // cp for r, i in place["dp"].items()}  # 08's dp group is dp x cp ranks: d cp + c
-    attention = ("tp", "cp", "dp") if cp > 1 else ("tp", "dp")
-    out = [f"attention: tp {size['tp']}" + (f" x cp {cp}" if cp > 1 else "") + f" x dp {size['dp'] // cp} x pp "
-           f"{size['pp']} ({'08' if cp > 1 else '05'}'s grid: tp fastest, then {'cp, ' if cp > 1 else ''}dp, pp)",
-           f"experts:   etp {size['etp']} x ep {size['ep']} x edp {size['edp']} x pp {size['pp']} over the same ranks "
-           f"(etp fastest, then ep, edp, pp: Megatron's order)"]
-    for stage in range(size["pp"]):
-        ranks = sorted(r for r in place["pp"] if place["pp"][r] == stage)
-        at = lambda k, r: replica[r] if k == "dp" else place[k][r]  # noqa: E731
-        cell = lambda ks: "".join(f"{','.join(str(at(k, r)) for k in ks):>8}" for r in ranks)  # noqa: E731
-        w = 18 + 3 * (cp > 1)  # the labels' width
-        out += [f"{f'stage {stage}  rank':{w + 1}s}{''.join(f'{r:>8}' for r in ranks)}",
-                f"{'  attention ' + ','.join(attention):{w}s}{cell(attention)}",
-                f"{'  experts  ep,edp':{w}s}{cell(('ep', 'edp'))}"]
-        out += [f"{'  experts     etp':{w}s}{cell(('etp',))}"] if size["etp"] > 1 else []
-    for kind in ("tp", "cp", "dp", "tp_cp", "ep", "edp", "etp", "pp"):
-        if kind in grid:
-            groups = grid[kind] if len(grid[kind]) <= 16 else str(grid[kind][:16])[:-1] + ", ...]"
-            name = {"dp": "dp x cp", "tp_cp": "tp x cp"}.get(kind, kind) if cp > 1 else kind
-            out.append(f"{name + ' groups:':{16 if cp > 1 else 12}s}{groups}")
-    first = grid["ep"][0]
-    spans = f"{len({which['tp'][r] for r in first})} tp group(s)" + (
-        f", {len({place['cp'][r] for r in first})} cp rank(s) of each sequence" if cp > 1 else "")
-    block = " (each ep group is one tp x cp block)" if sorted(grid["ep"]) == grid.get("tp_cp") else ""
-    out.append(f"the fold: an ep group spans {spans} and {len({replica[r] for r in first})} dp replica(s) of "
-               f"attention{block}; expert gradients are summed over edp, dense ones over dp{' x cp' if cp > 1 else ''}")
-    return "\n".join(out)
-
-
-def report_routing(env, say, cfg, args, model):
-    """The first MoE layer's routing, every rank's: its choices per expert and the rows it received; then
-    every MoE layer's all-to-all bytes against the planner's formula (uniform routing)."""
-    layers = moe_layers(model)
-    plan, E, ep = layers[0].plan, layers[0].E, size_of(layers[0].ep)
-    table = gather_numbers(plan.counts + [sum(plan.recv)], device=env.device)
-    say(f"\nlayer 0's routing: the (token, expert) pairs each rank sent to each expert (expert e on ep rank "
-        f"e // {E // ep}), and the rows each rank's experts received")
-    say("rank " + "".join(f"{'e' + str(e):>6}" for e in range(E)) + "  received")
-    for r, row in enumerate(table):
-        say(f"{r:4d} " + "".join(f"{int(c):6d}" for c in row[:-1]) + f"{int(row[-1]):10d}")
-    elt = next(model.parameters()).element_size()
-    sent = [(sum(p.send) - p.send[rank_of(lay.ep)]) + (sum(p.recv) - p.recv[rank_of(lay.ep)])
-            for lay in layers for p in [lay.plan]]  # rows this rank sent to others: dispatch, combine
-    measured = 2 * sum(x[0] for x in gather_numbers([sum(sent)], device=env.device)) * cfg.n_embd * elt  # x2: backward
-    N = args.batch_size // args.dp * args.seq_len // (args.tp * args.cp)  # the tokens a rank routes
-    formula = planner.moe_alltoall_bytes(N, layers[0].k, ep, cfg.n_embd, elt) * len(layers) * env.world_size
-    say(f"all-to-all bytes of one forward and backward, every rank and MoE layer: {measured:,.0f} measured, "
-        f"{formula:,.0f} by the planner's formula at uniform routing (4 all-to-alls a layer, each rank sending "
-        f"(ep-1)/ep of its N k = {N} x {layers[0].k} rows of C = {cfg.n_embd})")
-
-
-# ----------------------------------------------------------------------------------------------
 # After the concept: the trainer's seam (05's loop runs ExpertSchedule: --train) and its checkpoints
 
 
@@ -742,15 +677,10 @@ class TrainConfig(Experts, context.TrainConfig):
     cuda_graphs: bool | None = False  # never with experts: the all-to-alls' sizes are read on the host each step
 
     def check_relations(self, cfg, world=None):
-        """08's relations (its split, attention and recompute), then the experts' (check_experts) and the one
+        """08's relations (its split, attention and recompute), then the experts' (check_experts), with the one
         pair not composed: 06's split backward with 08's executor."""
         context.TrainConfig.check_relations(self, cfg, world)
         check_experts(self, cfg.n_embd)
-        if (self.cp > 1 or self.recompute == "lightseq") and self.schedule != "1f1b":
-            why = f"--cp {self.cp}" if self.cp > 1 else "--recompute lightseq"
-            raise ValueError(f"--schedule {self.schedule} with {why}: 08's ring runs in 05's 1F1B and interleaved "
-                             f"1F1B, whose executor weights each rank's share of the loss; 06's executor of I and W "
-                             f"does not, so the two are not composed here; give --schedule 1f1b")
 
     def extension(self):
         """What a checkpoint records of the model beyond GPT-2's (plumbing/checkpoint.py's EXTENSIONS)."""
@@ -782,17 +712,7 @@ class ExpertSchedule(zero_bubble.ZeroBubbleSchedule):
             for layer in moe_layers(c):
                 layer.aux_scale = moe.aux_loss_coeff * tc.cp / tc.microbatches
         if dist.get_rank() == 0:  # 05's summary counts the dense model: what the experts add, first
-            cfg, spec = chunks[0].cfg, planner.MoESpec(moe.num_experts, moe.top_k, moe.moe_every)
-            total, active = planner.moe_params(planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size), spec)
-            drops = f"capacity {moe.capacity_factor:g}" if moe.capacity_factor else "dropless"
-            print(f"experts   {moe.num_experts} in each of layers {list(planner.moe_layers(cfg.n_layer, moe.moe_every))}, "
-                  f"top-{moe.top_k}, aux loss x {moe.aux_loss_coeff:g}, {drops}; etp {tc.etp} x ep {tc.ep} x edp "
-                  f"{tc.tp * tc.cp * tc.dp // (tc.ep * tc.etp)} over each stage's tp x {'cp x ' if tc.cp > 1 else ''}"
-                  f"dp; {total:,} parameters, {active:,} active per token")
-        if tc.init_from and dist.get_rank() == 0:
-            print(f"upcycling: each of the {moe.num_experts} experts of layers "
-                  f"{list(planner.moe_layers(chunks[0].cfg.n_layer, moe.moe_every))} starts as {tc.init_from}'s MLP of its "
-                  f"layer (Komatsuzaki et al. 2023); the routers are drawn from --seed {tc.seed}")
+            report_experts(chunks[0].cfg, moe, tc)
         if "I" in self.kinds:  # 06's backward split, last: it takes over the experts' linear layers too
             super().prepare(chunks)
 
@@ -859,7 +779,7 @@ EXTENSIONS["experts"] = lambda model, ext: with_experts(model, MoEConfig(**ext["
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the demo's flags and command line
+# After the concept: the demo's flags and command line (its actions and figures: plumbing/experts.py)
 
 
 @dataclass
@@ -875,53 +795,9 @@ class DemoConfig(MoEConfig):
     seed: int = 1234  # for the weights and the batch
 
     def check_relations(self, cfg, world=None):
-        """check_experts; with cp, what 08's split and the exact comparison with serial need."""
-        check_experts(self, cfg.n_embd)
-        n = 2 * self.cp * (self.tp if self.sequence_parallel else 1)
-        if self.cp > 1 and self.seq_len % n:
-            raise ValueError(f"--seq-len {self.seq_len}: --cp {self.cp} cuts each sequence into Megatron's 2 cp = "
-                             f"{2 * self.cp} blocks{' (each split again over tp by --sequence-parallel)' if n > 2 * self.cp else ''}: "
-                             f"it must be divisible by {n}")
-        if self.cp > 1 and cfg.dropout:
-            raise ValueError(f"--dropout {cfg.dropout:g} with --cp {self.cp}: ring attention drops no probability, "
-                             f"and the demo compares with the serial model exactly; give --dropout 0")
-        if cfg.dropout:
-            raise ValueError(f"--dropout {cfg.dropout:g}: the demo compares the lesson and the expert-parallel model "
-                             f"with the serial one exactly, and each rank would draw other masks; give --dropout 0")
-        world = self.tp * self.cp * self.dp
-        if self.batch_size % world:
-            raise ValueError(f"--batch-size {self.batch_size} is not divisible by tp x cp x dp = {world}: the demo's "
-                             f"lesson runs every rank as a replica of the dense model on B / {world} of the rows")
-        if self.cp > 1 and self.capacity_factor:
-            raise ValueError(f"--capacity-factor {self.capacity_factor:g} with --cp {self.cp}: the demo's serial "
-                             f"reference drops by the rule over the runs of a sequence the tp ranks hold; 08's split "
-                             f"gives a rank two blocks apart, which it does not reproduce; give --cp 1 (the trainer "
-                             f"takes both, and drops per rank)")
-
-
-def check_experts(flags, n_embd):
-    """The relations of the experts' flags (the demo's or the trainer's), each refused in a sentence before
-    anything starts (plumbing/checks.py's check_config calls it, as check_relations)."""
-    tp, cp, dp, pp, ep, etp = (getattr(flags, k, 1) for k in ("tp", "cp", "dp", "pp", "ep", "etp"))
-    E, k = flags.num_experts, flags.top_k
-    if k < 1 or k > E:
-        raise ValueError(f"--top-k {k}: each token goes to between 1 and --num-experts {E} experts")
-    if E % ep:
-        raise ValueError(f"--num-experts {E} is not divisible by --ep {ep}: each expert-parallel rank holds E / ep "
-                         f"experts")
-    if (tp * cp * dp) % (ep * etp):
-        stage = f"tp x cp x dp = {tp} x {cp} x {dp}" if cp > 1 else f"tp x dp = {tp} x {dp}"
-        raise ValueError(f"--ep {ep} x --etp {etp} = {ep * etp} does not divide {stage}: the experts' grid folds onto a "
-                         f"pipeline stage's ranks, (world / pp = {tp * cp * dp * pp} / {pp})")
-    if 4 * n_embd % etp:
-        raise ValueError(f"--etp {etp} does not divide an expert's 4 x n_embd hidden units")
-    if tp > 1 and not getattr(flags, "sequence_parallel", False) and flags.seq_len % (tp * cp):
-        by = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "")
-        raise ValueError(f"--seq-len {flags.seq_len} is not divisible by {by}: without --sequence-parallel each tp "
-                         f"rank routes T/tp of the tokens{' of its cp rank' if cp > 1 else ''}")
-    if getattr(flags, "cuda_graphs", None):
-        raise ValueError("--cuda-graphs: the dispatcher's all-to-all sizes are read on the host each step, which a "
-                         "captured graph cannot; drop the flag")
+        """check_experts; with cp, what 08's split and the exact comparison with serial need
+        (plumbing/checks.py's check_expert_demo)."""
+        check_expert_demo(self, cfg)
 
 
 def parser():
@@ -936,74 +812,21 @@ def start_demo(cfg, args):
     return all(tensor_parallel.launch(demo, args.tp * args.cp * args.dp, cfg, args))
 
 
-TITLE = "mixture of experts (09)"
-NOT_FOR_EXPERTS = {  # 05's actions that read a checkpoint into 01's GPT-2, which has no experts
-    "sample": "--sample reads the weights into 01's serial GPT-2, which has no experts; 09 does not sample",
-    "export_hf": "--export-hf writes a Hugging Face GPT-2, and GPT-2 has no experts",
-    "export_state_dict": "--export-state-dict writes 01's GPT-2 state dict, which has no experts (nor does --init-from "
-                         "read one back)",
-    "plan": "--plan estimates 05's dense GPT-2; the experts' figures come with --print-layout (planner.py's moe_*)"}
-
-
-LAYOUT_FLAGS = {"print_layout", "tp", "cp", "dp", "pp", "ep", "etp", "schedule", "virtual_stages", "num_experts",
-                "top_k", "moe_every", "batch_size", "microbatches", "seq_len", "sequence_parallel", "zero1", "recompute",
-                "cp_schedule", "cp_attention"}
-
-
 def train_parser():
     """05's trainer's flags, 08's (--cp 1: off) and the experts' (the router's --top-k replaces sampling's)."""
     p = context.train_parser()
     p.conflict_handler = "resolve"
-    cli.add_dataclass_args(p, Experts, TITLE)
+    cli.add_dataclass_args(p, Experts, "mixture of experts (09)")
     p.set_defaults(cp=TrainConfig.cp, dp=TrainConfig.dp)
     return p
-
-
-def train_action(argv):
-    """What 05's command line would do instead of training, for a model with experts: --print-layout draws
-    both grids, the fold and the planner's figures; sampling, the exports and --plan are refused by name.
-    Returns True if it was an action, None to train."""
-    p = train_parser()
-    given = cli.given(p, argv)
-    for name, why in NOT_FOR_EXPERTS.items():
-        if name in given:
-            raise ValueError(why)
-    if "print_layout" not in given:
-        return None
-    args = p.parse_args(argv)
-    tc, cfg = cli.from_args(TrainConfig, args), cli.from_args(tensor_parallel.GPTConfig, args)
-    extra = sorted(given - LAYOUT_FLAGS - set(cfg.__dataclass_fields__))
-    if extra:
-        raise ValueError(f"--print-layout does not use {', '.join('--' + n.replace('_', '-') for n in extra)}: it "
-                         f"draws the grids and starts nothing; drop them")
-    tc.check_relations(cfg)
-    print(draw_fold(schedule_of(tc).grid(tc.tp * tc.cp * tc.dp * tc.pp, tc.tp, tc.dp)))
-    print(plan_figures(cfg, tc))
-    return True
-
-
-def plan_figures(cfg, tc):
-    """The planner's figures of a model with experts under the fold (planner.py's moe_*). With cp, to the planner
-    a cp rank is a replica of sequences of T/cp tokens: its activations and all-to-alls are those of T/cp, and
-    its ZeRO-1 shards are over dp x cp (08's dp groups); its FLOPs per token are the whole sequence's."""
-    m, e = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len), MoEConfig.of(tc)
-    total, active = planner.moe_params(m, e)
-    per_rank = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len // tc.cp)
-    L = planner.Layout(tc.tp, tc.pp, tc.dp * tc.cp, tc.batch_size * tc.cp, b=tc.batch_size // (tc.dp * tc.microbatches),
-                       v=tc.virtual_stages, recompute=tc.recompute, sequence_parallel=tc.sequence_parallel)
-    tokens = L.b * per_rank.seq_len // tc.tp  # a rank routes its 1/tp of a microbatch (of its T/cp)
-    return (f"planner: {total:,} parameters, {active:,} active per token; {planner.moe_flops_per_token(m, e):,.0f} "
-            f"FLOPs per token (forward and backward); the fullest rank's memory "
-            f"{planner.moe_memory_per_rank(per_rank, e, L, tc.ep, tc.etp, tc.zero1) / 2**20:,.1f} MiB (bf16 weights, fp32 "
-            f"gradients and AdamW, activations); all-to-all bytes per MoE layer and microbatch, per rank: "
-            f"{planner.moe_alltoall_bytes(tokens, e.top_k, tc.ep, cfg.n_embd):,.0f} (bf16, uniform routing)")
 
 
 def main():
     """With --train, 05's trainer with 08's flags and the experts' (plumbing/command.py), after the actions it
     does otherwise for experts (train_action); without, the demo."""
     if "--train" in sys.argv[1:]:
-        if train_action([a for a in sys.argv[1:] if a != "--train"]):
+        if train_action([a for a in sys.argv[1:] if a != "--train"], train_parser, TrainConfig, schedule_of,
+                        MoEConfig.of):
             return True
         sys.argv.remove("--train")
         return gpt3d.main(train_parser, TrainConfig, schedule_of)

@@ -31,6 +31,9 @@ first read; each module opens with what it does and how it is called.
     watch.py       the watch: each rank's record, the heartbeat, the watchdog, faults, restarts
     health.py      who waits for whom, stragglers: pure functions the watch reads
     selfcheck.py   --self-check: every rank, group and link tried before training
+    rings.py       08's ring schedules read as data: the validator, the demo's reports
+    ulysses.py     DeepSpeed-Ulysses' all-to-all attention core, 08's contrast (--cp-attention ulysses)
+    experts.py     09's demo's figures (the fold, the routing) and its command line's actions
 
 Dependencies run one way: the numbered files import this package, and a module here imports a
 numbered file only when called (checkpoint.py reads 01's sharding, report.py 02's simulator,

@@ -17,6 +17,7 @@
     preflight(cfg, tc, world, device)   all of the above for 05, then the data, the checkpoint to
                                   resume from and the save directory; returns what they resolve to
     acceleration(tc, device)      fused kernels on? CUDA graphs per stage, of the whole step, or off?
+    check_context, check_experts  08's and 09's flags' relations (their configs' check_relations)
 
 Each error is a ValueError that names the flag (or the file), the value and the constraint. A value
 passes only if the run can use it: a learning rate that would make every weight infinite, a timeout
@@ -621,6 +622,101 @@ def check_model(cfg, tp=1, device="cpu"):
         raise ValueError(f"device={str(device)!r}: this machine has no GPU that torch can use (torch.cuda.is_available() "
                          f"is False: no CUDA device or driver, or a CPU-only build of torch); use device='cpu'")
     return tp
+
+
+# ----------------------------------------------------------------------------------------------
+# 08's and 09's flags: the relations their configs' check_relations (called by check_config above) ask
+# for, each refused in a sentence before anything starts. 08 and 09 re-export them.
+
+
+def check_context(tc, cfg, splits):
+    """The relations of 08's flags (its TrainConfig: --cp, --cp-schedule, --cp-attention, --recompute
+    lightseq) to the others; splits: 08's SPLITS, each split's blocks for the sequence length."""
+    for name, default in (("cp_schedule", "megatron"), ("cp_attention", "ring")):
+        if tc.cp == 1 and getattr(tc, name) != default:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(tc, name)} with --cp 1: one rank holds the "
+                             f"whole sequence, so it would change nothing; drop it, or give --cp 2 or more")
+    ring = tc.cp > 1 or tc.recompute == "lightseq"
+    n = splits[tc.cp_schedule](tc.cp).n * (tc.tp if tc.sequence_parallel else 1)
+    if ring and tc.seq_len % n:
+        parts = f"{splits[tc.cp_schedule](tc.cp).n} blocks" + (
+            f", each split again over tp={tc.tp} by --sequence-parallel" if tc.sequence_parallel else "")
+        raise ValueError(f"--seq-len {tc.seq_len}: --cp {tc.cp} with --cp-schedule {tc.cp_schedule} cuts "
+                         f"each sequence into {parts}: it must be divisible by {n}")
+    if ring and cfg.dropout:
+        raise ValueError(f"--dropout {cfg.dropout:g} with --cp {tc.cp}: context parallelism's attention "
+                         f"computes the probabilities block by block and drops none of them, which would differ "
+                         f"from --dropout's model; give --dropout 0 (or --cp 1)")
+    if tc.cp_attention == "ulysses" and (cfg.n_head // tc.tp) % tc.cp:
+        raise ValueError(f"--cp-attention ulysses gives each of the cp={tc.cp} ranks 1/cp of the "
+                         f"n_head / tp = {cfg.n_head} / {tc.tp} heads a rank holds: {cfg.n_head // tc.tp} "
+                         f"is not divisible by --cp {tc.cp}")
+    if tc.recompute == "lightseq" and tc.cp_attention == "ulysses":
+        raise ValueError("--recompute lightseq keeps ring attention's output and log-sum-exp; --cp-attention "
+                         "ulysses has neither: use --recompute full or selective with it")
+    if ring and tc.fused_kernels and not tc.flash_attention:
+        raise ValueError(f"--no-flash-attention with --cp {tc.cp}: it chooses the fused kernels' attention "
+                         f"core, which context parallelism replaces (the other fused kernels stay); drop the flag")
+    if tc.cuda_graphs and tc.cp > 1:
+        raise ValueError(f"--cuda-graphs with --cp {tc.cp}: a captured stage cannot hold the ring's "
+                         f"point-to-point exchanges; drop the flag")
+
+
+def check_experts(flags, n_embd):
+    """The relations of 09's experts' flags (its demo's or its trainer's), each refused in a sentence before
+    anything starts (check_config calls it, as the config's check_relations); for the trainer, the one pair
+    not composed: 06's split backward (--schedule zb-*) with 08's executor (--cp, --recompute lightseq)."""
+    tp, cp, dp, pp, ep, etp = (getattr(flags, k, 1) for k in ("tp", "cp", "dp", "pp", "ep", "etp"))
+    E, k = flags.num_experts, flags.top_k
+    if k < 1 or k > E:
+        raise ValueError(f"--top-k {k}: each token goes to between 1 and --num-experts {E} experts")
+    if E % ep:
+        raise ValueError(f"--num-experts {E} is not divisible by --ep {ep}: each expert-parallel rank holds E / ep "
+                         f"experts")
+    if (tp * cp * dp) % (ep * etp):
+        stage = f"tp x cp x dp = {tp} x {cp} x {dp}" if cp > 1 else f"tp x dp = {tp} x {dp}"
+        raise ValueError(f"--ep {ep} x --etp {etp} = {ep * etp} does not divide {stage}: the experts' grid folds onto a "
+                         f"pipeline stage's ranks, (world / pp = {tp * cp * dp * pp} / {pp})")
+    if 4 * n_embd % etp:
+        raise ValueError(f"--etp {etp} does not divide an expert's 4 x n_embd hidden units")
+    if tp > 1 and not getattr(flags, "sequence_parallel", False) and flags.seq_len % (tp * cp):
+        by = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "")
+        raise ValueError(f"--seq-len {flags.seq_len} is not divisible by {by}: without --sequence-parallel each tp "
+                         f"rank routes T/tp of the tokens{' of its cp rank' if cp > 1 else ''}")
+    if getattr(flags, "cuda_graphs", None):
+        raise ValueError("--cuda-graphs: the dispatcher's all-to-all sizes are read on the host each step, which a "
+                         "captured graph cannot; drop the flag")
+    schedule, recompute = getattr(flags, "schedule", "1f1b"), getattr(flags, "recompute", "none")  # the trainer's
+    if (cp > 1 or recompute == "lightseq") and schedule != "1f1b":
+        why = f"--cp {cp}" if cp > 1 else "--recompute lightseq"
+        raise ValueError(f"--schedule {schedule} with {why}: 08's ring runs in 05's 1F1B and interleaved "
+                         f"1F1B, whose executor weights each rank's share of the loss; 06's executor of I and W "
+                         f"does not, so the two are not composed here; give --schedule 1f1b")
+
+
+def check_expert_demo(flags, cfg):
+    """09's demo's flags: check_experts; with cp, what 08's split and the exact comparison with serial need."""
+    check_experts(flags, cfg.n_embd)
+    n = 2 * flags.cp * (flags.tp if flags.sequence_parallel else 1)
+    if flags.cp > 1 and flags.seq_len % n:
+        raise ValueError(f"--seq-len {flags.seq_len}: --cp {flags.cp} cuts each sequence into Megatron's 2 cp = "
+                         f"{2 * flags.cp} blocks{' (each split again over tp by --sequence-parallel)' if n > 2 * flags.cp else ''}: "
+                         f"it must be divisible by {n}")
+    if flags.cp > 1 and cfg.dropout:
+        raise ValueError(f"--dropout {cfg.dropout:g} with --cp {flags.cp}: ring attention drops no probability, "
+                         f"and the demo compares with the serial model exactly; give --dropout 0")
+    if cfg.dropout:
+        raise ValueError(f"--dropout {cfg.dropout:g}: the demo compares the lesson and the expert-parallel model "
+                         f"with the serial one exactly, and each rank would draw other masks; give --dropout 0")
+    world = flags.tp * flags.cp * flags.dp
+    if flags.batch_size % world:
+        raise ValueError(f"--batch-size {flags.batch_size} is not divisible by tp x cp x dp = {world}: the demo's "
+                         f"lesson runs every rank as a replica of the dense model on B / {world} of the rows")
+    if flags.cp > 1 and flags.capacity_factor:
+        raise ValueError(f"--capacity-factor {flags.capacity_factor:g} with --cp {flags.cp}: the demo's serial "
+                         f"reference drops by the rule over the runs of a sequence the tp ranks hold; 08's split "
+                         f"gives a rank two blocks apart, which it does not reproduce; give --cp 1 (the trainer "
+                         f"takes both, and drops per rank)")
 
 
 # ----------------------------------------------------------------------------------------------
