@@ -317,9 +317,8 @@ def train_step(run, idx, targets, lr):
 
 
 def forward_backward(run, micro, valid, norm=None, chunks=None, plain=False):
-    """This replica's microbatches through the pipeline: 02's executor runs this rank's list, with
-    scatter/gather on the wire and (background_sends) 02's BackgroundSends. chunks, plain
-    (kernels/graphs.py): run these chunks instead, nothing left in flight, no output freed."""
+    """This replica's microbatches through 02's executor on this rank's list, scatter/gather on the wire, 02's
+    BackgroundSends (background_sends). chunks, plain (kernels/graphs.py): these chunks, nothing in flight or freed."""
     exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
     wire = run.wire or pipeline.Wire(run.act_shape)
     return run.pipe.executor(chunks or run.chunks, run.groups.pp, wire, exchange, not plain).run(micro, valid, norm)
@@ -346,8 +345,10 @@ def prove_machine(env, cfg, tc, groups, batch, lesson):
     mtc = TrainConfig(tp=tc.tp, pp=tc.pp, dp=tc.dp, batch_size=idx.shape[0], microbatches=CHECK_M,
                       seq_len=idx.shape[1], dtype="float64", lr=CHECK_LR, weight_decay=0.1, grad_clip=math.inf,
                       bucket_numel=500, fused_kernels=False, cuda_graphs=False, eval_every=0, timeout_s=tc.timeout_s)
-    run, got = build(env, cfg, mtc, groups, full=full), {}
-    zero_grad = run.ddp.zero_grad
+    run = build(env, cfg, mtc, groups)
+    for c in run.chunks:  # full: the lesson's weights, of this stage's keys at least (the tests pass each step's)
+        c.load_full_state_dict(full)
+    got, zero_grad = {}, run.ddp.zero_grad
 
     def read_grads():  # train_step's last call: the gradients are read just before they are cleared
         got.update({n: g.clone() for c in run.chunks for n, g in c.full_grads().items()})
@@ -370,10 +371,9 @@ def prove_machine(env, cfg, tc, groups, batch, lesson):
 
 
 def train(env, cfg, tc, quiet=False, schedule_of=None, check=None):
-    """Train on this rank, as nanoGPT's loop: a batch, a step, a log line, an eval, a save; what a run needs
-    around it (the watch, rehearsed faults, skipped steps, the trace, saves) is plumbing's Operations.
-    schedule_of(tc): the PipelineSchedule to run (06's and 07's own). check (05's main job: demo):
-    check(env, tc, say) before anything trains; False stops the run. Returns the losses, norms, evals, figures."""
+    """Train on this rank, as nanoGPT's loop: a batch, a step, a log line, an eval, a save (the watch, faults,
+    skipped steps, the trace, saves: plumbing's Operations). schedule_of(tc): the PipelineSchedule (06's, 07's);
+    check (05's demo) runs before anything trains, False stopping the run. Returns losses, norms, evals, figures."""
     say = printer(env, quiet)  # the refusals, every rank's agreement, then check: before anything is built
     train_tokens, eval_tokens, path, start = before_training(env, cfg, tc, say, check)
     pipe = (schedule_of or interleaved_schedule)(tc)

@@ -212,7 +212,7 @@ def report(run, out, wall, say, forward_only):
         f"{', sequence parallel' if tc.sequence_parallel else ''})")
     say(f"peak stored activation bytes on rank 0 (last step): {out['peak_activation_bytes']:,}")
     if run.env.device.type == "cuda":  # the memory checklist's figure (G12); not counted on a CPU
-        spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)  # as 05 builds it
+        spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)  # as summary() builds it
         say(measured_peak(run.env, sum(memory_estimate(run, spec).values())))
     if "sums" in out and out["sums"] is None and tc.seq_len < PROBE_T:
         say(f"sums: not probed: a window of --seq-len {tc.seq_len} cannot hold \"9 plus 9 is 18.\" "
