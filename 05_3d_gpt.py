@@ -3,11 +3,11 @@
 What this file adds on top of 01-04: their composition into one trainer. Tensor parallelism (01,
 optionally with sequence parallelism) runs inside each pipeline stage; the stages run 1F1B (02) or
 interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas.
-  - The lesson, read first: the rank grid (tp fastest, then dp, then pp; Section 3) and its process
-    groups, and ptd_p_step, ONE training step as plain code from the earlier lessons: this replica's
-    rows (04), 02's 1F1B over this rank's pp group with 01's tp layers in each stage, 04's all-reduce
-    of the gradients over dp, AdamW; each counted target of the global batch weighing 1 / (its
-    global count) (docs/LOSS.md).
+  - The lesson, read first: the rank grid (Megatron's order: tp fastest, then dp, then pp; Section 3)
+    and its process groups, and ptd_p_step, ONE training step as plain code from the earlier lessons:
+    this replica's rows (04), 02's 1F1B over this rank's pp group with 01's tp layers in each stage,
+    the tied-embedding sum, 04's gradient all-reduce over dp, AdamW; each counted target of the global
+    batch weighing 1 / (its global count) (docs/LOSS.md).
   - The machine, read second, which the main job runs and 06-09 extend: scatter/gather (Section
     4.1: each tp rank sends 1/tp of a boundary tensor, the next stage all-gathers it over tp), the
     global gradient norm (every element counted once), build, train_step (02's executor, 04's
@@ -524,11 +524,11 @@ def finite_step(loss, norm):
     return math.isfinite(loss) and math.isfinite(norm)
 
 
-VOCAB_DIVISIBLE_BY = 128  # Megatron's: V_pad a multiple of it times tp, the output GEMM's sizes aligned (50257 -> 50304)
+VOCAB_DIVISIBLE_BY = 128  # Megatron's: V_pad a multiple of it times tp, the output GEMM aligned (50257 -> 50304 at tp 1)
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the command line (plumbing/command.py)
+# After the concept: the flags (TrainConfig: plumbing/flags.py) and the command line (plumbing/command.py)
 
 
 def parser():
