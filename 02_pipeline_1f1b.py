@@ -46,8 +46,7 @@ tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# The lesson: GPipe and 1F1B as the loops one writes on a whiteboard. Rank s is stage s of pp, the world
-# (or pp_group's ranks: 05's); each holds the microbatches [(idx, targets)]. Every message is in this section.
+# The lesson: rank s is stage s of pp (the world, or 05's pp_group), holding every microbatch; every message is here.
 
 
 def split_layers(n_layer, n_stages):
@@ -175,8 +174,7 @@ def one_f_one_b_step(stage, microbatches, pp_group=None, weights=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: the lesson against the serial model, then the machine below against the lesson; float64, the
-# same weights and the same batch, whose microbatches count unequal numbers of targets (one none).
+# Demo: the lesson against the serial model, then the machine below against the lesson (float64, one batch).
 
 
 def demo(env, cfg, args):
@@ -394,8 +392,7 @@ def execute(schedule, chunks, pp_group, microbatches, wire, valid=None, exchange
 
 
 # ----------------------------------------------------------------------------------------------
-# Read second: the machine's stages (v chunks a rank, 03's), one step on one rank, and the demo's part
-# that runs each schedule's lists on the lesson's weights and batch (plumbing/demos.py prints).
+# Read second: the machine's stages (v chunks a rank, 03's), one step on one rank, the demo's machine part.
 
 
 def build_chunks(cfg, pp, rank, v=1, group=None, placement=looped, **gpt_kwargs):
@@ -456,8 +453,7 @@ def prove_machine(env, cfg, args, names, reference, lessons, say):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: how a boundary tensor travels (Wire; 05's scatter/gather plugs in) and is posted
-# (Exchange), and BackgroundSends, which 05's trainer turns on (--background-sends, the default).
+# After the concept: how a boundary tensor travels (Wire) and is posted (Exchange); BackgroundSends (05's).
 
 
 class Exchange:

@@ -3,30 +3,25 @@
 What this file adds on top of 01-04: their composition into one trainer. Tensor parallelism (01,
 optionally with sequence parallelism) runs inside each pipeline stage; the stages run 1F1B (02) or
 interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas.
-  - The lesson, read first: the rank grid (Megatron's order, tp fastest, then dp, then pp; Section 3)
+  - The lesson, read first: the rank grid (Megatron's order: tp fastest, then dp, then pp; Section 3)
     and its process groups, and ptd_p_step, ONE training step as plain code from the earlier lessons:
-    this replica's rows (04's shard_batch), 02's 1F1B over this rank's pp group with 01's tp layers
-    inside each stage, the tied-embedding sum, 04's all-reduce of the gradients over dp, AdamW; each
-    counted target of the global batch weighing 1 / (its global count) (docs/LOSS.md).
-  - The machine, read second, which the main job runs and 06-09 extend: the scatter/gather
-    optimisation (Section 4.1: between stages each tp rank sends only 1/tp of the boundary tensor and
-    the receiving stage all-gathers it over tp); the global gradient norm for clipping across tp, pp
-    and dp, every element counted once; build, train_step (02's executor, 04's buckets reducing
-    during each chunk's last backward) and the loop, train: AdamW with weight-decay groups, warmup
-    then cosine decay, a held-out eval loss.
-  - After the concept: activation recomputation, of whole layers or of the attention core
-    (Korthikanti et al. 2022, §5), the flags and the command line.
-Before the main job trains, its demo checks the lesson's step at the run's layout against the serial
-model in float64 on a small model and a batch whose replicas and microbatches count unequal numbers
-of targets, one none (loss, every gradient, every weight after AdamW within 1e-10), then the machine's
-train_step against the lesson (1e-12), and exits 1 on a mismatch; a later chapter's --train does not.
-The trainer turns on every optimization the chapters add after their concepts (the "speed" flags,
-each on by default: 01's overlapped linear and merged loss reductions, 02's background sends, 04's
-pipeline buckets and overlapped ZeRO-1 gather), and, where the device allows, fused kernels and CUDA
-graphs (Section 4.2), each behind one seam of kernels/ (kernels.fuse, kernels.graphs.Graphed).
-What a run needs but does not teach is plumbing/: data, checkpoints (sharded, atomic, loadable in
-any layout), GPT-2 weights, sampling, the summary and the progress bar; the planner (--plan, the
-papers' cost formulas) is planner.py.
+    this replica's rows (04), 02's 1F1B over this rank's pp group with 01's tp layers in each stage,
+    the tied-embedding sum, 04's gradient all-reduce over dp, AdamW; each counted target of the global
+    batch weighing 1 / (its global count) (docs/LOSS.md).
+  - The machine, read second, which the main job runs and 06-09 extend: scatter/gather (Section
+    4.1: each tp rank sends 1/tp of a boundary tensor, the next stage all-gathers it over tp), the
+    global gradient norm (every element counted once), build, train_step (02's executor, 04's
+    buckets reducing during each chunk's last backward) and train, the loop (AdamW, warmup then
+    cosine decay, a held-out eval loss).
+  - After the concept: activation recomputation (Korthikanti et al. 2022, §5); the flags, whose
+    speed switches turn on, each by default, what 01, 02 and 04 add after their concepts, and fused
+    kernels and CUDA graphs where the device allows (Section 4.2; kernels.fuse, kernels.graphs).
+The demo, before the main job trains: the lesson's step at the run's layout against the serial model
+in float64 (a small model; replicas and microbatches counting unequal numbers of targets, one none):
+loss, every gradient, every weight after AdamW within 1e-10; then the machine's train_step against
+the lesson (1e-12); exit 1 on a mismatch (a later chapter's --train checks nothing). What a run needs
+but does not teach is plumbing/ (flags, command line, data, checkpoints, GPT-2 weights, sampling, the
+summary); the planner (--plan) is planner.py.
 
 Run it (it is the project's main job):
     python 05_3d_gpt.py                                   # tp=2 x pp=2 x dp=2: 8 CPU ranks
@@ -41,32 +36,30 @@ data, layout, memory, FLOPs per iteration by eq. 3, the bubble), a progress bar,
 and a chart of the loss; --metrics FILE writes a JSON line per step, --trace FILE a Chrome trace.
 """
 import contextlib
-import dataclasses
 import functools
 import importlib
 import math
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import kernels  # a package beside the numbered files
-import planner
 from kernels import graphs as cuda_graphs
-from plumbing import agreement, command, report
+from plumbing import command, report
 from plumbing.checkpoint import resume
-from plumbing.checks import acceleration, preflight
+from plumbing.checks import acceleration
 from plumbing.data import check_tokens, replica_batch
-from plumbing.flags import Files, Loop, Speed
-from plumbing.gpt2 import import_gpt2
+from plumbing.demos import verdict
+from plumbing.evaluation import evaluate, forward_only  # the held-out loss, forward only
+from plumbing.flags import GROUPS, MODEL_DEFAULTS, TrainConfig, resolve_dtype  # the flags: argument handling
+from plumbing.gpt2 import check_full, import_gpt2
 from plumbing.launch import printer, run_main
-from plumbing.operations import Operations
+from plumbing.operations import Operations, before_training
 from plumbing.reference import unequal_counts
 from plumbing.shards import max_rel_diff
 
@@ -77,9 +70,8 @@ data_parallel = importlib.import_module("04_data_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# The lesson: PTD-P's composition (Section 3) as plain code. The rank grid: tp fastest, then dp, then
-# pp, so a tp group is adjacent ranks (one node: its all-reduces stay on NVLink) and only pipeline and
-# data-parallel traffic crosses nodes; then one training step built from 01's, 02's and 04's lessons.
+# The lesson (Section 3) as plain code. tp fastest, then dp, then pp: a tp group is adjacent ranks (one
+# node: its all-reduces stay on NVLink) and only pipeline and data-parallel traffic crosses nodes.
 
 
 def rank_grid(world, tp=1, dp=1, pp=1):
@@ -136,9 +128,7 @@ def ptd_p_step(stage, opt, idx, targets, groups, m):
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo: before the main job trains, the lesson's step at the run's layout against the serial model,
-# then the machine below (build, train_step) against the lesson; float64, the same weights and batch,
-# whose replicas and microbatches count unequal numbers of targets (one none).
+# Demo: the lesson against the serial model, then the machine below (build, train_step) against the lesson.
 
 CHECK_M, CHECK_LR = 3, 1e-3  # the check's microbatches per replica and learning rate
 
@@ -152,10 +142,9 @@ def adamw(params, lr=CHECK_LR):
 
 
 def demo(env, tc, say):
-    """The lesson's one step at the layout tc.tp x tc.pp x tc.dp against the serial model's on a small
-    model: the loss, every gradient and every weight after AdamW within 1e-10 (the layout only changes
-    where each sum is taken and in which order: a few ulps; a wrong weighting is off by ~1e-1); then
-    prove_machine. Collective; every rank returns whether both passed."""
+    """The lesson's one step at tc's layout against the serial model's on a small model: loss, every gradient
+    and every weight after AdamW within 1e-10 (the layout only reorders sums: a few ulps; a wrong weighting is
+    off by ~1e-1); then prove_machine. Collective; every rank returns whether both passed."""
     tp, pp, dp, m, dt, dev = tc.tp, tc.pp, tc.dp, CHECK_M, torch.float64, env.device
     cfg = tensor_parallel.GPTConfig(vocab_size=97, block_size=8, n_layer=2 * pp, n_head=2 * tp, n_embd=8 * tp)
     groups = new_groups(env, rank_grid(env.world_size, tp, dp, pp), tc.timeout_s)
@@ -181,18 +170,15 @@ def demo(env, tc, say):
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank's
     say(f"check: the lesson's PTD-P step (ptd_p_step) at tp={tp} x pp={pp} x dp={dp}, m={m}, float64, against "
         f"serial; targets counted per replica and microbatch: {counts}")
-    say(f"check: the lesson against serial (loss, every gradient, every weight after AdamW): {float(worst):.2e} "
-        f"{'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
+    say(f"check: the lesson against serial (loss, every gradient, every weight after AdamW): {verdict(float(worst), 1e-10)}")
     same = prove_machine(env, cfg, tc, groups, (idx, targets, full), lesson)
-    say(f"check: the machine (build, train_step) against the lesson on the same weights and batch: {same:.2e} "
-        f"{'PASS' if same <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
+    say(f"check: the machine (build, train_step) against the lesson on the same weights and batch: {verdict(same, 1e-12)}")
     return bool(worst <= 1e-10) and same <= 1e-12
 
 
 # ----------------------------------------------------------------------------------------------
-# Read second: the machine, the lesson's general form, which the trainer runs and 06-09 extend.
-# Scatter/gather (Section 4.1). Without sequence parallelism both tp ranks of a stage hold the
-# same boundary tensor, so sending it whole from each would move tp copies of it between nodes.
+# Read second: the machine, which the trainer runs and 06-09 extend. Scatter/gather (Section 4.1): without
+# sequence parallelism a stage's tp ranks hold the same boundary tensor; sent whole, it crosses tp times.
 
 
 class ScatterGather(pipeline.Wire):
@@ -220,17 +206,16 @@ class ScatterGather(pipeline.Wire):
 
 
 def counts_in_norm(p, chunk, tp_group):
-    """Split parameters count on every tp rank (each holds a different slice); replicated ones
-    (LayerNorms, row-parallel biases, wpe) on tp rank 0 only, of tp or of a later file's .split_group
-    (07's vocabulary shard; 05's own parameters carry none); the tied output layer's copy on the last
-    stage not at all (it is the first stage's embedding again)."""
+    """Split parameters count on every tp rank (each holds its own slice); replicated ones (LayerNorms,
+    row-parallel biases, wpe) on tp rank 0 only, of tp or of a later file's .split_group (07's); the
+    tied output layer's copy on the last stage not at all (it is the first stage's embedding again)."""
     tied_copy = hasattr(chunk, "lm_head") and not chunk.pre_process and p is chunk.lm_head.weight
     return not tied_copy and (hasattr(p, "tp_dim") or tensor_parallel.tp_rank(getattr(p, "split_group", tp_group)) == 0)
 
 
 def clip_gradients(opt, chunks, groups, max_norm, zero1):
-    """Compute the global norm of every gradient, scale them by max_norm / norm if it is larger
-    (as torch.nn.utils.clip_grad_norm_), and return the norm before clipping."""
+    """The global norm of every gradient, returned; the gradients scaled by max_norm / norm if it is larger
+    (as torch.nn.utils.clip_grad_norm_)."""
     owner = {id(p): c for c in chunks for p in c.parameters()}
     grad0 = opt.pieces[0].grad
     dtype = torch.float64 if grad0.dtype == torch.float64 else torch.float32
@@ -249,24 +234,25 @@ def clip_gradients(opt, chunks, groups, max_norm, zero1):
 
 
 # ----------------------------------------------------------------------------------------------
-# Read second: building one rank's part of the trainer: 01's layers inside 02/03's chunks, 04's DDP and AdamW
+# Read second: one rank's part of the trainer: 01's layers inside 02/03's chunks, 04's DDP and AdamW
 
 
-def build(env, cfg, tc, groups, pipe=None):
+def build(env, cfg, tc, groups, pipe=None, full=None):
     """This rank's chunks (TP inside, loaded from the full weights), its DDP and optimizer. pipe: the
-    PipelineSchedule (None: interleaved_schedule(tc))."""
+    PipelineSchedule (None: interleaved_schedule(tc)); full: a full (serial) state dict of your own to
+    take the weights from, refused by key and shape before any collective (None: the seed's, or --init-from's)."""
+    if full is not None:
+        check_full(cfg, full, "build(full=...)")  # alike on every rank: all refuse it, none waits
     pipe, pp_rank = pipe or interleaved_schedule(tc), dist.get_rank(groups.pp)
     dtype = resolve_dtype(tc, env.device)
     torch.manual_seed(tc.seed + 100 * pp_rank)  # dropout: alike across tp and dp, not across stages
-    # Megatron's CPU initialisation: the full model from the seed (or imported GPT-2 weights),
-    # then this rank's part of it.
-    full = import_gpt2(tc.init_from)[1] if tc.init_from else tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dtype)
+    # Megatron's CPU initialisation: the full model, then this rank's part of it (each chunk's
+    # load_full_state_dict, as a checkpoint loaded in another layout is split).
+    if full is None:
+        full = import_gpt2(tc.init_from)[1] if tc.init_from else tensor_parallel.init_state_dict(cfg, tc.seed, dtype=dtype)
     chunks = pipeline.build_chunks(cfg, tc.pp, pp_rank, pipe.v, groups.tp, pipe.placement,
                                    sequence_parallel=tc.sequence_parallel, seed=tc.seed + 100 * pp_rank,
-                                   init=False, dtype=dtype, device=env.device,
-                                   # Megatron's padding: V_pad a multiple of 128 tp, so the output
-                                   # layer's GEMM has aligned sizes (50257 -> 50304 at tp = 1)
-                                   vocab_divisible_by=VOCAB_DIVISIBLE_BY,
+                                   init=False, dtype=dtype, device=env.device, vocab_divisible_by=VOCAB_DIVISIBLE_BY,
                                    check_inputs=False)  # train_step checks each batch on the host
     fused, graph_mode = acceleration(tc, env.device)
     ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else None
@@ -299,16 +285,15 @@ def build(env, cfg, tc, groups, pipe=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Read second: one step of PTD-P on the machine: the lesson's step with buckets, clipping and the
-# schedule as data; and the demo's machine part (prove_machine)
+# Read second: the lesson's step on the machine (buckets, clipping, the schedule as data); prove_machine
 
 
 def train_step(run, idx, targets, lr):
-    """One iteration of PTD-P: the pipeline over this replica's microbatches (each chunk's last
-    backward reducing its buckets), the tied embedding's sync, the rest of the data-parallel reduction,
-    clipping, AdamW. A non-finite loss or norm (the same on every rank: both are all-reduced) skips the
-    update everywhere, as Megatron does; so does a batch with no counted target. Returns (loss,
-    gradient norm, 02's StepResult, None for a batch with none)."""
+    """One iteration of PTD-P: the pipeline over this replica's microbatches (each chunk's last backward
+    reducing its buckets), the tied embedding's sync, the rest of the data-parallel reduction, clipping,
+    AdamW. A non-finite loss or norm (the same on every rank: both are all-reduced) skips the update
+    everywhere, as Megatron does; so does a batch with no counted target (StepResult None). Returns
+    (loss, gradient norm, 02's StepResult)."""
     tc, groups = run.tc, run.groups
     # Checked and counted on the host, on every rank: a bad id stops every stage at once (not the
     # first stage alone, the others left waiting), and the executor reads nothing back.
@@ -332,9 +317,8 @@ def train_step(run, idx, targets, lr):
 
 
 def forward_backward(run, micro, valid, norm=None, chunks=None, plain=False):
-    """This replica's microbatches through the pipeline: 02's executor runs this rank's list, with
-    scatter/gather on the wire and (background_sends) 02's BackgroundSends. chunks, plain
-    (kernels/graphs.py): run these chunks instead, nothing left in flight, no output freed."""
+    """This replica's microbatches through 02's executor on this rank's list, scatter/gather on the wire, 02's
+    BackgroundSends (background_sends). chunks, plain (kernels/graphs.py): these chunks, nothing in flight or freed."""
     exchange = pipeline.BackgroundSends() if run.tc.background_sends and not plain else None
     wire = run.wire or pipeline.Wire(run.act_shape)
     return run.pipe.executor(chunks or run.chunks, run.groups.pp, wire, exchange, not plain).run(micro, valid, norm)
@@ -362,7 +346,7 @@ def prove_machine(env, cfg, tc, groups, batch, lesson):
                       seq_len=idx.shape[1], dtype="float64", lr=CHECK_LR, weight_decay=0.1, grad_clip=math.inf,
                       bucket_numel=500, fused_kernels=False, cuda_graphs=False, eval_every=0, timeout_s=tc.timeout_s)
     run = build(env, cfg, mtc, groups)
-    for c in run.chunks:
+    for c in run.chunks:  # full: the lesson's weights, of this stage's keys at least (the tests pass each step's)
         c.load_full_state_dict(full)
     got, zero_grad = {}, run.ddp.zero_grad
 
@@ -387,25 +371,14 @@ def prove_machine(env, cfg, tc, groups, batch, lesson):
 
 
 def train(env, cfg, tc, quiet=False, schedule_of=None, check=None):
-    """Train on this rank, as nanoGPT's loop: a batch, a step, a log line, an eval, a save. What a run
-    needs around it (the watch, rehearsed faults, skipped steps, the trace, saves) is plumbing's
-    Operations, called at each point of the loop. schedule_of(tc): the PipelineSchedule to run (06's
-    and 07's own). check (05's main job: demo): check(env, tc, say) before anything trains; False stops
-    the run. Returns the losses, gradient norms and evals, and the final figures."""
-    say = printer(env, quiet)  # everything that can be refused is, before the first collective:
-    train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
-                                                       writer=env.rank == 0)
-    agreement.check(env, cfg, tc, path, start)  # every rank the same flags, data and checkpoint, or none trains
-    checking = tc.check if tc.check is not None else env.device.type == "cpu"  # --check; unset: on a CPU
-    if check and checking and not check(env, tc, say):  # the same on every rank: none trains
-        raise FloatingPointError("the check before training failed (FAIL above): nothing was trained")
-    if acceleration(tc, env.device)[0]:
-        kernels.prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
+    """Train on this rank, as nanoGPT's loop: a batch, a step, a log line, an eval, a save (the watch, faults,
+    skipped steps, the trace, saves: plumbing's Operations). schedule_of(tc): the PipelineSchedule (06's, 07's);
+    check (05's demo) runs before anything trains, False stopping the run. Returns losses, norms, evals, figures."""
+    say = printer(env, quiet)  # the refusals, every rank's agreement, then check: before anything is built
+    train_tokens, eval_tokens, path, start = before_training(env, cfg, tc, say, check)
     pipe = (schedule_of or interleaved_schedule)(tc)
     run = build(env, cfg, tc, new_groups(env, pipe.grid(env.world_size, tc.tp, tc.dp), tc.timeout_s), pipe)
-    spec = planner.ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
-    flops = planner.flops_per_iteration(spec, tc.batch_size, tc.recompute)  # Narayanan's eq. 3
-    report.summary(run, spec, flops, len(train_tokens), len(eval_tokens), say)
+    flops = report.summary(run, len(train_tokens), len(eval_tokens), say)  # FLOPs per iteration: eq. 3
     resume(run, path, say)  # --resume: the newest complete checkpoint, in any layout
     progress = report.Progress(env, tc, flops, start, run.dtype, quiet, append=path is not None)
     ops, dp_rank, t_start = Operations(run, progress, start), pipe.replica(run.groups), time.perf_counter()
@@ -435,16 +408,14 @@ def train(env, cfg, tc, quiet=False, schedule_of=None, check=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: activation recomputation (Korthikanti Section 5; --recompute): keep each
-# layer's input, or the attention core's q, k and v, and rerun the rest during backward.
+# After the concept: activation recomputation (Korthikanti Section 5; --recompute), rerun in backward
 
 
 def recompute_layers(chunk, mode):
-    """mode "full": wrap every block so that its forward is recomputed in backward. Dropout inside tp
-    regions draws from the chunk's tracked stream, so that stream is replayed too (checkpoint itself
-    restores the default one). "selective": recompute only the attention core (QK^T, softmax, its
-    dropout, the product with V), whose 5as^2b/t bytes per layer grow with s^2; its dropout's stream
-    is forked in around the checkpoint, which restores the generator it saw. "none": nothing."""
+    """mode "full": every block's forward recomputed in backward from its input, the chunk's tracked dropout
+    stream replayed too (checkpoint restores only the default one). "selective": only the attention core
+    (QK^T, softmax, its dropout, the product with V), whose 5as^2b/t bytes per layer grow with s^2, from q,
+    k and v; its dropout's stream is forked in around the checkpoint, which restores it. "none": nothing."""
     for block in chunk.transformer.h.values():
         if mode == "full":
             block.forward = functools.partial(_recomputed, block.forward, chunk.rng)
@@ -468,8 +439,7 @@ def _recomputed(forward, rng, x):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: what build() and train() read. Run, what one rank trains with; the schedule it
-# runs (PipelineSchedule, a later file's seam); the loop's helpers; the eval, forward only.
+# After the concept: what build() and train() read: Run, PipelineSchedule (a later file's seam), helpers
 
 
 @dataclass
@@ -493,9 +463,9 @@ class Run:
 
 @dataclass
 class PipelineSchedule(interleaved.InterleavedSchedule):
-    """What the trainer runs: 02's Schedule (03's, whose steady pairs run as one), named for the summary. A later chapter's schedule is a
-    subclass passed to train() as schedule_of(tc), and may override grid (the process groups it
-    needs), prepare (what it does to the chunks), replica and forward_only (the eval's lists)."""
+    """What the trainer runs: 02's Schedule (03's, whose steady pairs run as one), named for the summary. A
+    later chapter's schedule is a subclass passed to train() as schedule_of(tc), and may override grid (the
+    groups it needs), prepare (what it does to the chunks), replica and forward_only (the eval's lists)."""
     name: str = "1F1B"  # for the summary: "1F1B", "interleaved 1F1B, v=2", ...
     bubble: str = "(pp-1)/(v m)"  # the formula of the summary's simulated bubble (t_f = 1, t_b = 2)
     times: dict = field(default_factory=dict)  # the summary's times of kinds other than F and B
@@ -526,12 +496,6 @@ def interleaved_schedule(tc):
                             name="interleaved 1F1B, v=" + str(v) if v > 1 else "1F1B")
 
 
-def resolve_dtype(tc, device):
-    if tc.dtype == "auto":  # bf16 on a GPU (fp32 gradients and masters); fp32 on a CPU
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, tc.dtype)
-
-
 def lr_at(step, tc):
     """Linear warmup, then cosine decay to min_lr at the last step."""
     if step < tc.warmup_steps:
@@ -546,9 +510,8 @@ def no_decay(params):
 
 
 def shared_loss(loss, run):
-    """The batch's loss on every rank: each rank's share (its summed losses times num / den, from
-    normalization) from the last stages, one tp rank each, summed over everyone, over G: the
-    buckets average the gradients over G, so each share was G times its part of the loss."""
+    """The batch's loss on every rank: each last-stage rank's share (its losses times num / den), one tp rank
+    each, summed over everyone, over G: the buckets average over G, so each share was G times its part."""
     t = torch.zeros((), dtype=torch.float64, device=run.env.device)
     if loss is not None and dist.get_rank(run.groups.tp) == 0:
         t += loss.double()  # one rank per replica contributes: one all-reduce over everyone
@@ -561,81 +524,11 @@ def finite_step(loss, norm):
     return math.isfinite(loss) and math.isfinite(norm)
 
 
-def forward_only(run, idx, targets, chunks=None):
-    """This replica's batch through the pipeline's forwards only (eval mode, no gradients); chunks:
-    stand-ins for run.chunks that wrap them (the end report's probe reads the logits so)."""
-    valid = [int((t != -100).sum()) for t in targets.chunk(run.tc.microbatches)]  # on the host
-    (norm, n), wire = normalization(run, valid), run.wire or pipeline.Wire(run.act_shape)
-    micro = pipeline.split_batch(idx.to(run.env.device), targets.to(run.env.device), run.tc.microbatches)
-    for c in run.chunks:
-        c.eval()
-    try:
-        with torch.no_grad():
-            res = run.pipe.forward_only().executor(chunks or run.chunks, run.groups.pp, wire).run(micro, valid, norm)
-        res.count = n  # the whole batch's counted targets
-        return res
-    finally:
-        for c in run.chunks:
-            c.train()
-
-
-def evaluate(run, tokens):
-    """The held-out loss over eval_batches batches, forward only: each counted target weighs the same
-    (token), or each batch's loss does (microbatch); nan if none of them counts a target."""
-    dp_rank, token = run.pipe.replica(run.groups), run.tc.loss_normalization == "token"
-    results = [forward_only(run, *replica_batch(tokens, i, run.tc, dp_rank, salt=1)) for i in range(run.tc.eval_batches)]
-    weights = [r.count if token else 1.0 for r in results]  # a batch with no counted target: weight 0
-    return math.fsum(shared_loss(r.loss, run) * w for r, w in zip(results, weights)) / sum(weights) \
-        if sum(weights) else math.nan
+VOCAB_DIVISIBLE_BY = 128  # Megatron's: V_pad a multiple of it times tp, the output GEMM aligned (50257 -> 50304 at tp 1)
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the trainer's flags, one flat config (tc.tp, tc.lr, ...) made of groups, which
-# --help prints apart: the model's layout and its optimization here; the chapters' speed switches,
-# the loop's and the files' in plumbing/flags.py
-
-
-@dataclass
-class Layout:
-    tp: int = 2  # tensor-parallel size (ranks inside a stage)
-    pp: int = 2  # pipeline stages
-    dp: int = 2  # data-parallel replicas
-    virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
-    batch_size: int = 32  # global batch B, in sequences
-    microbatches: int = 4  # m per replica; micro-batch size b = B / (dp m)
-    seq_len: int = 64  # T, tokens per sequence
-    sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
-    zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
-    recompute: Literal["none", "selective", "full"] = "none"  # rerun in backward: the attention core, or whole layers
-
-
-@dataclass
-class Optimization:
-    steps: int = 200  # optimizer steps, counted from 0 (a resumed run stops at the same total)
-    lr: float = 3e-3  # peak learning rate, reached after the warmup
-    min_lr: float = 3e-4  # learning rate at the last step, after the cosine decay
-    warmup_steps: int = 20  # linear warmup from lr/(warmup+1) to lr
-    weight_decay: float = 0.1  # AdamW decay of the 2-D weights (not biases or LayerNorms)
-    grad_clip: float = 1.0  # clip the global gradient norm to this
-    loss_normalization: Literal["token", "microbatch"] = "token"  # the loss: every counted target of the batch alike, or each microbatch's mean alike (Megatron's default; docs/LOSS.md)
-    dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-
-
-@dataclass
-class TrainConfig(Files, Loop, Speed, Optimization, Layout):
-    """Every flag of the trainer, one flat record (tc.tp, tc.lr, ...); --help prints it in these groups."""
-
-
-GROUPS = [(Layout, "layout"), (Optimization, "optimization"), (Speed, "speed: the chapters' optimizations"),
-          (Loop, "the training loop"), (Files, "files")]
-
-
-VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by: V_pad is a multiple of it times tp
-MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
-
-
-# ----------------------------------------------------------------------------------------------
-# After the concept: the command line (plumbing/command.py)
+# After the concept: the flags (TrainConfig: plumbing/flags.py) and the command line (plumbing/command.py)
 
 
 def parser():
@@ -644,14 +537,10 @@ def parser():
 
 
 def main(parser=parser, config=TrainConfig, schedule_of=None):
-    """The trainer's command line (plumbing/command.py); 06-09 run it with their flags and schedules. 05's
-    own run checks the lesson and the machine first (demo); a later chapter's --train trains at once."""
+    """The trainer's command line (plumbing/command.py), which 06-09 run with their flags and schedules;
+    05's own run checks the lesson and the machine first (demo), a later chapter's --train trains at once."""
     own = schedule_of is None and config is TrainConfig
-    if not own and "--check" in sys.argv[1:]:
-        raise ValueError("--check checks 05's lesson step before 05 trains; a later chapter's --train has its own "
-                         "demo for that: run it without --train")
-    return command.main(parser(), config, functools.partial(train, check=demo) if own else train,
-                        schedule_of or interleaved_schedule, rank_grid)
+    return command.main(parser(), config, train, schedule_of or interleaved_schedule, rank_grid, demo if own else None)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ first read; each module opens with what it does and how it is called.
     data.py        the built-in corpus, text and .bin files, batches every rank agrees on, the
                    token check
     tokenizer.py   GPT-2's BPE when tiktoken is installed; which tokenizer a data file names
+    flags.py       05's flags: its config dataclasses (TrainConfig and its groups), which cli.py reads
     checks.py      05's config checked before any process group exists
     agreement.py   every rank of a run started with the same flags, data and checkpoint, or none trains
     paths.py       what a run writes against what it reads: no output replaces an input, lies in a
@@ -19,13 +20,15 @@ first read; each module opens with what it does and how it is called.
     gpt2.py        GPT-2 weights in and out (Hugging Face's layout)
     sample.py      text from a trained model of any layout
     report.py      what 05 prints: the rank grid, the summary, the progress bar, the end report
+    evaluation.py  05's held-out loss, forward only (and the pass the end report's probe reads)
     demos.py       the demos' timing, fingerprints and printed reports; 02's and 03's harness
     reference.py   the serial references the demos and tests compare with
     validate.py    02's validator: a schedule's lists complete and in order, its plans deadlock-free
     meter.py       02's executor observed from outside: each step's timeline, messages and
                    activation memory (StepRecord, ActivationMeter)
-    operations.py  what 05's training loop needs that is not the loop: the watch, rehearsed faults,
-                   skipped steps, the trace, saves and snapshots
+    operations.py  what 05's training loop needs that is not the loop: the refusals, the ranks'
+                   agreement and 05's check before it; the watch, rehearsed faults, skipped steps,
+                   the trace, saves and snapshots
     command.py     05's command line (its actions, checks and launch), and a later chapter's
     shards.py      full weights to shards and back (FullWeights: 01's GPT takes it)
     watch.py       the watch: each rank's record, the heartbeat, the watchdog, faults, restarts
@@ -37,5 +40,6 @@ first read; each module opens with what it does and how it is called.
 
 Dependencies run one way: the numbered files import this package, and a module here imports a
 numbered file only when called (checkpoint.py reads 01's sharding, report.py 02's simulator,
-command.py runs 05's trainer), never at import, so there is no cycle.
+command.py runs 05's trainer, evaluation.py reads the loss contract of the module that made the
+run), never at import, so there is no cycle.
 """

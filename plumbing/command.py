@@ -4,6 +4,7 @@ the actions instead of training (--plan, --print-layout, --self-check, --sample,
 launches the trainer on its ranks, under --restarts. None of it is the concept; 05's train() is.
 """
 import dataclasses
+import functools
 import importlib
 import os
 import sys
@@ -47,9 +48,14 @@ def parser(doc, groups, model_defaults):
     return p
 
 
-def main(p, config, train, schedule_of, rank_grid):
+def main(p, config, train, schedule_of, rank_grid, check=None):
     """Parse p's flags into `config` (05's TrainConfig, or a later file's) and act on them. train(env,
-    cfg, tc, quiet, schedule_of) runs on every rank; rank_grid is 05's. Returns whether it succeeded."""
+    cfg, tc, quiet, schedule_of, check) runs on every rank; rank_grid is 05's; check: 05's demo, which
+    05's own run passes (a later chapter's --train has none, and refuses --check). Returns whether it succeeded."""
+    if check is None and "--check" in sys.argv[1:]:
+        raise ValueError("--check checks 05's lesson step before 05 trains; a later chapter's --train has its own "
+                         "demo for that: run it without --train")
+    train = functools.partial(train, check=check) if check else train
     tensor_parallel = importlib.import_module("01_tensor_parallel")
     args = p.parse_args()
     if args.plan:  # the planner checks its own flags, and refuses any other

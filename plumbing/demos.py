@@ -190,6 +190,11 @@ def differences(chunks, result, ref_loss, ref_grads):
     return max(diffs + ([max_rel_diff(result.loss, ref_loss)] if result.loss is not None else []))
 
 
+def verdict(worst, tolerance):
+    """A check's figure as the demos print it: "1.00e-14 PASS (tolerance 1e-10)" (NaN fails)."""
+    return f"{worst:.2e} {'PASS' if worst <= tolerance else 'FAIL'} (tolerance {tolerance:g})"
+
+
 def worst_difference(got, ref_loss, ref_grads):
     """The largest relative difference over every rank of got = (loss or None, {name: grad}) from the reference."""
     loss, grads = got

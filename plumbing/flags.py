@@ -1,8 +1,37 @@
-"""The trainer's flags that 05_3d_gpt.py does not teach: the speed switches each chapter adds after
-its concept, the training loop's, and the files'. 05's TrainConfig is made of these and of its own
-Layout and Optimization; --help prints each group apart (plumbing/command.py)."""
+"""The trainer's flags, argument handling that 05_3d_gpt.py does not teach: its layout and optimization,
+the speed switches each chapter adds after its concept, the training loop's, and the files'. 05's
+TrainConfig (05 imports it back; 06-09 subclass it) is one flat record made of these groups, which
+--help prints apart (plumbing/command.py)."""
 from dataclasses import dataclass, field
 from typing import Literal
+
+import torch
+
+
+@dataclass
+class Layout:
+    tp: int = 2  # tensor-parallel size (ranks inside a stage)
+    pp: int = 2  # pipeline stages
+    dp: int = 2  # data-parallel replicas
+    virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
+    batch_size: int = 32  # global batch B, in sequences
+    microbatches: int = 4  # m per replica; micro-batch size b = B / (dp m)
+    seq_len: int = 64  # T, tokens per sequence
+    sequence_parallel: bool = False  # shard LayerNorm and dropout activations along T (Korthikanti)
+    zero1: bool = False  # ZeRO-1 distributed optimizer instead of plain data parallelism
+    recompute: Literal["none", "selective", "full"] = "none"  # rerun in backward: the attention core, or whole layers
+
+
+@dataclass
+class Optimization:
+    steps: int = 200  # optimizer steps, counted from 0 (a resumed run stops at the same total)
+    lr: float = 3e-3  # peak learning rate, reached after the warmup
+    min_lr: float = 3e-4  # learning rate at the last step, after the cosine decay
+    warmup_steps: int = 20  # linear warmup from lr/(warmup+1) to lr
+    weight_decay: float = 0.1  # AdamW decay of the 2-D weights (not biases or LayerNorms)
+    grad_clip: float = 1.0  # clip the global gradient norm to this
+    loss_normalization: Literal["token", "microbatch"] = "token"  # the loss: every counted target of the batch alike, or each microbatch's mean alike (Megatron's default; docs/LOSS.md)
+    dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
 
 
 @dataclass
@@ -53,3 +82,20 @@ class Files:
     metrics: str = ""  # write one JSON line per step to this file (scripts/plot_metrics.py plots it)
     trace: str = ""  # write one step's per-rank timeline here (Chrome trace JSON)
     overwrite: bool = False  # let --metrics, --trace and the exports replace files this run did not write
+
+
+@dataclass
+class TrainConfig(Files, Loop, Speed, Optimization, Layout):
+    """Every flag of the trainer, one flat record (tc.tp, tc.lr, ...); --help prints it in these groups."""
+
+
+GROUPS = [(Layout, "layout"), (Optimization, "optimization"), (Speed, "speed: the chapters' optimizations"),
+          (Loop, "the training loop"), (Files, "files")]
+MODEL_DEFAULTS = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)  # the main job's GPT-2
+
+
+def resolve_dtype(tc, device):
+    """--dtype's weights: auto is bf16 on a GPU (fp32 gradients and masters), fp32 on a CPU."""
+    if tc.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, tc.dtype)

@@ -4,6 +4,7 @@
         a local directory with config.json and model.safetensors (needs the optional safetensors
         package) or pytorch_model.bin; or a .pt written by 05's --export-state-dict (cfg: the
         model flags, which a .pt without its own config must fit)
+    check_full(cfg, full, what)     refuses a full state dict unlike cfg's model, naming key and shapes
     export_gpt2(cfg, full, out)     a directory GPT2LMHeadModel loads
     export_checkpoint(root, ...)    the newest checkpoint under root, as either or both
 
@@ -174,6 +175,18 @@ def _misfits(cfg, full):
     bad = [f"{n}: {tuple(full[n].shape) if torch.is_tensor(full.get(n)) else 'missing'} instead of {tuple(s)}"
            for n, s in want.items() if not torch.is_tensor(full.get(n)) or full[n].shape != s]
     return bad, sorted(set(full) - set(want))
+
+
+def check_full(cfg, full, what):
+    """Refuse a full (serial) state dict that does not fit cfg's GPT-2, naming each key that is missing or
+    of another shape (with both shapes) and each key beyond them: before anything is built or sent."""
+    if not isinstance(full, dict):
+        raise TypeError(f"{what}: a {type(full).__name__}, not a state dict (parameter names to tensors)")
+    bad, extra = _misfits(cfg, full)
+    if bad or extra:
+        more = [f"and {len(bad) - 5} more"] if len(bad) > 5 else []
+        raise ValueError(f"{what} does not fit the model ({cfg}): "
+                         + "; ".join(bad[:5] + more + ([f"unexpected {extra}"] if extra else [])))
 
 
 def _load(file, read):

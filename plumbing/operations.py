@@ -1,6 +1,7 @@
-"""What a run needs around 05's training loop that is not the loop: one object, Operations, called at
-four points of each step (step, record, phase, end) and once at the end (finish), so that 05's
-train() reads as nanoGPT's loop. Each thing it does is someone else's; it only says when:
+"""What a run needs around 05's training loop that is not the loop: before_training (the refusals, the
+ranks' agreement, 05's check, the kernels' build), then one object, Operations, called at four points
+of each step (step, record, phase, end) and once at the end (finish), so that 05's train() reads as
+nanoGPT's loop. Each thing it does is someone else's; it only says when:
 
     the watch        plumbing/watch.py's Recorder (each rank's record on the side channel), its
                      heartbeat and, under torchrun, the watchdog; the step and phase it is in
@@ -20,10 +21,27 @@ import math
 import sys
 import time
 
-from plumbing import watch
+from plumbing import agreement, watch
 from plumbing.checkpoint import Saver
+from plumbing.checks import acceleration, preflight
 from plumbing.launch import launcher_ranks, side_channel
 from plumbing.trace import StepTrace
+
+
+def before_training(env, cfg, tc, say, check=None):
+    """What 05's train() does before it builds anything: every refusal, before the first collective
+    (preflight); every rank the same flags, data and checkpoint, or none trains (agreement); then
+    check(env, tc, say) (05's demo) under --check (unset: on a CPU), whose False stops every rank alike;
+    the fused kernels built. Returns preflight's (train tokens, eval tokens, checkpoint path, start step)."""
+    train_tokens, eval_tokens, path, start = preflight(cfg, tc, env.world_size, env.device, say, ranks_here=1,
+                                                       writer=env.rank == 0)
+    agreement.check(env, cfg, tc, path, start)
+    checking = tc.check if tc.check is not None else env.device.type == "cpu"
+    if check and checking and not check(env, tc, say):  # the same on every rank: none trains
+        raise FloatingPointError("the check before training failed (FAIL above): nothing was trained")
+    if acceleration(tc, env.device)[0]:
+        importlib.import_module("kernels").prebuild(tc.kernel_path)  # minutes when cold: before any collective can time out
+    return train_tokens, eval_tokens, path, start
 
 
 class Operations:

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from planner import PEAK_BF16_FLOPS, Layout, ModelSpec, activation_bytes_per_layer, layers_in_flight, \
-    params_exact
+from planner import PEAK_BF16_FLOPS, Layout, ModelSpec, activation_bytes_per_layer, flops_per_iteration, \
+    layers_in_flight, params_exact
 from plumbing import paths
 from plumbing.charts import ascii_chart
 from plumbing.checks import layout_sizes, world_size
@@ -144,9 +144,12 @@ def measured_peak(env, estimate_bytes):
             f"start-up); the fullest rank, {fullest}: {peaks[fullest] / 2**20:,.2f} MiB")
 
 
-def summary(run, spec, flops, n_train, n_eval, say):
-    """The start-up summary (rank 0): a few grouped lines, not the config's repr."""
+def summary(run, n_train, n_eval, say):
+    """The start-up summary (rank 0): a few grouped lines, not the config's repr. Returns the FLOPs per
+    iteration (Narayanan's eq. 3), which the progress bar reads too."""
     cfg, tc, env = run.cfg, run.tc, run.env
+    spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)
+    flops = flops_per_iteration(spec, tc.batch_size, tc.recompute)
     local = sum(p.numel() for c in run.chunks for p in c.parameters())
     per_rank = [int(x[0]) for x in gather_numbers([local], device=env.device)]
     mem = memory_estimate(run, spec)
@@ -179,6 +182,7 @@ def summary(run, spec, flops, n_train, n_eval, say):
         f"{mem['activations'] / 2**20:.2f} MiB (Korthikanti Table 2); parameters per rank {per_rank}")
     say(f"compute   FLOPs per iteration (eq. 3): {flops:.3e}; pipeline bubble {run.pipe.bubble} = "
         f"{sim.bubble} (simulated, t_b = 2 t_f)")
+    return flops
 
 
 def report(run, out, wall, say, forward_only):
@@ -208,7 +212,7 @@ def report(run, out, wall, say, forward_only):
         f"{', sequence parallel' if tc.sequence_parallel else ''})")
     say(f"peak stored activation bytes on rank 0 (last step): {out['peak_activation_bytes']:,}")
     if run.env.device.type == "cuda":  # the memory checklist's figure (G12); not counted on a CPU
-        spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)  # as 05 builds it
+        spec = ModelSpec(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, tc.seq_len)  # as summary() builds it
         say(measured_peak(run.env, sum(memory_estimate(run, spec).values())))
     if "sums" in out and out["sums"] is None and tc.seq_len < PROBE_T:
         say(f"sums: not probed: a window of --seq-len {tc.seq_len} cannot hold \"9 plus 9 is 18.\" "
