@@ -20,6 +20,7 @@ first read; each module opens with what it does and how it is called.
     sample.py      text from a trained model of any layout
     report.py      what 05 prints: the rank grid, the summary, the progress bar, the end report
     demos.py       the demos' timing, fingerprints and printed reports; 02's and 03's harness
+    interleaved_demo.py  03's flags, its schedule's check and its demo's machine part
     reference.py   the serial references the demos and tests compare with
     validate.py    02's validator: a schedule's lists complete and in order, its plans deadlock-free
     meter.py       02's executor observed from outside: each step's timeline, messages and
