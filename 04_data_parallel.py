@@ -29,6 +29,7 @@ import torch.distributed as dist
 from plumbing import ddp_demo, demos  # the demo's flags, checks, serial reference and machine part; its reports
 from plumbing.ddp_demo import DemoConfig, check_world, counted, differences, parser, prove_machine, training_reference
 from plumbing.launch import printer, run_main
+from plumbing.replicas import by_replicas  # who holds a parameter's copies: dp, or its own .replica_group (09's)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
@@ -326,15 +327,20 @@ class FlatAdamW:
             self.gathers.pop(i)[0].wait()
 
 
-def train_replica(env, cfg, args, mode, group, full, batches):
-    """train_lesson on the machine: an AdamW step of this replica in `mode` per batch, naive (the lesson's
-    allreduce_gradients), bucketed (BucketedDDP) or zero1 (BucketedDDP(zero=True) and FlatAdamW), each counted
-    target weighing 1/n (replica_loss_weights). Returns (losses, parameters, the last backward's bucket
-    timeline, the optimizer, the weights' checksum)."""
+def train_replica(env, cfg, args, mode, group, full, batches, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
+    """train_lesson on the machine: from the full weights `full`, in float64, one AdamW step of this replica
+    (lr args.lr, and betas, eps, weight_decay on every parameter) per global batch (idx, targets) of
+    `batches`, on its rows (shard_batch) in args.microbatches accumulation steps, in `mode`: naive (the
+    lesson's allreduce_gradients), bucketed (BucketedDDP, buckets of args.bucket_numel) or zero1
+    (BucketedDDP(zero=True) and FlatAdamW), each counted target weighing 1/n (replica_loss_weights).
+    Returns a 5-tuple: the losses (one float a batch: the global batch's mean loss, the same on every
+    replica), the parameters after the last step ({name: float64 CPU tensor}, full shapes), the last
+    backward's bucket timeline ((start, end, BucketedDDP.events, number of buckets); None when naive),
+    the optimizer, and the weights' checksum (demos.checksum: equal on replicas that agree to the bit)."""
     dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
     model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64, device=env.device)
     model.load_full_state_dict(full)
-    adamw = dict(lr=args.lr, weight_decay=0.1)
+    adamw = dict(lr=args.lr, betas=betas, eps=eps, weight_decay=weight_decay)
     ddp = None if mode == "naive" else BucketedDDP(model.parameters(), group, args.bucket_numel, zero=mode == "zero1")
     opt = FlatAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
     losses, timeline = [], None
@@ -363,7 +369,7 @@ def train_replica(env, cfg, args, mode, group, full, batches):
 
 # ----------------------------------------------------------------------------------------------
 # After the concept: PipelineDDP and OverlappedGather, 05's (MegaScale, Jiang et al. 2024, Section 3.3), subclass
-# the machine in plumbing/pipeline_ddp.py; who holds a parameter's copies (by_replicas); serial training.
+# the machine in plumbing/pipeline_ddp.py; then serial training, the demo's reference.
 
 
 def __getattr__(name):  # data_parallel.PipelineDDP and .OverlappedGather: plumbing/pipeline_ddp.py imports this file
@@ -372,20 +378,13 @@ def __getattr__(name):  # data_parallel.PipelineDDP and .OverlappedGather: plumb
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def by_replicas(params, group):
-    """{group: its parameters, in the order given}, for BucketedDDP: a gradient is summed over the ranks holding
-    copies of it, `group` (dp) unless it carries another as .replica_group (09's experts: edp); always divided by dp."""
-    out = {}
-    for p in params:
-        out.setdefault(getattr(p, "replica_group", group), []).append(p)
-    return out
-
-
-def serial_training(cfg, args, full, batches):
-    """The reference: the same AdamW steps on one serial model and the whole batch."""
+def serial_training(cfg, args, full, batches, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
+    """The reference: the same AdamW steps (lr args.lr, and betas, eps, weight_decay on every parameter)
+    on one serial float64 model from `full`, one per whole batch (idx, targets) of `batches`. Returns
+    (the losses, one float a batch; {name: parameter} of the model after the last step)."""
     model = tensor_parallel.GPT(cfg, None, init=False, dtype=torch.float64)
     model.load_full_state_dict(full)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, eps=eps, weight_decay=weight_decay)
     losses = []
     for idx, targets in batches:
         loss = model(idx, targets)[1]

@@ -228,69 +228,47 @@ def _check_batches(batches, dp, microbatches):
     return batches
 
 
-def _04_rank(env, cfg, full, batches, mode, microbatches, adamw, bucket_numel):
+def _04_rank(env, cfg, full, batches, mode, args, adamw):
     import torch.distributed as dist
     from megatron_scratch import data_parallel as dpm
-    group, dp = dist.group.WORLD, env.world_size
-    model = _serial(cfg, full)
-    ddp = None if mode == "naive" else dpm.BucketedDDP(model.parameters(), group, bucket_numel, zero=mode == "zero1")
-    opt = dpm.FlatAdamW(ddp, **adamw) if mode == "zero1" else torch.optim.AdamW(model.parameters(), **adamw)
-    losses = []
-    for idx, targets in batches:  # 04's train_replica's step, its AdamW's settings ours
-        rows = dpm.shard_batch(idx, targets, dp, env.rank)
-        micro = list(zip(*(t.chunk(microbatches) for t in rows)))
-        total = torch.zeros((), dtype=torch.float64)
-        for i, ((x, y), w) in enumerate(zip(micro, dpm.replica_loss_weights(micro, group))):
-            if ddp:
-                ddp.sync = i == len(micro) - 1  # accumulate; reduce during the last microbatch's backward
-            loss = model(x, y)[1] * w
-            loss.backward()
-            total += loss.detach()
-        ddp.finish() if ddp else dpm.allreduce_gradients(model.parameters(), group)
-        opt.step()
-        ddp.zero_grad() if ddp else opt.zero_grad()
-        dist.all_reduce(total)
-        losses.append(float(total) / dp)
-    return Training(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    losses, weights = dpm.train_replica(env, cfg, args, mode, dist.group.WORLD, full, batches, **adamw)[:2]
+    return Training(losses, weights)
 
 
 def reference_training(cfg, full, batches, *, mode="bucketed", dp=2, microbatches=1, lr=1e-3, betas=(0.9, 0.999),
                        eps=1e-8, weight_decay=0.01, bucket_numel=20000):
-    """04's data-parallel training from the full weights: one AdamW step (torch's AdamW, or ZeRO-1's
-    FlatAdamW, with lr, betas, eps and weight_decay, on every parameter as torch.optim.AdamW(model.
+    """04's data-parallel training from the full weights, in float64: one AdamW step (torch's AdamW, or
+    ZeRO-1's FlatAdamW, with lr, betas, eps and weight_decay, on every parameter as torch.optim.AdamW(model.
     parameters()) decays them) per global batch of `batches` [(tokens, targets) (B, T)]: Training.
-    mode "serial": the serial model on the whole batch (in this process); "naive" (04's lesson: every
-    gradient all-reduced after backward), "bucketed" (04's BucketedDDP: buckets of bucket_numel
-    reduced during the last microbatch's backward) or "zero1" (BucketedDDP's reduce-scatter and
-    FlatAdamW's shards): dp gloo ranks, each on its B / dp rows in `microbatches` accumulation steps,
-    every counted target (not -100) of the global batch weighing the same (docs/LOSS.md). All four
-    compute the same function: what an FSDP or DDP run is compared with."""
+    mode "serial": 04's serial_training, the serial model on the whole batch (in this process); "naive"
+    (04's lesson: every gradient all-reduced after backward), "bucketed" (04's BucketedDDP: buckets of
+    bucket_numel reduced during the last microbatch's backward) or "zero1" (BucketedDDP's reduce-scatter
+    and FlatAdamW's shards): 04's train_replica on dp gloo ranks, each on its B / dp rows in
+    `microbatches` accumulation steps, every counted target (not -100) of the global batch weighing the
+    same (docs/LOSS.md). All four compute the same function: what an FSDP or DDP run is compared with."""
     if mode not in MODES:
         raise ValueError(f"reference_training: mode={mode!r} must be one of {', '.join(MODES)}")
     for name, v in (("dp", dp), ("microbatches", microbatches), ("bucket_numel", bucket_numel)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"reference_training: {name}={v!r} must be a whole number of at least 1")
     batches = _check_batches(batches, 1 if mode == "serial" else dp, 1 if mode == "serial" else microbatches)
-    adamw = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    from types import SimpleNamespace
+    from megatron_scratch import data_parallel as dpm
+    args = SimpleNamespace(lr=lr, microbatches=microbatches, bucket_numel=bucket_numel)  # the 04 demo's flags read
+    adamw = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     if mode == "serial":
-        model = _serial(cfg, full)
-        opt, losses = torch.optim.AdamW(model.parameters(), **adamw), []
-        for idx, targets in batches:
-            loss = model(idx, targets)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return Training(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+        losses, weights = dpm.serial_training(cfg, args, full, batches, **adamw)
+        return Training(losses, {n: p.detach() for n, p in weights.items()})
     from megatron_scratch.testing import run_ranks
-    return run_ranks(_04_rank, dp, cfg, full, batches, mode, microbatches, adamw, bucket_numel)[0]
+    return run_ranks(_04_rank, dp, cfg, full, batches, mode, args, adamw)[0]
 
 
 @dataclass
 class Training3D:
     """losses, grad_norms: every step's loss of the global batch and global gradient norm (before
-    clipping); grads: every gradient of step 0's loss, before the first update, full shapes (wte's the
-    sum of both its uses), None with zero1 (each rank holds only its shard of them); weights: the full state dict after the last step."""
+    clipping); grads: every gradient of step 0's loss, before clipping and the first update, full shapes
+    (wte's the sum of both its uses), with zero1 too (each rank's shards gathered over dp); weights:
+    the full state dict after the last step."""
     losses: list
     grad_norms: list
     grads: dict
@@ -309,15 +287,26 @@ def _3d_rank(env, cfg, full, batches, layout):
     run = gpt3d.build(env, cfg, tc, groups)
     for c in run.chunks:
         c.load_full_state_dict(full)  # as 05's prove_machine does: these weights, not build's own draw
-    grads, zero_grad = {}, run.ddp.zero_grad
+    grads, ddp, finish = {}, run.ddp, run.ddp.finish
 
-    def read_grads():  # train_step's last call: the gradients are read just before they are cleared
+    def read_grads():  # step 0's gradients, as finish() leaves them: every replica's mean, not yet clipped
+        finish()
+        if ddp.zero:  # ZeRO-1: this rank holds its shard of each bucket's mean; every rank's, gathered
+            buffer = ddp.grad_buffer.clone()
+            for i, (lo, hi) in enumerate(ddp.buckets):
+                _tp.all_gather_single(buffer[lo:hi], ddp.grad_buffer[slice(*ddp.shard_range(i))].clone(),
+                                      ddp.bucket_groups[i])
+            for p in ddp.params:
+                p.grad = buffer[ddp.offsets[p]:ddp.offsets[p] + p.numel()].view_as(p)
         grads.update({n: g.clone() for c in run.chunks for n, g in c.full_grads().items()})
-        zero_grad()
+        if ddp.zero:
+            for p in ddp.params:
+                p.grad = None  # as finish() leaves them under ZeRO-1: FlatAdamW reads the buffer
+        ddp.finish = finish
 
     losses, norms, dp_rank = [], [], dist.get_rank(groups.dp)
     for step, (idx, targets) in enumerate(batches):
-        run.ddp.zero_grad = read_grads if step == 0 and not tc.zero1 else zero_grad
+        ddp.finish = read_grads if step == 0 else finish
         loss, norm, _ = gpt3d.train_step(run, *dpm.shard_batch(idx, targets, tc.dp, dp_rank), tc.lr)
         losses.append(float(loss))
         norms.append(float(norm))
@@ -357,8 +346,7 @@ def gpt3d_training(cfg, full, batches, *, tp=1, pp=1, dp=1, microbatches=None, v
     for _, _, g, w in ranks:
         grads.update(g)  # the tied wte's two copies hold the same sum, and the same weights
         weights.update(w)
-    return Training3D(ranks[0][0], ranks[0][1], None if zero1 else {n: grads[n] for n in full},
-                      {n: weights[n] for n in full})
+    return Training3D(ranks[0][0], ranks[0][1], {n: grads[n] for n in full}, {n: weights[n] for n in full})
 
 
 def _cp_rank(env, cfg, full, tokens, targets, split):

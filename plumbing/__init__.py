@@ -23,6 +23,7 @@ first read; each module opens with what it does and how it is called.
     interleaved_demo.py  03's flags, its schedule's check and its demo's machine part
     ddp_demo.py    04's flags, checks, serial reference and its demo's machine part
     pipeline_ddp.py  what 05 adds to 04's machine for a pipeline: PipelineDDP, OverlappedGather
+    replicas.py    which ranks hold a parameter's copies (04's by_replicas; 09's .replica_group)
     reference.py   the serial references the demos and tests compare with
     validate.py    02's validator: a schedule's lists complete and in order, its plans deadlock-free
     meter.py       02's executor observed from outside: each step's timeline, messages and

@@ -5,8 +5,13 @@ dict's names: it loads reference.init_weights as it is), run by torch's FSDP2 (3
 reference_training, and a planted mistake: each replica's own mean averaged, which the unequal counts
 make wrong), by DTensor tensor parallelism of its MLPs (the loss and every gradient against
 serial_loss_and_grads) and by torch.distributed.pipelining's runtime running 02's 1F1B lists through
-megatron_scratch.to_torch_order (2 stages, the tied wte's two halves summed), all in float64 with the kit's default tolerances. Not named test_*.py here,
-so the repository's own run does not collect it."""
+megatron_scratch.to_torch_order (2 stages, the tied wte's two halves summed); and Hugging Face's own
+GPT2LMHeadModel, loaded through megatron_scratch.to_hf, against our tp=2 model (tp_loss_and_grads,
+with and without sequence parallelism: the loss, the logits and every gradient, read back by from_hf;
+a converter that forgets Conv1D's transpose is caught). That one needs transformers, which the
+repository does not install (requirements.txt): without it, it is skipped, saying so. All in float64
+with the kit's default tolerances. Not named test_*.py here, so the repository's own run does not
+collect it."""
 import math
 
 import pytest
@@ -173,3 +178,41 @@ def test_torch_pipelining_runs_our_1f1b_via_the_converter_to_the_serial_gradient
     want = reference.serial_loss_and_grads(CFG, FULL, *UNMASKED)
     assert_close(loss, want.loss)
     compare_state(grads, want.grads)
+
+
+def hf_gpt2(hf_state_dict):
+    """Hugging Face's own GPT2LMHeadModel of CFG, in float64, with these weights (no dropout)."""
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (the repository's requirements.txt does not "
+        "name it): pip install transformers to compare Hugging Face's GPT2LMHeadModel with the reference")
+    config = transformers.GPT2Config(vocab_size=CFG.vocab_size, n_positions=CFG.block_size, n_embd=CFG.n_embd,
+                                     n_layer=CFG.n_layer, n_head=CFG.n_head, activation_function="gelu_new",
+                                     layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=None, eos_token_id=None)
+    model = transformers.GPT2LMHeadModel(config).to(torch.float64).eval()
+    missing, unexpected = model.load_state_dict(hf_state_dict, strict=False)
+    assert not unexpected and all(k.endswith(("attn.bias", "attn.masked_bias")) for k in missing), (missing, unexpected)
+    return model
+
+
+def hf_loss_and_grads(model, idx, targets):  # our targets are the next tokens already: no shift; their mean
+    logits = model(input_ids=idx).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    loss.backward()
+    return loss.detach(), logits.detach(), {n: p.grad for n, p in model.named_parameters()}  # lm_head: wte's
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_hf_gpt2lmheadmodel_equals_our_tp_2_model(sequence_parallel):
+    from megatron_scratch import from_hf, to_hf
+    idx, targets = BATCHES[0]
+    loss, logits, hf_grads = hf_loss_and_grads(hf_gpt2(to_hf(FULL, CFG)), idx, targets)
+    want = reference.tp_loss_and_grads(CFG, FULL, idx, targets, tp=2, sequence_parallel=sequence_parallel)
+    assert_close(loss, want.loss)
+    assert_close(logits, want.logits)
+    compare_state(from_hf(hf_grads, CFG), want.grads)  # Conv1D's (in, out) gradients transposed back
+    # planted: a converter that forgets Conv1D's transpose (c_proj is square: it loads without complaint)
+    c_proj = [f"transformer.h.{i}.attn.c_proj.weight" for i in range(CFG.n_layer)]
+    untransposed = dict(to_hf(FULL, CFG), **{n: FULL[n] for n in c_proj})
+    with pytest.raises(AssertionError):
+        assert_close(hf_loss_and_grads(hf_gpt2(untransposed), idx, targets)[0], want.loss)

@@ -1,13 +1,14 @@
 """megatron_scratch.reference's functions for 04, 05, 08 and 09 (issue 42, point 2), each against the
 serial model in float64: pipeline_loss_and_grads (02's and 03's schedules), reference_training (04's
-three modes), gpt3d_training (05's machine),
-cp_loss_and_grads (08's ring), moe_layer (09's layer; its serial form against a formula written here).
+three modes, through 04's own serial_training and train_replica), gpt3d_training (05's machine; step 0's
+gradients before clipping, ZeRO-1's gathered from its shards), cp_loss_and_grads (08's ring), moe_layer
+(09's layer; its serial form against a formula written here).
 
 Tolerances: megatron_scratch.testing's float64 defaults (rtol 1e-10, atol 1e-12; its docstring): a
 layout only reorders the sums, ~1e-15 relative, even after a few AdamW steps (Adam's update divides by
 sqrt(v), which keeps a relative error of the gradients the same size in the weights). A planted
 mistake in each (another weight decay, a wrong betas, a target moved, an expert's weight perturbed)
-is off by 1e-6 or more, and fails. Cost: about 8 s on 2 cores (seven gloo runs of 2 to 4 ranks).
+is off by 1e-6 or more, and fails. Cost: about 8 s on 2 cores (eleven gloo runs of 2 to 4 ranks).
 """
 import pytest
 import torch
@@ -72,9 +73,24 @@ def test_gpt3d_training_at_pp_2_dp_2_with_zero1_equals_serial():
     compare_state(got.weights, weights)
     grads = reference.serial_loss_and_grads(CFG, full, *batches[0]).grads
     norm = torch.cat([g.reshape(-1) for g in grads.values()]).norm().item()
-    assert abs(got.grad_norms[0] - norm) <= 1e-12 * norm and got.grads is None  # every element counted once
+    assert abs(got.grad_norms[0] - norm) <= 1e-12 * norm  # every element counted once
+    compare_state(got.grads, grads)  # ZeRO-1's shards, gathered over dp: every gradient, full shapes
     with pytest.raises(AssertionError, match="entries differ"):  # planted: 05's decay is not 0.2
         compare_state(got.weights, _serial_05(full, batches, 1e-2, 0.2)[1])
+    # planted: each replica's mean averaged (replica 0 counts fewer targets), or one replica's own mean alone
+    halves = [reference.serial_loss_and_grads(CFG, full, a, b).grads for a, b in zip(*(t.chunk(2) for t in batches[0]))]
+    for wrong in ({n: (halves[0][n] + halves[1][n]) / 2 for n in grads}, halves[0]):
+        with pytest.raises(AssertionError, match="entries differ"):
+            compare_state(got.grads, wrong)
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_gpt3d_trainings_gradients_are_the_losss_before_clipping(zero1):
+    full, batches = reference.init_weights(CFG, seed=2), _batches(1)
+    got = reference.gpt3d_training(CFG, full, batches, dp=2, microbatches=2, zero1=zero1, grad_clip=1e-3)
+    want = reference.serial_loss_and_grads(CFG, full, *batches[0]).grads
+    compare_state(got.grads, want)  # the norm is ~0.76: clipped to 1e-3, every gradient would be ~760 x smaller
+    assert got.grad_norms[0] > 100 * 1e-3
 
 
 @pytest.mark.parametrize("schedule, pp, m, v", [("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2)])

@@ -5,9 +5,12 @@ Tolerances: assert_close's defaults are what is tested (float64: rtol 1e-10, ato
 with their reasons in megatron_scratch/testing.py); each test that passes a pair also shows the pair
 failing without the feature it tests (atol=0, a perturbation), so none of them can pass vacuously.
 The installed wheel runs an engineer's suite from a directory of its own (tests/engineer_suite.py:
-FSDP2, DTensor TP and torch's pipelining of their own plain-torch GPT-2 against the reference API,
-float64, with a planted mistake caught), beside the plugin's own two tests (one fails on purpose).
+FSDP2, DTensor TP and torch's pipelining of their own plain-torch GPT-2, and Hugging Face's
+GPT2LMHeadModel where transformers is installed (skipped, saying so, where not: requirements.txt does
+not name it), against the reference API, float64, with planted mistakes caught), beside the plugin's
+own two tests (one fails on purpose).
 """
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -273,11 +276,17 @@ def test_the_installed_plugin_gives_run_ranks_with_no_conftest(wheel_target, tmp
                     "test_engineer.py")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]  # one test fails, with the failing rank's sentence; the rest pass
-    assert "1 failed, 5 passed" in out, out[-3000:]
-    assert all(f"PASSED test_engineer.py::{name}" in out for name in (
+    hf = importlib.util.find_spec("transformers") is not None  # the suite runs under this interpreter
+    assert ("1 failed, 7 passed" if hf else "1 failed, 5 passed, 2 skipped") in out, out[-3000:]
+    hf_tests = [f"test_hf_gpt2lmheadmodel_equals_our_tp_2_model[{sp}]" for sp in (False, True)]
+    assert all(f"PASSED test_engineer.py::{name}" in out for name in [
         "test_fsdp2_trains_as_04s_reference", "test_fsdp2_averaging_each_replicas_mean_is_caught",
         "test_dtensor_tp_of_the_mlps_equals_serial",
-        "test_torch_pipelining_runs_our_1f1b_via_the_converter_to_the_serial_gradients")), out[-3000:]
+        "test_torch_pipelining_runs_our_1f1b_via_the_converter_to_the_serial_gradients", *(hf_tests if hf else [])]), \
+        out[-3000:]
+    if not hf:  # skipped, and saying why and what to do
+        assert "transformers is not installed (the repository's requirements.txt does not name it): pip install " \
+               "transformers" in out, out[-3000:]
     assert "fixture 'run_ranks' not found" not in out
     assert "ValueError: rank one refuses" in out and "rank 1" in out, out[-3000:]
     assert not (tmp_path / "conftest.py").exists()
