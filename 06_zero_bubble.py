@@ -44,7 +44,7 @@ import contextlib
 import functools
 import importlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from fractions import Fraction
 from typing import Literal
@@ -379,6 +379,14 @@ def lifespan_peak(pp, block, rank, w_share):
     return max(held(t) for t in range(start, start + PERIOD))
 
 
+def block_idle_bound(block):
+    """The most a rank idles in a repeated building block (Qi et al. 2024, "Pipeline Parallelism with
+    Controllable Memory", Section 3): only in its warm-up and cool-down, at most the block's span
+    less one period, in 02's time (a slot is half a stage's pass); 02's simulator may squeeze the
+    block's empty slots, never stretch them."""
+    return Fraction(max(block.values()) + 1 - PERIOD, 2)
+
+
 def dualpipe_v(pp, m, rank):
     """DualPipeV (DeepSeek-V3's DualPipe folded into a V on pp ranks, torch's ScheduleDualPipeV), on the
     V placement: F of chunk 0 while microbatch 0 goes down; F of both chunks; I, W, F of chunk 1;
@@ -567,12 +575,32 @@ def peak_memory(actions, w_share):
     return peak
 
 
-def simulate(pipe, t=1):
+def simulate(pipe, t=1, overlap=False):
     """02's simulator on pipe's lists with t_F = t_I = t_W = t per stage (half of it per chunk of
-    ZB-V); its memory peaks with M_W = M_B / 2 (what W keeps, as a share of a microbatch's activations)."""
+    ZB-V); its memory peaks with M_W = M_B / 2 (what W keeps, as a share of a microbatch's activations).
+    overlap: DualPipeV's F&B pairs charged overlapped, max(t_F, t_B) = t_B each (overlapped's P: 0)."""
     t = Fraction(t, pipe.v)
-    sim = pipeline.simulate(pipe, t, 2 * t, times={"I": t, "W": t})
+    sim = pipeline.simulate(overlapped(pipe) if overlap else pipe, t, 2 * t, times={"I": t, "W": t, "P": 0})
     return sim, [peak_memory(acts, Fraction(1, 2)) for acts in pipe.lists]
+
+
+def overlapped(pipe):
+    """pipe as 02's simulator would run DualPipe's F&B overlapped (one pass's compute hiding the
+    other's): each steady pair, an F and a whole backward (its I steady, then its W), becomes the
+    backward, then the F as a kind "P" timed max(t_F, t_B) - t_B, so the pair costs max(t_F, t_B),
+    not t_F + t_B, and the F's output leaves when the pair ends. P sends what F sends ("act"), and
+    I waits for either on its stage."""
+    lists = []
+    for acts in pipe.lists:
+        out, i = [], 0
+        while i < len(acts):
+            f, b, w = (acts[i:i + 3] + [None, None])[:3]
+            paired = f.kind == "F" and f.steady and b and b.kind == "I" and b.steady and w and w.kind == "W"
+            out += [b, w, Action("P", f.mb, f.chunk, True)] if paired else [f]
+            i += 3 if paired else 1
+        lists.append(out)
+    kinds = {**pipe.kinds, "P": pipe.kinds["F"], "I": replace(pipe.kinds["I"], after="act")}
+    return replace(pipe, lists=lists, kinds=kinds)
 
 
 def run_schedule(env, cfg, pipe, ref, embed_group):
@@ -679,19 +707,28 @@ def prove_v_schedules(env, cfg, args, ref, embed_group, one_f_one_b, one_bytes, 
             say(f"  {pipe.name}: peak {[str(x) for x in mem]} = {ratios} of 1F1B's (the table: {share}); lifespan "
                 f"arithmetic {'(same)' if mem == arithmetic or m < 2 * pp else '(DIFFERENT)'}, at most 1F1B's "
                 f"rank 0 x {share} + 2 = {2 * pp * share + 2}: {'yes' if max(mem) <= 2 * pp * share + 2 else 'NO'}")
+            twice, wide = simulate(pipeline_schedule(name, pp, 2 * m))[1], simulate(pipeline_schedule(name, 8, 24))[1]
+            say(f"    the table's {share} is a limit as pp grows, not reached here: the peak is the steady state's ("
+                f"{'the same' if twice == mem else 'not yet the same'} at m = {2 * m}), within a chunk or two of "
+                f"{share} of 1F1B's 2pp chunks\n    (at pp 8: {float(max(wide) / 16):.2f}); measured adds what W keeps "
+                f"(about M_B here, not the M_B/2 simulated), and on rank 0 both ends of the V")
             # A repeated block idles only in its warm-up and cool-down: the same on every rank, the same for
             # m + 1 microbatches, and at most the block's span less one period (before 02's simulator squeezes it).
             more, _ = simulate(pipeline_schedule(name, pp, m + 1))
-            span = Fraction(max(block.values()) + 1 - PERIOD, 2)  # slots are half a stage's pass
+            span = block_idle_bound(block)
             same = len(set(sim.idle)) == 1 and more.idle == sim.idle and sim.idle[0] <= span
             ok &= same and max(mem) <= 2 * pp * share + 2
             say(f"    idle per rank {sim.idle[0]} on every rank, at m + 1 too, within the block's span less a period "
                 f"({span}): {'yes' if same else 'NO'}; bubble {sim.bubble} = "
                 f"{float(sim.bubble / one.bubble):.2f} of 1F1B's B (the table's {table}, an approximation)")
         else:
-            formula = (pp - 1) * (3 + 2 - 3) * Fraction(1, 2)  # (PP/2-1)(F&B + B - 3W), per chunk F 1, B 2, W 1, slots 1/2
+            over, _ = simulate(pipe, overlap=True)  # DeepSeek's PP/2 is pp; a chunk's F = W = 1/2, B = 1, F&B = max(F, B)
+            formula = (pp - 1) * (1 + 1 - 3 * Fraction(1, 2))  # (PP/2-1)(F&B + B - 3W)
+            ok &= max(over.idle) == formula
             say(f"  DualPipeV: peak {[str(x) for x in mem]} = {ratios} of 1F1B's; idle per rank {[str(x) for x in sim.idle]}"
-                f" (F&B run back to back, not overlapped), DeepSeek's (PP/2-1)(F&B + B - 3W) at F&B = F + B: {formula}")
+                f" with F&B back to back (as it runs here);\n    charged overlapped (F&B = max(F, B), simulate(overlap="
+                f"True)): {[str(x) for x in over.idle]}, the most {max(over.idle)} = DeepSeek's (PP/2-1)(F&B + B - 3W) = "
+                f"{formula}: {'yes' if max(over.idle) == formula else 'NO'}")
         pipeline.validate(pipe, m)
         worst, result, chunks = run_schedule(env, cfg, pipe, ref, embed_group)
         ranks = demos.gather_figures(env, pipe.lists, worst, result, result)

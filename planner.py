@@ -475,16 +475,21 @@ def output_layer_seconds(m, L, slices=1, c=Cluster()):
 
 
 @functools.lru_cache(maxsize=64)
-def _vocab_lists(pp, m, barriers):
-    return importlib.import_module("07_vocab_parallel").vocab_schedule("1f1b", pp, m, barriers)
+def _vocab_lists(pp, m, barriers, schedule="1f1b"):
+    return importlib.import_module("07_vocab_parallel").vocab_schedule(schedule, pp, m, barriers)
 
 
-def vocab_stages(m, L, barriers=0, c=Cluster()):
+def vocab_stages(m, L, barriers=0, c=Cluster(), schedule="1f1b"):
     """Per pipeline rank, 1F1B: a microbatch's forward and backward seconds (with 07's S and T), its
     parameters, its peak bytes (weights, fp32 gradients and Adam, activations in flight, the fp32
     logits kept for the loss), and the step, replayed by 02's simulate(). barriers 0: the vocabulary
-    layers on the first and last stage; 2 or 1: spread over the pp ranks (Algorithm 1 or 2)."""
+    layers on the first and last stage; 2 or 1: spread over the pp ranks (Algorithm 1 or 2).
+    schedule "v-half" (barriers 1 or 2): 06's V-Half instead, two chunks of l / (2 pp) layers a rank,
+    a chunk's backward split into I and W of half its time each, its activations 06's peak_memory
+    (what W keeps: half a chunk's, as 06's simulate assumes)."""
     pp, h, V, l = L.pp, m.n_embd, m.vocab_size, m.n_layer / L.pp
+    if schedule != "1f1b" and not barriers:
+        raise ValueError(f"schedule {schedule}: planned with vocabulary parallelism only (barriers 1 or 2)")
     fwd, bwd = microbatch_seconds(m, L, c)  # the last stage's, output layer included
     out_f, out_b, grad_x = output_layer_seconds(m, L, 1, c)
     ar = tp_allreduce_seconds(m, L, c)  # the output layer's input gradient over tp
@@ -492,10 +497,12 @@ def vocab_stages(m, L, barriers=0, c=Cluster()):
     last = [r == pp - 1 for r in range(pp)]
     layers = l * (12 * h * h + 13 * h)
     if barriers:
-        pipe = _vocab_lists(pp, L.m, barriers)
+        pipe = _vocab_lists(pp, L.m, barriers, schedule)
         s_f, s_b, s_x = output_layer_seconds(m, L, pp, c)  # one rank's slice; Algorithm 2 moves X's GEMM to S
-        times = {"S": s_f + (s_x if barriers == 1 else 0), "T": s_b - (s_x if barriers == 1 else 0) + ar / pp}
-        sim = pipeline_sim(pipe, [t_f] * pp, [t_b] * pp, p2p_seconds(m, L, c), times)
+        times = {"S": s_f + (s_x if barriers == 1 else 0), "T": s_b - (s_x if barriers == 1 else 0) + ar / pp,
+                 "I": t_b / 4, "W": t_b / 4}  # V-Half's: a chunk is half a stage
+        sim = pipeline_sim(pipe, [t_f / pipe.v] * pp, [t_b / pipe.v] * pp, p2p_seconds(m, L, c), times)
+        last = [r == pipe.where[pipe.S - 1][0] for r in range(pp)]  # V-Half's last stage is rank 0's
         params = [layers + V * h / pp + (m.seq_len * h if r == 0 else 0) + 2 * h * x for r, x in enumerate(last)]
         logits = [L.b * m.seq_len * V / pp * importlib.import_module("07_vocab_parallel").logits_held(acts)
                   for acts in pipe.lists]  # from S to T
@@ -506,7 +513,9 @@ def vocab_stages(m, L, barriers=0, c=Cluster()):
         params = [layers + (V + m.seq_len) * h * (r == 0) + (V * h + 2 * h) * x for r, x in enumerate(last)]
         logits = [L.b * m.seq_len * V * x for x in last]  # the softmax, for the one microbatch in flight
     params = [p / L.tp for p in params]
-    activations = [activation_bytes_per_layer(m, L) * l * n for n in sim.peak_in_flight]
+    held = [importlib.import_module("06_zero_bubble").peak_memory(acts, 0.5) / 2 for acts in pipe.lists] \
+        if schedule == "v-half" else sim.peak_in_flight  # in stages' worth (two chunks) of a microbatch
+    activations = [activation_bytes_per_layer(m, L) * l * n for n in held]
     memory = [18 * p + a + 4 * x / L.tp for p, a, x in zip(params, activations, logits)]  # Megatron's 2+4+12 B
     # The Adam step of the fullest rank, and (without) the tied embedding's all-reduce between stages.
     tail = max(params) * 42 / (c.hbm_gbs * 1e9) + (0 if barriers else 4 * V * h / L.tp / (c.ib_gbs * 1e9))
@@ -515,6 +524,24 @@ def vocab_stages(m, L, barriers=0, c=Cluster()):
     return dict(forward=[f for f in ([t_f] * pp if barriers else [t_f + out_f * x for x in last])],
                 compute=[busy / L.m for busy in (sim.step_time - i for i in sim.idle)], params=params,
                 memory=memory, step=total, mfu=mfu, peak=max(memory))
+
+
+def v_half_report(c=Cluster()):
+    """--plan v-half: Table 5's setting (pp = 8, V = 32k to 256k) with 06's V-Half and vocabulary
+    parallelism beside 1F1B's: MFU, peak memory, and max/min over ranks of busy time and memory
+    (the paper's "perfect balance": 1.00 in both)."""
+    m, L = TABLE5_MODEL, Layout(1, 8, 1, 128, recompute="selective")
+    out = [f"Yeung et al. 2024, Table 5's setting: l={m.n_layer} h={m.n_embd} a={m.n_head} s={m.seq_len}, pp=8, b=1, "
+           f"m=128, as --plan table5; V-Half (06's) and 1F1B, each with vocabulary parallelism", "the paper's own "
+           "V-Half figures are not given here: they are in none of this repository's docs and were not found (not "
+           "invented)", "V        schedule          MFU %   peak GB   busy max/min   memory max/min"]
+    spread = lambda xs: max(xs) / min(xs)  # noqa: E731
+    for V in TABLE5_VOCABS:
+        for name, b in (("1f1b", 2), ("1f1b", 1), ("v-half", 2), ("v-half", 1)):
+            e = vocab_stages(m._replace(vocab_size=V), L, b, c, name)
+            out.append(f"{V // 1024:4d}k   {name + ' Vocab-' + str(3 - b):16s} {100 * e['mfu']:6.1f}   "
+                       f"{e['peak'] / 1e9:7.2f}   {spread(e['compute']):12.2f}   {spread(e['memory']):14.2f}")
+    return "\n".join(out)
 
 
 def pipeline_sim(schedule, t_f, t_b, t_comm, times=None):
@@ -916,7 +943,7 @@ def add_plan_args(parser):
     g = parser.add_argument_group("planner: --plan prints estimates and exits, allocating nothing")
     g.add_argument("--plan", metavar="NAME", help=f"a model of Table 1 ({', '.join(PAPER_CONFIGS)}, "
                    f"or 1T), or custom (the model flags), or table5 (07's vocabulary parallelism against "
-                   f"Yeung et al.'s Table 5), or context (08's context parallelism for GPT-2 small)")
+                   f"Yeung et al.'s Table 5), or v-half (its setting with 06's V-Half), or context (08's context parallelism for GPT-2 small)")
     g.add_argument("--gpus", type=int, default=None, help="n GPUs (default: Table 1's for the model)")
     for flag, _ in MODEL_FLAGS:
         if flag not in parser._option_string_actions:
@@ -945,6 +972,8 @@ def plan_from_args(args):
     --plan table5: vocab_report."""
     if args.plan == "table5":
         return vocab_report(Cluster(gpu_mem_gb=args.plan_gpu_mem))
+    if args.plan == "v-half":
+        return v_half_report(Cluster(gpu_mem_gb=args.plan_gpu_mem))
     if args.plan == "context":
         return context_report(Cluster(gpu_mem_gb=args.plan_gpu_mem))
     spec, n_gpus, layout, batch, options = check_plan_args(args)

@@ -32,7 +32,7 @@ FILES = {
     "03": ("03_interleaved", "ex03_interleaved", "checks_03"),
     "04": ("04_data_parallel", "ex04_data_parallel", "checks_04"),
     "05": ("05_3d_gpt", "ex05_3d_gpt", "checks_05"),
-    "06": ("06_zero_bubble", "ex06_zero_bubble", "checks_06"),  # after the course's four weeks
+    "06": ("06_zero_bubble", "ex06_zero_bubble", "checks_06"),  # 06 and 07: weeks 2 and 4's extra credit
     "07": ("07_vocab_parallel", "ex07_vocab_parallel", "checks_07"),
     "08": ("08_context_parallel", "ex08_context_parallel", "checks_08"),
     "09": ("09_expert_parallel", "ex09_expert_parallel", "checks_09"),

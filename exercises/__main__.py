@@ -16,12 +16,14 @@ import argparse
 import ast
 import importlib.util
 import inspect
+import io
 import json
 import os
 import re
 import sys
 import textwrap
 import time
+import tokenize
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
@@ -78,8 +80,10 @@ def not_written(exercise, impl):
     """The reasons a submission is the reference rather than the student's (None if it is not): a
     function or autograd Function that IS the numbered file's own object (imported or re-exported),
     a class whose methods are the reference's (a subclass that writes nothing), or one whose source
-    is the reference's (copied: the same statements, whatever the spacing and comments). In the
-    student copy the numbered file's pieces are the stubs themselves, and are not compared."""
+    is the reference's (copied: the same statements, whatever the spacing and comments; for a piece
+    under SHORT nodes, such as f and g, whose every right answer has the same statements, the same
+    docstrings and comments too). In the student copy the numbered file's pieces are the stubs
+    themselves, and are not compared."""
     reference, numbered, stub_file = exercise.reference(), FILES[exercise.file][0], FILES[exercise.file][1]
     reasons = []
     for name in exercise.functions:
@@ -95,7 +99,9 @@ def not_written(exercise, impl):
                 getattr(mine, m, None) is getattr(theirs, m) for m in methods or _own_methods(theirs))):
             reasons.append(f"{exercise.key}: {name} is {numbered}.py's own (imported, not written): write it in "
                            f"{stub_file}.py")
-        elif _statements(mine, methods) is not None and _statements(mine, methods) == _statements(theirs, methods):
+        elif _statements(mine, methods) is not None and _statements(mine, methods) == _statements(theirs, methods) \
+                and (_size(theirs, methods) >= SHORT or any(_words(theirs, methods))
+                     and _words(mine, methods) == _words(theirs, methods)):
             reasons.append(f"{exercise.key}: {name} is a copy of {numbered}.py's own (its source is the "
                            f"reference's): write it yourself in {stub_file}.py")
     return reasons
@@ -134,6 +140,10 @@ def lend_students_pieces():
                 *path, last = theirs.__qualname__.split(".")
                 for part in path:
                     owner = getattr(owner, part)
+                # a checks module may lend a piece within its contract only (checks_01's LENT: 01.2's linears
+                # without sequence parallelism)
+                mine = getattr(importlib.import_module(f"exercises.{FILES[file][2]}"), "LENT", {}).get(
+                    name, lambda fn: fn)(mine)
                 static = isinstance(inspect.getattr_static(owner, last), staticmethod)
                 lent.append((e.key, owner, last, inspect.getattr_static(owner, last),
                              staticmethod(mine) if static else mine))
@@ -145,6 +155,39 @@ _stubbed = set()  # (exercise, name) whose numbered piece is a stub, lent the st
 
 def _own_methods(cls):
     return [m for m, v in vars(cls).items() if isinstance(v, (staticmethod, classmethod)) or inspect.isfunction(v)]
+
+
+# AST nodes: a body this small (f's and g's, 3 statements, 14 to 32 nodes; 05.2's loop, 69) is written alike,
+# to the names, by many who write it right: there the same statements alone do not say "copied"
+SHORT = 70
+
+
+def _functions(obj, methods=None):
+    return [_function(obj, m) for m in sorted(methods or _own_methods(obj))] if isinstance(obj, type) else [obj]
+
+
+def _size(obj, methods=None):
+    """The number of AST nodes in obj's statements (a class's: its methods'), docstrings included."""
+    try:
+        return sum(1 for fn in _functions(obj, methods)
+                   for s in ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body for _ in ast.walk(s))
+    except Exception:  # noqa: BLE001 - no source to be had: not short, so the statements decide
+        return SHORT
+
+
+def _words(obj, methods=None):
+    """The docstrings (a class's own, and its methods') and the comments, each line stripped: what a
+    copy brings with it and one's own answer to a short piece does not (there the statements are the
+    same for every right answer: the stub's names, one way to write it)."""
+    words = [obj.__doc__ or ""] if isinstance(obj, type) else []
+    for fn in _functions(obj, methods):
+        words.append(fn.__doc__ or "")
+        try:
+            source = textwrap.dedent(inspect.getsource(fn))
+        except Exception:  # noqa: BLE001
+            continue
+        words += [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    return [" ".join(w.split()) for w in words]
 
 
 def _statements(obj, methods=None):
@@ -255,10 +298,12 @@ def _check(args, chosen, out, rows):
             result = grade(e, impl, args.time_limit)
             if copied:  # refused by name, and graded too, so that the student's own pieces get their diagnosis
                 result = Grade("fail", copied + result.lines)
-            elif lent and result.status == "not implemented" and result.lines[0][:4] != e.key:
+            elif lent and result.status == "not implemented" and result.lines[0][:4] != e.key \
+                    and "the student copy does not have" not in result.lines[0]:
                 result = Grade("not implemented", result.lines + [
                     f"(this check runs {result.lines[0][:4]}'s piece too: write that first)"])
-            elif lent and result.status == "not implemented" and not any(_is_stub(f) for f in impl.values()):
+            elif lent and result.status == "not implemented" and not any(_is_stub(f) for f in impl.values()) \
+                    and "the student copy does not have" not in result.lines[0]:
                 result = Grade("not implemented", result.lines + [
                     f"(your {', '.join(e.functions)} is written, but this check needs {FILES[e.file][0]}.py's own, "
                     f"which the student copy does not have: it is graded in the instructor's copy, with "

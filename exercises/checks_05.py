@@ -3,9 +3,11 @@ exercise stubs a function of 05's lesson.
 
 05.1, the rank grid, is pure: checked here for ten worlds against a grid this file builds its own way
 (each rank's coordinates, then the ranks that differ in one of them), not against 05's rank_grid.
-05.2, new_groups, runs first on every rank of two grids in this process with dist.new_group recorded
-(no rank started, so a wrong order cannot hang): every rank must create every group, in the same
-order, and keep its own; then on 4 CPU ranks, each returned group all-reducing its ranks. 05.3, the
+05.2, new_groups, runs first on every rank of three grids in this process with dist.new_group recorded
+(no rank started, so a wrong order cannot hang; torch's helpers built on it, such as
+dist.new_subgroups_by_enumeration, are recorded through it, and a call that needs a started process
+group is said at the student's line): every rank must create every group, in the same order, and keep
+its own; then on 4 CPU ranks, each returned group all-reducing its ranks. 05.3, the
 trainer's AdamW, is compared in float64 over three steps with an AdamW written out here (decoupled
 decay on the 2-D weights only, betas (0.9, 0.95)), to 1e-12: the same formula in another order of
 operations, a few ulps. 05.4, the lesson's step, runs as 05's demo does, against the serial model's
@@ -104,6 +106,16 @@ ORDER_RULE = ("dist.new_group is a collective over every rank: each rank calls i
               "or waits forever)")
 
 
+EMPTY_KIND_RULE = ("a kind with no group (grid['embed'] is [] at pp = 1: the embedding is tied across no stages) "
+                   "makes no group, and every rank's Groups has None for it")
+
+
+RECORDED_RULE = ("new_groups is graded first on each rank in turn, in this process, with every group it makes "
+                 "recorded and no process group started (a wrong order then cannot hang): make the groups with "
+                 "dist.new_group(ranks, timeout=...) or dist.new_subgroups_by_enumeration, and take this rank "
+                 "from env.rank")
+
+
 class _Recorded:
     """What the recording dist.new_group returns: the group's ranks and the student's line that made it."""
 
@@ -139,13 +151,40 @@ def _recording(world, tp, dp, pp, fn):
         made[rank].append((group, timeout))
         return group
 
+    def new_subgroups_by_enumeration(ranks_per_subgroup_list, *args, **kwargs):
+        if not ranks_per_subgroup_list:  # torch's own ValueError would not say why the list is empty
+            raise autograder.Mistake(f"{student_line()}: {where}: dist.new_subgroups_by_enumeration is given an "
+                                     f"empty list, which it refuses: {EMPTY_KIND_RULE}")
+        return real_by_enumeration(ranks_per_subgroup_list, *args, **kwargs)  # its new_group is the recording one
+
+    def get_rank(group=None):
+        return rank if group is None else group.ranks.index(rank) if rank in group.ranks else -1
+
+    def get_world_size(group=None):
+        return world if group is None else len(group.ranks)
+
     where = f"grid {world} = tp {tp} x dp {dp} x pp {pp}"
     kept = {}
-    with installed((gpt3d.dist, "new_group", new_group)):
+    # torch's helpers that make groups (dist.new_subgroups_by_enumeration, dist.new_subgroups) call
+    # distributed_c10d's new_group and get_rank: those are recorded and answered here too, so that a student's
+    # call of one is graded as the groups it makes, with no process group started.
+    c10d, real_by_enumeration = gpt3d.dist.distributed_c10d, gpt3d.dist.distributed_c10d.new_subgroups_by_enumeration
+    with installed(*[(owner, name, fn) for owner in (gpt3d.dist, c10d)
+                     for name, fn in (("new_group", new_group), ("get_rank", get_rank),
+                                      ("get_world_size", get_world_size),
+                                      ("new_subgroups_by_enumeration", new_subgroups_by_enumeration))]):
         for rank in range(world):
             made[rank] = []
-            kept[rank] = called(fn, RankEnv(rank, world, rank, torch.device("cpu")), grid, TIMEOUT_S,
-                                what=f"new_groups on rank {rank} of the {where}")
+            try:
+                kept[rank] = called(fn, RankEnv(rank, world, rank, torch.device("cpu")), grid, TIMEOUT_S,
+                                    what=f"new_groups on rank {rank} of the {where}")
+            except autograder.StudentError as e:
+                if "not been initialized" not in str(e.__cause__):
+                    raise
+                at = autograder._where(e.__cause__)
+                raise autograder.Mistake(f"{at[0].strip()[3:] + ': ' if at else ''}new_groups on rank {rank} of the "
+                                         f"{where} calls a torch.distributed function that needs a started process "
+                                         f"group: {RECORDED_RULE}") from None
     every = [g for kind in ("tp", "dp", "pp", "embed") for g in grid[kind]]
     ranks_of = {rank: [g.ranks for g, _ in made[rank]] for rank in range(world)}
     for rank in range(world):
@@ -392,6 +431,13 @@ def _groups_no_timeout(env, grid, timeout_s=60.0):
     return gpt3d.Groups(**mine)
 
 
+def _groups_subgroups_of_every_kind(env, grid, timeout_s=60.0):
+    mine, timeout = {}, gpt3d.timedelta(seconds=timeout_s)
+    for kind, groups in grid.items():  # torch's helper: every group of a kind in one collective call, in order
+        mine[kind], _ = gpt3d.dist.new_subgroups_by_enumeration(groups, timeout=timeout)  # the mistake
+    return gpt3d.Groups(**mine)
+
+
 def _adamw_decays_everything(params, lr=gpt3d.CHECK_LR):
     return torch.optim.AdamW(list(params), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)  # the mistake: one group
 
@@ -452,7 +498,10 @@ EXERCISES = [
                       at_line=True),
               Planted("groups_no_timeout", "the groups are made without the run's timeout",
                       lambda: {"new_groups": _groups_no_timeout}, "a group's own timeout bounds the collectives",
-                      at_line=True)]),
+                      at_line=True),
+              Planted("groups_subgroups_empty_embed", "dist.new_subgroups_by_enumeration for every kind, the "
+                      "empty embed list at pp = 1 too", lambda: {"new_groups": _groups_subgroups_of_every_kind},
+                      "makes no group, and every rank's Groups has None for it", at_line=True)]),
     Exercise("05.3", "adamw", "the trainer's AdamW: weight decay on the 2-D weights only", ("adamw",),
              "Narayanan et al. 2021, Section 3 (each rank updates what it holds); Loshchilov and Hutter 2019",
              check_adamw,

@@ -5,6 +5,9 @@
 What it writes: every file `git ls-files` lists (nothing untracked or ignored leaks), except
   - docs/ANSWERS.md, the key to GUIDE's questions (a link to it becomes a sentence saying so);
   - the handouts' rubrics' full answers (docs/course/week*.md): each question keeps its points;
+    and, in any markdown, a passage between <!-- teacher --> and <!-- /teacher --> (how to grade);
+  - the answer key of week 4's fault records (KEYS: scripts/fault_records.py's _key, _change and
+    key_text): the copy writes the same records for the same --seed, and its --key refuses, saying so;
   - tests/: most of it needs the reference (the solution runs of test_exercises.py, the lessons'
     tests, the chapters' equality tests), so none of it is copied;
 and with, in each numbered file, every piece an exercise asks for (the exercise table's functions:
@@ -15,9 +18,9 @@ NotImplementedError names the exercise and the function ("01.1 f's forward (Copy
 The planted mistakes of exercises/checks_0N.py are near-solutions: their code is replaced by a
 sentence (the instructor's copy has them), and `check --planted` there says so.
 
-The proof (`reference_lines`, `leaks`; tests/test_student_repo.py): no line of a reference body
-(stripped, longer than MIN_CHARS, and in neither the stub file nor the code the copy keeps as it
-is: a later chapter may repeat an earlier one's line) is anywhere in the copy.
+The proof (`reference_lines`, `leaks`; tests/test_student_repo.py): no line of a reference body or of
+an answer key's code (stripped, longer than MIN_CHARS, and in neither the stub file nor the code the
+copy keeps as it is: a later chapter may repeat an earlier one's line) is anywhere in the copy.
 """
 import ast
 import functools
@@ -34,6 +37,15 @@ MIN_CHARS = 25  # shorter lines ("return grad, None") say nothing a student coul
 LEFT_OUT = ("docs/ANSWERS.md",)
 LEFT_OUT_FOLDERS = ("tests/",)
 KEY_IS_THE_INSTRUCTORS = "the answer key, which is the instructor's (it is not in the student copy)"
+# Answer keys inside scripts the students keep: {path: {function: its body in the student copy}}. Week 4's
+# fault records: the students' copy writes the same records for the same --seed, and --key refuses.
+KEY_REFUSED = ("--key: the answer key is the teacher's, and the student copy does not have it; "
+               "python3 scripts/fault_records.py --seed N (N from your teacher) writes your cohort's records")
+KEYS = {"scripts/fault_records.py": {
+    "_key": "return None  # the key is the teacher's: not in the student copy\n",
+    "_change": "return None  # part of the key: not in the student copy\n",
+    "key_text": f"raise SystemExit({KEY_REFUSED!r})\n"}}
+TEACHER_ONLY = re.compile(r"\n?<!-- teacher -->.*?<!-- /teacher -->\n?", re.S)
 PLANTED_GONE = ("planted mistakes are the instructor's: they are near-solutions, so the student copy "
                 "does not have them")
 
@@ -106,7 +118,7 @@ def kept_code():
     out = []
     for path in tracked():
         if path.endswith(".py") and not path.startswith(("exercises/", "tests/")):
-            text = stubbed(path) if path in numbered else _read(path)
+            text = stubbed(path) if path in numbered else without_keys(path) if path in KEYS else _read(path)
             out.append(text)
     return "\n".join(out)
 
@@ -125,6 +137,14 @@ def reference_lines():
                 text = line.strip()
                 if len(text) > MIN_CHARS and text not in in_stub and text not in kept:
                     found.setdefault(text, f"{path}:{key} {name}")
+    for path, bodies in KEYS.items():  # the answer keys' code, as the solutions' (kept: the rest of the script)
+        lines, tree = _read(path).splitlines(), ast.parse(_read(path))
+        for name in bodies:
+            first, last = _body(_node(tree, name))
+            for line in lines[first - 1:last]:
+                text = line.strip()
+                if len(text) > MIN_CHARS and text not in kept:
+                    found.setdefault(text, f"{path}: the answer key's {name}")
     return found
 
 
@@ -142,6 +162,19 @@ def stubbed(path):
         body = textwrap.dedent("\n".join(stub_lines[s_first - 1:s_last]))
         indent = " " * ours.body[0].col_offset
         lines[first - 1:last] = [textwrap.indent(body, indent) + "\n"]
+    return "".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def without_keys(path):
+    """A kept script's text with each function of KEYS[path] given its student body: the answer key's
+    code and docstrings gone, the rest (the records, the --seed) as it is."""
+    text = _read(path)
+    lines, tree = text.splitlines(keepends=True), ast.parse(text)
+    for name, body in sorted(KEYS[path].items(), key=lambda item: -_node(tree, item[0]).lineno):
+        node = _node(tree, name)
+        first, last = _body(node)  # the docstring too: _change's says what a right answer to question 3 does
+        lines[first - 1:last] = [textwrap.indent(body, " " * node.body[0].col_offset)]
     return "".join(lines)
 
 
@@ -191,8 +224,10 @@ def without_rubric_answers(text):
 
 
 def without_key_links(text):
-    """Markdown with each link to ANSWERS.md turned into words saying that the key is the instructor's."""
-    return ANSWERS_LINK.sub(KEY_IS_THE_INSTRUCTORS, text)
+    """Markdown with each link to ANSWERS.md turned into words saying that the key is the instructor's,
+    and each passage between <!-- teacher --> and <!-- /teacher --> (what a handout says to the teacher:
+    how to grade, where the key is) gone."""
+    return TEACHER_ONLY.sub("\n", ANSWERS_LINK.sub(KEY_IS_THE_INSTRUCTORS, text))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,6 +262,8 @@ def write(out):
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         if path in numbered:
             text = stubbed(path)
+        elif path in KEYS:
+            text = without_keys(path)
         elif path in checks:
             text = without_planted(_read(path))
         elif path.endswith(".md"):
@@ -270,7 +307,8 @@ def main(out, say=print):
     files, bodies = write(out)
     found = leaks(out)
     say(f"wrote {out}: {files} files of `git ls-files`, {bodies} bodies replaced by their stubs; left out "
-        f"{', '.join(LEFT_OUT + LEFT_OUT_FOLDERS)} and the planted mistakes' code")
+        f"{', '.join(LEFT_OUT + LEFT_OUT_FOLDERS)}, the planted mistakes' code and the answer keys of "
+        f"{', '.join(KEYS)}")
     for path, n, line, where in found[:20]:
         say(f"  LEAK {path}:{n}: {line!r} (from {where})")
     if found:

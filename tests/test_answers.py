@@ -6,8 +6,11 @@ The facts are checked as tests/test_docs.py checks the docs' prose (its CLAIMS):
 pattern over one answer (whitespace collapsed), whose groups are the figures, and a function that
 gets them from the code: a pure function of a numbered file (a schedule's lists, the simulator, the
 validator, the rank grid), what a demo prints today (conftest.script_output: the same runs as
-test_docs.py's, once per session), or a small run on CPU ranks (two launches, one rank and two, for
-all the answers that need one). Nothing is copied from an output. A doc that says another figure,
+test_docs.py's, once per session), or a small run on CPU ranks (launches of one, two and four ranks,
+each once per session). Where a question is about a chapter's lesson (the code on its read-first
+list), its facts come from the lesson run: 02's, 03's, 05's and 06's loops on four ranks, watched from
+outside (lesson_runs: what each rank ran, in order, and every blocking message call it made), 04's
+DDP and ZeRO1, 06's SplitLinear. Nothing is copied from an output. A doc that says another figure,
 or stops saying it, fails; and every answer must have at least one Claim, so that an answer added
 (08's, 09's) comes with its check.
 
@@ -157,7 +160,7 @@ def _two_ranks(env):
 
 @functools.cache
 def one_rank():
-    """Facts that need a process group of one rank: 02's loss weighting, 04's bucket launches."""
+    """Facts that need a process group of one rank: 02's loss weighting, 04's lesson DDP's bucket launches."""
     from plumbing.launch import launch
     return launch(_one_rank, 1, timeout_s=20, deadline_s=60)[0]
 
@@ -181,18 +184,39 @@ def _one_rank(env):
     lesson = pipeline.one_f_one_b_step(stage, micro, dist.group.WORLD).detach()
     out["lesson_vs_serial"] = float(tensor_parallel.max_rel_diff(lesson, whole))
     out["mean_of_means_vs_serial"] = float(abs(means - whole))
-    # 04.3: a step of 2 microbatches, a bucket launch counted at each backward.
-    model = tensor_parallel.GPT(cfg, None, init=False, dtype=F64).load_full_state_dict(full)
-    ddp = data_parallel.BucketedDDP(model.parameters(), dist.group.WORLD, 2000)
+    # 04.3: the lesson's DDP, a step of 2 microbatches: its all-reduces launched after each backward and after finish.
+    model = tensor_parallel.ParallelGPT(cfg, None, dtype=F64).load_full_state_dict(full)
+    ddp = data_parallel.DDP(model.parameters(), dist.group.WORLD, 2000)
     launched = []
     for i, (x, y) in enumerate(micro[:2]):
-        ddp.sync = i == 1  # as train_replica sets it
+        ddp.sync = i == 1  # as train_step sets it
         model(x, y)[1].backward()
-        launched.append(sum(kind == "launch" for kind, *_ in ddp.events))
+        launched.append(len(ddp.works))
     ddp.finish()
-    launched.append(sum(kind == "launch" for kind, *_ in ddp.events))
-    out["bucketed"] = dict(launched=launched, buckets=len(ddp.buckets),
-                           launch_order=[i for kind, i, *_ in ddp.events if kind == "launch"])
+    launched.append(len(ddp.works))
+    out["bucketed"] = dict(launched=launched, buckets=len(ddp.buckets))
+    # 04.1: the lesson's DDP at the demo's model and bucket size: the order its buckets' all-reduces launch in,
+    # and how many have launched when backward returns.
+    args = data_parallel.parser().parse_args([])
+    demo_cfg = tensor_parallel.GPTConfig(**{k: getattr(args, k) for k in ("vocab_size", "block_size", "n_layer",
+                                                                          "n_head", "n_embd", "dropout")})
+    model = tensor_parallel.ParallelGPT(demo_cfg, None, dtype=F64).load_full_state_dict(
+        tensor_parallel.init_state_dict(demo_cfg, 5, dtype=F64))
+    ddp, order, real = data_parallel.DDP(model.parameters(), dist.group.WORLD, args.bucket_numel), [], dist.all_reduce
+
+    def all_reduce(t, *a, **k):  # which bucket: its first element's place in the flat buffer
+        order.append((t.data_ptr() - ddp.grads.data_ptr()) // t.element_size())
+        return real(t, *a, **k)
+    dist.all_reduce = all_reduce
+    try:
+        tokens = torch.randint(demo_cfg.vocab_size, (2, args.seq_len))
+        model(tokens, tokens)[1].backward()
+        at_return = len(ddp.works)
+        ddp.finish()
+    finally:
+        dist.all_reduce = real
+    starts = [lo for lo, _ in ddp.buckets]
+    out["buckets"] = dict(order=[starts.index(o) for o in order], n=len(ddp.buckets), at_return=at_return)
     return out
 
 
@@ -222,17 +246,16 @@ def serial_facts():
     out["dp"] = dp
     out["sum_over_serial"] = one(round(float(summed[n].norm() / serial[n].norm()), 9) for n in serial)
     out["sum_over_dp_vs_serial"] = max(float(tensor_parallel.max_rel_diff(summed[n] / dp, serial[n])) for n in serial)
-    # 06.1: I then W (BackwardSplit) against one B.
-    model = tensor_parallel.GPT(cfg, None, init=False, dtype=F64)
-    model.load_full_state_dict(full)
-    split = zero_bubble.BackwardSplit([model])
-    with split.input((0, 0)):
-        model(idx, targets)[1].backward()
+    # 06.1: the lesson's split (split_linears: I now, weight_grads later) against one B.
+    model = tensor_parallel.ParallelGPT(cfg, dtype=F64).load_full_state_dict(full)
+    kept = []
+    zero_bubble.split_linears(model, kept)
+    model(idx, targets)[1].backward()
     linears = [n for n, mod in model.named_modules() if isinstance(mod, (tensor_parallel.ColumnParallelLinear,
                                                                        tensor_parallel.RowParallelLinear))
-               and n != "lm_head"]
+               and n != "lm_head"]  # the tied output layer's weight is wte's, whose lookup has its gradient
     out["weights_after_I"] = {model.get_submodule(n).weight.grad is None for n in linears}
-    split.weight((0, 0))
+    zero_bubble.weight_grads(kept)
     out["split_vs_B"] = max(float(tensor_parallel.max_rel_diff(p.grad, serial[n])) for n, p in model.named_parameters())
     return out
 
@@ -245,10 +268,6 @@ def one_f_one_b(pp, m):
     return [pipeline.one_f_one_b(pp, m, s) for s in range(pp)]
 
 
-def forwards_before_first_backward(lists):
-    return str([next(i for i, a in enumerate(acts) if a.kind == "B") for acts in lists])
-
-
 def verdict(check):
     """'accepts it', or 'finds a deadlock' / 'finds a mismatch': what validate says of a schedule."""
     try:
@@ -256,53 +275,6 @@ def verdict(check):
     except pipeline.ScheduleError as e:
         return "finds a deadlock" if "deadlock" in str(e) else "finds a mismatch"
     return "accepts it"
-
-
-def planted_1f1b(name):
-    """1F1B's lists with the warm-up of exercise 02.2's planted mistake `name` (exercises/checks_02.py plants it
-    in the lesson's loop): pp - s - 2 forwards clamped at 0 (warmup_too_short), or pp - s (warmup_too_long)."""
-    shift = {"warmup_too_short": -1, "warmup_too_long": 1}[name]
-
-    def schedule(pp, m, stage):
-        warmup = max(0, min(pp - stage - 1 + shift, m))
-        acts = [pipeline.Action("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            acts += [pipeline.Action("F", warmup + i), pipeline.Action("B", i)]
-        return acts + [pipeline.Action("B", i) for i in range(m - warmup, m)]
-    return schedule
-
-
-class SendsThenReceives(pipeline.Schedule):
-    """02's Schedule whose boundaries post and wait for their sends, then post and wait for their receives."""
-
-    def plan(self, rank):
-        out = []
-        for kind, *step in super().plan(rank):
-            if kind == "post":
-                for side in ("send", "recv"):
-                    ops = [op for op in step[0] if op[0] == side]
-                    out += [("post", ops), ("wait", ops)] if ops else []
-            elif kind == "run":
-                out.append((kind, *step))
-        return out
-
-
-def split_plans_deadlock():
-    pp, m = 4, 8
-    try:
-        pipeline.validate(SendsThenReceives(one_f_one_b(pp, m)), m)
-    except pipeline.ScheduleError as e:
-        return re.search(r"rank (\d+) waits to send .*? with rank (\d+)", str(e)).groups()
-    return "no deadlock", ""
-
-
-def interleaved_lists(pp, m, v, schedule=interleaved.InterleavedSchedule):
-    return schedule([interleaved.interleaved(pp, m, r, v) for r in range(pp)])
-
-
-def sends(schedule):
-    return sum(op[0] == "send" for r in range(schedule.pp) for kind, *step in schedule.plan(r) if kind == "post"
-               for op in step[0])
 
 
 def interleaved_with_warmup_factor_1(pp, m, v):
@@ -494,6 +466,231 @@ def split_aux_loss():
     return f"{whole:.1f}", f"{one(halves):.1f}"
 
 
+# ----------------------------------------------------------------------------------------------
+# The lessons of 02 to 06, run on four CPU ranks and watched from outside (02.1, 02.4, 03.2, 03.4, 04.4,
+# 05.2, 05.3, 06.1): what each rank ran, in order, and every blocking message call it made
+
+
+@functools.cache
+def lesson_runs():
+    """Per rank: 02's gpipe_step and one_f_one_b_step, exercise 02.2's planted warm-ups (exercises/checks_02.py),
+    03's interleaved_step (v = 2) and 06's zb_h1_step, at pp = 4, m = 8, each recorded; 04's ZeRO1 at dp = 4;
+    05's ptd_p_step at tp 2 x pp 2 and at pp 2 x dp 2."""
+    from plumbing.launch import launch
+    return launch(_lessons, 4, timeout_s=30, deadline_s=120)
+
+
+def _recorded(step, *args, micro, chunks=(), sent=None):
+    """step(*args) with 02's lesson pieces, 03's exchange and 06's weight_grads wrapped: (its result, this rank's
+    actions [(kind, chunk, mb)]: F, B (06's I) and W, its messages [[(direction, peer stage), ...] per blocking call], its peak count of
+    microbatches in flight (chunks, with v > 1)). The tied embedding's sum is run but not recorded; sent:
+    a list that gets each tensor sent forward (to stage s + 1)."""
+    import torch.distributed as dist
+    from exercises.autograder import installed
+    real = {n: getattr(pipeline, n) for n in ("forward_step", "backward_step", "recv_from", "send_to", "send_recv",
+                                             "sum_tied_grads")}
+    real_exchange, actions, messages, outputs, on, flight = interleaved.exchange, [], [], {}, [True], [0, 0]
+
+    def log(*items):
+        if on[0] and items:
+            messages.append(list(items))
+
+    def forward_step(stage, mb, x, weight, losses):
+        out = real["forward_step"](stage, mb, x, weight, losses)
+        act = ("F", next((c for c, ch in enumerate(chunks) if ch is stage), 0), next((i for i, b in enumerate(micro) if b is mb), None))
+        outputs[id(out[1])], flight[0] = act, flight[0] + 1
+        flight[1] = max(flight)
+        actions.append(act)
+        return out
+
+    def backward_step(x, y, dy):
+        actions.append(("B", *outputs[id(y)][1:]))
+        flight[0] -= 1
+        return real["backward_step"](x, y, dy)
+
+    def here(g):
+        return dist.get_rank(g), dist.get_world_size(g)
+
+    def recv_from(src, like, pp_group=None):
+        log(*[("recv", src)] * (0 <= src < here(pp_group)[1]))
+        return real["recv_from"](src, like, pp_group)
+
+    def send_to(t, dst, pp_group=None):
+        if 0 <= dst < here(pp_group)[1]:
+            log(("send", dst))
+            if sent is not None and dst == here(pp_group)[0] + 1 and on[0]:
+                sent.append(t.detach().clone())
+        return real["send_to"](t, dst, pp_group)
+
+    def send_recv(t, peer, like, pp_group=None):
+        if 0 <= peer < here(pp_group)[1]:
+            log(("send", peer), ("recv", peer))
+            if sent is not None and peer == here(pp_group)[0] + 1 and on[0]:
+                sent.append(t.detach().clone())
+        return real["send_recv"](t, peer, like, pp_group)
+
+    def sum_tied_grads(stage, pp_group=None):
+        on[0] = False
+        try:
+            return real["sum_tied_grads"](stage, pp_group)
+        finally:
+            on[0] = True
+
+    def exchange(sends, receives, box, like):
+        log(*[("send", msg[1] % dist.get_world_size()) for msg in sends], *[("recv", p) for p in receives.values()])
+        return real_exchange(sends, receives, box, like)
+
+    def weight_grads(kept):  # 06's W: the oldest deferred microbatch's
+        actions.append(("W", 0, sum(a[0] == "W" for a in actions)))
+        return real_weight_grads(kept)
+
+    real_weight_grads = zero_bubble.weight_grads
+    with installed(*[(pipeline, n, f) for n, f in (("forward_step", forward_step), ("backward_step", backward_step),
+                                                   ("recv_from", recv_from), ("send_to", send_to),
+                                                   ("send_recv", send_recv), ("sum_tied_grads", sum_tied_grads))],
+                   (interleaved, "exchange", exchange), (zero_bubble, "weight_grads", weight_grads)):
+        result = step(*args)
+    return result, actions, messages, flight[1]
+
+
+def _against_serial(stages, loss, serial, whole):
+    """The largest relative difference of the loss (where this rank has it) and every gradient from serial's."""
+    diffs = [float(tensor_parallel.max_rel_diff(p.grad, serial.get_parameter(n).grad))
+             for st in stages for n, p in st.named_parameters()]
+    return max(diffs + ([float(tensor_parallel.max_rel_diff(loss.detach(), whole))] if loss is not None else []))
+
+
+def _lessons(env):
+    import torch.distributed as dist
+    checks = load("exercises.checks_02")
+    world, rank, m, out = dist.group.WORLD, env.rank, 8, {}
+    idx, targets = pipeline_batch(m)
+    micro = list(zip(idx.chunk(m), targets.chunk(m)))
+    for name, cfg in (("4", PIPELINE_CFG), ("8", dataclasses.replace(PIPELINE_CFG, n_layer=8))):
+        full = tensor_parallel.init_state_dict(cfg, 5, dtype=F64, random_all=True)
+        serial = tensor_parallel.ParallelGPT(cfg, dtype=F64).load_full_state_dict(full)
+        whole = serial(idx, targets)[1]
+        whole.backward()
+        steps = {"gpipe": pipeline.gpipe_step, "1f1b": pipeline.one_f_one_b_step, "zb-h1": zero_bubble.zb_h1_step,
+                 "short": checks._one_f_one_b_planted(lambda pp, s: pp - s - 2),
+                 "long": checks._one_f_one_b_planted(lambda pp, s: pp - s)} if name == "4" else {}
+        for key, step in steps.items():
+            stage = pipeline.stage_model(cfg, world, dtype=F64).load_full_state_dict(full)
+            loss, actions, messages, peak = _recorded(step, stage, micro, micro=micro)
+            out[key] = dict(actions=actions, messages=messages, peak=peak,
+                            diff=_against_serial([stage], loss, serial, whole.detach()))
+        if name == "8":
+            chunks = [c.load_full_state_dict(full) for c in interleaved.chunk_models(cfg, 2, dtype=F64)]
+            loss, actions, messages, peak = _recorded(interleaved.interleaved_step, chunks, micro, micro=micro,
+                                                      chunks=chunks)
+            out["interleaved"] = dict(actions=actions, messages=messages, peak=peak,
+                                      diff=_against_serial(chunks, loss, serial, whole.detach()))
+    # 04.4: ZeRO1 at dp = 4, against plain AdamW's state; every replica's weights after the step.
+    cfg, dp = PIPELINE_CFG, 4
+    full = tensor_parallel.init_state_dict(cfg, 5, dtype=F64, random_all=True)
+    model = tensor_parallel.ParallelGPT(cfg, dtype=F64).load_full_state_dict(full)
+    ddp = data_parallel.DDP(model.parameters(), world, 2000)
+    opt = data_parallel.ZeRO1(ddp, lr=1e-3, weight_decay=0.1)
+    rows = data_parallel.shard_batch(idx, targets, dp, rank)
+    data_parallel.train_step(model, ddp, opt, list(zip(*(t.chunk(2) for t in rows))), world)
+    plain = tensor_parallel.ParallelGPT(cfg, dtype=F64).load_full_state_dict(full)
+    plain(*rows)[1].backward()
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1)
+    adamw.step()
+
+    def state_bytes(o):
+        return sum(t.numel() * t.element_size() for s in o.state.values() for t in s.values() if t.dim())
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(weights) for _ in range(dp)]
+    dist.all_gather(every, weights)
+    out["zero1"] = dict(fraction=state_bytes(opt.adamw) / state_bytes(adamw),
+                        same=all(torch.equal(w, every[0]) for w in every))
+    # 05.2 and 05.3: ptd_p_step at tp 2 x pp 2 (dp 1), then at pp 2 x dp 2 (tp 1), on the check's kind of model.
+    cfg = tensor_parallel.GPTConfig(vocab_size=97, block_size=8, n_layer=4, n_head=4, n_embd=16)
+    full = tensor_parallel.init_state_dict(cfg, 5, dtype=F64, random_all=True)
+    gen = torch.Generator().manual_seed(2)
+    idx, targets = torch.randint(cfg.vocab_size, (2, 12, 8), generator=gen)
+    for key, (tp, dp, pp) in (("tp2pp2", (2, 1, 2)), ("pp2dp2", (1, 2, 2))):
+        groups = gpt3d.new_groups(env, gpt3d.rank_grid(4, tp, dp, pp))
+        stage = pipeline.stage_model(cfg, groups.pp, group=groups.tp, dtype=F64).load_full_state_dict(full)
+        sent = []
+        _recorded(gpt3d.ptd_p_step, stage, gpt3d.adamw(stage.parameters()), idx, targets, groups, 3, micro=[None],
+                  sent=sent)
+
+        def same_over(group, t):
+            got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(got, t.contiguous(), group=group)
+            return all(torch.equal(g, got[0]) for g in got)
+        grads = {n: same_over(groups.tp if tp > 1 else groups.dp, p.grad) for n, p in stage.named_parameters()}
+        out[key] = dict(names=set(grads), equal={n for n, same in grads.items() if same}, split={n for n, p in stage.named_parameters()
+                                                                             if hasattr(p, "tp_dim")},
+                        sent=[tuple(t.shape) for t in sent], tied=hasattr(stage, "lm_head") and not stage.pre_process,
+                        sent_same=same_over(groups.tp, torch.stack(sent)) if sent and tp > 1 else None,
+                        rows=idx.shape[0] // dp // 3)
+        if key == "tp2pp2":  # the main job's model, cut as ptd_p_step cuts it, on "meta": the elements each rank holds
+            main = pipeline.stage_model(tensor_parallel.GPTConfig(**gpt3d.MODEL_DEFAULTS), groups.pp, group=groups.tp,
+                                        device="meta", vocab_divisible_by=gpt3d.VOCAB_DIVISIBLE_BY)
+            held = torch.tensor([sum(p.numel() for p in main.parameters())])
+            dist.all_reduce(held)
+            out[key]["held"] = int(held)
+    return out
+
+
+def serial_parameters():
+    """The main job's serial model's parameters (05.3)."""
+    return sum(p.numel() for p in tensor_parallel.ParallelGPT(tensor_parallel.GPTConfig(**gpt3d.MODEL_DEFAULTS),
+                                                              device="meta").parameters())
+
+
+def lesson(key):
+    """lesson_runs()'s record of lesson `key`, one entry per rank."""
+    return [r[key] for r in lesson_runs()]
+
+
+def lesson_lists(key):
+    """The actions each rank of lesson `key` ran, in order, as 02's Actions: what 02's simulator replays."""
+    return [[pipeline.Action(kind, mb, chunk) for kind, chunk, mb in r["actions"]] for r in lesson(key)]
+
+
+def lesson_sends(key):
+    """The messages lesson `key` sent, every rank's, the tied embedding's sum left out."""
+    return sum(item[0] == "send" for r in lesson(key) for call in r["messages"] for item in call)
+
+
+def rendezvous(key, split=False):
+    """Lesson `key`'s blocking message calls, as each rank made them, replayed with every send waiting for its
+    receive (as a large NCCL send does): None if every rank gets through, else the pairs of ranks that each wait
+    to send to the other. split: each batch (send_recv's, exchange's) made as its sends, then its receives."""
+    calls = []
+    for r in lesson(key):
+        mine = []
+        for call in r["messages"]:
+            parts = [[i for i in call if i[0] == "send"], [i for i in call if i[0] == "recv"]] if split else [list(call)]
+            mine += [list(part) for part in parts if part]
+        calls.append(mine)
+    at = [0] * len(calls)
+    now = lambda q: calls[q][at[q]] if at[q] < len(calls[q]) else []  # noqa: E731
+    while any(a < len(c) for a, c in zip(at, calls)):
+        progress = False
+        for r in range(len(calls)):
+            for item in [i for i in now(r) if i[0] == "send"]:
+                if ("recv", r) in now(item[1]):
+                    now(r).remove(item)
+                    now(item[1]).remove(("recv", r))
+                    progress = True
+            if at[r] < len(calls[r]) and not now(r):
+                at[r], progress = at[r] + 1, True
+        if not progress:
+            return sorted({(r, q) for r in range(len(calls)) for d, q in now(r) if d == "send" and r < q
+                           and ("send", r) in now(q)})
+    return None
+
+
+def before_first_backward(key):
+    """[how many forwards each rank of lesson `key` ran before its first backward]."""
+    return [next(i for i, a in enumerate(r["actions"]) if a[0] == "B") for r in lesson(key)]
+
+
 TP, SP = TP_DEMO, SP_DEMO
 CLAIMS = [
     # 01
@@ -520,25 +717,30 @@ CLAIMS = [
     Claim("01.4", r"gives the (same) loss for logits \+ 7", lambda: "same" if serial_facts()["shift"] < 1e-12 else "another"),
     Claim("01.4", r"05's trainer makes (\d+) loss all-reduces", lambda: str(two_ranks()["trainer_loss_all_reduces"])),
     # 02
-    Claim("02.1", r"at pp = (\d), m = (\d), (\[[\d, ]+\]) forwards before the first backward",
-          lambda: ("4", "8", forwards_before_first_backward(one_f_one_b(4, 8)))),
-    Claim("02.1", r"A warm-up one forward shorter(?: \([^)]*\))?: `validate` (accepts it) .* only the simulated bubble shows the mistake, "
-                  r"(\S+) instead of (\S+), because",
-          lambda: (verdict(lambda: pipeline.validate(pipeline.Schedule(
-              [planted_1f1b("warmup_too_short")(4, 8, s) for s in range(4)]), 8)),
-              str(simulated([planted_1f1b("warmup_too_short")(4, 8, s) for s in range(4)]).bubble),
-              str(simulated(one_f_one_b(4, 8)).bubble))),
-    Claim("02.1", r"One forward longer: `validate` (accepts it) too, the bubble stays (\S+), and each stage holds one more "
-                  r"microbatch for nothing, (\[[\d, ]+\]) in flight instead of (\[[\d, ]+\])",
-          lambda: (verdict(lambda: pipeline.validate(pipeline.Schedule(
-              [planted_1f1b("warmup_too_long")(4, 8, s) for s in range(4)]), 8)),
-              str(simulated([planted_1f1b("warmup_too_long")(4, 8, s) for s in range(4)]).bubble),
-              str(simulated([planted_1f1b("warmup_too_long")(4, 8, s) for s in range(4)]).peak_in_flight),
-              str(simulated(one_f_one_b(4, 8)).peak_in_flight))),
-    Claim("02.2", r"at pp = 4, m = 8 the simulator's peaks \(`simulate`'s `peak_in_flight`\) are (\[[\d, ]+\]) against "
-                  r"(\[[\d, ]+\])",
-          lambda: (str(simulated([pipeline.gpipe(4, 8, s) for s in range(4)]).peak_in_flight),
-                   str(simulated(one_f_one_b(4, 8)).peak_in_flight))),
+    Claim("02.1", r"run at pp = (\d), m = (\d) and watched from outside, its stages run (\[[\d, ]+\]) forwards before "
+                  r"their first backward",
+          lambda: ("4", "8", str(before_first_backward("1f1b")))),
+    Claim("02.1", r"The machine's lists, `one_f_one_b`, hold the (same) order as the lesson runs",
+          lambda: "same" if lesson_lists("1f1b") == one_f_one_b(4, 8) else "another"),
+    Claim("02.1", r"clamped at 0.*?\), runs (\[[\d, ]+\]) forwards before the first backward\. .* replayed in 02's simulator \(t_b = 2 t_f\), has a bubble "
+                  r"of (\S+) instead of (\S+)\. Every message still meets its partner, so the loss and every gradient "
+                  r"are still serial's to (float64 rounding)",
+          lambda: (str(before_first_backward("short")), str(simulated(lesson_lists("short")).bubble),
+                   str(simulated(lesson_lists("1f1b")).bubble),
+                   "float64 rounding" if max(r["diff"] for r in lesson("short")) < 1e-12 and rendezvous("short") is None
+                   else "not")),
+    Claim("02.1", r"One forward longer \(`warmup_too_long`, pp - s\): (\[[\d, ]+\]) microbatches in flight instead of "
+                  r"(\[[\d, ]+\]), .* the bubble still (\S+) and the gradients (still serial's)",
+          lambda: (str([r["peak"] for r in lesson("long")]), str([r["peak"] for r in lesson("1f1b")]),
+                   str(simulated(lesson_lists("long")).bubble),
+                   "still serial's" if max(r["diff"] for r in lesson("long")) < 1e-12 else "not serial's")),
+    Claim("02.2", r"run at pp = 4, m = 8 and watched from outside, `gpipe_step`'s stages hold at most (\[[\d, ]+\]) "
+                  r"microbatches in flight against `one_f_one_b_step`'s (\[[\d, ]+\]) \(as 02's simulator finds on the "
+                  r"machine's lists\)",
+          lambda: (str([r["peak"] for r in lesson("gpipe")]), str([r["peak"] for r in lesson("1f1b")]))
+          if [[r["peak"] for r in lesson(k)] for k in ("gpipe", "1f1b")] == [
+              simulated(lists).peak_in_flight for lists in ([pipeline.gpipe(4, 8, s) for s in range(4)], one_f_one_b(4, 8))]
+          else ("the lists", "differ")),
     Claim("02.2", r"the first stage's activation bytes at (half) GPipe's",
           lambda: (lambda b: "half" if b[0][0] == 2 * b[1][0] else "not half")(
               [[int(x) for x in row.split(",")] for row in re.findall(r"outputs deallocated: \[([\d, ]+)\]",
@@ -549,74 +751,96 @@ CLAIMS = [
                    "float64 rounding" if max(one_rank()["weighted_vs_serial"], one_rank()["lesson_vs_serial"]) < 1e-12
                    else "more than rounding",
                    "more than 1e-4" if one_rank()["mean_of_means_vs_serial"] > 1e-4 else "less")),
-    Claim("02.4", r"on such plans `validate` (finds a deadlock), starting with rank (\d) waiting to send to rank (\d)\.",
-          lambda: (verdict(lambda: pipeline.validate(SendsThenReceives(one_f_one_b(4, 8)), 8)), *split_plans_deadlock())),
-    Claim("02.4", r"GPipe's lists pass even so \(`validate` (accepts it)\)",
-          lambda: verdict(lambda: pipeline.validate(SendsThenReceives([pipeline.gpipe(4, 8, s) for s in range(4)]), 8))),
+    Claim("02.4", r"as written, every rank (gets through); with each `send_recv` made as its send, then its receive, "
+                  r"stages (\d) and (\d) each wait to send to the other, a deadlock",
+          lambda: ("gets through" if rendezvous("1f1b") is None else "deadlocks",
+                   *(str(x) for x in one(map(tuple, rendezvous("1f1b", split=True)))))),
+    Claim("02.4", r"`gpipe_step`, replayed the same way, (gets through)",
+          lambda: "gets through" if rendezvous("gpipe", split=True) is None else "deadlocks"),
     # 03
     Claim("03.1", r"^\*\*Layers (\d+)-(\d+) and (\d+)-(\d+)\.\*\*",
           lambda: tuple(str(x) for c in interleaved.chunk_layers(16, 4, 2, 0) for x in (c.start + 1, c.stop))),
     Claim("03.1", r"rank 3 holds layers (\d+)-(\d+) and (\d+)-(\d+)",
           lambda: tuple(str(x) for c in interleaved.chunk_layers(16, 4, 2, 3) for x in (c.start + 1, c.stop))),
-    Claim("03.2", r"the plans \(`Schedule.plan`\) send (\d+) messages against 1F1B's (\d+), ([\d.]+) times as many",
-          lambda: (str(sends(interleaved_lists(4, 8, 2))), str(sends(pipeline.Schedule(one_f_one_b(4, 8)))),
-                   f"{sends(interleaved_lists(4, 8, 2)) / sends(pipeline.Schedule(one_f_one_b(4, 8))):.2f}")),
-    Claim("03.2", r"\(v \+ 1\) pp - 1 = (\d+) chunks of half a stage in flight at its peak against 1F1B's (\d+) whole "
-                  r"stages, ([\d.]+) times the activations\. The bubble falls from (\S+) to (\S+)\.",
-          lambda: (lambda il, o: (str(il.peak_in_flight[0]), str(o.peak_in_flight[0]),
-                                  f"{il.peak_in_flight[0] / (2 * o.peak_in_flight[0]):.3f}", str(o.bubble),
-                                  str(il.bubble)))(
-              pipeline.simulate(interleaved_lists(4, 8, 2), Fraction(1, 2), 1), simulated(one_f_one_b(4, 8)))),
+    Claim("03.2", r"`interleaved_step`'s `exchange` calls send (\d+) messages against `one_f_one_b_step`'s (\d+), "
+                  r"([\d.]+) times as many",
+          lambda: (str(lesson_sends("interleaved")), str(lesson_sends("1f1b")),
+                   f"{lesson_sends('interleaved') / lesson_sends('1f1b'):.2f}")),
+    Claim("03.2", r"rank 0 holds \(v \+ 1\) pp - 1 = (\d+) chunks of half a stage in flight at its peak, against "
+                  r"1F1B's (\d+) whole stages, ([\d.]+) times the activations: its warm-up of 2 \(pp - 1\) \+ \(v - 1\) "
+                  r"pp = (\d+) forwards, then the first steady forward\. Both give (serial's) loss and gradients",
+          lambda: (lambda il, o: (str(il), str(o), f"{il / (2 * o):.3f}", str(before_first_backward("interleaved")[0] - 1),
+                                  "serial's" if max(r["diff"] for k in ("interleaved", "1f1b") for r in lesson(k)) < 1e-12
+                                  else "not serial's"))(
+              lesson("interleaved")[0]["peak"], lesson("1f1b")[0]["peak"])),
     Claim("03.3", r"With m = (\d) and pp = (\d) the second group would be short, and `chunk_and_microbatch` would "
                   r"name\s+microbatches (\d+ and \d+), which do not exist; `check_interleaving` (refuses) such an m",
           lambda: ("6", "4", microbatches_named_at(4, 6, 2),
                    "refuses" if refused(interleaved.check_interleaving, 4, 6, 2) else "accepts")),
-    Claim("03.4", r"At pp = 4, v = 2, m = 8 the warm-ups are (\[[\d, ]+\]); with a factor of 1 `validate` "
-                  r"(finds a deadlock)",
-          lambda: (str([next(i for i, a in enumerate(acts) if a.steady) for acts in interleaved_lists(4, 8, 2).lists]),
+    Claim("03.4", r"Run at pp = 4, v = 2, m = 8, `interleaved_step`'s warm-ups are (\[[\d, ]+\]) forwards; the machine's "
+                  r"lists \(`interleaved`\) with a factor of 1, read by `validate`: it (finds a deadlock)",
+          lambda: (str([n - 1 for n in before_first_backward("interleaved")]),  # the steady step's F comes before its B
                    verdict(lambda: pipeline.validate(interleaved_with_warmup_factor_1(4, 8, 2), 8)))),
     # 04
-    Claim("04.1", r"In the demo the (\d+) buckets launch (in order), bucket 0 first, all of them before backward finished",
-          lambda: (lambda times, counts: (counts[1], "in order" if times == sorted(times) else "out of order")
-                   if counts[0] == counts[1] else ("not all launched", ""))(*bucket_launches(demo(*DP_DEMO)))),
+    Claim("04.1", r"Run at the demo's model and bucket size, `DDP.hook` launches the (\d+) buckets (in order), bucket 0 "
+                  r"first, all of them before backward returns \(the demo's chart draws the machine's launches, in the "
+                  r"(same) order\)",
+          lambda: (lambda b, times, counts: (str(b["n"]), "in order" if b["order"] == list(range(b["n"])) and
+                                             b["at_return"] == b["n"] else "out of order",
+                                             "same" if times == sorted(times) and counts == (str(b["n"]),) * 2
+                                             else "another"))(one_rank()["buckets"], *bucket_launches(demo(*DP_DEMO)))),
     Claim("04.2", r"with dp = (\d) the sum of the replicas' gradients is (\d) times the serial gradient, and the sum "
                   r"divided by dp (equals) it",
           lambda: (str(serial_facts()["dp"]), f"{serial_facts()['sum_over_serial']:g}",
                    "equals" if serial_facts()["sum_over_dp_vs_serial"] < 1e-12 else "differs from")),
     Claim("04.3", r"in a step of (\d) microbatches each bucket launches (once)",
-          lambda: (lambda b: ("2", "once" if b["launched"][0] == 0 and sorted(b["launch_order"]) ==
-                              list(range(b["buckets"])) else "more than once"))(one_rank()["bucketed"])),
-    Claim("04.4", r"the demo measures ([\d.]+) of plain AdamW's state at dp = (\d)",
-          lambda: (re.search(r"ZeRO-1 [\d,]+ bytes \(([\d.]+), 1/dp", demo(*DP_DEMO))[1],
-                   re.search(r"^dp=(\d) ", demo(*DP_DEMO), re.M)[1])),
+          lambda: (lambda b: ("2", "once" if b["launched"] == [0, b["buckets"], b["buckets"]] and b["buckets"] > 1
+                              else "not once"))(one_rank()["bucketed"])),
+    Claim("04.4", r"after one `train_step` at dp = (\d) every replica's weights are the (same), bit for bit",
+          lambda: (str(len(lesson("zero1"))), "same" if all(r["same"] for r in lesson("zero1")) else "different")),
+    Claim("04.4", r"([\d.]+) of plain AdamW's state at dp = (\d), measured on the two optimizers' state",
+          lambda: (f"{one(round(r['fraction'], 3) for r in lesson('zero1')):.3f}", str(len(lesson("zero1"))))),
     # 05
     Claim("05.1", r"^\*\*tp (\[[\d, ]+\]), dp (\[[\d, ]+\]), pp (\[[\d, ]+\])\.\*\*",
           lambda: tuple(str(next(g for g in gpt3d.rank_grid(8, 2, 2, 2)[k] if 3 in g)) for k in ("tp", "dp", "pp"))),
     Claim("05.1", r"rank 3 is t = (\d), d = (\d), p = (\d)",
           lambda: next((str(t), str(d), str(p)) for p in range(2) for d in range(2) for t in range(2)
                        if gpt3d.rank_grid(8, 2, 2, 2)["tp"][p * 2 + d][t] == 3)),
-    Claim("05.2", r"The main job's messages are b T C = ([\d,]+) elements, each tp rank sending ([\d,]+)\.",
+    Claim("05.2", r"run at tp = 2 x pp = 2, the two tp ranks of stage 0 send (equal) tensors, each the (whole) \(b, T, C\)",
+          lambda: ("equal" if [r["sent_same"] for r in lesson("tp2pp2")[:2]] == [True, True] else "different",
+                   "whole" if {s for r in lesson("tp2pp2")[:2] for s in r["sent"]} == {
+                       (lesson("tp2pp2")[0]["rows"], 8, 16)} else "a part of")),
+    Claim("05.2", r"The main job's messages are b T C = ([\d,]+) elements, each tp rank sending all ([\d,]+) in the lesson; "
+                  r"scatter/gather sends ([\d,]+) from each",
           lambda: (lambda tc, C: (f"{tc.batch_size // (tc.dp * tc.microbatches) * tc.seq_len * C:,}",
+                                  f"{tc.batch_size // (tc.dp * tc.microbatches) * tc.seq_len * C:,}",
                                   f"{tc.batch_size // (tc.dp * tc.microbatches) * tc.seq_len * C // tc.tp:,}"))(
               gpt3d.TrainConfig(), gpt3d.MODEL_DEFAULTS["n_embd"])),
-    Claim("05.3", r"the elements counted over both tp ranks and both stages are ([\d,]+), the serial model's parameters, "
-                  r"each once; adding every rank's own would count ([\d,]+)\.",
-          lambda: (f"{two_ranks()['norm'][0]:,}" if two_ranks()["norm"][0] == sum(p.numel() for p in tensor_parallel.GPT(
-              tensor_parallel.GPTConfig(**gpt3d.MODEL_DEFAULTS), device="meta").parameters())
-                   else "not the serial model's", f"{two_ranks()['norm'][1]:,}")),
+    Claim("05.3", r"run at tp = 2 x pp = 2, `ptd_p_step` leaves (exactly those) gradients equal on both tp ranks, and "
+                  r"(every split one) different",
+          lambda: ("exactly those" if all(r["equal"] == r["names"] - r["split"] for r in lesson("tp2pp2")) else "other",
+                   "every split one" if all(r["split"] and not r["equal"] & r["split"] for r in lesson("tp2pp2"))
+                   else "not every split one")),
+    Claim("05.3", r"at pp = 2 x dp = 2, (all of them) equal",
+          lambda: "all of them" if all(r["equal"] == r["names"] for r in lesson("pp2dp2")) else "not all of them"),
+    Claim("05.3", r"the ranks of one replica hold ([\d,]+) elements against the serial model's ([\d,]+),",
+          lambda: (f"{one(r['held'] for r in lesson('tp2pp2')):,}", f"{serial_parameters():,}")),
+    Claim("05.3", r"and the tied copy not at all: ([\d,]+) elements over both tp ranks and both stages, each once",
+          lambda: f"{two_ranks()['norm'][0]:,}" if two_ranks()["norm"][0] == serial_parameters() else "not serial's"),
     Claim("05.4", r"^\*\*0, 32/76, 32/76 on replica 0 and 32/76, 32/76, 24/76 on replica 1; 1/(\d+) and 1/(\d+) instead of"
                   r" 1/(\d+)\.\*\*",
           lambda: (lambda w: (str(round(1 / w["own"][0])), str(round(1 / w["own"][1])), str(w["n"])) if w["by_76"] == [
               [0, 32, 32], [32, 32, 24]] else ("weights", str(w["by_76"]), "differ"))(two_ranks()["replica_weights"])),
     # 06
-    Claim("06.1", r"in `KINDS` I has B's flow \(`Kind\(\"(\w+)\", \"(\w)\"\)`", lambda: (
-        zero_bubble.KINDS["I"].flow, zero_bubble.KINDS["I"].after) if zero_bubble.KINDS["I"].flow ==
-        pipeline.KINDS["B"].flow else ("not B's", "")),
-    Claim("06.1", r"while W has (no flow) and runs after (I) on its stage",
-          lambda: ("no flow" if zero_bubble.KINDS["W"].flow is None else "a flow", zero_bubble.KINDS["W"].after)),
-    Claim("06.1", r"Split so, one step's gradients (equal) B's to float64 rounding",
+    Claim("06.1", r"`zb_h1_step` sends (\d+) messages, as many as `one_f_one_b_step`'s (\d+), and gives (serial's) loss",
+          lambda: (str(lesson_sends("zb-h1")), str(lesson_sends("1f1b")),
+                   "serial's" if max(r["diff"] for r in lesson("zb-h1")) < 1e-12 else "not serial's")),
+    Claim("06.1", r"Split so, one backward's gradients (equal) B's to float64 rounding",
           lambda: "equal" if serial_facts()["split_vs_B"] < 1e-12 and serial_facts()["weights_after_I"] == {True}
           else "differ from"),
+    Claim("06.2", r"the lesson's `zb_h1_step` runs the oldest W while more than r wait; `zb_h1` lists the (same) order\)",
+          lambda: "same" if [[("I" if k == "B" else k, mb) for k, _, mb in r["actions"]] for r in lesson("zb-h1")] == [
+              [(a.kind, a.mb) for a in zero_bubble.zb_h1(4, 8, r)] for r in range(4)] else "another"),
     Claim("06.2", r"the idle time per rank falls from (\d+) to (\d+), \(pp - 1\)\(t_F \+ t_I - t_W\), and the bubble "
                   r"from (\S+) to (\S+), a third",
           lambda: (str(one(zb("1f1b")[1][0].idle)), str(one(zb("zb-h1")[1][0].idle)), str(zb("1f1b")[1][0].bubble),

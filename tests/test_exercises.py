@@ -39,7 +39,7 @@ PLANTED = {p.name: (e, p) for e in ALL for p in e.planted}
 def test_two_to_four_exercises_per_numbered_file_and_twelve_to_sixteen_in_the_course():
     counts = {f: len(exercises.exercises(f)) for f in exercises.FILES}
     assert all(2 <= n <= 4 for n in counts.values()), counts
-    course = [e for e in ALL if e.file <= "05"]  # the four weeks (01-05); a later chapter's come after them
+    course = [e for e in ALL if e.file <= "05"]  # the four weeks' own (01-05); 06 and 07 are their extra credit
     assert 12 <= len(course) <= 16
     assert [e.key for e in ALL] == sorted(e.key for e in ALL) and len(BY_KEY) == len(ALL)
     assert all(len(e.title) <= 58 for e in ALL)  # one line each in `check`'s table
@@ -390,6 +390,51 @@ def test_the_commonest_mistake_in_a_students_file_is_said_at_its_return_line_not
     assert "checks_01.py" not in out and "AttributeError" not in out and "Traceback" not in out
     (test,) = json.loads((tmp_path / "results.json").read_text())["tests"]
     assert test["status"] == "failed" and f"{path}:{line}" in test["output"]
+
+
+STUDENT_05_2 = """\
+    import importlib
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    Groups = importlib.import_module("05_3d_gpt").Groups
+
+
+    def new_groups(env, grid, timeout_s=60.0):
+        mine = {}
+        for kind, groups in grid.items():
+            LINE
+        return Groups(**mine)
+"""
+SUBGROUPS_RIGHT = "mine[kind] = dist.new_subgroups_by_enumeration(groups, timeout=timedelta(seconds=timeout_s))[0] " \
+                  "if groups else None"
+SUBGROUPS_EMPTY = "mine[kind], _ = dist.new_subgroups_by_enumeration(groups, timeout=timedelta(seconds=timeout_s))"
+NEEDS_A_GROUP = "mine[kind] = dist.new_group(groups[0], backend=dist.get_backend()) if groups else None"
+
+
+@pytest.mark.parametrize("line, status, said", [
+    (SUBGROUPS_RIGHT, "pass", None),
+    (SUBGROUPS_EMPTY, "fail", "dist.new_subgroups_by_enumeration is given an empty list, which it refuses: a kind "
+                              "with no group (grid['embed'] is [] at pp = 1"),
+    (NEEDS_A_GROUP, "fail", "calls a torch.distributed function that needs a started process group: new_groups is "
+                            "graded first on each rank in turn")], ids=["subgroups", "subgroups_empty", "get_backend"])
+def test_05_2_with_torchs_group_helpers_is_graded_on_the_groups_it_makes_and_said_at_the_students_line(
+        tmp_path, capsys, line, status, said):
+    # The issue's case: dist.new_subgroups_by_enumeration, which calls torch's own new_group and get_rank,
+    # raised "Default process group has not been initialized" from inside torch. Used right, it passes (on
+    # the recorded grids and on 4 real ranks); given 05's empty embed list at pp = 1, or beside a call that
+    # needs a started group, it fails in a sentence at the student's line, with the rule.
+    path = tmp_path / "my_05.py"
+    text = textwrap.dedent(STUDENT_05_2).replace("LINE", line)
+    path.write_text(text)
+    at = [s.strip() for s in text.splitlines()].index(line) + 1
+    code = cli.main(["check", "05.2", "--file", str(path)])
+    out = re.sub(r"\n +", " ", capsys.readouterr().out)
+    assert (code == 0) == (status == "pass") and (" PASS " if status == "pass" else " FAIL ") in out, out
+    if said:
+        assert f"{path}:{at}" in out and said in out, out
+        assert "not been initialized" not in out and "Traceback" not in out and "checks_05.py" not in out, out
 
 
 def test_the_guard_lets_a_right_answer_through_and_leaves_the_wrapped_function_as_it_was():

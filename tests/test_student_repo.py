@@ -5,6 +5,7 @@ The copy is built once for the module (about 5 s); `check all` there and 01's de
 would run them, from the command line, in that folder.
 """
 import importlib
+import importlib.util
 import inspect
 import linecache
 import os
@@ -112,6 +113,79 @@ def test_a_copy_of_the_references_source_is_refused_and_the_stubs_are_not():
                                        for n in e.functions}) == [], e.key
 
 
+OWN_F_AND_G = """\
+import torch
+from exercises.ex01_tensor_parallel import all_reduce, gather, reduce_scatter, SEQ
+
+
+class CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, SEQ), None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter(x, group, SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather(grad, ctx.group, SEQ), None
+"""
+
+
+def test_a_students_own_f_and_g_are_not_called_a_copy_though_their_statements_are_the_references(tmp_path):
+    # f, g and sequence parallelism's pair have one right answer, to the names the stub gives (3
+    # statements each): a teacher's trial hand-in, written without looking, was refused as "a copy of
+    # 01_tensor_parallel.py's own". A short piece is a copy only if its docstrings and comments are
+    # the reference's too (as 01's class, pasted whole, is: the test above).
+    path = tmp_path / "own_01.py"
+    path.write_text(OWN_F_AND_G)
+    spec = importlib.util.spec_from_file_location("own_01", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tp = importlib.import_module("01_tensor_parallel")
+    for exercise in (exercises_of("01")[0], exercises_of("01")[3]):
+        impl = {n: getattr(module, n) for n in exercise.functions}
+        assert all(cli._statements(impl[n]) == cli._statements(getattr(tp, n)) for n in impl)  # the same code
+        assert cli.not_written(exercise, impl) == [], exercise.key
+    source = OWN_F_AND_G.replace("class CopyToTP(torch.autograd.Function):\n",
+                                 "class CopyToTP(torch.autograd.Function):\n    " + repr(tp.CopyToTP.__doc__) + "\n")
+    path.write_text(source)  # the same, with 01's docstring pasted in: a copy
+    spec.loader.exec_module(module)
+    said = cli.not_written(exercises_of("01")[0], {n: getattr(module, n) for n in ("CopyToTP", "ReduceFromTP")})
+    assert said == ["01.1: CopyToTP is a copy of 01_tensor_parallel.py's own (its source is the reference's): write it "
+                    "yourself in ex01_tensor_parallel.py"], said
+
+
 def test_in_the_student_copy_a_written_piece_is_graded_and_a_wrong_one_fails(student, tmp_path):
     # A student who has written 01.1 to 01.3 (here: 01's own code, typed in, as the instructor's
     # copy has it) passes 01.1 there, the serial model running their 01.2 and 01.3; 01.2's own check
@@ -144,6 +218,46 @@ def test_in_the_student_copy_a_written_piece_is_graded_and_a_wrong_one_fails(stu
         failed.stdout + failed.stderr
 
 
+OWN_LINEARS = """
+
+def column_parallel_forward(self, x):
+    return F.linear(tensor_parallel.copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+def row_parallel_forward(self, x):
+    y = tensor_parallel.reduce_from_tp(F.linear(x, self.weight), self.group)
+    return y + self.bias
+"""
+
+
+def test_in_the_student_copy_01_4_says_what_its_whole_model_lacks_and_still_grades_its_operators(student):
+    # 01.2's contract is the layers without sequence parallelism; 01.4's whole model runs the layers with
+    # it. Lent to it, a student's right 01.2 gave a RuntimeError at their 01.3 line (the logits T/tp
+    # rows short). Now 01.4 says, in a sentence, that it needs 01's own linears there; and a wrong
+    # GatherFromSP still fails there, on the operators' own check, before the whole model.
+    tp = importlib.import_module("01_tensor_parallel")
+    mine = student / "exercises" / "ex01_tensor_parallel.py"
+    original = mine.read_text(encoding="utf-8")
+    own = OWN_F_AND_G.split("\n\n\n", 1)[1]  # the classes, without their imports
+    written = "\n\n".join([original, own, inspect.getsource(tp._VocabParallelCrossEntropy), OWN_LINEARS])
+    wrong = written.replace("return reduce_scatter(grad, ctx.group, SEQ), None",
+                            "return grad.chunk(tp_size(ctx.group), SEQ)[tp_rank(ctx.group)], None", 1)
+    assert wrong != written
+    try:
+        mine.write_text(written, encoding="utf-8")
+        right = run(["-m", "exercises", "check", "01.4"], student)
+        mine.write_text(wrong, encoding="utf-8")
+        failed = run(["-m", "exercises", "check", "01.4"], student)
+    finally:
+        mine.write_text(original, encoding="utf-8")
+    said = " ".join(right.stdout.split())
+    assert "01.4 sequence parallelism's all-gather / reduce-scatter pair not implemented" in said, said
+    assert "01.2 ColumnParallelLinear.forward with sequence parallelism: 01.2 asks for the layers without it" in said
+    assert "write that first" not in said and "Error" not in said and said.count("the student copy does not have") == 1
+    said = " ".join(failed.stdout.split())
+    assert failed.returncode == 1 and re.search(r"01\.4 .* FAIL", said) and "gather_from_sp" in said, said
+
+
 def test_the_handouts_in_the_student_copy_keep_each_questions_points_but_not_its_full_answer(student):
     """The rubric's "what a full answer contains" is the key to GUIDE's questions, as ANSWERS.md is: in
     the copy each question keeps its line and points, and no answer text of the instructor's handout."""
@@ -158,3 +272,36 @@ def test_the_handouts_in_the_student_copy_keep_each_questions_points_but_not_its
         assert not [a for a in answers if a in theirs], week.name
         kept = re.findall(r"^- GUIDE \d\d Q\d+ \(\d+ points?\)$", theirs, re.M)
         assert len(kept) == len(answers), (week.name, kept)
+
+
+def test_the_student_copy_has_no_answer_key_of_the_fault_records_and_the_same_records(student, tmp_path):
+    """Week 4's scripts/fault_records.py: the students keep it (a cohort's records, by --seed), not its key.
+    The copy writes the instructor's bytes for a seed; its --key refuses, saying whose the key is; no
+    answer of the instructor's key (seeds 0-5) and no line of the key's code is anywhere in the copy; and
+    the same grep over the instructor's script finds that code (it can fail)."""
+    spec = importlib.util.spec_from_file_location("fault_records_ours", os.path.join(ROOT, "scripts",
+                                                                                     "fault_records.py"))
+    ours = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ours)
+    theirs = run(["scripts/fault_records.py", "--seed", "5"], student)
+    assert theirs.returncode == 0 and theirs.stdout == ours.student_text(ours.instance(5)[0]), theirs.stderr
+    refused = run(["scripts/fault_records.py", "--seed", "5", "--key"], student)
+    assert refused.returncode == 1 and student_repo.KEY_REFUSED in refused.stderr, refused.stdout + refused.stderr
+    assert "answer key (the teacher's" not in refused.stdout + refused.stderr
+    text = "\n".join(p.read_text(encoding="utf-8") for p in student.rglob("*") if p.is_file() and p.suffix in
+                     (".py", ".md", ".txt", ".json", ".sbatch"))
+    for seed in range(6):
+        for line in ours.key_text(ours.instance(seed)[1]).splitlines()[3:]:
+            answer = line.split(": ", 1)[-1].strip()
+            assert answer and answer not in text, (seed, answer)
+    key_code = {line: where for line, where in student_repo.reference_lines().items() if "answer key" in where}
+    assert len(key_code) >= 15, key_code  # the grep looks for the key's code, not for nothing
+    assert student_repo.leaks(str(student), key_code) == []
+    os.makedirs(tmp_path / "scripts")
+    shutil.copy(os.path.join(ROOT, "scripts", "fault_records.py"), tmp_path / "scripts")
+    assert {path for path, *_ in student_repo.leaks(str(tmp_path), key_code)} == {os.path.join("scripts",
+                                                                                               "fault_records.py")}
+    week4 = (student / "docs" / "course" / "week4.md").read_text(encoding="utf-8")
+    assert "For the teacher" in open(os.path.join(ROOT, "docs", "course", "week4.md"), encoding="utf-8").read()
+    assert "For the teacher" not in week4 and "<!-- teacher -->" not in week4 and "one stage does more work" \
+        not in week4

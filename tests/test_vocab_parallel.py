@@ -31,6 +31,7 @@ tensor_parallel, pipeline, gpt3d = load("01_tensor_parallel"), load("02_pipeline
 zb, vp = load("06_zero_bubble"), load("07_vocab_parallel")
 Action = pipeline.Action
 NAMES = ("1f1b", "zb-h1", "zb-v")
+HALF = Fraction(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +219,83 @@ def test_07_resumes_05s_checkpoints_and_05_resumes_07s(run_ranks, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# V-Half with vocabulary parallelism (issue 44 point 4): the paper's "perfect balance"
+
+
+def test_v_halfs_passes_validate_and_both_algorithms_warm_up_two_forwards():
+    # 06's V-Half repeats a block of two forwards: one extra warm-up forward (Algorithm 2's one barrier)
+    # would split a repetition, and the step grow by half (0.77 bubble against 0.29 at pp 4, m 8).
+    s, t = Fraction(1, 4), Fraction(1, 3)
+    for pp in range(1, 7):
+        for m in range(1, 13):
+            for barriers in (1, 2):
+                vp.validate(vp.vocab_schedule("v-half", pp, m, barriers), m)
+        for m in range(2 * pp, 3 * pp + 1):
+            steps = {(b, S): pipeline.simulate(vp.vocab_schedule("v-half", pp, m, b), HALF, 1,  # a chunk: half a stage
+                                               times={"I": HALF, "W": HALF, "S": S, "T": T}).step_time
+                     for b in (1, 2) for S, T in ((0, 0), (s, t))}
+            assert steps[1, 0] == steps[2, 0] and steps[1, s] == steps[2, s], (pp, m, steps)
+            assert pp == 1 or steps[2, 0] < _steps("1f1b", pp, m, 0, 0), (pp, m)  # below 1F1B's, with the passes
+
+
+def test_the_balance_is_counted_from_the_lists_v_half_even_in_compute_and_memory():
+    cfg, T = replace(PIPELINE_CFG, n_layer=8, vocab_size=1001), 32
+    for pp, m in ((2, 4), (4, 8), (4, 5)):
+        for barriers in (1, 2):
+            out = Fraction(2 * cfg.vocab_size, 24 * cfg.n_embd + 4 * T) / pp
+            cost = {"F": 1, "I": 1, "W": 1, "B": 2, "S": out * (3 - barriers), "T": out * barriers}
+            figs = {}
+            for name in ("1f1b", "v-half", "zb-h1"):
+                pipe = vp.vocab_schedule(name, pp, m, barriers)
+                compute, memory = vp.v_half_balance(cfg, T, pipe, barriers)
+                layers = Fraction(cfg.n_layer, pp * pipe.v)  # a chunk's
+                assert compute == [sum(cost[a.kind] * (layers if a.kind in "FIWB" else 1) for a in acts)
+                                   for acts in pipe.lists], (name, pp, m)  # every rank's busy time, recounted
+                assert memory == [zb.peak_memory(acts, Fraction(1, 2)) * layers for acts in pipe.lists]
+                figs[name] = max(compute) / min(compute), max(memory) / min(memory)
+            assert figs["v-half"][0] == figs["1f1b"][0] == 1  # vocabulary parallelism balances compute
+            assert figs["v-half"][1] < figs["1f1b"][1] and figs["zb-h1"][1] > 1, (pp, m, figs)  # V-Half memory too
+
+
+def test_the_demo_with_v_half_prints_each_ranks_balance_as_computed():
+    proc = run_script("07_vocab_parallel.py", "--schedule", "v-half", "--pp", "2", "--tp", "1", "--microbatches", "4",
+                      "--n-layer", "4", timeout=120)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("PASS"), proc.stderr[-3000:]
+    assert proc.stdout.count("PASS (tolerance 1e-10)") == 5 and proc.stdout.count("PASS (tolerance 1e-12)") == 2
+    blocks = re.findall(r"\n(1F1B|V-Half) \+ vocabulary parallelism, Algorithm (\d):\n  compute per rank, simulated [^\[]*"
+                        r"(\[[^\]]*\]): max/min ([\d.]+); measured busy ms (\[[^\]]*\]): ([\d.]+)\n  activations per rank, "
+                        r"simulated [^\[]*(\[[^\]]*\]): ([\d.]+); measured bytes (\[[^\]]*\]): ([\d.]+)", proc.stdout)
+    assert len(blocks) == 4, proc.stdout[-4000:]
+    cfg, measured = replace(PIPELINE_CFG, n_layer=4, vocab_size=1001, n_head=4, n_embd=64), {}
+    numbers = lambda text: [float(x.strip(" '")) for x in text.strip("[]").split(",")]  # noqa: E731
+    for name, algorithm, compute, c_ratio, busy, b_ratio, memory, m_ratio, peak, p_ratio in blocks:
+        barriers = 3 - int(algorithm)
+        want = vp.v_half_balance(cfg, 32, vp.vocab_schedule(name.lower(), 2, 4, barriers), barriers)
+        assert numbers(compute) == [round(float(x), 2) for x in want[0]] and numbers(memory) == [float(x) for x in want[1]]
+        for figures, ratio in ((compute, c_ratio), (busy, b_ratio), (memory, m_ratio), (peak, p_ratio)):
+            # the ratio of what is printed (busy ms to 0.1, the ratio to 0.01): the same to rounding
+            assert abs(max(numbers(figures)) / min(numbers(figures)) - float(ratio)) < 0.015, (name, figures, ratio)
+        measured[name, barriers] = float(p_ratio)
+        assert c_ratio == "1.00" and (m_ratio == "1.00") == (name == "V-Half"), (name, m_ratio)
+    assert all(measured["V-Half", b] < measured["1F1B", b] for b in (1, 2)), measured  # measured: more even
+
+
+def _v_half_trainers(env, tc):
+    out = [gpt3d.train(env, TRAINER_CFG, tc, quiet=True)["losses"]]
+    for barriers in (2, 1):
+        config = vp.TrainConfig(**{**dataclasses.asdict(tc), "vocab_barriers": barriers, "schedule": "v-half"})
+        out.append(vp.train(env, TRAINER_CFG, config, quiet=True)["losses"])
+    return out
+
+
+def test_the_trainer_with_v_half_has_05s_float64_losses_over_4_adamw_steps(run_ranks):
+    ref, *runs = run_ranks(_v_half_trainers, 2, replace(TRAINER_BASE, pp=2, microbatches=4, steps=4))[0]
+    assert ref[-1] < ref[0] and len(ref) == 4 and len(runs) == 2
+    for losses in runs:  # both algorithms
+        assert tensor_parallel.max_rel_diff(torch.tensor(losses), torch.tensor(ref)) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
 # The planner: Table 5's trend
 
 
@@ -240,6 +318,23 @@ def test_the_planner_finds_table_5s_trend_mfu_falling_with_v_without_and_flat_wi
     assert peak[0][-1] / peak[0][0] > 1.5 and peak[2][-1] / peak[2][0] < 1.25  # the paper: x1.73, x1.19
 
 
+def test_the_plan_for_v_half_has_a_row_per_vocabulary_and_schedule_and_v_half_balanced():
+    planner = load("planner")
+    text = planner.v_half_report()
+    assert "not found (not invented)" in text  # the paper's V-Half figures: none here
+    rows = re.findall(r"^ *(\d+)k +(1f1b|v-half) Vocab-(\d) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)$", text, re.M)
+    assert [(int(v), n, int(a)) for v, n, a, *_ in rows] == [(V // 1024, n, a) for V in planner.TABLE5_VOCABS
+                                                             for n, a in (("1f1b", 1), ("1f1b", 2), ("v-half", 1), ("v-half", 2))]
+    L = planner.Layout(1, 8, 1, 128, recompute="selective")
+    for v, name, algorithm, mfu, peak, busy, memory in rows:
+        est = planner.vocab_stages(planner.TABLE5_MODEL._replace(vocab_size=int(v) * 1024), L, 3 - int(algorithm),
+                                   schedule=name)
+        assert (mfu, peak) == (f"{100 * est['mfu']:.1f}", f"{est['peak'] / 1e9:.2f}")
+        assert busy == "1.00" and (float(memory) < 1.05) == (name == "v-half"), (v, name, memory)  # 1F1B: ~1.5
+    by = {(v, n, a): (float(mfu), float(peak)) for v, n, a, mfu, peak, *_ in rows}
+    assert all(by[v, "v-half", a][1] < by[v, "1f1b", a][1] for v, _, a in by)  # less memory at its peak
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input, and the demo
 
@@ -250,6 +345,7 @@ BAD = {
     "CUDA graphs": (["--train", "--cuda-graphs"], "--cuda-graphs: --vocab-barriers 2 runs the vocabulary passes'"),
     "a demo pp the V cannot split": (["--pp", "8"], "--n-layer 8: the demo runs ZB-V"),
     "a demo tp not dividing the heads": (["--tp", "3"], "n_head divisible by tp=3"),
+    "a demo schedule it does not run": (["--schedule", "zb-v"], "--schedule: invalid choice: 'zb-v'"),
 }
 
 

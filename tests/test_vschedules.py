@@ -166,7 +166,7 @@ def test_the_bubble_is_the_blocks_warm_up_and_cool_down_near_the_tables_fraction
     for pp in range(2, 9):
         idle = sim(name, pp, 2 * pp)[0].idle
         block = zb.v_block(pp, zb.V_SCHEDULES[name][1])
-        span = Fraction(max(block.values()) + 1 - zb.PERIOD, 2)  # slots are half a stage's pass
+        span = zb.block_idle_bound(block)
         assert len(set(idle)) == 1 and Fraction(1, 2) <= idle[0] <= span, (name, pp, idle, span)
         for m in range(2 * pp, 3 * pp + 1):
             s, one = sim(name, pp, m)[0], sim("1f1b", pp, m)[0]
@@ -179,6 +179,35 @@ def test_dualpipev_idles_pp_minus_1_chunk_slots_per_rank_with_f_and_b_back_to_ba
     for pp in range(2, 9):
         for m in (2 * pp, 3 * pp):
             assert sim("dualpipev", pp, m)[0].idle == [Fraction(pp - 1, 2)] * pp  # 1/2 per chunk pass
+
+
+def steady_pairs(acts):
+    """DualPipeV's F&B pairs in a list: a steady F, then a steady I (its whole backward's)."""
+    return sum(x.kind == "F" and x.steady and y.kind == "I" and y.steady for x, y in zip(acts, acts[1:]))
+
+
+def test_charged_overlapped_an_f_and_b_pair_costs_max_f_b_and_the_bubble_is_deepseeks():
+    """simulate(overlap=True): each pair costs max(F, B) instead of F + B, and the most a rank idles is
+    DeepSeek's (PP/2 - 1)(F&B + B - 3W) at F&B = max(F, B) (PP/2 = pp; a chunk's F = W = 1/2, B = 1);
+    back to back it is not the formula at F&B = F + B."""
+    for pp in range(2, 9):
+        for m in (2 * pp, 3 * pp):
+            pipe = zb.pipeline_schedule("dualpipev", pp, m)
+            back, over = zb.simulate(pipe)[0], zb.simulate(pipe, overlap=True)[0]
+            pairs = [steady_pairs(acts) for acts in pipe.lists]
+            assert min(pairs) > 0 and pairs == [sum(a.kind == "P" for a in acts) for acts in zb.overlapped(pipe).lists]
+            busy = lambda s: [s.step_time - i for i in s.idle]  # noqa: E731
+            assert busy(over) == [b - n * HALF for b, n in zip(busy(back), pairs)], (pp, m)  # 3/2 -> 1 a pair
+            assert max(over.idle) == (pp - 1) * (1 + 1 - 3 * HALF), (pp, m, over.idle)
+            assert max(back.idle) != (pp - 1) * (3 * HALF + 1 - 3 * HALF)
+    for t_f, t_i, t_w in ((2, 1, 1), (1, 2, 1), (3, 1, 1)):  # unequal times: the pair's charge, max(F, B)
+        pipe = zb.pipeline_schedule("dualpipev", 4, 8)
+        charge = {"I": t_i, "W": t_w, "P": max(t_f, t_i + t_w) - t_i - t_w}
+        over = pipeline.simulate(zb.overlapped(pipe), t_f, t_i + t_w, times=charge)
+        back = pipeline.simulate(pipe, t_f, t_i + t_w, times={"I": t_i, "W": t_w})
+        for r, acts in enumerate(pipe.lists):
+            saved = sum(e - s for s, e, _ in back.timeline[r]) - sum(e - s for s, e, _ in over.timeline[r])
+            assert saved == steady_pairs(acts) * min(t_f, t_i + t_w), (t_f, t_i, t_w, r)
 
 
 # ----------------------------------------------------------------------------------------------
