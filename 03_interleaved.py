@@ -1,46 +1,29 @@
 """03 - The interleaved 1F1B schedule with virtual stages (Narayanan et al. 2021, Section 2.2.2).
 
-What this file adds on top of 02: each rank holds v model chunks instead of one contiguous slice.
-The model is cut into pp*v virtual stages and rank r holds stages r, r + pp, r + 2pp, ... as its
-chunks 0, 1, 2, ... (with 16 layers, pp=4 and v=2, rank 0 holds layers 1-2 and 9-10, rank 3 layers
-7-8 and 15-16). A microbatch now crosses every rank v times, so each forward or backward is 1/v as
-long and the pipeline fills and drains v times faster: the bubble shrinks from (pp-1)/m to
-(pp-1)/(v m), at the price of more point-to-point messages: about v times as many, the paper says;
-exactly (pp v - 1)/(pp - 1) times, the stage boundaries a microbatch crosses (7/3 at pp=4, v=2).
-  - The lesson, read first: interleaved_step, the loop one writes on a whiteboard: the paper's order
-    (chunk_and_microbatch: groups of pp microbatches go through chunk 0, then chunk 1, ...), the
-    warm-up of 2 (pp - r - 1) + (v - 1) pp forwards, the steady forward/backward pairs, the drain,
-    each step's sends and the next step's receives posted as one batch (exchange), every message
-    inline, each microbatch's loss weighted by its counted targets, the tied embedding summed.
-  - The machine, read second, which 05-09 build on: the same order as data (interleaved: a rank's
-    list of 02's Actions), run by 02's validator, simulator and executor; InterleavedSchedule runs a
-    steady pair as one group, with no boundary between. v=1 is 02's 1F1B, in both.
-
-Microbatches go through the chunks in groups of pp, and m must be divisible by pp (the paper's
-requirement, kept here; other m are refused; Megatron Core now groups by
-microbatch_group_size_per_vp_stage, pp by default, and lets the last group be shorter).
+What this file adds on top of 02: of pp*v virtual stages, rank r holds v chunks, stages r, r + pp, ... (16 layers,
+pp=4, v=2: rank 0 holds layers 1-2 and 9-10). A microbatch crosses every rank v times: the bubble shrinks from
+(pp-1)/m to (pp-1)/(v m), for (pp v - 1)/(pp - 1) times the p2p messages (7/3 at pp=4, v=2). The lesson, read first:
+interleaved_step, the whiteboard loop, every message inline. The machine, read second, which 05-09 build on: the
+same order as 02's Actions (interleaved), run by 02's executor (InterleavedSchedule). v=1 is 1F1B; m must be a
+multiple of pp, n_layer of pp*v.
 
 Run it:
     python 03_interleaved.py                         # pp=4 CPU ranks, v=2, m=8
     python 03_interleaved.py --pp 2 --virtual-stages 3 --microbatches 4 --n-layer 6
     torchrun --nproc-per-node 4 03_interleaved.py    # one rank per GPU
 
-The demo runs the lesson against the serial model in float64 on a batch whose microbatches count
-unequal numbers of targets, one none (loss and every gradient within 1e-10); then 1F1B and
-interleaved 1F1B on the machine, each against serial (1e-10), the interleaved one against the lesson
-(1e-12); it draws their timelines on one time scale, prints the simulated bubbles against (pp-1)/m
-and (pp-1)/(v m), the p2p message count and bytes ((pp v - 1)/(pp - 1) times 1F1B's) and each
-stage's peak stored activation bytes. It exits 1 on a mismatch. n_layer must be divisible by pp*v.
+The demo runs the lesson, then 1F1B and interleaved 1F1B on the machine, each against serial in float64
+(1e-10; the machine against the lesson, 1e-12), on microbatches counting unequal numbers of targets, and
+prints their timelines, bubbles, p2p messages and peak activation bytes; it exits 1 on a mismatch.
 """
 import importlib
 from dataclasses import dataclass
-from datetime import timedelta
-from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 
-from plumbing import cli, demos
+from plumbing import demos
+from plumbing.interleaved_demo import DemoConfig, check_interleaving, parser, prove_machine  # flags, check, demo
 from plumbing.launch import printer, run_main
 from plumbing.reference import pipeline_reference
 
@@ -49,8 +32,7 @@ pipeline = importlib.import_module("02_pipeline_1f1b")
 
 
 # ----------------------------------------------------------------------------------------------
-# The lesson: interleaved 1F1B as the loop one writes on a whiteboard. Rank r of pp holds v chunks,
-# chunk c being virtual stage c*pp + r of S = pp*v; each holds the batch's microbatches [(idx, targets)].
+# Read first: the lesson, interleaved 1F1B as one writes it on a whiteboard, and the demo that runs it against serial.
 
 
 def chunk_layers(n_layer, pp, v, rank):
@@ -119,11 +101,6 @@ def interleaved_step(chunks, microbatches):
     return sum(losses) if r == pp - 1 else None
 
 
-# ----------------------------------------------------------------------------------------------
-# Demo: the lesson against the serial model, then the machine below against the lesson; float64, the
-# same weights and the same batch, whose microbatches count unequal numbers of targets (one none).
-
-
 def demo(env, cfg, args):
     pp, m, v, say = args.pp, args.microbatches, args.virtual_stages, printer(env)
     pipeline.check_world(pp, env.world_size)  # every check runs before the first collective
@@ -141,8 +118,7 @@ def demo(env, cfg, args):
 
 
 # ----------------------------------------------------------------------------------------------
-# Read second: the machine, the lesson's general form, which 05-09 build on: the same order as data, a list of
-# 02's Actions per rank, run by 02's validator, simulator and executor; and the demo's machine part.
+# Read second: the machine, which 05-09 build on: the lesson's order as data, a list of 02's Actions per rank.
 
 
 def interleaved(pp, m, stage, v):
@@ -168,9 +144,8 @@ def interleaved(pp, m, stage, v):
 
 @dataclass
 class InterleavedSchedule(pipeline.Schedule):
-    """02's Schedule, whose steady forward and the backward after it run back to back, as one group
-    with no boundary between them (the lesson's steady step): at v > 1 a boundary there could make two
-    ranks wait on each other."""
+    """02's Schedule, whose steady forward and the backward after it run as one group, with no boundary
+    between them (the lesson's steady step): at v > 1 a boundary there could make two ranks wait on each other."""
 
     def groups(self, rank):
         groups, acts, i = [], self.lists[rank], 0
@@ -179,66 +154,6 @@ class InterleavedSchedule(pipeline.Schedule):
             groups.append(acts[i:i + 1 + pair])
             i += 1 + pair
         return groups
-
-
-def prove_machine(env, cfg, args, reference, lesson, say):
-    """1F1B and interleaved 1F1B as lists, validated, executed through 02's pipeline_step, reported, each
-    against serial; the interleaved one's loss and gradients against the lesson's."""
-    (microbatches, full, ref_loss, ref_grads), pp, m, v = reference, args.pp, args.microbatches, args.virtual_stages
-    say("layers per rank (1-based): " + "; ".join(
-        f"rank {r}: " + ", ".join(f"{c.start + 1}-{c.stop}" for c in chunk_layers(cfg.n_layer, pp, v, r))
-        for r in range(pp)))
-    embed_group = dist.new_group([0, pp - 1], timeout=timedelta(seconds=60)) if pp > 1 else None
-    runs = {"1f1b": pipeline.Schedule([pipeline.one_f_one_b(pp, m, s) for s in range(pp)]),
-            "interleaved": InterleavedSchedule([interleaved(pp, m, s, v) for s in range(pp)])}
-    # The same work per rank: a whole stage costs t_f=1, t_b=2, a chunk of it 1/v of that.
-    times = {"1f1b": (1, 2), "interleaved": (Fraction(1, v), Fraction(2, v))}
-    end = max(pipeline.simulate(runs[n], *times[n]).step_time for n in runs)
-    ok, out = True, {}
-    for name, schedule in runs.items():
-        pipeline.validate(schedule, m)
-        dist.barrier()  # the ranks start together, so their measured timelines line up
-        chunks, result = pipeline.pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches)
-        kept = pipeline.pipeline_step(cfg, schedule, dist.group.WORLD, embed_group, full, microbatches, False)[1]
-        worst = pipeline.differences(chunks, result, ref_loss, ref_grads)
-        good, sim, ranks = demos.report_pipeline(env, name, schedule.lists, pipeline.simulate(schedule, *times[name]),
-                                                 worst, result, kept, say, *times[name], end=end, width=150)
-        ok &= good
-        out[name] = sim, ranks
-        if name == "interleaved":
-            got = result.loss, {n: p.grad for c in chunks for n, p in c.named_parameters()}
-            same = demos.worst_difference(got, *lesson)
-            say(f"the machine (InterleavedSchedule through pipeline_step) against the lesson's interleaved_step "
-                f"(loss and every gradient): {same:.2e} {'PASS' if same <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
-            ok &= same <= 1e-12
-    demos.report_interleaving(say, pp, v, m, out["1f1b"], out["interleaved"])
-    demos.write_trace(env, args.trace, {n: ranks for n, (_, ranks) in out.items()}, say)
-    say(f"\n{'PASS' if ok else 'FAIL'}")
-    return ok
-
-
-# ----------------------------------------------------------------------------------------------
-# After the concept: the schedule's checks, and the demo's command line.
-
-
-def check_interleaving(pp, m, v):
-    if v < 1:
-        raise ValueError(f"the number of virtual stages v={v} must be at least 1")
-    if m < 1:
-        raise ValueError(f"the number of microbatches m={m} must be at least 1")
-    if v > 1 and m % pp:
-        raise ValueError(f"interleaving runs microbatches in groups of pp: m={m} must be divisible by pp={pp}")
-
-
-@dataclass
-class DemoConfig(pipeline.PipelineDemoConfig):
-    pp: int = 4  # pipeline ranks: CPU ranks started here, or torchrun's world
-    virtual_stages: int = 2  # v: model chunks per rank
-
-
-def parser():
-    return cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64, n_layer=8,
-                           n_head=4, n_embd=64)
 
 
 if __name__ == "__main__":

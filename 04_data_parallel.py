@@ -1,36 +1,22 @@
 """04 - Data parallelism from scratch: naive, bucketed and overlapped, and ZeRO-1.
 
-What this file adds on top of 01: dp replicas of the model each see 1/dp of the batch; averaging
-their gradients keeps them identical and makes them train like one model on the whole batch.
-  - The lesson, read first, as one writes it on a whiteboard, every collective inline:
-    1. naive (Li et al. 2020, Section 3.2): after backward, all-reduce every gradient and divide by dp;
-    2. bucketed and overlapped (PyTorch DDP, Megatron's DDP): gradients go into one flat buffer laid
-       out in reverse parameter order (the order backward produces them), cut into buckets; a hook per
-       parameter counts its bucket down, and the bucket's all-reduce is launched asynchronously the
-       moment its last gradient is in, while backward goes on; over microbatches the gradients
-       accumulate, and only the last microbatch's backward reduces (no_sync);
-    3. ZeRO-1 (Rajbhandari et al. 2020, stage 1; Megatron's distributed optimizer): each rank keeps
-       AdamW's state for its 1/dp of the flat buffer only, updates that shard, and all-gathers the
-       updated parameters.
-    Each replica's microbatch loss weighs its counted targets over the global batch's count
-    (docs/LOSS.md), so that unevenly masked replicas train like serial training's per-token mean.
-  - The machine, read second, which 05-09, kernels/ and plumbing/ build on: BucketedDDP and FlatAdamW,
-    the same three ideas in one general form (ZeRO-1's reduce-scatter per bucket, bf16 weights with
-    fp32 gradients and masters, replica groups for 09's experts, hooks a pipeline overrides).
-After the concept, what a pipeline needs (05's trainer turns both on): PipelineDDP (each chunk's
-buckets reduced during its own last backward) and OverlappedGather (ZeRO-1's gather run into the
-next forward).
+What this file adds on top of 01: dp replicas of the model each see 1/dp of the batch; averaging their gradients
+keeps them identical and trains them like one model on the whole batch.
+  - The lesson, read first, every collective inline: 1. naive (Li et al. 2020, Section 3.2): every gradient
+    all-reduced after backward; 2. bucketed and overlapped (PyTorch DDP): a flat buffer in reverse parameter order
+    whose buckets all-reduce asynchronously during the last microbatch's backward, each once its last gradient is in
+    (no_sync before); 3. ZeRO-1 (Rajbhandari et al. 2020, stage 1): AdamW's state for 1/dp of the buffer per rank,
+    then an all-gather. Each microbatch's loss weighs its counted targets over the global count (docs/LOSS.md).
+  - The machine, read second, which 05-09, kernels/ and plumbing/ build on: BucketedDDP and FlatAdamW.
 
 Run it:
     python 04_data_parallel.py                    # dp=4 CPU ranks
     python 04_data_parallel.py --dp 2 --bucket-numel 1000 --steps 5
     torchrun --nproc-per-node 8 04_data_parallel.py --dp 8
 
-The demo trains a few AdamW steps the lesson's three ways (naive, bucketed+overlapped, ZeRO-1)
-against serial training on the whole batch in float64, on replicas that count unequal numbers of
-targets (one a single one, one a microbatch of none): the losses and every parameter within 1e-10,
-else exit 1. Then the same three ways on the machine: its difference from serial and from the lesson
-(1e-12), when each bucket's reduction launched, every replica's checksum and the optimizer state per rank.
+The demo trains a few AdamW steps the lesson's three ways, then the machine's, against serial training in float64 on
+unevenly masked replicas (within 1e-10; the machine against the lesson, 1e-12; else exit 1), and prints when each
+bucket's reduction launched, every replica's checksum and the optimizer state per rank.
 """
 import importlib
 import time
@@ -40,15 +26,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plumbing import cli, demos
-from plumbing.launch import gather_numbers, printer, run_main
+from plumbing import ddp_demo, demos  # the demo's flags, checks, serial reference and machine part; its reports
+from plumbing.ddp_demo import DemoConfig, check_world, counted, differences, parser, prove_machine, training_reference
+from plumbing.launch import printer, run_main
+from plumbing.replicas import by_replicas  # who holds a parameter's copies: dp, or its own .replica_group (09's)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
-# The lesson: data parallelism as plain code. Every rank of `group` is a replica holding the whole
-# model; each trains on its rows of the global batch. Every collective is in this section.
+# Read first: the lesson and its demo. Every rank of `group` is a replica holding the whole model, on its rows of B.
 
 
 def shard_batch(idx, targets, dp, dp_rank):
@@ -179,11 +166,6 @@ def train_lesson(env, cfg, args, mode, group, full, batches):
     return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
-# ----------------------------------------------------------------------------------------------
-# Demo: the lesson's three ways against serial training, then the machine below against the lesson;
-# float64, the same weights and batches, whose replicas count unequal numbers of targets.
-
-
 def demo(env, cfg, args):
     dp, say = args.dp, printer(env)
     check_world(env.world_size, dp, args.batch_size, args.microbatches)  # before the first collective
@@ -203,10 +185,8 @@ def demo(env, cfg, args):
 
 
 # ----------------------------------------------------------------------------------------------
-# Read second: the machine, the lesson's DDP and ZeRO1 in the general form that 05-09, kernels/ and
-# plumbing/ build on: ZeRO-1 as a reduce-scatter per bucket into padded shards, bf16 weights with fp32
-# gradients (grad_dtype) and masters, replica groups (by_replicas: 09's experts), the hooks a pipeline
-# overrides (final, main_grad, after_step), overlap=False.
+# Read second: the machine, the lesson's DDP and ZeRO1 in the general form 05-09 build on (ZeRO-1 as a reduce-scatter
+# per bucket, bf16 weights with fp32 gradients and masters, replica groups, a pipeline's hooks); then train_replica.
 
 
 class BucketedDDP:
@@ -347,10 +327,6 @@ class FlatAdamW:
             self.gathers.pop(i)[0].wait()
 
 
-# ----------------------------------------------------------------------------------------------
-# Read second: the demo's machine part, the lesson's training on BucketedDDP and FlatAdamW.
-
-
 def train_replica(env, cfg, args, mode, group, full, batches, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
     """train_lesson on the machine: from the full weights `full`, in float64, one AdamW step of this replica
     (lr args.lr, and betas, eps, weight_decay on every parameter) per global batch (idx, targets) of
@@ -391,127 +367,15 @@ def train_replica(env, cfg, args, mode, group, full, batches, *, betas=(0.9, 0.9
     return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}, timeline, opt, demos.checksum(model)
 
 
-def prove_machine(env, cfg, args, group, reference, lessons, say):
-    """Each mode on the machine (train_replica) against serial training (1e-10) and against the lesson's
-    train_lesson (1e-12): the same float64 operations on the same numbers, equal to the bit on a CPU today;
-    the margin is for a collective that sums in another order (ZeRO-1: the machine reduce-scatters its
-    padded buckets, the lesson all-reduces its own), a few ulps that AdamW's 1/sqrt(v) may grow over the
-    steps in parameters with tiny gradients. A mistake (a bucket reduced twice or stale, a 1/dp weighting of
-    the losses, a shard not gathered) is O(1e-3) or more."""
-    batches, full, ref_losses, ref_params = reference
-    say("\nthe machine: naive is allreduce_gradients, bucketed BucketedDDP with AdamW, zero1 BucketedDDP(zero=True) "
-        "with FlatAdamW")
-    runs = {}
-    for mode in ("naive", "bucketed", "zero1"):
-        losses, params, timeline, opt, digest = train_replica(env, cfg, args, mode, group, full, batches)
-        digests = [f"{int(d[0]):012x}" for d in gather_numbers([digest], group, env.device)]  # every replica's
-        runs[mode] = demos.DataParallelRun(losses, differences((losses, params), (ref_losses, ref_params)), digests,
-                                           timeline, demos.optimizer_state_bytes(opt),
-                                           differences((losses, params), lessons[mode]))
-    return demos.report_dp(say, cfg, args, ref_losses, runs)  # True if every mode equals serial and the lesson
-
-
 # ----------------------------------------------------------------------------------------------
-# After the concept, for a pipeline: 05's trainer uses both (--overlap-grad-reduce, and
-# --overlap-param-gather with ZeRO-1, the defaults). MegaScale (Jiang et al. 2024, Section 3.3)
-# overlaps the data-parallel reduce-scatter with the last microbatch's backward and the all-gather
-# with the first microbatch's forward so.
+# After the concept: PipelineDDP and OverlappedGather, 05's (MegaScale, Jiang et al. 2024, Section 3.3), subclass
+# the machine in plumbing/pipeline_ddp.py; then serial training, the demo's reference.
 
 
-class PipelineDDP(BucketedDDP):
-    """BucketedDDP for a pipeline chunk. Before: a step's last microbatch sets sync for the whole
-    model, but in a pipeline each chunk runs its m backwards at its own times. Now: a gradient is final
-    at its own m-th accumulation, so each bucket launches during its chunk's last backward; and the
-    buckets of `hold` (the tied embedding, which the other stage's copy is added into after backward)
-    wait for finish()."""
-
-    def __init__(self, params, group, bucket_numel, microbatches, hold=(), **kwargs):
-        super().__init__(params, group, bucket_numel, **kwargs)
-        self.microbatches, self.held = microbatches, {i for p in hold for i in self.buckets_of[p]}
-        for i in self.held:  # one count more than its parameters: launched by finish() only
-            self.counts[i] += 1
-            self.pending[i] += 1
-
-    def zero_grad(self):
-        super().zero_grad()
-        self.seen = dict.fromkeys(self.params, 0)
-
-    def final(self, p):
-        self.seen[p] += 1
-        return self.sync and self.seen[p] == self.microbatches
-
-
-class OverlappedGather(FlatAdamW):
-    """FlatAdamW whose ZeRO-1 all-gathers run into the next forward. Before: step() waits for every
-    gather. Now: step() returns with them in flight, first layers first, and each module registered
-    with wait_before_forward() waits for its own weights' buckets only (Megatron's overlap_param_gather)."""
-
-    def after_step(self):
-        pass
-
-    def wait_before_forward(self, module, params):
-        """Make each forward of `module` first wait for the gathers of the buckets holding `params`."""
-        buckets = {i for p in params for i in self.ddp.buckets_of[p]}  # found once, not at every forward
-        module.register_forward_pre_hook(lambda *_: self.wait_gather(buckets))
-
-    def wait_in_forward(self, chunks):
-        """wait_before_forward on 01's GPT chunks: each block for its own weights; each chunk, first, for
-        the rest; and each module outside the blocks for its own (07 calls its embedding on its own)."""
-        for c in chunks:
-            rest = [p for n, p in c.named_parameters() if not n.startswith("transformer.h.")]
-            self.wait_before_forward(c, rest)
-            for m in [*(m for n, m in c.transformer.items() if n != "h"), *c.transformer.h.values()]:
-                self.wait_before_forward(m, list(m.parameters()))
-
-
-# ----------------------------------------------------------------------------------------------
-# After the concept: who holds a parameter's copies (by_replicas); the demo's checks, reference,
-# differences and flags.
-
-
-def by_replicas(params, group):
-    """{group: its parameters, in the order given}, for BucketedDDP: a gradient is summed over the ranks holding
-    copies of it, `group` (dp) unless it carries another as .replica_group (09's experts: edp); always divided by dp."""
-    out = {}
-    for p in params:
-        out.setdefault(getattr(p, "replica_group", group), []).append(p)
-    return out
-
-
-def check_world(world, dp, batch_size, m):
-    if world != dp:
-        raise ValueError(f"the world size {world} does not match dp={dp} (one replica per rank)")
-    if batch_size % (dp * m):
-        raise ValueError(f"the global batch of {batch_size} sequences is not divisible by dp x m = {dp} x {m}")
-
-
-def counted(targets, dp, m, ignore_index=-100):
-    """The counted targets of each replica's microbatches of one global batch, [[per microbatch]] per replica."""
-    return [[int((t != ignore_index).sum()) for t in rows.chunk(m)] for rows in targets.chunk(dp)]
-
-
-def differences(got, want):
-    """The largest relative difference of got = (losses, {name: parameter}) from want's."""
-    (losses, params), (ref_losses, ref_params) = got, want
-    return max([tensor_parallel.max_rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
-               + [tensor_parallel.max_rel_diff(params[n], ref_params[n].detach()) for n in params])
-
-
-def training_reference(cfg, args):
-    """The demo's random batches and full weights, and serial training's losses and weights on them.
-    Some targets are not counted (-100), unevenly: replica 0 counts one, replica 1's first
-    microbatch none, the others about half (docs/LOSS.md: the replicas' means would not do)."""
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    batches = [tuple(torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen))
-               for _ in range(args.steps)]
-    for _, targets in batches:
-        targets[torch.rand(targets.shape, generator=gen) < 0.5] = -100
-        rows = targets.chunk(args.dp)
-        if args.dp > 1:
-            rows[0].fill_(-100)[0, 0] = 7  # one counted target in replica 0
-            rows[1].chunk(args.microbatches)[0].fill_(-100)  # none in replica 1's first microbatch
-    full = tensor_parallel.init_state_dict(cfg, args.seed, dtype=torch.float64, random_all=True)
-    return (batches, full, *serial_training(cfg, args, full, batches))
+def __getattr__(name):  # data_parallel.PipelineDDP and .OverlappedGather: plumbing/pipeline_ddp.py imports this file
+    if name in ("PipelineDDP", "OverlappedGather"):
+        return getattr(importlib.import_module("plumbing.pipeline_ddp"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def serial_training(cfg, args, full, batches, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
@@ -531,27 +395,5 @@ def serial_training(cfg, args, full, batches, *, betas=(0.9, 0.999), eps=1e-8, w
     return losses, dict(model.named_parameters())
 
 
-@dataclass
-class DemoConfig:
-    dp: int = 4  # data-parallel replicas: CPU ranks started here, or torchrun's world
-    steps: int = 3  # AdamW steps, each on a new random batch
-    microbatches: int = 2  # gradient-accumulation steps per replica per step
-    bucket_numel: int = 20000  # elements per gradient bucket
-    batch_size: int = 16  # global batch B, in sequences
-    seq_len: int = 32  # T, tokens per sequence
-    lr: float = 1e-2  # AdamW learning rate
-    seed: int = 1234  # for the weights and the batches
-
-
-def parser():
-    return cli.demo_parser(__doc__, DemoConfig, tensor_parallel.GPTConfig, vocab_size=1001, block_size=64,
-                           n_layer=2, n_head=4, n_embd=64)
-
-
-def main():
-    cfg, args = cli.demo_args(parser())  # every flag checked before any rank starts
-    return all(tensor_parallel.launch(demo, args.dp, cfg, args))
-
-
 if __name__ == "__main__":
-    run_main(main)
+    run_main(lambda: ddp_demo.main(demo))

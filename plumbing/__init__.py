@@ -22,6 +22,10 @@ first read; each module opens with what it does and how it is called.
     report.py      what 05 prints: the rank grid, the summary, the progress bar, the end report
     evaluation.py  05's held-out loss, forward only (and the pass the end report's probe reads)
     demos.py       the demos' timing, fingerprints and printed reports; 02's and 03's harness
+    interleaved_demo.py  03's flags, its schedule's check and its demo's machine part
+    ddp_demo.py    04's flags, checks, serial reference and its demo's machine part
+    pipeline_ddp.py  what 05 adds to 04's machine for a pipeline: PipelineDDP, OverlappedGather
+    replicas.py    which ranks hold a parameter's copies (04's by_replicas; 09's .replica_group)
     reference.py   the serial references the demos and tests compare with
     validate.py    02's validator: a schedule's lists complete and in order, its plans deadlock-free
     meter.py       02's executor observed from outside: each step's timeline, messages and
@@ -41,5 +45,6 @@ first read; each module opens with what it does and how it is called.
 Dependencies run one way: the numbered files import this package, and a module here imports a
 numbered file only when called (checkpoint.py reads 01's sharding, report.py 02's simulator,
 command.py runs 05's trainer, evaluation.py reads the loss contract of the module that made the
-run), never at import, so there is no cycle.
+run), never at import, so there is no cycle. pipeline_ddp.py subclasses 04's machine, so it imports
+04 at import, and 04 imports it only on first use of its two names.
 """
