@@ -51,8 +51,17 @@ def pytest_configure(config):
                                        "(or named by its id); the faster tests in covered_by hold its property in CI")
 
 
+COLLECTED = pytest.StashKey()  # every node id this session collected, when it collected the whole suite
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k or -m deselect anything
 def pytest_collection_modifyitems(config, items):
-    """Without --full-grid, each grid runs the cases it names in keep=; the others are deselected."""
+    """Without --full-grid, each grid runs the cases it names in keep=; the others are deselected.
+    A session that collected every test file whole keeps the node ids it collected (config.stash[COLLECTED]):
+    test_grid checks the keep ids against them rather than collecting the suite again in a subprocess."""
+    files = {Path(str(item.path)).name for item in items}
+    if not any("::" in a for a in config.args) and files >= {p.name for p in (ROOT / "tests").glob("test_*.py")}:
+        config.stash[COLLECTED] = [item.nodeid for item in items]
     if not config.getoption("--full-grid"):
         named = [a.replace(os.sep, "/") for a in config.args if "::" in a]
         items[:], dropped = grid_selection(items, named)

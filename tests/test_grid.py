@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT, grid_selection, kept
+from conftest import COLLECTED, ROOT, grid_selection, kept
 
 
 def _item(name, case=None, keep=None, full_grid=False):
@@ -42,12 +42,17 @@ def test_a_full_grid_test_runs_only_when_named():
     assert grid_selection([plain, slow], named=["tests/test_x.py::test_slow"]) == ([plain, slow], [])
 
 
-def test_every_kept_id_names_a_case_of_its_grid():
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "--full-grid", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout[-800:] + out.stderr[-800:]
+def test_every_kept_id_names_a_case_of_its_grid(pytestconfig):
+    # Every case of the suite: those this session collected when it collected the whole suite (CI's run:
+    # its collection, before any deselection, is what --full-grid collects), else a collection of its own.
+    collected = pytestconfig.stash.get(COLLECTED, None)
+    if collected is None:
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "--full-grid", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-800:] + out.stderr[-800:]
+        collected = out.stdout.splitlines()
     cases = {}
-    for line in out.stdout.splitlines():
+    for line in collected:
         if "::" in line and "[" in line:
             name, case = line.split("[", 1)
             cases.setdefault(name, set()).add(case[:-1])
