@@ -136,6 +136,25 @@ def _kernels_built():
         kernels.prebuild("auto")
 
 
+CHAPTERS = sorted(p.stem for p in ROOT.glob("0[1-9]_*.py"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_before_forking():
+    """What each forked rank (run_ranks) and forked script (run_script) would otherwise compute for itself,
+    computed once in this process before the first fork, which they inherit: the built-in corpus and its
+    identity (plumbing.data's caches, 0.3-0.9 s a process: the 8 ranks of a world spent ~3 s of its 6.5 s
+    on 2 cores making it, each its own copy) and the flags of every chapter the test files imported (parser(),
+    read from its source: up to 0.35 s a script run). Nothing a test sees changes: the same values, made once."""
+    from plumbing import data
+
+    data.builtin_corpus()
+    data.identity("")
+    for name in CHAPTERS:
+        if name in sys.modules:
+            sys.modules[name].parser()
+
+
 @pytest.fixture
 def run_ranks():
     """The packaged harness (megatron_scratch.testing.run_ranks, which its pytest plugin gives an installed
