@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import ROOT, TOL, TRAINER_BASE, TRAINER_CFG, load, run_script, trainer_grad_diffs
+from conftest import ROOT, TOL, TRAINER_BASE, TRAINER_CFG, load, run_script, script_output, trainer_grad_diffs
 
 tensor_parallel = load("01_tensor_parallel")
 pipeline = load("02_pipeline_1f1b")
@@ -472,7 +472,7 @@ def test_the_guide_states_the_figures_the_code_computes():
 
 
 def test_the_demo_passes_every_split_at_cp_2_and_4_and_prints_each_figure():
-    proc = run_script("08_context_parallel.py", timeout=120)
+    proc = script_output("08_context_parallel.py", timeout=120)  # test_docs' run too, made once
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for cp, factor in ((2, "1.50"), (4, "1.75"), (8, "1.88")):
