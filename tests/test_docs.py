@@ -17,6 +17,8 @@ and docs/COURSE.md quote is what the code prints today, or what a test checks.
 - Counts in the prose ("13 in all", "3/16", "9 of 9 launched", ...) are listed in CLAIMS, each with
   the words that quote it and how the code's output gives it: a doc that says another number, or
   stops saying it, fails.
+- Links. Every relative link in README.md and docs/*.md names a file that exists, relative to the
+  file the link is in.
 """
 import difflib
 import re
@@ -440,3 +442,23 @@ def test_every_picture_the_docs_embed_is_a_committed_file_at_its_relative_path()
             assert (ROOT / doc).parent.joinpath(path).is_file(), f"{doc}: {path} does not exist"
     guide = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text("docs/GUIDE.md"))  # beside their files' sections
     assert {"figures/f-and-g.svg", "figures/schedules.svg"} <= set(guide)
+
+
+# ----------------------------------------------------------------------------------------------
+# Links
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves_to_a_file():
+    # A link is relative to the file it is in: `[x](docs/LOSS.md)` inside docs/GUIDE.md points at
+    # docs/docs/LOSS.md. Web links and links to a heading of the same file are not files.
+    docs = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+    assert "docs/GUIDE.md" in docs and "docs/LOSS.md" in docs
+    broken = []
+    for doc in docs:
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text(doc)):
+            target = m[1].split("#")[0]
+            if re.match(r"[a-z]+:", m[1]) or not target:
+                continue
+            if not (ROOT / doc).parent.joinpath(target).exists():
+                broken.append(f"{doc}:{text(doc)[:m.start()].count(chr(10)) + 1}: {m[1]}")
+    assert not broken, "links that resolve to no file:\n" + "\n".join(broken)
