@@ -58,7 +58,7 @@ def split_layers(n_layer, n_stages):
 
 
 def stage_model(cfg, pp_group=None, **gpt_kwargs):
-    """This rank's stage: 01's GPT cut to its layers; the first holds the embeddings, the last ln_f,
+    """This rank's stage: 01's ParallelGPT cut to its layers; the first holds the embeddings, the last ln_f,
     the output layer (tied to wte, of which it holds a copy) and the loss. gpt_kwargs: 01's (group: tp)."""
     s, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     return tensor_parallel.ParallelGPT(cfg, layers=split_layers(cfg.n_layer, pp)[s], pre_process=s == 0,

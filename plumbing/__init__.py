@@ -34,7 +34,7 @@ first read; each module opens with what it does and how it is called.
                    agreement and 05's check before it; the watch, rehearsed faults, skipped steps,
                    the trace, saves and snapshots
     command.py     05's command line (its actions, checks and launch), and a later chapter's
-    shards.py      full weights to shards and back (FullWeights: 01's GPT takes it)
+    shards.py      full weights to shards and back (FullWeights: 01's ParallelGPT takes it)
     watch.py       the watch: each rank's record, the heartbeat, the watchdog, faults, restarts
     health.py      who waits for whom, stragglers: pure functions the watch reads
     selfcheck.py   --self-check: every rank, group and link tried before training

@@ -127,7 +127,7 @@ def max_rel_diff(a, b):
 
 class FullWeights:
     """A mixin for a module of 01's layers over its tp group (self.group): its full (serial) weights
-    in and out. 01's GPT takes it, so that its chunks and the tests speak in full tensors."""
+    in and out. 01's ParallelGPT takes it (and so its subclass GPT), so that chunks and tests speak in full tensors."""
 
     def load_full_state_dict(self, full):
         """Load this module's part (its layers, its shards) of a full serial state dict: the whole
