@@ -583,7 +583,8 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
     if interrupted:  # the first rank that said where it was: they stop at the same step
         said = next((m for m in interrupted.values() if m), "interrupted")
         raise Terminated(f"terminated (SIGTERM): {said}") if terminated else Interrupted(said)
-    if failures and timed_out and not deaths and all(isinstance(r, int) and _peer_lost_text(t) for r, t in failures.items()):
+    if failures and timed_out and not deaths and all(isinstance(r, int) and _peer_lost_text(t)
+                                                     for r, t in failures.items()):
         # Every failure a lost peer, the first a timeout: the rank it waited for, from the records then.
         (rank, records), = timed_out.items()
         said = watching.timeout_report(records, nprocs, rank, watch.where_is, timeout_s)

@@ -464,7 +464,8 @@ def test_a_slowed_rank_under_a_short_timeout_is_the_one_named_and_its_stack_is_w
 # The report of a collective that timed out waiting for a rank that lagged (plumbing/watch.py's timeout_report):
 # the rank waited for, its coordinates and where it was; then the rank whose wait timed out, and in what.
 _TIMED_OUT = re.compile(r"error: rank (\d+) \(tp \d, dp \d, pp \d\) lagged: it is not in any collective \(at step \d+, "
-                        r"[^)]*\), and rank (\d+)'s (\w+ on group \[[\d,]+\]|point-to-point exchange with ranks? [\d, \[\]]+)"
+                        r"[^)]*\), and rank (\d+)'s (\w+ on group \[[\d,]+\]|point-to-point exchange with "
+                        r"ranks? [\d, \[\]]+)"
                         r" timed out after 1\.5 s \(the launch's timeout, which bounds every collective\), waiting for "
                         r"it( through ranks? [\d, \[\]]+)?$")
 
@@ -482,7 +483,6 @@ def test_a_rank_stalled_past_the_collective_timeout_with_no_hang_report_is_named
     assert line.startswith("error: rank 0 (tp 0, dp 0, pp 0) lagged: it is not in any collective (at step 0, "
                            "training), and rank "), line
     assert "then failed as its consequences (a collective lost its peer)" in proc.stderr, proc.stderr[-3000:]
-    assert proc.seconds < 30, proc.seconds
 
 
 def test_the_timeout_report_follows_the_timed_out_ranks_wait_and_says_a_cycle_without_naming_an_end():
