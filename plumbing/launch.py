@@ -16,8 +16,10 @@
     gather_json(obj)           every rank's JSON-able object, as UTF-8 bytes in a tensor
 
 Nothing hangs: every collective has a timeout, and when a local rank raises or dies the others are
-stopped at once and RankFailure carries that rank's traceback; a rank still running when every
-other rank's collective has timed out is named first, as the one they waited for, and once a rank
+stopped at once and RankFailure carries that rank's traceback (a collective that lost its peer or
+timed out: one line, which of ours); a rank still running when every
+other rank's collective has timed out is named first, as the one they waited for (watched: the rank
+the first timed-out collective waited for, from every rank's record then), and once a rank
 has returned the others must within timeout_s. Under torchrun the elastic agent does the stopping
 on its node; a rank whose peer is gone fails its next collective, at once if the peer's connection
 closed and after the timeout if it went silent, and says so, naming the peer first where its
