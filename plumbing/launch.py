@@ -16,8 +16,10 @@
     gather_json(obj)           every rank's JSON-able object, as UTF-8 bytes in a tensor
 
 Nothing hangs: every collective has a timeout, and when a local rank raises or dies the others are
-stopped at once and RankFailure carries that rank's traceback; a rank still running when every
-other rank's collective has timed out is named first, as the one they waited for, and once a rank
+stopped at once and RankFailure carries that rank's traceback (a collective that lost its peer or
+timed out: one line, which of ours); a rank still running when every
+other rank's collective has timed out is named first, as the one they waited for (watched: the rank
+the first timed-out collective waited for, from every rank's record then), and once a rank
 has returned the others must within timeout_s. Under torchrun the elastic agent does the stopping
 on its node; a rank whose peer is gone fails its next collective, at once if the peer's connection
 closed and after the timeout if it went silent, and says so, naming the peer first where its
@@ -436,8 +438,9 @@ def _peer_lost(error):
 def _where(error):
     """The error's first line and the innermost call outside torch that raised it: which collective
     of ours failed, without the whole traceback."""
-    torch_dir = os.path.dirname(torch.__file__)
-    ours = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(torch_dir)]
+    torch_dir, wrappers = os.path.dirname(torch.__file__), os.path.join(os.path.dirname(__file__), "watch.py")
+    ours = [f for f in traceback.extract_tb(error.__traceback__)  # the watch's wrappers are not where: their caller is
+            if not f.filename.startswith(torch_dir) and os.path.abspath(f.filename) != os.path.abspath(wrappers)]
     at = f" (at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}, in {ours[-1].name})" if ours else ""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}{at}: {lines[0] if lines else ''}"
@@ -554,12 +557,12 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
         pipe.send(store.port)
     from plumbing import watch as watching  # not at the top: watch imports nothing of ours but health
     dog = watching.Watchdog(store, nprocs, watch.hang_s) if watch else None
-    results, failures, interrupted, deaths, terminated = {}, {}, {}, set(), False
+    results, failures, interrupted, deaths, terminated, timed_out = {}, {}, {}, set(), False, {}
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
     try:
         try:
             _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s, deaths=deaths, dog=dog,
-                     watch=watch, timeout_s=timeout_s)
+                     watch=watch, timeout_s=timeout_s, timed_out=timed_out if dog else None)
         except KeyboardInterrupt as e:  # Ctrl-C here (the terminal sends it to the ranks too), a kill -INT, or
             _on_interrupt(pipes, procs, results, failures, interrupted)  # a SIGTERM (run_main's Terminated)
             terminated = isinstance(e, Terminated)
@@ -582,6 +585,13 @@ def _launch_local(worker, nprocs, args, timeout_s, deadline_s, watch=None):
     if interrupted:  # the first rank that said where it was: they stop at the same step
         said = next((m for m in interrupted.values() if m), "interrupted")
         raise Terminated(f"terminated (SIGTERM): {said}") if terminated else Interrupted(said)
+    if failures and timed_out and not deaths and all(isinstance(r, int) and _peer_lost_text(t)
+                                                     for r, t in failures.items()):
+        # Every failure a lost peer, the first a timeout: the rank it waited for, from the records then.
+        (rank, records), = timed_out.items()
+        said = watching.timeout_report(records, nprocs, rank, watch.where_is, timeout_s)
+        if said:
+            failures = {"the run": said + "\n", **{r: t for r, t in failures.items() if r != rank}}
     if failures:
         failure = RankFailure(_failure_report(failures, deaths, stopped))
         failure.step = max((s for s in steps if s is not None), default=None)  # the furthest any rank got
@@ -602,7 +612,7 @@ def _failure_report(failures, deaths, stopped):
     that is not a lost peer, else, when every failure is a lost peer, the ranks that were still
     running (the ones the others' collectives waited for), else the earliest report; the ranks whose
     collective failed because a peer was gone follow on one line, as its consequences."""
-    lost = {r for r, text in failures.items() if r not in deaths and _peer_lost_text(text)}
+    lost = {r for r, text in failures.items() if isinstance(r, int) and r not in deaths and _peer_lost_text(text)}
     order = list(failures)
     first = next((r for r in order if r in deaths), None)
     first = first if first is not None else next((r for r in order if r not in lost), None)
@@ -647,7 +657,7 @@ def _peer_lost_text(text):
 
 
 def _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s, grace_s=1.0, deaths=None,
-             dog=None, watch=None, timeout_s=None):
+             dog=None, watch=None, timeout_s=None, timed_out=None):
     """Read each rank's report ("ok", "error" or "interrupted") as it comes; after the first
     failure wait grace_s for the others' own (longer while every failure is a lost peer: a rank
     that never fails is then the one they waited for), then stop. With a watchdog (dog) and
@@ -655,7 +665,8 @@ def _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s,
     when it has one. timeout_s: once a rank has returned, the others must return within it, as
     their last collective would have (under torchrun the ranks' closing barrier has that timeout);
     a rank still running then, outside any collective, is stopped and named. deaths: the ranks
-    that died are added to it."""
+    that died are added to it; timed_out (with a watchdog), {rank: every rank's record} when the first
+    failure is a rank's timed-out collective, read at once, while its peers still wait where they did."""
     nprocs, hang_s, returned_at = len(procs), dog and watch.hang_s, None
     while len(results) + len(failures) + len(interrupted) < nprocs:
         if failures or interrupted:  # give the other ranks a moment to report their own, then stop them
@@ -700,6 +711,9 @@ def _collect(pipes, procs, results, failures, interrupted, deadline, deadline_s,
                 status, payload = "error", _death(rank, procs[rank].exitcode, dog)
                 if deaths is not None:
                     deaths.add(rank)
+            if status == "error" and timed_out is not None and not failures and "timed out" in payload.lower() \
+                    and _peer_lost_text(payload):
+                timed_out[rank] = dog.records()
             {"ok": results, "interrupted": interrupted}.get(status, failures)[rank] = payload
 
 
@@ -755,6 +769,9 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     except KeyboardInterrupt as e:  # Ctrl-C: where this rank was, if it knew (Interrupted)
         code = 1
         pipe.send_bytes(pickle.dumps(("interrupted", str(e) if isinstance(e, Interrupted) else "")))
+    except Exception as e:
+        code = 1  # a collective that lost its peer or timed out: which of ours, in one line (the cause is elsewhere)
+        pipe.send_bytes(pickle.dumps(("error", f"{_where(e)}\n" if _peer_lost(e) else traceback.format_exc())))
     except BaseException:  # report everything else, including SystemExit
         code = 1
         pipe.send_bytes(pickle.dumps(("error", traceback.format_exc())))

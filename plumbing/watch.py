@@ -68,6 +68,7 @@ class Recorder:
         self.blocked_s, self.step_start, self.busy_ms = 0.0, None, []  # busy_ms: one entry per step
         self.names, self.originals, self.marker_of = {}, {}, {}
         self.queued = []  # asynchronous backends: [_Queued], in the order the device runs them
+        self.failed = None  # what this rank waited in when a collective or exchange raised (_fail)
 
     def install(self):
         for name in _COLLECTIVES:
@@ -95,7 +96,7 @@ class Recorder:
                 else:
                     waiting_for = list(head.peers)
             return dict(step=self.step, phase=self.phase, groups=groups, waiting_for=waiting_for, state="running",
-                        progress=self.progress)
+                        progress=self.progress, **({"failed": self.failed} if self.failed else {}))
 
     def set_phase(self, phase, step=None):
         with self.lock:
@@ -154,6 +155,15 @@ class Recorder:
             entry[1], entry[2], self.progress = entry[1] + 1, None, self.progress + 1
             self.blocked_s += time.perf_counter() - started
 
+    def _fail(self, entry=None, group=None, peers=None):
+        """A collective or exchange that raised (its timeout, a lost peer): what this rank waited in then,
+        kept in its record as `failed` ({"groups": {group: entry}} or {"waiting_for": peers}, the record's
+        own fields as they were), and written at once, before the error reaches the launcher, which reads
+        from it whom a timed-out rank waited for (timeout_report)."""
+        with self.lock:
+            self.failed = {"groups": {group: list(entry)}} if entry is not None else {"waiting_for": list(peers)}
+        self.on_step()
+
     def _queue(self, markers, call, group=None, op=None, peers=None):
         """Run call() (which queues a collective, or the stream's wait for one, and returns at once)
         between two markers, kept until the device has passed the second. A factory gives no marker
@@ -193,11 +203,16 @@ class Recorder:
                         return self._queue(markers, lambda: work.wait(*a), where, name)
                     return _Work(fn(*args, **kwargs), wait=wait)
                 return self._queue(markers, lambda: fn(*args, **kwargs), where, name)
+            where = self._group(group)
             if kwargs.get("async_op"):
-                return _Work(fn(*args, **kwargs), lambda: self._block(entry, name), lambda t: self._leave(entry, t))
+                return _Work(fn(*args, **kwargs), lambda: self._block(entry, name), lambda t: self._leave(entry, t),
+                             fail=lambda: self._fail(entry, where))
             started = self._block(entry, name)
             try:
                 return fn(*args, **kwargs)
+            except Exception:
+                self._fail(entry, where)
+                raise
             finally:
                 self._leave(entry, started)
         return collective
@@ -209,7 +224,8 @@ class Recorder:
             if markers is not None:
                 return [_Work(w, wait=lambda w, *a, p=p: self._queue(markers, lambda: w.wait(*a), peers=[p]))
                         for w, p in zip(works, peers)]
-            return [_Work(w, lambda p=p: self._wait_on(p), self._waited) for w, p in zip(works, peers)]
+            return [_Work(w, lambda p=p: self._wait_on(p), self._waited, fail=lambda p=p: self._fail(peers=[p]))
+                    for w, p in zip(works, peers)]
         return batch
 
     def _wait_on(self, peer):
@@ -259,10 +275,11 @@ ASYNC_BACKENDS = {"nccl": _cuda_marker}
 
 class _Work:
     """An async collective's or a point-to-point op's work, whose wait() is recorded: between
-    before() and after(started) (a blocking backend), or by wait(work, *args) itself."""
+    before() and after(started) (a blocking backend; fail() first if it raises), or by
+    wait(work, *args) itself."""
 
-    def __init__(self, work, before=None, after=None, wait=None):
-        self.work, self.before, self.after, self.waiting = work, before, after, wait
+    def __init__(self, work, before=None, after=None, wait=None, fail=None):
+        self.work, self.before, self.after, self.waiting, self.fail = work, before, after, wait, fail
 
     def wait(self, *args):
         if self.waiting is not None:
@@ -270,6 +287,10 @@ class _Work:
         started = self.before()
         try:
             return self.work.wait(*args)
+        except Exception:
+            if self.fail is not None:
+                self.fail()
+            raise
         finally:
             self.after(started)
 
@@ -433,6 +454,54 @@ def describe(diagnosis, grid_of, hang_s, dump_dir):
     return (f"hang: no rank made progress for {hang_s:g} s. {who}: {diagnosis.why}"
             + (f", at step {diagnosis.step}" if diagnosis.step is not None and diagnosis.kind != "cycle" else "")
             + (f". {stacks}: {dump_dir}/rank<N>.txt" if stacks else ". No rank wrote its Python stack in time"))
+
+
+def timeout_report(records, world, rank, where_is, timeout_s):
+    """The sentence for a rank whose collective or exchange timed out, from every rank's record at that
+    moment (the timed-out rank's `failed`, what it waited in): the rank it waited for, directly or in
+    turn, first (the one at the end of who waits for whom: not in any collective, dead or silent; of
+    several, dead or silent first, then the quietest), then the wait that timed out; None when the
+    records do not say what it waited in. A rank slowed or stalled for longer than the timeout, which
+    the hang report did not catch first (--hang-s off, or a loaded machine's late heartbeats), is
+    named so, not as its victim's failure."""
+    failed = (records.get(rank) or {}).get("failed")
+    if not isinstance(failed, dict):
+        return None
+    records = {r: dict(records.get(r) or {"state": "silent"}) for r in range(world)}
+    mine = records[rank]
+    mine["groups"] = {**(mine.get("groups") or {}), **(failed.get("groups") or {})}
+    mine["waiting_for"], mine["state"] = list(failed.get("waiting_for") or []), "running"
+    group, op = next(((g, e[2]) for g, e in (failed.get("groups") or {}).items()), ("", ""))
+    edges = health.waits_for(records)
+    waited = sorted(edges.get(rank) or [])
+    if not waited:
+        return None
+    what = f"{op} on group [{group}]" if op else "point-to-point exchange with " + _ranks_text(waited)
+    timed_out = f"rank {rank}'s {what} timed out after {timeout_s:g} s (the launch's timeout, which bounds " \
+                f"every collective)"
+
+    def worst(qs):  # dead or silent first, then the one quiet longest, then the lowest
+        return min(qs, key=lambda q: (records[q].get("state", "running").startswith("running"),
+                                      -records[q].get("quiet_s", 0.0), q))
+
+    path, r = [rank], worst(waited)
+    while edges.get(r) and r not in path:
+        path.append(r)
+        r = worst(edges[r])
+    if r in path:  # back to a rank already passed: a cycle, or records out of date; no end to name
+        return f"{timed_out}, waiting for {_ranks_text(waited)} ({', '.join(where_is(q) for q in waited)}), " \
+               f"which waited in turn for ranks already waiting (a cycle of waits, or records out of date)"
+    rec = records[r]
+    state = rec.get("state", "running")
+    how = f"died ({state[6:]})" if state.startswith("dead") else "stopped answering (no record within the " \
+        "deadline)" if state == "silent" else f"is not in any collective (at step {rec.get('step')}, " \
+        f"{rec.get('phase') or 'no phase said'})"
+    through = f" through {_ranks_text(path[1:])}" if len(path) > 1 else ""
+    return f"rank {r} ({where_is(r)}) lagged: it {how}, and {timed_out}, waiting for it{through}"
+
+
+def _ranks_text(qs):
+    return f"rank {qs[0]}" if len(qs) == 1 else f"ranks {qs}"
 
 
 def start(env, store, recorder, hang_s, launched):
