@@ -644,6 +644,10 @@ def _failure_report(failures, deaths, stopped):
     return "\n".join(lines)
 
 
+JOIN_S = 30.0  # the least time a local rank is given to join the launch's group (_local_rank_main)
+# torch's (private) setter of a group's timeout after init, in every torch this project supports;
+# without it the join keeps timeout_s, as before.
+_set_pg_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
 LOST_GRACE_S = 2.0  # while every failure is a lost peer: the time the others get to report theirs
 
 
@@ -751,14 +755,20 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
         if loopback:  # every gloo group of this rank, the training's and the save's, listens on loopback only
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
         _side = ("127.0.0.1", pipe.recv())
-        store = dist.TCPStore(*_side, world, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        # Joining is not a collective: under load, 8 forked ranks can take longer than a short
+        # --timeout-s to reach the rendezvous, so the join gets at least JOIN_S (a rank that dies
+        # first is seen by the launcher at once), and the collectives get timeout_s after it.
+        join = timedelta(seconds=max(timeout_s, JOIN_S) if _set_pg_timeout else timeout_s)
+        store = dist.TCPStore(*_side, world, is_master=False, timeout=join)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=join)
         # Every rank's connections made before any rank goes on: one that returned (or failed) at
         # once and exited would close its side while a slower peer still connects to it, and that
         # peer would fail with "connection closed by peer", not with what happened.
         store.set(f"launch/ready/{rank}", "1")
         store.wait([f"launch/ready/{r}" for r in range(world)])
+        if join.total_seconds() != timeout_s:
+            _set_pg_timeout(timedelta(seconds=timeout_s))
+            store.set_timeout(timedelta(seconds=timeout_s))
         result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)
         pipe.send_bytes(_pickled_result(rank, worker, result))
     except SENTENCES as e:  # bad input found on a rank: its sentence and where, not a traceback

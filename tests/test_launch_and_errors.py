@@ -77,6 +77,42 @@ def test_collectives_time_out_instead_of_hanging():
     assert time.monotonic() - t0 < 7  # rank 0 gave up after its 2 s timeout, not after rank 1
 
 
+def _rank1_stalls_again(env):
+    # the collective after a slow join: it still times out at the launch's timeout_s
+    if env.rank == 1:
+        time.sleep(8)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_join_slower_than_a_short_timeout_still_joins_and_collectives_keep_that_timeout(monkeypatch):
+    # Under load, 8 forked ranks once took more than --timeout-s 1.5 to reach the rendezvous, and the
+    # run failed in init_process_group (DistStoreError) before training. A rank that joins 3 s late
+    # now joins (the join gets JOIN_S), and the collective after it still times out at 1.5 s.
+    from plumbing import launch as launching
+    real = dist.init_process_group
+
+    def late(*a, **kw):
+        if kw.get("rank") == 1:
+            time.sleep(3)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dist, "init_process_group", late)  # inherited by the forked ranks
+    assert launching._set_pg_timeout is not None  # torch 2.11-2.13 have it; without it the old join
+    assert launch(_world_size, 2, timeout_s=1.5) == [2, 2]
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 hung: .*[Tt]imed out"):
+        launch(_rank1_stalls_again, 2, timeout_s=1.5)
+    assert time.monotonic() - t0 < 3 + 1.5 + 3  # the join's 3 s, the 1.5 s timeout, the reports; not rank 1's 8 s
+
+
+def _world_size(env):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def _forever(env):
     while True:
         time.sleep(0.1)
