@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -462,16 +463,30 @@ def binding_check(bindings):
     """Syntax-check the bindings {family: source} against this torch's headers, in one translation
     unit (each family in its own namespace, errors naming kernels/<family>.py's line); returns (ok,
     compiler output). A pass over unchanged inputs is not compiled again (above)."""
+    root = Path(build_directory("megatron_ref_binding_check"))
+    try:
+        _write_stand_in(root)
+    except OSError as e:  # a read-only cache, say: check in a folder of its own, recording nothing kept
+        print(f"kernels: cannot write the binding check's files under {root} ({e.strerror}); checking in a "
+              f"temporary folder", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            _write_stand_in(Path(tmp))
+            return _binding_check(bindings, Path(tmp))
+    return _binding_check(bindings, root)
+
+
+def _write_stand_in(root):
+    """A CPU build of torch ships c10/cuda's headers without the one its CMake generates (a single
+    build macro): stand one in, root/stand_in, found only when torch lacks it (last on the path)."""
+    _write_if_changed(root / "stand_in" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h",
+                      "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+
+
+def _binding_check(bindings, root):
     from torch.utils import cpp_extension
     import sysconfig
 
-    src = binding_source(bindings)
-    root = Path(build_directory("megatron_ref_binding_check"))
-    # A CPU build of torch ships c10/cuda's headers without the one its CMake generates (a single
-    # build macro): stand one in, found only when torch lacks it (its own folder, last on the path).
-    stand_in = root / "stand_in"
-    _write_if_changed(stand_in / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h",
-                      "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    src, stand_in = binding_source(bindings), root / "stand_in"
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     cuda_home = cuda_toolkit()
     if cuda_home:  # c10/cuda's headers include the CUDA runtime's
