@@ -39,9 +39,11 @@ def test_every_cu_file_compiles_with_nvcc_alone_for_sm80_and_sm90(cu):
 
 
 @needs_nvcc
-# One translation unit, -fsyntax-only: the work is g++ parsing torch/extension.h once, 25-30 s on this
-# project's 2-core machine at load 2-4, and past 90 s (TEST_TIMEOUT_S) in each of three runs at load 5-16,
-# which failed CI: the limit is what that work takes at 10 times the idle figure.
+# One translation unit, -fsyntax-only: the work is g++ parsing torch/extension.h once, 18-19 s of CPU time,
+# 25-30 s on this project's 2-core machine at load 2-4, and past 90 s (TEST_TIMEOUT_S) in each of three runs
+# at load 5-16, which failed CI: the limit is what that work takes at 10 times the idle figure. A pass is
+# recorded with a hash of every file g++ read (build.binding_check): a later run over the same inputs
+# reads the record (under a second) and compiles nothing; the limit is for the compile.
 @pytest.mark.deadline(300)
 def test_every_binding_compiles_against_this_torchs_headers(tmp_path, monkeypatch):
     import kernels
@@ -55,6 +57,59 @@ def test_every_binding_compiles_against_this_torchs_headers(tmp_path, monkeypatc
     assert len(bindings) == len(build.cu_files())  # one binding per .cu: none forgotten
     ok, out = build.binding_check(bindings)
     assert ok, out[-4000:]
+
+
+def test_a_bindings_compile_error_names_the_line_of_its_family_file():
+    """The check's one translation unit puts each binding under a #line naming kernels/<family>.py and
+    the line it is written on: g++'s error is then the line to edit (a misspelt data_ptr on layernorm.py's
+    line 99 is reported as kernels/layernorm.py:99:37). A source check: no compiler runs."""
+    bindings = {m.__name__.split(".")[-1]: m.BINDING for m in kernels.families()}
+    source = build.binding_source(bindings)
+    for family, binding in bindings.items():
+        at = re.search(rf'namespace {family} {{\n#line (\d+) "kernels/{family}.py"\n', source)
+        assert at and source[at.end():].startswith(binding), family
+        written = (build.KERNELS_DIR / f"{family}.py").read_text().splitlines()[int(at[1]) - 1:]
+        first, *rest = binding.split("\n")
+        assert written[0].endswith(first) and written[1:len(rest)] == rest[:-1], family
+    assert '#line 1 "kernels/x.py (BINDING, as built at run time)"' in build.binding_source({"x": "int built;"})
+
+
+def test_the_binding_checks_pass_is_kept_until_a_file_the_compiler_read_changes(tmp_path, monkeypatch):
+    """A pass is recorded with every file g++ read (its -MD list) and their contents' hashes: the same
+    bindings over the same headers are not compiled again; an edited header, another binding or another
+    compiler are; a failure is never kept. g++ is stubbed: it "reads" two headers and passes or fails."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    header, other = tmp_path / "torch_header.h", tmp_path / "with space.h"
+    header.write_text("// torch 1\n")
+    other.write_text("// another\n")
+    real_run, compiled, fails = subprocess.run, [], []
+
+    def compiler(cmd, **kw):
+        if "-fsyntax-only" not in cmd:
+            return real_run(cmd, **kw)
+        compiled.append(cmd)
+        deps, source = cmd[cmd.index("-MF") + 1], cmd[-1]
+        escaped = str(other).replace(" ", "\\ ")
+        Path(deps).write_text(f"{source}.o: {source} {header} \\\n {escaped}\n")
+        return subprocess.CompletedProcess(cmd, 1 if fails else 0, "", "error: planted" if fails else "")
+
+    monkeypatch.setattr(build.subprocess, "run", compiler)
+    bindings = {"bias_gelu": bias_gelu.BINDING}
+    assert build.binding_check(bindings)[0] and len(compiled) == 1
+    assert build.binding_check(bindings) == (True, build.binding_check(bindings)[1]) and len(compiled) == 1
+    header.write_text("// torch 2\n")  # another torch's headers
+    assert build.binding_check(bindings)[0] and len(compiled) == 2
+    other.write_text("// changed\n")  # a name with a space, escaped in the -MD list
+    assert build.binding_check(bindings)[0] and len(compiled) == 3
+    edited = {"bias_gelu": bias_gelu.BINDING + "// edited\n"}
+    assert build.binding_check(edited)[0] and len(compiled) == 4
+    monkeypatch.setenv("CXX", "g++" if os.environ.get("CXX", "c++") != "g++" else "c++")
+    assert build.binding_check(bindings)[0] and len(compiled) == 5
+    fails.append(True)
+    edited = {"bias_gelu": bias_gelu.BINDING + "// broken\n"}
+    assert build.binding_check(edited) == (False, "error: planted") and len(compiled) == 6
+    assert build.binding_check(edited) == (False, "error: planted") and len(compiled) == 7  # not kept
+    assert not list(Path(build.build_directory("megatron_ref_binding_check")).glob("bindings_*"))  # cleaned up
 
 
 @needs_nvcc
