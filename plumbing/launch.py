@@ -8,7 +8,8 @@
     launch_mode()              "env" (this process is one rank of a launcher's group) or "local"
                                (fork the ranks here): the rule below, MEGATRON_SCRATCH_LAUNCH
     run_main(main)             a script's exit code: 0 if main() returned True, 1 (and the message)
-                               on a RankFailure or a ValueError, so bad input never ends in a trace;
+                               on a RankFailure or a ValueError, so bad input never ends in a trace
+                               (nor does an exercise's stub: which one, where, and its check);
                                130 and one line on Ctrl-C (Interrupted: "interrupted at step N")
     new_tp_group(env, tp)      this rank's block of tp consecutive ranks, as a process group
     printer(env)               print on rank 0 only
@@ -17,7 +18,8 @@
 
 Nothing hangs: every collective has a timeout, and when a local rank raises or dies the others are
 stopped at once and RankFailure carries that rank's traceback (a collective that lost its peer or
-timed out: one line, which of ours); a rank still running when every
+timed out: one line, which of ours; an exercise's stub: one sentence for every rank that reached
+it, with the exercise, the function, its file:line and the check to run); a rank still running when every
 other rank's collective has timed out is named first, as the one they waited for (watched: the rank
 the first timed-out collective waited for, from every rank's record then), and once a rank
 has returned the others must within timeout_s. Under torchrun the elastic agent does the stopping
@@ -40,6 +42,7 @@ import json
 import operator
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -81,6 +84,13 @@ class Terminated(Interrupted):
 # where, not a traceback (bad input; a run whose steps are all non-finite; a save that refuses, or
 # that did not finish within its own timeout).
 SENTENCES = (ValueError, FloatingPointError, TimeoutError)
+
+# An exercise's stub (exercises/ex0N_*.py, and the numbered files of the students' copy) raises
+# NotImplementedError with a hint that starts with its exercise ("01.2 ColumnParallelLinear.forward:
+# ... then run: python3 -m exercises check 01.2"; exercises/autograder.py's STUB). A rank that reaches
+# one says which stub, and where, in a sentence; the ranks that reach the same one are said once.
+STUB_HINT = re.compile(r"(\d\d\.\d) ")
+STUB_SAID = re.compile(r"reached the stub of exercise \d\d\.\d, .*?, which is not written yet: NotImplementedError: ")
 
 
 def launch(worker, nprocs, *args, timeout_s=60.0, deadline_s=None, watch=None, mode=None):
@@ -233,6 +243,9 @@ def _run_launched_rank(worker, args, rank, world, local_rank, timeout_s):
         except Exception as e:
             if _peer_lost(e):
                 raise _lost_peer(e, side, rank, world, timeout_s) from e
+            said = _stub_said(e)
+            if said:  # an exercise's stub: this rank's sentence (torchrun's agent stops the others)
+                raise RankFailure(f"rank {rank} of {world} {said}") from None
             raise
     finally:
         dist.destroy_process_group()
@@ -435,6 +448,25 @@ def _peer_lost(error):
         isinstance(error, RuntimeError) and any(text in str(error) for text in PEER_LOST))
 
 
+def _stub_said(error):
+    """For an exercise stub's NotImplementedError (its hint starts with the exercise, STUB_HINT): "reached
+    the stub of exercise 01.2, ColumnParallelLinear.forward (01_tensor_parallel.py:161), which is not
+    written yet: NotImplementedError: <the hint>", the place the student's file (relative to the working
+    directory when inside it); None for any other."""
+    message = " ".join(str(error).split())
+    key = STUB_HINT.match(message)
+    if not isinstance(error, NotImplementedError) or not key or error.__traceback__ is None:
+        return None
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code, path = tb.tb_frame.f_code, os.path.abspath(tb.tb_frame.f_code.co_filename)
+    here = os.getcwd() + os.sep
+    shown = path[len(here):] if path.startswith(here) else path
+    return (f"reached the stub of exercise {key.group(1)}, {getattr(code, 'co_qualname', code.co_name)} "
+            f"({shown}:{tb.tb_lineno}), which is not written yet: NotImplementedError: {message}")
+
+
 def _where(error):
     """The error's first line and the innermost call outside torch that raised it: which collective
     of ours failed, without the whole traceback."""
@@ -625,6 +657,9 @@ def _failure_report(failures, deaths, stopped):
         lines.append(f"ranks {victims} failed as its consequences (a collective lost its peer): "
                      f"{failures[victims[0]].strip().splitlines()[-1]}")
         return "\n".join(lines)
+    stubs = {r: t for r, t in failures.items() if isinstance(r, int) and r not in deaths and STUB_SAID.match(t)}
+    if stubs and all(r in stubs or r in lost for r in order):
+        return _stub_report(stubs, sorted(r for r in lost if r not in stubs), stopped)
     first = order[0] if first is None else first
     # A death, or the hang report ("the run"), names itself in its first line: that line is the cause.
     # A sentence (bad input, a file changed under the run: "ValueError: --data x.bin: ...") on the first
@@ -644,6 +679,26 @@ def _failure_report(failures, deaths, stopped):
     return "\n".join(lines)
 
 
+def _stub_report(stubs, victims, stopped):
+    """Ranks that reached exercise stubs (and no other fault): one sentence per stub, the ranks that
+    reached it named once, and what became of the rest (stopped, or their collective lost its peer) in
+    it, before the hint: the hint, which ends with the check to run, is the end of the line."""
+    by_text = {}
+    for r, text in stubs.items():
+        by_text.setdefault(text.strip(), []).append(r)
+    others = sorted(set(victims) | set(stopped))
+    lines = []
+
+    def listed(r):
+        return f"rank {r[0]}" if len(r) == 1 else f"ranks {', '.join(map(str, r[:-1]))} and {r[-1]}"
+
+    for n, (text, ranks) in enumerate(by_text.items()):
+        head, hint = text.split(", which is not written yet: ", 1)
+        rest = f" ({listed(others)} stopped)" if others and n == len(by_text) - 1 else ""
+        lines.append(f"{listed(sorted(ranks))} {head}, which is not written yet{rest}: {hint}")
+    return "\n".join(lines)
+
+
 JOIN_S = 30.0  # the least time a local rank is given to join the launch's group (_local_rank_main)
 # torch's (private) setter of a group's timeout after init, in every torch this project supports;
 # without it the join keeps timeout_s, as before.
@@ -657,6 +712,8 @@ def _ranks_word(ranks):
 
 def _peer_lost_text(text):
     last = text.strip().splitlines()[-1] if text.strip() else ""
+    if STUB_SAID.match(last):  # a stub's hint is its own cause, whatever words it holds
+        return False
     return any(phrase in last for phrase in PEER_LOST) or "DistError" in last or "DistNetworkError" in last
 
 
@@ -779,6 +836,10 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
     except KeyboardInterrupt as e:  # Ctrl-C: where this rank was, if it knew (Interrupted)
         code = 1
         pipe.send_bytes(pickle.dumps(("interrupted", str(e) if isinstance(e, Interrupted) else "")))
+    except NotImplementedError as e:  # an exercise's stub: which one and where, not a traceback
+        code = 1
+        said = _stub_said(e)
+        pipe.send_bytes(pickle.dumps(("error", f"{said}\n" if said else traceback.format_exc())))
     except Exception as e:
         code = 1  # a collective that lost its peer or timed out: which of ours, in one line (the cause is elsewhere)
         pipe.send_bytes(pickle.dumps(("error", f"{_where(e)}\n" if _peer_lost(e) else traceback.format_exc())))
@@ -855,6 +916,14 @@ def run_main(main):
             sys.stderr.flush()  # interpreter's teardown then aborts ("terminate called"): no teardown
             os._exit(1)
         print(f"{chr(10) if isinstance(e, RankFailure) else ''}error: {printable(e)}", file=sys.stderr)
+        sys.exit(1)
+    except NotImplementedError as e:  # an exercise's stub, reached here, before (or between) the launches
+        said = _stub_said(e)
+        if said is None:
+            raise
+        from plumbing.paths import release_claims
+        release_claims()
+        print(f"error: the run {printable(said)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:
         print(f"\n{printable(e) if isinstance(e, Interrupted) and str(e) else 'interrupted'}", file=sys.stderr)

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -68,14 +69,42 @@ def test_check_all_on_the_untouched_stubs_says_not_implemented_for_every_exercis
     assert f"0 of {len(keys)} pass, {len(keys)} not implemented" in done.stdout
 
 
+def _left_running(session):
+    """The pids of processes still in a session (Linux /proc; None where there is none)."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] not in "ZX":  # stat's field 6, the session
+            found.append(int(pid))
+    return found
+
+
 def test_01s_demo_runs_up_to_its_first_stub_and_names_it(student):
     # The serial model runs the linears before f and g (tp = 1 calls neither), so the first stub
-    # 01's demo reaches is 01.2's ColumnParallelLinear.forward.
-    done = run(["01_tensor_parallel.py"], student)
-    assert done.returncode != 0
-    last = (done.stdout + done.stderr).strip().splitlines()[-1]
+    # 01's demo reaches is 01.2's ColumnParallelLinear.forward. Both ranks reach it: the launcher says
+    # so once, in one sentence (the exercise, the function, the student's file:line, the check to
+    # run), with no rank's traceback, and stops every rank.
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "01_tensor_parallel.py"], cwd=student, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 1, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    last = (stdout + stderr).strip().splitlines()[-1]
     assert re.search(r"NotImplementedError: 01\.2 ColumnParallelLinear\.forward: .*python3 -m exercises check 01\.2",
                      last), last
+    stub = next(n for n, line in enumerate((student / "01_tensor_parallel.py").read_text().splitlines(), 1)
+                if 'raise NotImplementedError("01.2 ColumnParallelLinear.forward' in line)
+    assert last.startswith(f"error: ranks 0 and 1 reached the stub of exercise 01.2, ColumnParallelLinear.forward "
+                           f"(01_tensor_parallel.py:{stub}), which is not written yet: "), last
+    assert stderr.count("NotImplementedError") == 1, stderr  # one sentence for the job, not one per rank
+    time.sleep(0.5)
+    assert _left_running(proc.pid) in (None, []), "ranks left running after the demo stopped"
 
 
 def test_the_student_copy_refuses_an_out_that_is_not_empty_or_inside_the_repository(tmp_path):
