@@ -699,10 +699,7 @@ def _stub_report(stubs, victims, stopped):
     return "\n".join(lines)
 
 
-JOIN_S = 30.0  # the least time a local rank is given to join the launch's group (_local_rank_main)
-# torch's (private) setter of a group's timeout after init, in every torch this project supports;
-# without it the join keeps timeout_s, as before.
-_set_pg_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+JOIN_S = 30.0  # the least time local ranks are given to arrive at the rendezvous (_local_rank_main)
 LOST_GRACE_S = 2.0  # while every failure is a lost peer: the time the others get to report theirs
 
 
@@ -812,22 +809,30 @@ def _local_rank_main(rank, world, pipe, worker, args, timeout_s, parent):
         if loopback:  # every gloo group of this rank, the training's and the save's, listens on loopback only
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
         _side = ("127.0.0.1", pipe.recv())
-        # Joining is not a collective: under load, 8 forked ranks can take longer than a short
-        # --timeout-s to reach the rendezvous, so the join gets at least JOIN_S (a rank that dies
-        # first is seen by the launcher at once), and the collectives get timeout_s after it.
-        join = timedelta(seconds=max(timeout_s, JOIN_S) if _set_pg_timeout else timeout_s)
-        store = dist.TCPStore(*_side, world, is_master=False, timeout=join)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=join)
+        # Arriving is not a collective: under load, 8 forked ranks can take longer than a short
+        # --timeout-s to reach the rendezvous, so every rank waits for the others here for at least
+        # JOIN_S (a rank that dies first is seen by the launcher at once); the group is then made,
+        # and keeps, timeout_s (gloo's point-to-point waits keep the timeout it was made with).
+        store = dist.TCPStore(*_side, world, is_master=False, timeout=timedelta(seconds=max(timeout_s, JOIN_S)))
+        store.set(f"launch/arrived/{rank}", "1")
+        store.wait([f"launch/arrived/{r}" for r in range(world)])
+        store.set_timeout(timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         # Every rank's connections made before any rank goes on: one that returned (or failed) at
         # once and exited would close its side while a slower peer still connects to it, and that
         # peer would fail with "connection closed by peer", not with what happened.
         store.set(f"launch/ready/{rank}", "1")
         store.wait([f"launch/ready/{r}" for r in range(world)])
-        if join.total_seconds() != timeout_s:
-            _set_pg_timeout(timedelta(seconds=timeout_s))
-            store.set_timeout(timedelta(seconds=timeout_s))
         result = worker(RankEnv(rank, world, rank, torch.device("cpu")), *args)
         pipe.send_bytes(_pickled_result(rank, worker, result))
+        # And every rank's sockets kept open until every rank has returned (or the launcher stops
+        # this one), for the same reason: a rank that returned at once (bad input found after a
+        # new_group) would close its side of a group a slower peer is still connecting.
+        store.set(f"launch/done/{rank}", "1")
+        try:
+            store.wait([f"launch/done/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+        except Exception:  # a peer that never returns: the launcher names it and stops this rank too
+            pass
     except SENTENCES as e:  # bad input found on a rank: its sentence and where, not a traceback
         code = 1
         frame = traceback.extract_tb(e.__traceback__)[-1]

@@ -88,23 +88,24 @@ def _rank1_stalls_again(env):
 
 def test_a_join_slower_than_a_short_timeout_still_joins_and_collectives_keep_that_timeout(monkeypatch):
     # Under load, 8 forked ranks once took more than --timeout-s 1.5 to reach the rendezvous, and the
-    # run failed in init_process_group (DistStoreError) before training. A rank that joins 3 s late
-    # now joins (the join gets JOIN_S), and the collective after it still times out at 1.5 s.
+    # run failed in init_process_group (DistStoreError) before training. A rank that arrives 3 s late
+    # now joins (the ranks wait for each other for JOIN_S first), and the collective after it still
+    # times out at 1.5 s.
+    import multiprocessing
     from plumbing import launch as launching
-    real = dist.init_process_group
+    real = launching.loopback_interface  # called by each local rank just before it arrives
 
-    def late(*a, **kw):
-        if kw.get("rank") == 1:
+    def late():
+        if multiprocessing.current_process().name == "rank1":
             time.sleep(3)
-        return real(*a, **kw)
+        return real()
 
-    monkeypatch.setattr(dist, "init_process_group", late)  # inherited by the forked ranks
-    assert launching._set_pg_timeout is not None  # torch 2.11-2.13 have it; without it the old join
+    monkeypatch.setattr(launching, "loopback_interface", late)  # inherited by the forked ranks
     assert launch(_world_size, 2, timeout_s=1.5) == [2, 2]
     t0 = time.monotonic()
     with pytest.raises(RankFailure, match=r"(?s)rank 1 hung: .*[Tt]imed out"):
         launch(_rank1_stalls_again, 2, timeout_s=1.5)
-    assert time.monotonic() - t0 < 3 + 1.5 + 3  # the join's 3 s, the 1.5 s timeout, the reports; not rank 1's 8 s
+    assert time.monotonic() - t0 < 3 + 1.5 + 3  # the arrival's 3 s, the 1.5 s timeout, the reports; not rank 1's 8 s
 
 
 def _world_size(env):
