@@ -789,7 +789,9 @@ def _train_until_saved(tmp_path, *args):
 
 def test_a_save_directory_deleted_mid_run_is_said_as_gone_not_as_a_timeout(tmp_path):
     pid, out, err, ckpt = _train_until_saved(tmp_path)
-    shutil.rmtree(ckpt)  # while the run trains, and perhaps while it saves
+    gone = tmp_path / "deleted"  # moved away in one step, then deleted: rmtree alone can race a save writing into it
+    os.rename(ckpt, gone)  # while the run trains, and perhaps while it saves
+    shutil.rmtree(gone, ignore_errors=True)
     attacked = time.monotonic()
     code, seconds, said = _wait(pid, 30), time.monotonic() - attacked, _text(err)
     left = _left_in_group(pid)
