@@ -42,9 +42,11 @@ first read; each module opens with what it does and how it is called.
     ulysses.py     DeepSpeed-Ulysses' all-to-all attention core, 08's contrast (--cp-attention ulysses)
     experts.py     09's demo's figures (the fold, the routing) and its command line's actions
 
-Dependencies run one way: the numbered files import this package, and a module here imports a
-numbered file only when called (checkpoint.py reads 01's sharding, report.py 02's simulator,
-command.py runs 05's trainer, evaluation.py reads the loss contract of the module that made the
-run), never at import, so there is no cycle. pipeline_ddp.py subclasses 04's machine, so it imports
-04 at import, and 04 imports it only on first use of its two names.
+Dependencies run one way, with no cycle: a module imports at import only numbered files that do not
+import it at import. Those a chapter loads at import (launch, cli, data, demos, meter, validate,
+reference, replicas, ...) import no numbered file then; checkpoint.py, gpt2.py, sample.py and
+report.py import 01 or 02 at import and are imported by none of 01-04 at import; ddp_demo.py and
+interleaved_demo.py import 04 and 03 only when called, since those import them; pipeline_ddp.py
+subclasses 04's machine, so it imports 04 at import, and 04 imports it only on first use of its two
+names. tests/test_imports.py holds this.
 """
