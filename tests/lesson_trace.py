@@ -22,7 +22,7 @@ passed through, so a call made through nn.Module.__call__, an autograd Function 
 read-first function that made it. A closure or lambda of code off the set (a hook a meter registers, a
 wrapper put in torch's place) is a value handed over, not a name one calls: neither it nor
 what it calls is counted. The allowed set of chapter N: the names on the "Read first" lists of docs/GUIDE.md
-("The lists." of each chapter's section) for chapters 01 to N, each resolved in its own file by `ast` as tests/test_budgets.py
+(the "Read first, in this order." paragraph of each chapter's section) for chapters 01 to N, each resolved in its own file by `ast` as tests/test_budgets.py
 resolves them (a top-level function, class or assignment; `Class.method` that method alone), decorators
 included; a class covers every function defined inside it, a function the functions and lambdas nested in
 it, as their code objects' first lines fall inside its span. Each chapter's `demo` is exempt as a caller
@@ -52,16 +52,22 @@ def chapter_files(root=ROOT):
 
 
 def guide_lists(text, kinds=("Read first",)):
-    """{chapter: {kind: [names]}} of a guide's text: in each "## 0N_name.py" section, each "- <kind> (...): ..."
-    list's backticked names, for each kind asked (tests/test_budgets.py's chapter_lists reads the same)."""
+    """{chapter: {kind: [names]}} of a guide's text: in each "## 0N_name.py" section, the backticked names of the
+    paragraph that opens "**<kind>...**" (to the next bold heading), for each kind asked; a "Read second" list
+    leaves out the names its paragraph repeats from the read-first one (tests/test_budgets.py's chapter_lists
+    reads the same). The section's paragraphs are its only lists: each name is named once, with what it does."""
     out = {}
     parts = re.split(r"\n## (0\d)_[a-z0-9_]+\.py\b[^\n]*\n", text)
     for ch, body in zip(parts[1::2], parts[2::2]):
-        body, out[ch] = body.split("\n## ")[0], {}
-        for kind in kinds:
-            m = re.search(rf"\n- {kind}[^:]*:(.*?)(?=\n- |\n\n|\n\*\*)", body, re.S)
+        body, out[ch] = "\n" + body.split("\n## ")[0], {}
+        found = {}
+        for kind in dict.fromkeys(("Read first", *kinds)):
+            m = re.search(rf"\n\*\*{re.escape(kind)}[^*]*\*\*(.*?)(?=\n\*\*[A-Z]|\Z)", body, re.S)
             if m:
-                out[ch][kind] = re.findall(r"`([A-Za-z_][\w.]*)`", m.group(1))
+                found[kind] = re.findall(r"`([A-Za-z_][\w.]*)`", m.group(1))
+        for kind in kinds:
+            if kind in found:
+                out[ch][kind] = [n for n in found[kind] if kind == "Read first" or n not in found.get("Read first", [])]
     return out
 
 

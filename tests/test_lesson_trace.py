@@ -123,9 +123,9 @@ PLANTED_GUIDE = """# planted
 
 ## 01_planted.py: a lesson that breaks the rule where it is planted to
 
-**The lists.**
-- Read first (the lesson): `listed_helper`, `lesson`, `Config`, `demo`.
-- Skip at first: the rest.
+**Read first, in this order.** The lesson: `listed_helper`, `lesson`, `Config`, `demo`.
+
+**Leave for a second pass.** The rest.
 """
 
 PLANTED = '''"""A planted chapter: its lesson calls code off its list, in each way the tracer must see, and on it."""
