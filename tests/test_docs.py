@@ -462,3 +462,108 @@ def test_every_relative_link_in_the_readme_and_docs_resolves_to_a_file():
             if not (ROOT / doc).parent.joinpath(target).exists():
                 broken.append(f"{doc}:{text(doc)[:m.start()].count(chr(10)) + 1}: {m[1]}")
     assert not broken, "links that resolve to no file:\n" + "\n".join(broken)
+
+
+# ----------------------------------------------------------------------------------------------
+# docs/GUIDE.md's worked order of 03's lesson (issue 47: a reader worked it out by hand), recomputed from
+# the lesson's own statements: interleaved_step's warm-up, its forwards' and backwards' order and its steps,
+# run as written, over chunk_and_microbatch; then held to 03's machine (interleaved), which runs the same order.
+
+WORKED = dict(pp=2, v=2, m=4)
+
+
+def lesson_steps(pp, v, m):
+    """{rank: (warm-up, [step: [(kind, chunk, microbatch)]])}: interleaved_step's own statements that build its
+    steps (the warm-up, fwd and bwd, steps), taken from its source and run for each rank, no process group."""
+    import ast
+    import inspect
+    interleaved = load("03_interleaved")
+    tree = ast.parse(inspect.getsource(interleaved.interleaved_step))
+    wanted = {"warmup", "fwd", "steps"}
+    body = [s for s in ast.walk(tree) if isinstance(s, ast.Assign)
+            and wanted & {n.id for t in s.targets for n in ast.walk(t) if isinstance(n, ast.Name)}]
+    assert len(body) == 3, "03's interleaved_step no longer builds its steps in the statements this test runs"
+    code = compile(ast.Module(body=body, type_ignores=[]), "interleaved_step", "exec")
+    out = {}
+    for r in range(pp):
+        scope = dict(r=r, pp=pp, v=v, m=m, n=m * v, chunk_and_microbatch=interleaved.chunk_and_microbatch)
+        exec(code, scope)  # noqa: S102 (the lesson's own three statements)
+        out[r] = scope["warmup"], scope["steps"]
+    return out
+
+
+def worked_table(pp, v, m):
+    """The Markdown table docs/GUIDE.md shows: the k-th forward's and backward's (chunk, microbatch), the same
+    on every rank; then each rank's warm-up count and its steps (a steady step's F and B joined by +)."""
+    interleaved, n = load("03_interleaved"), m * v
+    cell = lambda kind, c, i: f"{kind}({c},{i})"  # noqa: E731
+    lines = ["| k | " + " | ".join(str(k) for k in range(n)) + " |", "|---" * (n + 1) + "|"]
+    for forward, kind in ((True, "F"), (False, "B")):
+        lines.append(f"| {'forward' if forward else 'backward'} k | "
+                     + " | ".join(cell(kind, *interleaved.chunk_and_microbatch(k, pp, v, forward)) for k in range(n)) + " |")
+    lines += ["", "| rank r | warm-up 2(pp - r - 1) + (v - 1) pp | warm-up | steady (F + B) | drain |", "|---|---|---|---|---|"]
+    for r, (warmup, steps) in lesson_steps(pp, v, m).items():
+        parts = [steps[:warmup], steps[warmup:n], steps[n:]]
+        shown = [" ".join("+".join(cell(*a) for a in step) for step in part) or "none" for part in parts]
+        lines.append(f"| {r} | 2({pp} - {r} - 1) + ({v} - 1) {pp} = {warmup} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
+def guide_worked_table(guide=None):
+    section = (guide or text("docs/GUIDE.md")).split("\n## 03_interleaved.py")[1].split("\n## ")[0]
+    found = re.search(r"\n(\| k \|.*?)\n\n(?!\|)", section + "\n\n", re.S)
+    return found and found[1].strip()
+
+
+def test_the_guides_worked_interleaved_order_is_the_lessons():
+    table = worked_table(**WORKED)
+    assert guide_worked_table() == table, f"docs/GUIDE.md's 03 worked order is not the lesson's; today's:\n{table}"
+    # The lesson's order is its machine's: the same actions, in each rank's order.
+    interleaved = load("03_interleaved")
+    for r, (_, steps) in lesson_steps(**WORKED).items():
+        machine = [(a.kind, a.chunk, a.mb) for a in interleaved.interleaved(WORKED["pp"], WORKED["m"], r, WORKED["v"])]
+        assert [a for step in steps for a in step] == machine, r
+
+
+def test_a_changed_entry_of_the_worked_order_fails():
+    guide = text("docs/GUIDE.md")
+    table = guide_worked_table(guide)
+    for old, new in (("F(1,0)", "F(0,1)"), ("= 4 |", "= 3 |")):
+        changed = guide.replace(table, table.replace(old, new, 1))
+        assert changed != guide and guide_worked_table(changed) != worked_table(**WORKED), (old, new)
+
+
+# ----------------------------------------------------------------------------------------------
+# docs/GUIDE.md's "The demo's reference." of each numbered file (issue 47: a reader opened plumbing to learn
+# what "serial" is): one a section, just before "The demo.", naming first the builder of the serial model
+# that the file's demo itself calls.
+
+REFERENCE_BUILDERS = ("pipeline_reference", "training_reference", "moe_gpt", "ParallelGPT")
+
+
+def demo_reference_problems(ch, guide=None):
+    import ast
+    path = next(ROOT.glob(f"{ch}_*.py"))
+    section = (guide or text("docs/GUIDE.md")).split(f"\n## {path.name}")[1].split("\n## ")[0]
+    found = re.findall(r"\n\*\*The demo's reference\.\*\*(.*?)\n\n\*\*The demo\.\*\*", section, re.S)
+    if len(found) != 1:
+        return [f"{path.name}: not one '**The demo's reference.**' paragraph just before '**The demo.**'"]
+    demo = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "demo")
+    called = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(demo) if isinstance(n, (ast.Name, ast.Attribute))}
+    named = [n for n in re.findall(r"`([A-Za-z_]\w*)", found[0]) if n in REFERENCE_BUILDERS]
+    if not named or named[0] not in called:
+        return [f"{path.name}: its reference names {named[:1] or 'no builder'} first; its demo calls "
+                f"{sorted(called & set(REFERENCE_BUILDERS))}"]
+    return []
+
+
+@pytest.mark.parametrize("ch", [f"0{i}" for i in range(1, 10)])
+def test_each_demos_reference_is_named_as_its_demo_builds_it(ch):
+    assert not demo_reference_problems(ch)
+
+
+def test_a_wrong_reference_fails():
+    guide = text("docs/GUIDE.md")
+    wrong = guide.replace("**The demo's reference.** The serial model, `plumbing/reference.py`'s `pipeline_reference`",
+                          "**The demo's reference.** The serial model, `training_reference`")
+    assert wrong != guide and demo_reference_problems("02", wrong) and not demo_reference_problems("02", guide)
