@@ -180,8 +180,9 @@ def pipeline_loss_and_grads(cfg, full, tokens, targets, *, pp=2, microbatches=4,
     """serial_loss_and_grads's loss and gradients (targets -100 not counted: each counted target of the
     batch weighs the same, whichever microbatch holds it) computed by 02's pipeline executor on pp gloo
     ranks: the batch cut into `microbatches`, run by schedule "gpipe", "1f1b" (02's) or "interleaved"
-    (03's, virtual_stages chunks per rank), 01's GPT-2 chunks from `full`, the tied embedding's two
-    copies summed: PipelineStep. n_layer must divide by pp x virtual_stages, B by microbatches."""
+    (03's, virtual_stages chunks per rank), on 01's GPT cut into chunks (02's build_chunks) from `full`,
+    the tied embedding's two copies summed: PipelineStep. n_layer must divide by pp x virtual_stages, B
+    by microbatches."""
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline_loss_and_grads: schedule={schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
     for name, n in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):

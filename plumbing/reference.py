@@ -1,6 +1,8 @@
-"""The serial reference of 05's trainer, for the tests and the exercises: the same data, learning-rate
-schedule and optimizer on one serial GPT-2 (01's GPT with no tp group), against which every layout
-is checked in float64. It is the correct answer, not part of the concept, so it lives here."""
+"""The serial references, each on one serial GPT-2 (01's GPT with no tp group): pipeline_reference, what
+02's, 03's, 06's and 07's demos compare against (one batch's loss and gradients, float64); serial_train,
+what the tests hold 05's trainer to at every layout (the same data, learning-rate schedule and optimizer,
+in the config's dtype: the tests give float64). It is the correct answer, not part of the concept, so it
+lives here."""
 import importlib
 
 import torch
@@ -9,10 +11,10 @@ from plumbing.data import global_batch, load_tokens, split_tokens
 
 
 def pipeline_reference(cfg, args, m, device, unequal=False):
-    """What 02's, 03's and 06's demos compare against: the batch (args.batch_size x args.seq_len
+    """What 02's, 03's, 06's and 07's demos compare against: the batch (args.batch_size x args.seq_len
     random tokens from args.seed) cut into m microbatches, the full float64 weights, and the serial
     model's loss and gradients on that batch: (microbatches, full, loss, {name: grad}). unequal
-    (02's demo): the microbatches count unequal numbers of targets (unequal_counts)."""
+    (each of those demos passes it): the microbatches count unequal numbers of targets (unequal_counts)."""
     tensor_parallel = importlib.import_module("01_tensor_parallel")
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx, targets = torch.randint(cfg.vocab_size, (2, args.batch_size, args.seq_len), generator=gen).to(device)
