@@ -25,8 +25,9 @@ the first timed-out collective waited for, from every rank's record then), and o
 has returned the others must within timeout_s. Under torchrun the elastic agent does the stopping
 on its node; a rank whose peer is gone fails its next collective, at once if the peer's connection
 closed and after the timeout if it went silent, and says so, naming the peer first where its
-process is seen to have ended (on this host, or by a peer on its host, through the side channel);
-a rank dies with its own agent, as it would with its node.
+process is seen to have ended (on this host, or by a peer on its host, through the side channel),
+else, after a timeout, the rank it waited for, from every rank's record there (watch.lagged_peer:
+the local launcher's timeout report); a rank dies with its own agent, as it would with its node.
 
 Which mode (launch_mode): `mode=` of launch, else the environment variable MEGATRON_SCRATCH_LAUNCH,
 "env" (join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe, whoever set them:
