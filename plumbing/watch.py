@@ -15,6 +15,9 @@ first. The ideas (who waits for whom; what makes a straggler) are pure functions
                   waits, diagnoses the hang (health.diagnose) and has every rank dump its stacks.
                   The local launcher runs one; under torchrun rank 0 does, and the last rank stands
                   in for it when rank 0 itself is silent
+    Timeouts      a collective that timed out names the rank it waited for, directly or in turn, first
+                  (timeout_report): the local launcher reads every record at once; under torchrun the
+                  timed-out rank reads them itself, twice (lagged_peer), and tells its victims
     Faults        --rehearse-fault KIND:RANK:ARG, to see all this at work: slow:R:MS sleeps MS every
                   step, hang:R:STEP stops entering collectives, kill:R:STEP and stop:R:STEP send
                   SIGKILL and SIGSTOP to the rank itself
