@@ -131,11 +131,7 @@ def _inside(rec):
 def _blame(records, culprits, waiting, group, op, direct=None):
     """direct: {rank: (group, op)} of the ranks that wait on the culprit itself, not through another."""
     rec = records[culprits[0]]
-    state = rec.get("state", "running")
-    kind = "dead" if state.startswith("dead") else "silent" if state == "silent" else "outside communication"
-    what = {"dead": f"died ({state[6:]})", "silent": "stopped answering (no record within the deadline)",
-            "outside communication": f"is not in any collective (at step {rec.get('step')}, "
-                                     f"{rec.get('phase') or 'no phase said'})"}[kind]
+    kind, what = state_of(rec)
     if not direct:
         where = f" in {op} on group [{group}]" if op else ""
         return Diagnosis(culprits, kind, group, op, rec.get("step"), waiting,
@@ -148,6 +144,18 @@ def _blame(records, culprits, waiting, group, op, direct=None):
     rest = [q for q in waiting if q not in direct]
     return Diagnosis(culprits, kind, group, op, rec.get("step"), waiting,
                      f"rank {culprits[0]} {what}; {said}" + (f"; {_ranks(rest)} on them in turn" if rest else ""))
+
+
+def state_of(rec):
+    """(kind, what it does in words) of a rank that others wait for, from its record: "dead" ("died
+    (<how>)"), "silent" ("stopped answering ...") or "outside communication" ("is not in any
+    collective (at step S, <phase>)"). The hang report and the timeout report (plumbing/watch.py)
+    say it in these words."""
+    state = rec.get("state", "running")
+    kind = "dead" if state.startswith("dead") else "silent" if state == "silent" else "outside communication"
+    return kind, {"dead": f"died ({state[6:]})", "silent": "stopped answering (no record within the deadline)",
+                  "outside communication": f"is not in any collective (at step {rec.get('step')}, "
+                                           f"{rec.get('phase') or 'no phase said'})"}[kind]
 
 
 def _ranks(qs):

@@ -25,8 +25,9 @@ the first timed-out collective waited for, from every rank's record then), and o
 has returned the others must within timeout_s. Under torchrun the elastic agent does the stopping
 on its node; a rank whose peer is gone fails its next collective, at once if the peer's connection
 closed and after the timeout if it went silent, and says so, naming the peer first where its
-process is seen to have ended (on this host, or by a peer on its host, through the side channel);
-a rank dies with its own agent, as it would with its node.
+process is seen to have ended (on this host, or by a peer on its host, through the side channel),
+else, after a timeout, the rank it waited for, from every rank's record there (watch.lagged_peer:
+the local launcher's timeout report); a rank dies with its own agent, as it would with its node.
 
 Which mode (launch_mode): `mode=` of launch, else the environment variable MEGATRON_SCRATCH_LAUNCH,
 "env" (join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe, whoever set them:
@@ -323,19 +324,37 @@ def _ended(state, code):
 
 def _lost_peer(error, side, rank, world, timeout_s):
     """The RankFailure of a rank whose collective lost a peer: the peer that is gone named first, with
-    its last step, when it can be found (its process ended or stopped: seen from its host). torchrun's
-    agent stops the surviving ranks meanwhile (SIGTERM, a tenth of a second after a death): the
-    sentence is printed here, with SIGTERM held off while the peer is looked for."""
+    its last step, when it can be found (its process ended or stopped: seen from its host). A
+    collective that timed out with no peer found gone: the rank it waited for, directly or in turn,
+    named first from every rank's record on the side channel, as the local launcher's timeout report
+    does (watch.lagged_peer), and said on the side channel for the ranks that then lose this one.
+    torchrun's agent stops the surviving ranks meanwhile (SIGTERM, a tenth of a second after a
+    death): the sentence is printed here, with SIGTERM held off while the peer is looked for."""
+    from plumbing import watch as watching  # not at the top: watch imports nothing of ours but health
     caught = []
     try:
         previous = signal.signal(signal.SIGTERM, lambda *a: caught.append(1))
     except ValueError:  # not the main thread: looked for all the same
         previous = None
     try:
+        timed_out = re.search(r"timed out|timeout", str(error), re.IGNORECASE) is not None
+        dog = watching.first_look(side, world) if timed_out else None  # every record now, and again below
         try:
             gone = _gone_peer(side, rank) if side is not None else None
         except Exception:  # the side channel went away with the job: said without the peer's name
             gone = None
+        culprit, said = watching.lagged_peer(dog, rank, timeout_s) if dog is not None and (
+            not gone or " lagged " in gone) else (None, None)  # another timed-out rank's claim: this one's own report
+        if said:
+            if culprit is not None:  # the ranks whose collectives lose this one name the lagging rank
+                try:
+                    side.compare_set(GONE_KEY, "", f"rank {culprit} lagged (the timeout report above)")
+                except Exception:
+                    pass
+            failure = RankFailure(f"{said}\n{_where(error)}")
+            print(f"\nerror: {printable(failure)}", file=sys.stderr, flush=True)  # before the agent's SIGTERM
+            failure.said = True
+            return failure
         step = None
         if gone:
             from plumbing.watch import KEY  # the peer's last record, when the run is watched
@@ -351,6 +370,9 @@ def _lost_peer(error, side, rank, world, timeout_s):
                      f"log, has the cause.")
         elif " is stopped " in gone:
             cause = f"a collective failed because a peer rank did not answer within the {timeout_s:g} s timeout."
+        elif " lagged " in gone:
+            cause = "a collective failed because a peer rank is gone: it stopped when its wait for the lagging rank " \
+                    "timed out."
         else:
             cause = "a collective failed because a peer rank is gone."
         failure = RankFailure((f"{gone}{'' if step is None else f' at step {step}'}; " if gone else "")

@@ -15,6 +15,9 @@ first. The ideas (who waits for whom; what makes a straggler) are pure functions
                   waits, diagnoses the hang (health.diagnose) and has every rank dump its stacks.
                   The local launcher runs one; under torchrun rank 0 does, and the last rank stands
                   in for it when rank 0 itself is silent
+    Timeouts      a collective that timed out names the rank it waited for, directly or in turn, first
+                  (timeout_report): the local launcher reads every record at once; under torchrun the
+                  timed-out rank reads them itself, twice (lagged_peer), and tells its victims
     Faults        --rehearse-fault KIND:RANK:ARG, to see all this at work: slow:R:MS sleeps MS every
                   step, hang:R:STEP stops entering collectives, kill:R:STEP and stop:R:STEP send
                   SIGKILL and SIGSTOP to the rank itself
@@ -44,6 +47,7 @@ DUMP_KEY = "watch/dump"  # stacks (a number: no path is ever read from the store
 STACK_KEY = "watch/stack/{}"  # process can reach), and each rank's stacks, as text
 _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
                 "reduce_scatter_single", "all_gather", "broadcast", "barrier", "monitored_barrier")
+installed = None  # this process's Recorder while it is installed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,6 +75,8 @@ class Recorder:
         self.failed = None  # what this rank waited in when a collective or exchange raised (_fail)
 
     def install(self):
+        global installed
+        installed = self  # this process's recorder: the launcher asks it what a failed rank waited in
         for name in _COLLECTIVES:
             if hasattr(dist, name):
                 self.originals[name] = getattr(dist, name)
@@ -80,9 +86,12 @@ class Recorder:
         return self
 
     def uninstall(self):
+        global installed
         for name, fn in self.originals.items():
             setattr(dist, name, fn)
         self.originals = {}
+        if installed is self:
+            installed = None
 
     def record(self):
         with self.lock:
@@ -164,6 +173,25 @@ class Recorder:
             self.failed = {"groups": {group: list(entry)}} if entry is not None else {"waiting_for": list(peers)}
         self.on_step()
 
+    def note_failure(self):
+        """An error reached the launcher (a timeout, a lost peer) and no wrapped call kept `failed`: on an
+        asynchronous backend the host meets the error outside them, where it reads a result (NCCL's
+        timeout or abort). What the device waited in then, the queue's head (begun, not ended), is kept
+        as `failed`, in the same form as _fail's, and written at once; nothing when the device waited in
+        nothing. Returns `failed`."""
+        with self.lock:
+            self._poll()
+            head = self.queued[0] if self.queued else None
+            if self.failed is not None or head is None or not head.before.done():
+                return self.failed
+            if head.peers is None:
+                entry = self.groups.get(head.group) or [0, 0, None]
+                self.failed = {"groups": {head.group: [entry[0], entry[1], head.op]}}
+            else:
+                self.failed = {"waiting_for": list(head.peers)}
+        self.on_step()
+        return self.failed
+
     def _queue(self, markers, call, group=None, op=None, peers=None):
         """Run call() (which queues a collective, or the stream's wait for one, and returns at once)
         between two markers, kept until the device has passed the second. A factory gives no marker
@@ -179,6 +207,9 @@ class Recorder:
                     self.progress += 1
         try:
             return call()
+        except Exception:  # raised while queueing (an aborted communicator): what it was queueing
+            self._fail(self.groups.get(group, [0, 0, None])[:2] + [op] if peers is None else None, group, peers)
+            raise
         finally:
             with self.lock:
                 self.queued.append(_Queued(before, markers(), group, op, peers))
@@ -463,19 +494,27 @@ def timeout_report(records, world, rank, where_is, timeout_s):
     several, dead or silent first, then the quietest), then the wait that timed out; None when the
     records do not say what it waited in. A rank slowed or stalled for longer than the timeout, which
     the hang report did not catch first (--hang-s off, or a loaded machine's late heartbeats), is
-    named so, not as its victim's failure."""
+    named so, not as its victim's failure. Another rank whose wait failed too (its `failed`) is taken
+    to wait there still, though it may have ended since: a victim, never the end."""
+    return _timeout_finding(records, world, rank, where_is, timeout_s)[1]
+
+
+def _timeout_finding(records, world, rank, where_is, timeout_s):
+    """(the rank timeout_report names first, or None where it names none; its sentence, or None)."""
     failed = (records.get(rank) or {}).get("failed")
-    if not isinstance(failed, dict):
-        return None
+    if not _failed_ok(failed):
+        return None, None
     records = {r: dict(records.get(r) or {"state": "silent"}) for r in range(world)}
-    mine = records[rank]
-    mine["groups"] = {**(mine.get("groups") or {}), **(failed.get("groups") or {})}
-    mine["waiting_for"], mine["state"] = list(failed.get("waiting_for") or []), "running"
+    for r, rec in records.items():  # each rank whose wait failed, as it was then: in that wait
+        theirs = rec.get("failed")
+        if _failed_ok(theirs):
+            rec["groups"] = {**(rec.get("groups") or {}), **(theirs.get("groups") or {})}
+            rec["waiting_for"], rec["state"] = list(theirs.get("waiting_for") or []), "running"
     group, op = next(((g, e[2]) for g, e in (failed.get("groups") or {}).items()), ("", ""))
     edges = health.waits_for(records)
     waited = sorted(edges.get(rank) or [])
     if not waited:
-        return None
+        return None, None
     what = f"{op} on group [{group}]" if op else "point-to-point exchange with " + _ranks_text(waited)
     timed_out = f"rank {rank}'s {what} timed out after {timeout_s:g} s (the launch's timeout, which bounds " \
                 f"every collective)"
@@ -489,15 +528,60 @@ def timeout_report(records, world, rank, where_is, timeout_s):
         path.append(r)
         r = worst(edges[r])
     if r in path:  # back to a rank already passed: a cycle, or records out of date; no end to name
-        return f"{timed_out}, waiting for {_ranks_text(waited)} ({', '.join(where_is(q) for q in waited)}), " \
-               f"which waited in turn for ranks already waiting (a cycle of waits, or records out of date)"
-    rec = records[r]
-    state = rec.get("state", "running")
-    how = f"died ({state[6:]})" if state.startswith("dead") else "stopped answering (no record within the " \
-        "deadline)" if state == "silent" else f"is not in any collective (at step {rec.get('step')}, " \
-        f"{rec.get('phase') or 'no phase said'})"
+        return None, f"{timed_out}, waiting for {_ranks_text(waited)} ({', '.join(where_is(q) for q in waited)}), " \
+                     f"which waited in turn for ranks already waiting (a cycle of waits, or records out of date)"
+    how = health.state_of(records[r])[1]
     through = f" through {_ranks_text(path[1:])}" if len(path) > 1 else ""
-    return f"rank {r} ({where_is(r)}) lagged: it {how}, and {timed_out}, waiting for it{through}"
+    return r, f"rank {r} ({where_is(r)}) lagged: it {how}, and {timed_out}, waiting for it{through}"
+
+
+def _failed_ok(failed):
+    """Whether a record's `failed` is as _fail writes it (the store is open to every local process)."""
+    if not isinstance(failed, dict):
+        return False
+    groups, peers = failed.get("groups") or {}, failed.get("waiting_for") or []
+    return isinstance(groups, dict) and isinstance(peers, list) and all(isinstance(q, int) for q in peers) and all(
+        isinstance(g, str) and all(q.isdigit() for q in g.split(",")) and isinstance(e, list) and len(e) == 3
+        and all(isinstance(n, int) for n in e[:2]) for g, e in groups.items())
+
+
+def first_look(store, world):
+    """Under torchrun, for a rank whose collective timed out: a Watchdog that has read every rank's
+    record once, the first of the two reads lagged_peer compares (None without a side channel or
+    when it cannot be read)."""
+    if store is None:
+        return None
+    try:
+        dog = Watchdog(store, world, 0)
+        dog.records()
+        dog.first_at = time.monotonic()
+        return dog
+    except Exception:  # the side channel went away with the job
+        return None
+
+
+def lagged_peer(dog, rank, timeout_s):
+    """Under torchrun, what the local launcher's timeout report says (timeout_report) of this rank's
+    timed-out collective: (the rank named first, its sentence), from every rank's record read a second
+    time more than SILENT_S after dog's first read (first_look), so that a rank whose heartbeat stopped
+    meanwhile is silent, and from this rank's own `failed` (the installed recorder's, kept on an
+    asynchronous backend by note_failure). (None, None) when there are no records, they do not say
+    what this rank waited in, or they cannot be read: the caller's own sentence then."""
+    if dog is None:
+        return None, None
+    try:
+        mine = installed if installed is not None and installed.rank == rank else None
+        failed = mine.note_failure() if mine is not None else None
+        left = dog.first_at + SILENT_S + BEAT_S - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        records = dog.records()
+        if failed and rank in records and not records[rank].get("failed"):
+            records[rank]["failed"] = failed  # its heartbeat had not written it yet
+        where_is = mine.where_is if mine is not None else str
+        return _timeout_finding(records, dog.world, rank, where_is, timeout_s)
+    except Exception:  # the side channel went away with the job, or a record not as written
+        return None, None
 
 
 def _ranks_text(qs):

@@ -349,6 +349,154 @@ def test_under_torchrun_a_killed_rank_is_named_first_with_its_signal_and_step():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_under_torchrun_a_rank_stalled_past_the_collective_timeout_is_named_first_not_a_peer_that_did_not_answer():
+    # As the local launcher's test_robustness case: --hang-s 0 (no hang report), rank 0 sleeps 5 s at its
+    # first step, past the 1.5 s timeout of rank 1's receive from it. Rank 1 used to say only "a peer rank
+    # is gone ... or did not answer"; now it names rank 0 first, from every rank's record on the side
+    # channel, in the local report's words, and no traceback of ours.
+    proc = torchrun(2, "--tp", "1", "--pp", "2", "--dp", "1", *SMALL, "--steps", "4", "--timeout-s", "1.5",
+                    "--hang-s", "0", "--rehearse-fault", "slow:0:5000", timeout=60)
+    assert proc.returncode != 0 and not proc.leftover, proc.stderr[-3000:]
+    assert (first_error(proc.stderr) or "") == (
+        "error: rank 0 (tp 0, dp 0, pp 0) lagged: it is not in any collective (at step 0, training), and rank 1's "
+        "point-to-point exchange with rank 0 timed out after 1.5 s (the launch's timeout, which bounds every "
+        "collective), waiting for it"), proc.stderr[-3000:]
+    assert "did not answer" not in proc.stderr and not ours_raised(proc.stderr), proc.stderr[-3000:]
+
+
+class _Side(_Store):
+    """The side channel's calls that a timed-out rank makes under torchrun (launch._lost_peer), on a dict."""
+
+    def append(self, key, value):
+        self.data[key] = self.data.get(key, b"") + value.encode()
+
+    def compare_set(self, key, expected, value):
+        if self.data.get(key, b"").decode() == expected:
+            self.data[key] = value.encode()
+
+
+def _lost_peer(monkeypatch, side, error, rank=1, world=2, meanwhile=lambda: None):
+    """launch._lost_peer's failure on a fake side channel, no peer found gone on this host (its search
+    takes 2 s, and meanwhile() happens in them), the clock the watch's (its waits pass at once)."""
+    from plumbing import launch as launching
+    from plumbing import watch
+    now = [100.0]
+    monkeypatch.setattr(watch.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(watch.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    monkeypatch.setattr(launching, "_gone_peer", lambda side, rank: (now.__setitem__(0, now[0] + 2.0), meanwhile(),
+                                                                     side.get(launching.GONE_KEY).decode()
+                                                                     if side.check([launching.GONE_KEY]) else None)[2])
+    try:
+        raise error
+    except RuntimeError as e:
+        return str(launching._lost_peer(e, side, rank, world, 1.5))
+
+
+def _put(side, rank, beat=1, **rec):
+    import json
+    from plumbing import watch
+    side.set(watch.KEY.format(rank), json.dumps(dict(dict(step=0, phase="training", groups={}, waiting_for=[],
+                                                          state="running", progress=3, beat=beat), **rec)))
+
+
+TIMED_OUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1500ms for recv operation")
+
+
+def test_under_torchrun_a_timed_out_rank_names_the_rank_its_records_say_it_waited_for_and_tells_its_victims(monkeypatch):
+    from plumbing import launch as launching
+    side = _Side()
+    _put(side, 0)  # computing, outside communication
+    _put(side, 1, failed={"waiting_for": [0]})  # its receive from rank 0 timed out
+    said = _lost_peer(monkeypatch, side, TIMED_OUT, meanwhile=lambda: _put(side, 0, beat=2))  # rank 0 answers
+    assert said.startswith("rank 0 (0) lagged: it is not in any collective (at step 0, training), and rank 1's "
+                           "point-to-point exchange with rank 0 timed out after 1.5 s"), said
+    assert side.get(launching.GONE_KEY) == b"rank 0 lagged (the timeout report above)"
+    # A rank whose collective then loses rank 1 (its connection closed) names rank 0 first, from that claim.
+    lost = _lost_peer(monkeypatch, side, RuntimeError("Connection closed by peer"), rank=2, world=3)
+    assert lost.startswith("rank 0 lagged (the timeout report above) at step 0; rank 2 of 3 stopped as its "
+                           "consequence: a collective failed because a peer rank is gone: it stopped when its wait for "
+                           "the lagging rank timed out."), lost
+
+
+def test_under_torchrun_a_rank_whose_heartbeat_stopped_between_the_two_reads_is_said_to_have_stopped_answering(
+        monkeypatch):
+    side = _Side()
+    _put(side, 0)
+    _put(side, 1, failed={"waiting_for": [0]})
+    said = _lost_peer(monkeypatch, side, TIMED_OUT, meanwhile=lambda: _put(side, 1, beat=2, failed={"waiting_for": [0]}))
+    assert said.startswith("rank 0 (0) lagged: it stopped answering (no record within the deadline), and rank 1's"), said
+
+
+@pytest.mark.parametrize("records", ["none", "no failed", "not a record", "a bad failed", "store gone",
+                                     "store gone between the reads"])
+def test_under_torchrun_a_timed_out_rank_without_usable_records_says_what_it_said_before_at_once(monkeypatch, records):
+    # No watch (another chapter), records that do not say what it waited in, or a side channel gone:
+    # the sentence it always said, with no wait beyond the peer search's, and no new error.
+    side = _Side()
+    if records != "none":
+        _put(side, 0)
+        _put(side, 1, **({"failed": {"groups": {"0,1": "x"}}} if records == "a bad failed" else {}))
+    if records == "not a record":
+        side.set("watch/rank/1", "{")
+    def gone(*a):
+        raise RuntimeError("Connection reset by peer")
+
+    def close():
+        side.get = side.check = gone
+    if records == "store gone":
+        close()
+    if records == "store gone between the reads":
+        _put(side, 1, failed={"waiting_for": [0]})
+    t0 = time.monotonic()
+    said = _lost_peer(monkeypatch, side, TIMED_OUT, meanwhile=close if records.endswith("reads") else lambda: None)
+    assert time.monotonic() - t0 < 2
+    assert said.startswith("rank 1 of 2 stopped: a collective failed because a peer rank is gone (its process or "
+                           "node died, or it failed) or did not answer within the 1.5 s timeout"), said
+
+
+def test_the_timeout_report_keeps_a_victim_that_ended_since_in_the_wait_its_record_says_failed():
+    # Rank 3's receive from rank 1 timed out; rank 1 had timed out in its all-reduce with rank 0 and
+    # ended (silent now); rank 0 computes. The end is rank 0, through rank 1, not rank 1.
+    from plumbing.watch import timeout_report
+    records = {0: dict(step=2, phase="training", groups={"0,1": [2, 2, None]}, waiting_for=[], state="running"),
+               1: dict(step=2, phase="training", groups={"0,1": [3, 3, None]}, waiting_for=[], state="silent",
+                       failed={"groups": {"0,1": [3, 2, "all_reduce"]}}),
+               3: dict(step=2, phase="training", groups={}, waiting_for=[], state="running",
+                       failed={"waiting_for": [1]})}
+    said = timeout_report(records, 4, 3, lambda r: f"at {r}", 1.5)
+    assert said.startswith("rank 0 (at 0) lagged: it is not in any collective (at step 2, training), and rank 3's "
+                           "point-to-point exchange with rank 1 timed out"), said
+    assert said.endswith("waiting for it through rank 1"), said
+    records[3]["failed"] = {"groups": {"0,1,2,3": [1, 0]}}  # not as _fail writes it (the store is open to all)
+    assert timeout_report(records, 4, 3, str, 1.5) is None
+
+
+def test_on_an_asynchronous_backend_the_collective_the_device_waits_in_is_kept_as_failed():
+    # NCCL: the host meets a timeout where it reads a result, outside any wrapped call; note_failure
+    # keeps what the device waited in then (the queue's head), as a blocking backend's wrapper does.
+    from plumbing import watch
+
+    class Mark:
+        def __init__(self, done):
+            self.reached = done
+
+        def done(self):
+            return self.reached
+
+    marks = iter([Mark(True), Mark(False)])  # the device has reached the all-reduce, not passed it
+    recorder = watch.Recorder(1)
+    recorder.names[None], recorder.marker_of[None] = "0,1", lambda: next(marks)
+    recorder._wrap("all_reduce", lambda *a, **k: None)(object())
+    assert recorder.failed is None and recorder.record()["groups"] == {"0,1": [1, 0, "all_reduce"]}
+    assert recorder.note_failure() == {"groups": {"0,1": [1, 0, "all_reduce"]}}
+    records = {0: dict(step=0, groups={"0,1": [0, 0, None]}, waiting_for=[], state="running"),
+               1: dict(recorder.record(), failed=recorder.failed)}
+    assert watch.timeout_report(records, 2, 1, str, 1.5).startswith("rank 0 (0) lagged: it is not in any collective")
+    idle = watch.Recorder(1)
+    assert idle.note_failure() is None and "failed" not in idle.record()  # in nothing: nothing kept
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_under_torchrun_a_stopped_rank_0_is_named_by_its_deputy_long_before_the_timeout():
     before = set(os.listdir(ROOT))
     proc = torchrun(4, *TORCHRUN_FLAGS, "--steps", "10", "--rehearse-fault", "stop:0:3", "--hang-s", "3")
