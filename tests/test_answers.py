@@ -312,37 +312,8 @@ def bucket_launches(out):
     return times, re.search(r"(\d+) of (\d+) launched before backward finished", block).groups()
 
 
-def zb(name, pp=4, m=8):
-    pipe = zero_bubble.pipeline_schedule(name, pp, m)
-    return pipe, zero_bubble.simulate(pipe)
-
-
 def show(xs):
     return "[" + ", ".join(str(x) for x in xs) + "]"
-
-
-def vocab_waits(barriers, pp=4, m=8):
-    """(whom T waits for, what the last stage's B waits for) in vocab_schedule's kinds."""
-    pipe = vocab.vocab_schedule("1f1b", pp, m, barriers)
-    last = pipe.where[pipe.S - 1][0]
-    t_waits = pipe.kinds["T"].waits(pipeline.Action("T", 0), 0, pipe)
-    b_waits = pipe.kinds["B"].waits(pipeline.Action("B", 0), last, pipe)
-    return len({q for q, _ in t_waits}), one(a.kind for _, a in t_waits), len({q for q, _ in b_waits}), \
-        one(a.kind for _, a in b_waits)
-
-
-@functools.cache
-def balance_at(V):
-    """07's balance() for the demo's model and layout at vocabulary V."""
-    args = vocab.parser().parse_args([])
-    cfg = tensor_parallel.GPTConfig(**{k: getattr(args, k) for k in ("vocab_size", "block_size", "n_layer", "n_head",
-                                                                       "n_embd", "dropout")})
-    b = (args.batch_size or 2 * args.microbatches) // args.microbatches  # unset --batch-size: 2 m (later_chapter)
-    return args, vocab.balance(cfg, args.pp, args.tp, args.microbatches, b, args.seq_len, V)
-
-
-def spread(xs):
-    return max(xs) / min(xs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -574,11 +545,15 @@ def _lessons(env):
         steps = {"gpipe": pipeline.gpipe_step, "1f1b": pipeline.one_f_one_b_step, "zb-h1": zero_bubble.zb_h1_step,
                  "short": checks._one_f_one_b_planted(lambda pp, s: pp - s - 2),
                  "long": checks._one_f_one_b_planted(lambda pp, s: pp - s)} if name == "4" else {}
+        if name == "4":  # 06.3: each W run at once after its I, before the next (checks_06's planted loop)
+            steps["zb-now"] = load("exercises.checks_06")._ws_not_deferred
         for key, step in steps.items():
             stage = pipeline.stage_model(cfg, world, dtype=F64).load_full_state_dict(full)
             loss, actions, messages, peak = _recorded(step, stage, micro, micro=micro)
             out[key] = dict(actions=actions, messages=messages, peak=peak,
                             diff=_against_serial([stage], loss, serial, whole.detach()))
+        if name == "4":  # 06.4: zb_h1_step with W setting the weight's gradient to its dW instead of adding it
+            out["zb-replaced"] = _w_replaced(cfg, full, micro, serial, whole.detach())
         if name == "8":
             chunks = [c.load_full_state_dict(full) for c in interleaved.chunk_models(cfg, 2, dtype=F64)]
             loss, actions, messages, peak = _recorded(interleaved.interleaved_step, chunks, micro, micro=micro,
@@ -633,6 +608,104 @@ def _lessons(env):
             held = torch.tensor([sum(p.numel() for p in main.parameters())])
             dist.all_reduce(held)
             out[key]["held"] = int(held)
+    out.update(_vocab_lessons(env))
+    return out
+
+
+def _w_replaced(cfg, full, micro, serial, whole):
+    """06.4: zb_h1_step run with 06's weight_grads wrapped from outside to set each weight's gradient to its dW
+    (checks_06's planted `_w_replaces`): {parameter: (its difference from serial's, from the last microbatch's own
+    loss-weighted gradient)}, and which parameters are the linear layers' weights (the tied output layer's aside)."""
+    import torch.distributed as dist
+    from exercises.autograder import installed
+    stage = pipeline.stage_model(cfg, dist.group.WORLD, dtype=F64).load_full_state_dict(full)
+    with installed((zero_bubble, "weight_grads", load("exercises.checks_06")._w_replaces)):
+        zero_bubble.zb_h1_step(stage, micro)
+    last = tensor_parallel.ParallelGPT(cfg, dtype=F64).load_full_state_dict(full)
+    (last(*micro[-1])[1] * pipeline.loss_weights(micro)[-1]).backward()
+    linear = {f"{n}.weight" for n, mod in stage.named_modules() if n != "lm_head" and isinstance(
+        mod, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear))}
+    diffs = {n: (float(tensor_parallel.max_rel_diff(p.grad, serial.get_parameter(n).grad)),
+                 float(tensor_parallel.max_rel_diff(p.grad, last.get_parameter(n).grad)))
+             for n, p in stage.named_parameters()}
+    return dict(diffs=diffs, linear=linear)
+
+
+def _vocab_lessons(env):
+    """07's vocab_1f1b_step at pp = 4 x tp = 1 (the vocabulary over the four ranks), m = 8, on unequal_batch's
+    microbatches (microbatch 0 counts no target), then on a batch that counts none, watched from outside:
+    02's forward_step and backward_step, 07's output_layer, output_s_pass and output_t_pass, and inside an
+    output layer every collective (01's all_reduce, dist.broadcast), each recorded in order."""
+    import torch.distributed as dist
+    from conftest import unequal_batch
+    from exercises.autograder import installed
+    cfg, m, out = PIPELINE_CFG, 8, {}
+    groups = gpt3d.new_groups(env, {**gpt3d.rank_grid(4, 1, 1, 4), "vocab": [list(range(4))]})
+    full = tensor_parallel.init_state_dict(cfg, 5, dtype=F64, random_all=True)
+    idx, targets = unequal_batch(cfg, m)
+    for key, batch in (("vocab", targets), ("vocab-none", torch.full_like(targets, -100))):
+        micro = list(zip(idx.chunk(m), batch.chunk(m)))
+        serial = tensor_parallel.GPT(cfg, None, init=False, dtype=F64).load_full_state_dict(full)
+        whole = serial(idx, batch)[1]
+        whole.backward()
+        logits = serial(*micro[0])[0].detach()
+        means = [float(F.cross_entropy(logits.flatten(0, 1), micro[0][1].flatten()))]  # microbatch 0's own mean
+        stage = vocab.vocab_stage(cfg, groups, dtype=F64)
+        stage.transformer.wte.weight.split_group = groups.vocab
+        stage.load_full_state_dict(full)
+        real = dict(forward_step=pipeline.forward_step, backward_step=pipeline.backward_step,
+                    output_layer=vocab.output_layer, output_s_pass=vocab.output_s_pass,
+                    output_t_pass=vocab.output_t_pass, all_reduce=tensor_parallel.all_reduce, broadcast=dist.broadcast)
+        events, losses, inside = [], [], [False]
+
+        def forward_step(stage_, mb, *rest):
+            events.append(("F", next(i for i, b in enumerate(micro) if b is mb)))
+            return real["forward_step"](stage_, mb, *rest)
+
+        def backward_step(*args):
+            events.append(("B", sum(e[0] == "B" for e in events)))  # 1F1B's: the oldest in flight
+            return real["backward_step"](*args)
+
+        def output_layer(*args):
+            inside[0] = True
+            try:
+                loss, grad = real["output_layer"](*args)
+            finally:
+                inside[0] = False
+            losses.append(float(loss))
+            return loss, grad
+
+        def output_s_pass(*args):
+            events.append(("S", sum(e[0] == "S" for e in events)))
+            return real["output_s_pass"](*args)
+
+        def output_t_pass(*args):
+            events.append(("T", sum(e[0] == "T" for e in events)))
+            return real["output_t_pass"](*args)
+
+        def all_reduce(x, group, op=dist.ReduceOp.SUM):
+            if inside[0]:
+                events.append(("all-reduce", "MAX" if op == dist.ReduceOp.MAX else "SUM", tuple(x.shape)))
+            return real["all_reduce"](x, group, op)
+
+        def broadcast(t, *args, **kwargs):
+            if inside[0]:
+                events.append(("broadcast", "", tuple(t.shape)))
+            return real["broadcast"](t, *args, **kwargs)
+
+        with installed((pipeline, "forward_step", forward_step), (pipeline, "backward_step", backward_step),
+                       (vocab, "output_layer", output_layer), (vocab, "output_s_pass", output_s_pass),
+                       (vocab, "output_t_pass", output_t_pass), (tensor_parallel, "all_reduce", all_reduce),
+                       (dist, "broadcast", broadcast)):
+            loss = vocab.vocab_1f1b_step(stage, micro, groups)
+        grads = stage.full_grads()
+        ref = {n: p.grad for n, p in serial.named_parameters()}
+        out[key] = dict(events=events, losses=losses, loss=None if loss is None else float(loss),
+                        serial=float(whole), means=means, counts=[int((t != -100).sum()) for _, t in micro],
+                        diff=max([float(tensor_parallel.max_rel_diff(g, ref[n])) for n, g in grads.items()]
+                                 + ([float(tensor_parallel.max_rel_diff(loss.detach(), whole.detach()))]
+                                    if loss is not None else [])),
+                        zero=all(float(g.abs().max()) == 0 for g in grads.values()))
     return out
 
 
@@ -684,6 +757,60 @@ def rendezvous(key, split=False):
             return sorted({(r, q) for r in range(len(calls)) for d, q in now(r) if d == "send" and r < q
                            and ("send", r) in now(q)})
     return None
+
+
+def held(key):
+    """Per rank of lesson `key` (06's loops): ([(microbatches in flight, Ws waiting) as each forward runs], the peak of
+    in flight + waiting / 2 in M_B (M_W = M_B / 2), the most Ws waiting at any point), from its recorded F, I, W."""
+    out = []
+    for r in lesson(key):
+        flight = waiting = most = 0
+        at, peak = [], Fraction(0)
+        for kind, _, _ in r["actions"]:
+            flight += {"F": 1, "B": -1}.get(kind, 0)
+            waiting += {"B": 1, "W": -1}.get(kind, 0)
+            most, peak = max(most, waiting), max(peak, flight + Fraction(waiting, 2))
+            at += [(flight, waiting)] * (kind == "F")
+        out.append((at, peak, most))
+    return out
+
+
+def replayed(key):
+    """The order lesson `key` ran (06's loops with I and W, or 02's 1F1B), replayed in 06's simulate."""
+    lists = [[pipeline.Action("I" if k == "B" and key != "1f1b" else k, mb, chunk) for k, chunk, mb in r["actions"]]
+             for r in lesson(key)]
+    pipe = gpt3d.PipelineSchedule(lists) if key == "1f1b" else zero_bubble.ZeroBubbleSchedule(lists, times={"I": 1, "W": 1})
+    return zero_bubble.simulate(pipe)[0]
+
+
+def output_layers():
+    """07's lesson: (the one sequence every output layer on every rank made: (kind, op, shape) or (S,) / (T,) marks,
+    [how many output layers each rank ran])."""
+    seqs, counts = set(), []
+    for r in lesson("vocab"):
+        calls = []
+        for e in r["events"]:
+            if e[0] == "broadcast":
+                calls.append([])
+            if e[0] not in ("F", "B"):
+                calls[-1].append(e if len(e) == 3 else e[:1])
+        seqs |= {tuple(c) for c in calls}
+        counts.append(len(calls))
+    return one(seqs), counts
+
+
+def fbst(r):
+    """07's lesson: this rank's F, B, S and T, in order, each with its microbatch."""
+    return [e for e in r["events"] if e[0] in "FBST" and len(e) == 2]
+
+
+def in_flight(events):
+    """The most microbatches in flight (forwards not yet backward) in an F/B/S/T record."""
+    live = peak = 0
+    for kind, _ in events:
+        live += {"F": 1, "B": -1}.get(kind, 0)
+        peak = max(peak, live)
+    return peak
 
 
 def before_first_backward(key):
@@ -838,27 +965,42 @@ CLAIMS = [
     Claim("06.1", r"Split so, one backward's gradients (equal) B's to float64 rounding",
           lambda: "equal" if serial_facts()["split_vs_B"] < 1e-12 and serial_facts()["weights_after_I"] == {True}
           else "differ from"),
-    Claim("06.2", r"the lesson's `zb_h1_step` runs the oldest W while more than r wait; `zb_h1` lists the (same) order\)",
+    Claim("06.2", r"the ranks hold at most (\[[\d, ]+\]) microbatches in flight and (\[[\d, ]+\]) Ws waiting while they "
+                  r"run a forward \((\[[\d, ]+\]) just after an I",
+          lambda: tuple(show(x) for x in zip(*[(max(f for f, _ in at), max(w for _, w in at), max_waiting)
+                                                for at, _, max_waiting in held("zb-h1")]))),
+    Claim("06.2", r"With M_W = M_B / 2 the peaks of that record are (\[[\d/, ]+\]) M_B, against `one_f_one_b_step`'s "
+                  r"(\[[\d, ]+\]): rank s holds s M_W more, and rank 0, which defers nothing, sets the peak, 1F1B's "
+                  r"(pp M_B)",
+          lambda: (lambda zb_peaks, one_peaks: (show(zb_peaks), show(one_peaks),
+                                                "pp M_B" if max(zb_peaks) == zb_peaks[0] == one_peaks[0] == 4
+                                                else "more"))(
+              [peak for _, peak, _ in held("zb-h1")], [r["peak"] for r in lesson("1f1b")])),
+    Claim("06.2", r"\(The machine's `zb_h1` lists the (same) order\.\)",
           lambda: "same" if [[("I" if k == "B" else k, mb) for k, _, mb in r["actions"]] for r in lesson("zb-h1")] == [
               [(a.kind, a.mb) for a in zero_bubble.zb_h1(4, 8, r)] for r in range(4)] else "another"),
-    Claim("06.2", r"the idle time per rank falls from (\d+) to (\d+), \(pp - 1\)\(t_F \+ t_I - t_W\), and the bubble "
-                  r"from (\S+) to (\S+), a third",
-          lambda: (str(one(zb("1f1b")[1][0].idle)), str(one(zb("zb-h1")[1][0].idle)), str(zb("1f1b")[1][0].bubble),
-                   str(zb("zb-h1")[1][0].bubble))),
-    Claim("06.2", r"rank r holds \(pp - r\) M_B \+ r M_W: (\[[\d/, ]+\]) at M_W = M_B / 2, no more than 1F1B's on rank 0",
-          lambda: show(zb("zb-h1")[1][1]) if zb("zb-h1")[1][1][0] <= zb("1f1b")[1][1][0] else "more than 1F1B's"),
-    Claim("06.3", r"the first stage \((\d)\) and the last \(2 pp - 1 = (\d)\) are both rank (\d)'s",
-          lambda: (lambda p: (str(p.stage(0, 0)), str(p.S - 1), one(str(p.where[k][0]) for k in (0, p.S - 1))))(
-              zb("zb-v")[0])),
-    Claim("06.3", r"`PipelineSchedule.grid` makes (no embedding group)",
-          lambda: "no embedding group" if zb("zb-v")[0].grid(8, 1, 2)["embed"] == [] else "an embedding group"),
-    Claim("06.3", r"`span_idle` is (\[[\d, ]+\])\), and every rank holds (\d+) half-stage chunks at its peak",
-          lambda: (show(zb("zb-v")[1][0].span_idle), str(one(zb("zb-v")[1][1])))),
-    Claim("06.4", r"without lockstep the two orders differ: `validate` (finds a message that is one thing when sent and "
-                  r"another when received)\. .* and `validate` (accepts) the plans",
-          lambda: ("finds a message that is one thing when sent and another when received" if verdict(
-              lambda: pipeline.validate(dataclasses.replace(zb("zb-v")[0], lockstep=False), 8)) == "finds a mismatch"
-              else "says otherwise", verdict(lambda: pipeline.validate(zb("zb-v")[0], 8)).split()[0])),
+    Claim("06.3", r"each rank idles (\d+) in `one_f_one_b_step`'s, (\d+) with each W run at once after its I and (\d+) in "
+                  r"`zb_h1_step`'s; the bubble (\S+), (\S+) and (\S+)\.",
+          lambda: (*(str(one(replayed(k).idle)) for k in ("1f1b", "zb-now", "zb-h1")),
+                   *(str(replayed(k).bubble) for k in ("1f1b", "zb-now", "zb-h1")))),
+    Claim("06.3", r"W at once still gives (serial's) loss and gradients, with no W held \((\[[\d, ]+\]) M_B at its "
+                  r"peaks, 1F1B's memory\), and idles (twice) as long as `zb_h1_step`",
+          lambda: ("serial's" if max(r["diff"] for r in lesson("zb-now")) < 1e-12 else "not serial's",
+                   show([peak for _, peak, _ in held("zb-now")]) if [peak for _, peak, _ in held("zb-now")] == [
+                       r["peak"] for r in lesson("1f1b")] else "not 1F1B's",
+                   {2: "twice"}.get(one(replayed("zb-now").idle) / one(replayed("zb-h1").idle), "not twice"))),
+    Claim("06.4", r"`weight_grads` runs once per microbatch: (\d+) times on every rank at m = (\d+), watched from outside",
+          lambda: (str(one(sum(k == "W" for k, _, _ in r["actions"]) for r in lesson("zb-h1"))), "8")),
+    Claim("06.4", r"each linear layer's weight \(the tied output layer's aside\) ends with the last microbatch's dW alone, "
+                  r"its loss-weighted gradient to (float64 rounding), not the batch's; every bias and layer norm, whose "
+                  r"gradients I gives, stays (serial's), and the tied `wte`, .* goes (wrong) with them",
+          lambda: (lambda runs: (
+              "float64 rounding" if all(r["diffs"][n][1] < 1e-12 and r["diffs"][n][0] > 1e-2 for r in runs
+                                        for n in r["linear"]) and all(r["linear"] for r in runs) else "not",
+              "serial's" if all(d[0] < 1e-12 for r in runs for n, d in r["diffs"].items()
+                                if n not in r["linear"] and "wte" not in n) else "not serial's",
+              "wrong" if all(r["diffs"]["transformer.wte.weight"][0] > 1e-2 for r in runs
+                             if "transformer.wte.weight" in r["diffs"]) else "right"))(lesson("zb-replaced"))),
     # 07
     Claim("07.1", r"At V = (\d+) over (\d) ranks, V is padded to (\d+) and each rank holds (\d+) rows\.",
           lambda: ("1001", "8", str(tensor_parallel.padded_vocab_size(1001, 8)),
@@ -866,25 +1008,38 @@ CLAIMS = [
     Claim("07.1", r"`VocabSchedule.grid` makes (no embedding group)",
           lambda: "no embedding group" if vocab.vocab_schedule("1f1b", 4, 5, 2).grid(8, 2, 1)["embed"] == []
           else "an embedding group"),
-    Claim("07.2", r"in `vocab_kinds`, T waits for (S) on all (\d) ranks",
-          lambda: (vocab_waits(2)[1], str(vocab_waits(2)[0]))),
-    Claim("07.2", r"so the last stage's backward waits for (T) on every rank\.",
-          lambda: vocab_waits(2)[3] if vocab_waits(2)[2] == 4 else "not every rank"),
-    Claim("07.2", r"so the last stage's backward waits for (S) on every rank, one barrier",
-          lambda: vocab_waits(1)[3] if vocab_waits(1)[2] == 4 else "not every rank"),
-    Claim("07.3", r"at pp = 4, m = 8, rank r holds (\[[\d, ]+\]) microbatches with Algorithm 1 and (\[[\d, ]+\]) with "
-                  r"Algorithm 2, against 1F1B's (\[[\d, ]+\])",
-          lambda: tuple(str([pipeline.peak_in_flight(acts, p.kinds) for acts in p.lists]) for p in (
-              vocab.vocab_schedule("1f1b", 4, 8, 2), vocab.vocab_schedule("1f1b", 4, 8, 1),
-              pipeline.Schedule(one_f_one_b(4, 8))))),
-    Claim("07.4", r"`balance` at V = (\d+) \(pp = (\d), tp = (\d), m = (\d), the demo's model\): the last stage computes "
-                  r"([\d.]+) times the emptiest one's per microbatch without vocabulary parallelism, and ([\d.]+) times "
-                  r"with it, .* the simulated 1F1B step is ([\d.]+)x faster",
-          lambda: (lambda args, fig: (str(args.large_vocab), str(args.pp), str(args.tp), str(args.microbatches),
-                                      f"{spread([c[0] for c in fig['compute']]):.2f}",
-                                      f"{spread([c[1] for c in fig['compute']]):.2f}",
-                                      f"{fig['sims'][0].step_time / fig['sims'][1].step_time:.2f}"))(
-              *balance_at(vocab.parser().parse_args([]).large_vocab))),
+    Claim("07.2", r"Watched from outside at pp = (\d), m = (\d), every output layer on every rank makes the same (\d) "
+                  r"collectives in this order: the broadcast of X (\([\d, ]+\)), S's MAX (\([\d, ]+\)) and SUM "
+                  r"(\([\d, ]+\)), T's SUM (\([\d, ]+\)); each of the (\d) ranks runs all (\d) output layers",
+          lambda: (lambda seq, counts: ("4", "8", *(
+              (str(sum(e[0] != "S" and e[0] != "T" for e in seq)), *(str(e[2]) for e in seq if e[0] not in "ST"))
+              if [e[:2] for e in seq] == [("broadcast", ""), ("S",), ("all-reduce", "MAX"), ("all-reduce", "SUM"),
+                                          ("T",), ("all-reduce", "SUM")] else ("another order",) * 5),
+              str(len(counts)), str(one(counts))))(*output_layers())),
+    Claim("07.3", r"rank s runs (\[[\d, ]+\]) forwards before its first output layer, as 1F1B before its first backward "
+                  r"\((\[[\d, ]+\])\), and holds at most (\[[\d, ]+\]) microbatches in flight",
+          lambda: (show([next(i for i, e in enumerate(fbst(r)) if e[0] == "S") for r in lesson("vocab")]),
+                   show(before_first_backward("1f1b")), show([in_flight(fbst(r)) for r in lesson("vocab")]))),
+    Claim("07.3", r"its actions begin ((?:[FSTB]\d ?)+), each microbatch's S, T and B back to back",
+          lambda: " ".join(f"{k}{j}" for k, j in fbst(lesson("vocab")[-1])[:8])),
+    Claim("07.3", r"with Algorithm 1 at pp = 4, m = 8, (\[[\d, ]+\]) in flight",
+          lambda: (lambda p: show([pipeline.peak_in_flight(acts, p.kinds) for acts in p.lists]))(
+              vocab.vocab_schedule("1f1b", 4, 8, 2))),
+    Claim("07.4", r"Run at pp = 4, m = 8 on a batch counting (\[[\d, ]+\]) targets \(n = (\d+)\), microbatch 0's output "
+                  r"layer adds (exactly 0) to the loss; the (\d) terms, the (same) on every rank, sum to the serial model's "
+                  r"loss, its mean over the batch's (\d+) targets, to (float64 rounding), and so do the gradients",
+          lambda: (lambda runs: (show(one(tuple(r["counts"]) for r in runs)), str(sum(runs[0]["counts"])),
+                                 "exactly 0" if all(r["losses"][0] == 0.0 for r in runs) else "more than 0",
+                                 str(len(runs[0]["losses"])),
+                                 "same" if len({tuple(r["losses"]) for r in runs}) == 1 else "not the same",
+                                 str(sum(runs[0]["counts"])),
+                                 "float64 rounding" if abs(runs[-1]["loss"] - runs[-1]["serial"]) < 1e-12 * runs[-1]["serial"]
+                                 and max(r["diff"] for r in runs) < 1e-12 else "not"))(lesson("vocab"))),
+    Claim("07.4", r"the serial model's mean over microbatch 0 alone is (nan)",
+          lambda: str(one(str(r["means"][0]) for r in lesson("vocab")))),
+    Claim("07.4", r"the lesson returns a loss of (\d+) and every gradient (\d+), as the serial model (does)",
+          lambda: (lambda r: (f"{r['loss']:g}", "0" if all(x["zero"] for x in lesson("vocab-none")) else "not 0",
+                              "does" if r["serial"] == r["loss"] else "does not"))(lesson("vocab-none")[-1])),
     # 08: the lesson's OneRing and ring_step, run (ring_facts, ring_step_facts)
     Claim("08.1", r"Run at cp = 4, the four ranks' forwards score (\d), (\d), (\d) and (\d) blocks, (\[[\d/, ]+\]) blocks of "
                   r"work: the last rank does cp - 1/2 = (\d+/\d+) against a mean of cp/2 = (\d+), ([\d.]+) times",
