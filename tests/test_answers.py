@@ -8,9 +8,11 @@ gets them from the code: a pure function of a numbered file (a schedule's lists,
 validator, the rank grid), what a demo prints today (conftest.script_output: the same runs as
 test_docs.py's, once per session), or a small run on CPU ranks (launches of one, two and four ranks,
 each once per session). Where a question is about a chapter's lesson (the code on its read-first
-list), its facts come from the lesson run: 02's, 03's, 05's and 06's loops on four ranks, watched from
-outside (lesson_runs: what each rank ran, in order, and every blocking message call it made), 04's
-DDP and ZeRO1, 06's SplitLinear. Nothing is copied from an output. A doc that says another figure,
+list), its facts come from the lesson run: 02's, 03's, 05's, 06's and 07's loops on four ranks, watched
+from outside (lesson_runs: what each rank ran, in order, and every blocking message call it made; 07's
+output layers' collectives), 04's DDP and ZeRO1, 06's SplitLinear; a planted variant of a lesson (a
+warm-up, W at once, W replacing the gradient) comes from exercises/checks_0N.py or is wrapped in from
+outside, never by editing a chapter. Nothing is copied from an output. A doc that says another figure,
 or stops saying it, fails; and every answer must have at least one Claim, so that an answer added
 (08's, 09's) comes with its check.
 
@@ -438,15 +440,16 @@ def split_aux_loss():
 
 
 # ----------------------------------------------------------------------------------------------
-# The lessons of 02 to 06, run on four CPU ranks and watched from outside (02.1, 02.4, 03.2, 03.4, 04.4,
-# 05.2, 05.3, 06.1): what each rank ran, in order, and every blocking message call it made
+# The lessons of 02 to 07, run on four CPU ranks and watched from outside (02.1, 02.4, 03.2, 03.4, 04.4,
+# 05.2, 05.3, 06.1 to 06.4, 07.2 to 07.4): what each rank ran, in order, and every blocking message call it made
 
 
 @functools.cache
 def lesson_runs():
     """Per rank: 02's gpipe_step and one_f_one_b_step, exercise 02.2's planted warm-ups (exercises/checks_02.py),
-    03's interleaved_step (v = 2) and 06's zb_h1_step, at pp = 4, m = 8, each recorded; 04's ZeRO1 at dp = 4;
-    05's ptd_p_step at tp 2 x pp 2 and at pp 2 x dp 2."""
+    03's interleaved_step (v = 2) and 06's zb_h1_step (with checks_06's W-at-once loop beside it, and with W
+    replacing the gradient), at pp = 4, m = 8, each recorded; 04's ZeRO1 at dp = 4; 05's ptd_p_step at tp 2 x
+    pp 2 and at pp 2 x dp 2; 07's vocab_1f1b_step at pp 4 x tp 1, m = 8."""
     from plumbing.launch import launch
     return launch(_lessons, 4, timeout_s=30, deadline_s=120)
 
