@@ -98,6 +98,41 @@ def test_a_wrong_lifespan_is_seen_by_the_arithmetic():  # the check above can fa
     assert zb.lifespan_peak(pp, late, 0, HALF) == zb.lifespan_peak(pp, block, 0, HALF) + HALF
 
 
+def below_the_authors_forms(forms):
+    """{name: [pp where the lifespan arithmetic (max over ranks, M_W = M_B / 2, in microbatches of a stage)
+    equals forms[name](pp)]}, asserting it is at most the form at every pp 3..40."""
+    equal = {}
+    for name in V:
+        for pp in range(3, 41):
+            block = zb.v_block(pp, zb.V_SCHEDULES[name][1])
+            mine = max(zb.lifespan_peak(pp, block, r, HALF) for r in range(pp)) / 2
+            assert mine <= forms[name](pp), (name, pp, mine, forms[name](pp))
+            equal.setdefault(name, []).extend([pp] * (mine == forms[name](pp)))
+    return equal
+
+
+def test_the_lifespan_arithmetic_is_at_most_the_authors_forms_and_equal_but_for_v_min_at_pp_2_mod_3():
+    """The authors' table (Qi et al. 2024, Table 1): V-Half (p+2)//2, V-Min (p+4)//3 microbatches. 06's
+    V-Half meets it at every pp 3..40; its V-Min at every pp but 2 mod 3, where it holds half a
+    microbatch less (a chunk of the half-stage blocks: at pp 8, 3.5 of the table's 4)."""
+    equal = below_the_authors_forms(zb.AUTHORS_FORM)
+    assert equal["v-half"] == list(range(3, 41))
+    assert equal["v-min"] == [pp for pp in range(3, 41) if pp % 3 != 2]
+    assert zb.lifespan_share("v-min", 8, HALF) == Fraction(7, 16) and zb.lifespan_share("v-half", 32, HALF) == Fraction(17, 32)
+    with pytest.raises(AssertionError):  # a wrong form, V-Min's at (p+3)//3, is seen: the arithmetic exceeds it
+        below_the_authors_forms({**zb.AUTHORS_FORM, "v-min": lambda p: (p + 3) // 3})
+
+
+def test_the_tables_shares_come_within_a_tenth_only_at_large_pp():
+    """Within 10% of 1/2 and 1/3 of 1F1B's (<= 0.55, <= 0.3667), by the arithmetic: V-Half first at pp 11 (odd
+    pp sit closer), at every pp from 19; V-Min first at 22, at every pp from 28; at M_W = M_B (what 06's
+    meter measures: W keeps each linear layer's X and dY), from 31 and 39."""
+    assert zb.within_a_tenth("v-half", HALF, HALF) == (11, 19) and zb.within_a_tenth("v-half", HALF, 1) == (11, 31)
+    assert zb.within_a_tenth("v-min", Fraction(1, 3), HALF) == (22, 28)
+    assert zb.within_a_tenth("v-min", Fraction(1, 3), 1) == (22, 39)
+    assert zb.within_a_tenth("v-min", Fraction(1, 3), HALF, upto=20) == (None, None)
+
+
 PEAKS = {  # pp: the most chunks any rank holds at m = 3pp (06's simulate, M_W = M_B / 2); 1F1B's rank 0: 2pp
     "v-half": {2: Fraction(7, 2), 3: 4, 4: 6, 5: 6, 6: 8, 7: 8, 8: 10},
     "v-min": {2: 3, 3: 4, 4: 4, 5: 5, 6: 6, 7: 6, 8: 7},
