@@ -733,7 +733,7 @@ def prove_v_schedules(env, cfg, args, ref, embed_group, one_f_one_b, one_bytes, 
             ok &= mine <= form
             near = [within_a_tenth(name, share, w) for w in (Fraction(1, 2), 1)]
             say(f"    the authors' form (microbatches of a stage): {form} = {form / pp:.3f} of 1F1B's {pp}; the lifespan "
-                f"arithmetic {mine} = {float(mine / pp):.3f} ({'equal' if mine == form else 'below' if mine < form else 'ABOVE'})"
+                f"arithmetic {mine} = {float(mine / pp):.3f}, {'the same' if mine == form else 'less' if mine < form else 'MORE'}"
                 f"; within 10% of {share} (pp <= 40): first at pp {near[0][0]}, every pp from {near[0][1]}\n"
                 f"    (at M_W = M_B, what the meter measures here: {lifespan_share(name, pp, 1):.3f} at this pp; first at pp "
                 f"{near[1][0]}, every pp from {near[1][1]})")

@@ -177,9 +177,9 @@ def main():
                          f"n_layer is not a multiple of them")
     steady = steady_m(args.pp)
     args.microbatches = steady if args.microbatches is None else args.microbatches
-    if args.microbatches < 1 or args.microbatch_size < 1:
-        raise ValueError(f"--microbatches {args.microbatches}, --microbatch-size {args.microbatch_size}: "
-                         f"each must be at least 1")
+    for flag, value in (("--microbatches", args.microbatches), ("--microbatch-size", args.microbatch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
     cfg = harness.model_config(args)
     args.batch_size = args.microbatches * args.microbatch_size
     pp, m = args.pp, args.microbatches

@@ -22,6 +22,7 @@ Tolerances, and why:
 """
 import dataclasses
 import itertools
+from pathlib import Path
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -360,4 +361,42 @@ def test_the_trainer_has_05s_float64_losses_over_4_adamw_steps(run_ranks):
 ], ids=["dualpipev-few-microbatches", "v-min-odd-split"])
 def test_bad_input_is_refused_by_name_before_anything_starts(args, message):
     proc = run_script("06_zero_bubble.py", *args, timeout=30)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/bench_v_memory.py: measured peak activation bytes against 1F1B's, smoke-sized (the figures at
+# pp 4..40 are in BENCHMARKS.md, "Activation memory of the V schedules")
+
+
+def test_the_memory_bench_runs_against_serial_and_prints_the_table():
+    proc = run_script("benchmarks/bench_v_memory.py", "--pp", "4", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "m=5 microbatches" in out and "simulated peaks stop growing from m = 5" in out  # the default: steady
+    assert "PASS (tolerance 1e-10)" in out and out.rstrip().endswith("PASS") and "DIFFERENT" not in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("  1f1b ", "  v-half ", "  v-min "))}
+    assert set(rows) == set(V) | {"1f1b"} and rows["1f1b"][1] == "1.0000"
+    for name, table, authors, half, whole in (("v-half", "1/2", "0.7500", "0.7500", "0.8750"),
+                                              ("v-min", "1/3", "0.5000", "0.5000", "0.5000")):
+        measured, *rest = rows[name][1:7]
+        assert rest == [table, authors, half, whole, measured], rows[name]  # the byte model is the measured peak
+        assert float(whole) - 0.02 <= float(measured) <= float(whole) + 0.03, rows[name]  # rank 0's ends: +0.026 at pp 4
+    assert out.count("both ends of the V add") == 2
+
+
+def test_the_memory_bench_fails_on_a_difference_from_serial(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_v_memory as bench
+    rows = {name: [[1e-9 if name == "v-min" else 0.0] + [0] * 7] * 2 for name in bench.NAMES}
+    assert bench.report(None, 2, 2, rows) is False and "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp", "1"], "--pp 1: a V needs at least 2 ranks"),
+    (["--pp", "2", "--n-layer", "6"], "--n-layer 6: the V cuts the model into 2 x pp = 4 stages"),
+    (["--pp", "2", "--microbatches", "0"], "--microbatches 0: must be at least 1"),
+], ids=["one-rank", "n-layer-not-2pp-multiple", "no-microbatches"])
+def test_the_memory_bench_refuses_bad_flags_by_name_before_any_rank_starts(args, message):
+    proc = run_script("benchmarks/bench_v_memory.py", *args, timeout=30)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
