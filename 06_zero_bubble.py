@@ -379,9 +379,10 @@ def lifespan_peak(pp, block, rank, w_share):
     return max(held(t) for t in range(start, start + PERIOD))
 
 
-# The authors' table (Qi et al. 2024, Section 3 and Table 1), activation memory in microbatches of a
-# whole stage (M_B): 1F1B p, V-Half (p+2)//2, V-Min (p+4)//3; lifespan_peak's in those units is its
-# chunks / 2. A limit as pp grows, not a bound at small pp: the shares 1/2 and 1/3 come within 10% late.
+# The authors' table (Qi et al. 2024, Section 3; their Hugging Face space sail/pipeline-parallelism-
+# with-controllable-memory), activation memory in microbatches of a whole stage (M_B): 1F1B p, V-Half
+# (p+2)//2, V-Min (p+4)//3; lifespan_peak's in those units is its chunks / 2. A limit as pp grows, not
+# a bound at small pp: the shares 1/2 and 1/3 come within 10% late.
 AUTHORS_FORM = {"1f1b": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
 
 
