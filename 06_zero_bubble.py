@@ -379,6 +379,28 @@ def lifespan_peak(pp, block, rank, w_share):
     return max(held(t) for t in range(start, start + PERIOD))
 
 
+# The authors' table (Qi et al. 2024, Section 3; their Hugging Face space sail/pipeline-parallelism-
+# with-controllable-memory), activation memory in microbatches of a whole stage (M_B): 1F1B p, V-Half
+# (p+2)//2, V-Min (p+4)//3; lifespan_peak's in those units is its chunks / 2. A limit as pp grows, not
+# a bound at small pp: the shares 1/2 and 1/3 come within 10% late.
+AUTHORS_FORM = {"1f1b": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
+
+
+def lifespan_share(name, pp, w_share):
+    """The lifespan arithmetic's most held over the ranks, as a share of 1F1B's pp microbatches (2pp chunks)."""
+    block = v_block(pp, V_SCHEDULES[name][1])
+    return max(lifespan_peak(pp, block, r, w_share) for r in range(pp)) / (2 * pp)
+
+
+def within_a_tenth(name, share, w_share, upto=40):
+    """(the first pp, the pp from which every pp up to upto) whose lifespan share is within 10% of share
+    (None: not by upto)."""
+    near = [lifespan_share(name, pp, w_share) <= share * Fraction(11, 10) for pp in range(2, upto + 1)]
+    first = next((pp for pp, ok in zip(range(2, upto + 1), near) if ok), None)
+    since = next((pp for pp in range(2, upto + 1) if all(near[pp - 2:])), None)
+    return first, since
+
+
 def block_idle_bound(block):
     """The most a rank idles in a repeated building block (Qi et al. 2024, "Pipeline Parallelism with
     Controllable Memory", Section 3): only in its warm-up and cool-down, at most the block's span
@@ -708,6 +730,14 @@ def prove_v_schedules(env, cfg, args, ref, embed_group, one_f_one_b, one_bytes, 
                 f"arithmetic {'(same)' if mem == arithmetic or m < 2 * pp else '(DIFFERENT)'}, at most 1F1B's "
                 f"rank 0 x {share} + 2 = {2 * pp * share + 2}: {'yes' if max(mem) <= 2 * pp * share + 2 else 'NO'}")
             twice, wide = simulate(pipeline_schedule(name, pp, 2 * m))[1], simulate(pipeline_schedule(name, 8, 24))[1]
+            form, mine = AUTHORS_FORM[name](pp), Fraction(max(arithmetic)) / 2  # in microbatches of a whole stage
+            ok &= mine <= form
+            near = [within_a_tenth(name, share, w) for w in (Fraction(1, 2), 1)]
+            say(f"    the authors' form (microbatches of a stage): {form} = {form / pp:.3f} of 1F1B's {pp}; the lifespan "
+                f"arithmetic {mine} = {float(mine / pp):.3f}, {'the same' if mine == form else 'less' if mine < form else 'MORE'}"
+                f"; within 10% of {share} (pp <= 40): first at pp {near[0][0]}, every pp from {near[0][1]}\n"
+                f"    (at M_W = M_B, what the meter measures here: {lifespan_share(name, pp, 1):.3f} at this pp; first at pp "
+                f"{near[1][0]}, every pp from {near[1][1]})")
             say(f"    the table's {share} is a limit as pp grows, not reached here: the peak is the steady state's ("
                 f"{'the same' if twice == mem else 'not yet the same'} at m = {2 * m}), within a chunk or two of "
                 f"{share} of 1F1B's 2pp chunks\n    (at pp 8: {float(max(wide) / 16):.2f}); measured adds what W keeps "

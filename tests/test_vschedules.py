@@ -12,6 +12,9 @@ Tolerances, and why:
   - Why not within 10% of 1/2 and 1/3 (issue 44): for 1/3 no block of PERIOD 6 can be, at any pp
     2..8, because of rank 0 alone (an exhaustive search, RANK0_LEAST: 1/2 .. 3/8 of 1F1B's peak, the
     same at M_W = M_B, what 06's meter measures); V-Half's 1/2 needs a block between the two here.
+  - The authors' closed forms (their table: V-Half (p+2)//2, V-Min (p+4)//3 microbatches): exact, the
+    arithmetic at most the form for pp 3..40. benchmarks/bench_v_memory.py's measured shares at pp 4:
+    within -0.02 and +0.03 of the simulated at M_W = M_B (W keeps 0.988 M_B; rank 0's ends add 0.026).
   - The bubble is 02's: total idle over total busy time at t_F = t_I = t_W (1 per stage, 1/2 per
     chunk). A repeated block's idle per rank is a constant of pp, the same on every rank and for
     every m >= 2pp: the bubble is that constant over 3m exactly. Against 1F1B's (pp-1)/m: V-Half's
@@ -29,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PIPELINE_CFG, TOL, TRAINER_BASE, TRAINER_CFG, load, pipeline_batch, run_script
+from conftest import PIPELINE_CFG, ROOT, TOL, TRAINER_BASE, TRAINER_CFG, load, pipeline_batch, run_script
 
 tensor_parallel, pipeline, gpt3d = load("01_tensor_parallel"), load("02_pipeline_1f1b"), load("05_3d_gpt")
 zb = load("06_zero_bubble")
@@ -96,6 +99,41 @@ def test_a_wrong_lifespan_is_seen_by_the_arithmetic():  # the check above can fa
     pp, block = 4, zb.v_block(4, 1)
     late = {**block, ("W", 0): block["W", 0] + 6}
     assert zb.lifespan_peak(pp, late, 0, HALF) == zb.lifespan_peak(pp, block, 0, HALF) + HALF
+
+
+def below_the_authors_forms(forms):
+    """{name: [pp where the lifespan arithmetic (max over ranks, M_W = M_B / 2, in microbatches of a stage)
+    equals forms[name](pp)]}, asserting it is at most the form at every pp 3..40."""
+    equal = {}
+    for name in V:
+        for pp in range(3, 41):
+            block = zb.v_block(pp, zb.V_SCHEDULES[name][1])
+            mine = max(zb.lifespan_peak(pp, block, r, HALF) for r in range(pp)) / 2
+            assert mine <= forms[name](pp), (name, pp, mine, forms[name](pp))
+            equal.setdefault(name, []).extend([pp] * (mine == forms[name](pp)))
+    return equal
+
+
+def test_the_lifespan_arithmetic_is_at_most_the_authors_forms_and_equal_but_for_v_min_at_pp_2_mod_3():
+    """The authors' table (Qi et al. 2024, Section 3, and their Hugging Face space): V-Half (p+2)//2,
+    V-Min (p+4)//3 microbatches. 06's V-Half meets it at every pp 3..40; its V-Min at every pp but 2
+    mod 3, where it holds half a microbatch less (a chunk of the half-stage blocks: at pp 8, 3.5 of 4)."""
+    equal = below_the_authors_forms(zb.AUTHORS_FORM)
+    assert equal["v-half"] == list(range(3, 41))
+    assert equal["v-min"] == [pp for pp in range(3, 41) if pp % 3 != 2]
+    assert zb.lifespan_share("v-min", 8, HALF) == Fraction(7, 16) and zb.lifespan_share("v-half", 32, HALF) == Fraction(17, 32)
+    with pytest.raises(AssertionError):  # a wrong form, V-Min's at (p+3)//3, is seen: the arithmetic exceeds it
+        below_the_authors_forms({**zb.AUTHORS_FORM, "v-min": lambda p: (p + 3) // 3})
+
+
+def test_the_tables_shares_come_within_a_tenth_only_at_large_pp():
+    """Within 10% of 1/2 and 1/3 of 1F1B's (<= 0.55, <= 0.3667), by the arithmetic: V-Half first at pp 11 (odd
+    pp sit closer), at every pp from 19; V-Min first at 22, at every pp from 28; at M_W = M_B (what 06's
+    meter measures: W keeps each linear layer's X and dY), from 31 and 39."""
+    assert zb.within_a_tenth("v-half", HALF, HALF) == (11, 19) and zb.within_a_tenth("v-half", HALF, 1) == (11, 31)
+    assert zb.within_a_tenth("v-min", Fraction(1, 3), HALF) == (22, 28)
+    assert zb.within_a_tenth("v-min", Fraction(1, 3), 1) == (22, 39)
+    assert zb.within_a_tenth("v-min", Fraction(1, 3), HALF, upto=20) == (None, None)
 
 
 PEAKS = {  # pp: the most chunks any rank holds at m = 3pp (06's simulate, M_W = M_B / 2); 1F1B's rank 0: 2pp
@@ -325,4 +363,42 @@ def test_the_trainer_has_05s_float64_losses_over_4_adamw_steps(run_ranks):
 ], ids=["dualpipev-few-microbatches", "v-min-odd-split"])
 def test_bad_input_is_refused_by_name_before_anything_starts(args, message):
     proc = run_script("06_zero_bubble.py", *args, timeout=30)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/bench_v_memory.py: measured peak activation bytes against 1F1B's, smoke-sized (the figures at
+# pp 4..40 are in BENCHMARKS.md, "Activation memory of the V schedules")
+
+
+def test_the_memory_bench_runs_against_serial_and_prints_the_table():
+    proc = run_script("benchmarks/bench_v_memory.py", "--pp", "4", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "m=5 microbatches" in out and "simulated peaks stop growing from m = 5" in out  # the default: steady
+    assert "PASS (tolerance 1e-10)" in out and out.rstrip().endswith("PASS") and "DIFFERENT" not in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("  1f1b ", "  v-half ", "  v-min "))}
+    assert set(rows) == set(V) | {"1f1b"} and rows["1f1b"][1] == "1.0000"
+    for name, table, authors, half, whole in (("v-half", "1/2", "0.7500", "0.7500", "0.8750"),
+                                              ("v-min", "1/3", "0.5000", "0.5000", "0.5000")):
+        measured, *rest = rows[name][1:7]
+        assert rest == [table, authors, half, whole, measured], rows[name]  # the byte model is the measured peak
+        assert float(whole) - 0.02 <= float(measured) <= float(whole) + 0.03, rows[name]  # rank 0's ends: +0.026 at pp 4
+    assert out.count("both ends of the V add") == 2
+
+
+def test_the_memory_bench_fails_on_a_difference_from_serial(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_v_memory as bench
+    rows = {name: [[1e-9 if name == "v-min" else 0.0] + [0] * 7] * 2 for name in bench.NAMES}
+    assert bench.report(None, 2, 2, rows) is False and "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp", "1"], "--pp 1: a V needs at least 2 ranks"),
+    (["--pp", "2", "--n-layer", "6"], "--n-layer 6: the V cuts the model into 2 x pp = 4 stages"),
+    (["--pp", "2", "--microbatches", "0"], "--microbatches 0: must be at least 1"),
+], ids=["one-rank", "n-layer-not-2pp-multiple", "no-microbatches"])
+def test_the_memory_bench_refuses_bad_flags_by_name_before_any_rank_starts(args, message):
+    proc = run_script("benchmarks/bench_v_memory.py", *args, timeout=30)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -360,6 +360,11 @@ def test_the_demo_passes_and_prints_every_figure_beside_its_formula():
     # (tests/test_vschedules.py); the machine's ZB-H1 against the lesson
     assert proc.stdout.count("PASS (tolerance 1e-10)") == 7 and proc.stdout.count("PASS (tolerance 1e-12)") == 1
     assert "FAIL" not in proc.stdout and proc.stdout.rstrip().endswith("PASS")
+    # V-Half and V-Min beside the authors' closed forms, (p+2)//2 and (p+4)//3 microbatches (tests/test_vschedules.py)
+    for form in ("3 = 0.750 of 1F1B's 4; the lifespan arithmetic 3 = 0.750, the same; within 10% of 1/2 (pp <= 40): "
+                 "first at pp 11, every pp from 19", "2 = 0.500 of 1F1B's 4; the lifespan arithmetic 2 = 0.500, the same; "
+                 "within 10% of 1/3 (pp <= 40): first at pp 22, every pp from 28"):
+        assert f"the authors' form (microbatches of a stage): {form}" in proc.stdout, form
 
 
 # ----------------------------------------------------------------------------------------------
