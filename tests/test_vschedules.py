@@ -29,6 +29,7 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
+from dataclasses import replace
 import torch
 import torch.distributed as dist
 
@@ -211,6 +212,38 @@ def test_the_bubble_is_the_blocks_warm_up_and_cool_down_near_the_tables_fraction
             assert s.idle == idle, (name, pp, m)  # constant in m: no idle inside the repetitions
             if pp >= 4 or name == "v-half":
                 assert abs(s.bubble / one.bubble - ratio) <= tol, (name, pp, m, s.bubble / one.bubble)
+
+
+EVEN_PP_AND_5 = [2, 4, 5, 6, 8, 10, 12, 14, 16]
+
+
+def test_reordered_v_half_idles_exactly_the_tables_b_over_2_and_v_min_2b_over_3_within_half_a_pass():
+    """With t_F = t_I = t_W = 1 a stage, 1F1B idles 3(pp-1) a rank (B). V-Half, its Ws moved into the
+    gaps (fill_with_ws, the paper's reordering), idles exactly 3(pp-1)/2 = B/2 at every even pp and pp 5,
+    for every m from pp to 3pp (at odd pp the authors' (p+2)//2 memory rounds down: pp 3 idles less,
+    7 and 9 more); V-Min 2(pp-1) = 2B/3 within half a chunk's pass (the table's "+O(n)")."""
+    for pp in EVEN_PP_AND_5:
+        for m in sorted({pp, 2 * pp, 3 * pp}):
+            one, half, least = sim("1f1b", pp, m)[0], sim("v-half", pp, m)[0], sim("v-min", pp, m)[0]
+            assert one.idle == [3 * (pp - 1)] * pp
+            assert half.idle == [Fraction(3 * (pp - 1), 2)] * pp and half.bubble == one.bubble / 2, (pp, m, half.idle)
+            assert len(set(least.idle)) == 1 and abs(least.idle[0] - 2 * (pp - 1)) <= Fraction(1, 2), (pp, m, least.idle)
+    assert sim("v-half", 3, 6)[0].idle[0] == Fraction(5, 2) and sim("v-half", 7, 14)[0].idle[0] == Fraction(19, 2)
+
+
+def test_the_reordering_is_what_reaches_b_over_2_and_moves_only_ws_earlier():
+    pp, m = 4, 8
+    block = zb.v_block(pp, zb.V_SCHEDULES["v-half"][1])
+    slot_order = [zb.v_repeat(pp, m, r, block) for r in range(pp)]
+    plain = zb.simulate(replace(zb.pipeline_schedule("v-half", pp, m), lists=slot_order))[0]
+    assert plain.idle == [5] * pp  # without it, half a stage more than B/2 = 9/2 (the test above can fail)
+    filled = zb.fill_with_ws(pp, slot_order)
+    for before, after in zip(slot_order, filled):
+        assert sorted(map(repr, before)) == sorted(map(repr, after))  # the same passes
+        assert [a for a in after if a.kind != "W"] == [a for a in before if a.kind != "W"]  # F and I keep their order
+        assert all(after.index(w) <= before.index(w) for w in before if w.kind == "W")  # a W only earlier
+    assert max(sim("v-half", pp, m)[1]) <= max(zb.simulate(replace(zb.pipeline_schedule("v-half", pp, m),
+                                                                     lists=slot_order))[1])  # memory only falls
 
 
 def test_dualpipev_idles_pp_minus_1_chunk_slots_per_rank_with_f_and_b_back_to_back():
