@@ -76,7 +76,8 @@ def report_tp(say, serial, model, reference, outputs, batch, log, full):
         f"{sum(c.direction == 'backward' for c in layer0)} backward collectives; {len(log)} in all, "
         f"{sum(c.nbytes for c in log) / 1024:.1f} KiB")
     say("  sequence parallelism turns each all-reduce of f and g into an all-gather and a reduce-\n"
-        "  scatter (the bytes of 2 all-reduces; Korthikanti 4.2.2); the other backward ones sum the\n"
+        "  scatter: on the wire the pair moves the bytes of the one all-reduce it replaces (Korthikanti\n"
+        "  4.2.2; the KiB column counts each whole tensor once per collective); the other backward ones sum the\n"
         "  gradients of the replicated LayerNorms and biases, each rank having seen T/tp tokens" if sp
         else "  g after each row-parallel layer in forward, f before each column-parallel layer in\n"
              "  backward: the paper's Figure 3, 2 all-reduces each way per layer")
