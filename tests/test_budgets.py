@@ -169,11 +169,17 @@ def measure_dense(ch, kinds=("Read first", "Read second"), guide=None):
     return len(dense_lines), len(lines - dense_lines)
 
 
-def words(ch, guide=GUIDE):
-    """The words a reader of chapter ch reads beside its code: the guide's section, its quoted outputs left out
-    (the demo's minutes read them), and the file's opening docstring."""
-    prose = re.sub(r"```.*?```", "", guide_sections(guide).get(ch, ""), flags=re.S)
-    return len(prose.split()) + len((ast.get_docstring(ast.parse(FILES[ch].read_text())) or "").split())
+SECOND_PASS = "**Second pass: the machine.**"  # a section's lesson part ends here; its machine part follows
+
+
+def words(ch, guide=GUIDE, part="lesson"):
+    """The words a reader of chapter ch reads beside its code, its quoted outputs left out (the demo's minutes read
+    them): for the lesson, the guide's section up to its second-pass line and the file's opening docstring; for
+    the machine, the section after that line."""
+    lesson, _, machine = guide_sections(guide).get(ch, "").partition(SECOND_PASS)
+    prose = re.sub(r"```.*?```", "", lesson if part == "lesson" else machine, flags=re.S)
+    docstring = (ast.get_docstring(ast.parse(FILES[ch].read_text())) or "") if part == "lesson" else ""
+    return len(prose.split()) + len(docstring.split())
 
 
 def guide_sections(guide=GUIDE):
@@ -239,7 +245,7 @@ def budget_line(ch, guide=GUIDE):
     section = guide_sections(guide).get(ch, "")
     (d1, w1), (d2, w2) = measure_dense(ch, ("Read first",), guide), measure_dense(ch, ("Read second",), guide)
     q1, q2 = question_counts(section)
-    lesson, machine = minutes(d1, w1, words(ch, guide), q1), minutes(d2, w2, 0, q2, demo=False)
+    lesson, machine = minutes(d1, w1, words(ch, guide), q1), minutes(d2, w2, words(ch, guide, "machine"), q2, demo=False)
     later = f", and {q2} question{'s' * (q2 != 1)}" if q2 else ""
     return (f"**Budget.** {lesson} minutes for the lesson ({d1 + w1} lines read first, {d1} of them dense, and {q1} "
             f"question{'s' * (q1 != 1)}), then {machine} for the machine ({d2 + w2} lines read second, {d2} of them "
@@ -257,7 +263,7 @@ def budget_problems(ch, guide=GUIDE):
         return [f"says {found[0]!r}, where the lists and the rule give {want!r} (the lesson: {d1} dense lines / "
                 f"{DENSE_PACE} + {w1} others / {WIRING_PACE} + {words(ch, guide)} words / {WORDS_PACE} + {DEMO_MIN} "
                 f"for the demo + {QUESTION_MIN} a first-read question; the machine: {d2} / {DENSE_PACE} + {w2} / "
-                f"{WIRING_PACE} + {QUESTION_MIN} a second-pass question)"]
+                f"{WIRING_PACE} + {words(ch, guide, 'machine')} words / {WORDS_PACE} + {QUESTION_MIN} a second-pass question)"]
     return []
 
 
@@ -284,7 +290,8 @@ def test_the_guides_rule_gives_the_fresh_readers_hours_and_a_changed_guide_fails
     sections = guide_sections()
     lessons = sum(exact_minutes(*measure_dense(ch, ("Read first",)), words(ch), question_counts(sections[ch])[0])
                   for ch in ("01", "02", "03", "04", "05"))
-    machines = sum(exact_minutes(*measure_dense(ch, ("Read second",)), 0, question_counts(sections[ch])[1], demo=False)
+    machines = sum(exact_minutes(*measure_dense(ch, ("Read second",)), words(ch, part="machine"),
+                                 question_counts(sections[ch])[1], demo=False)
                    for ch in ("01", "02", "03", "04", "05"))
     assert 6.5 * 60 <= lessons <= 10.5 * 60 and 3 * 60 <= machines <= 5 * 60, (lessons / 60, machines / 60)
     said = re.search(r"The same paces put 01-05's lessons \(.*?\) at about (\d+) hours and their machines at about "
