@@ -228,7 +228,7 @@ def budget_problems(ch, guide=GUIDE):
     if not budget:
         return ["no '**Budget.** N minutes, L lines read first and S read second, D of them dense.' line"]
     first, second, (dense, wiring) = measure(ch, guide=guide), measure(ch, "Read second", guide), measure_dense(ch, guide=guide)
-    questions = len(re.findall(r"^\d+\. ", guide_block(section, "Questions"), re.M))
+    questions = len(re.findall(r"^\d+\. (?!\*Second pass\.\*)", guide_block(section, "Questions"), re.M))
     problems = [] if (int(budget[2]), int(budget[3] or 0), int(budget[4])) == (first, second, dense) else \
         [f"says {budget[0]!r}; test_budgets measures {first} lines read first and {second} read second, {dense} of "
          f"them dense"]
