@@ -202,23 +202,30 @@ def _one_rank(env):
     args = data_parallel.parser().parse_args([])
     demo_cfg = tensor_parallel.GPTConfig(**{k: getattr(args, k) for k in ("vocab_size", "block_size", "n_layer",
                                                                           "n_head", "n_embd", "dropout")})
-    model = tensor_parallel.ParallelGPT(demo_cfg, None, dtype=F64).load_full_state_dict(
-        tensor_parallel.init_state_dict(demo_cfg, 5, dtype=F64))
-    ddp, order, real = data_parallel.DDP(model.parameters(), dist.group.WORLD, args.bucket_numel), [], dist.all_reduce
+    tokens = torch.randint(demo_cfg.vocab_size, (2, args.seq_len))
 
-    def all_reduce(t, *a, **k):  # which bucket: its first element's place in the flat buffer
-        order.append((t.data_ptr() - ddp.grads.data_ptr()) // t.element_size())
-        return real(t, *a, **k)
-    dist.all_reduce = all_reduce
-    try:
-        tokens = torch.randint(demo_cfg.vocab_size, (2, args.seq_len))
-        model(tokens, tokens)[1].backward()
-        at_return = len(ddp.works)
-        ddp.finish()
-    finally:
-        dist.all_reduce = real
-    starts = [lo for lo, _ in ddp.buckets]
-    out["buckets"] = dict(order=[starts.index(o) for o in order], n=len(ddp.buckets), at_return=at_return)
+    def launches(forward_order=False):  # a fresh model each: a DDP's hooks stay on its parameters
+        model = tensor_parallel.ParallelGPT(demo_cfg, None, dtype=F64).load_full_state_dict(
+            tensor_parallel.init_state_dict(demo_cfg, 5, dtype=F64))
+        params = list(model.parameters())[::-1] if forward_order else model.parameters()  # DDP reverses them
+        ddp, order, real = data_parallel.DDP(params, dist.group.WORLD, args.bucket_numel), [], dist.all_reduce
+
+        def all_reduce(t, *a, **k):  # which bucket: its first element's place in the flat buffer
+            order.append((t.data_ptr() - ddp.grads.data_ptr()) // t.element_size())
+            return real(t, *a, **k)
+        dist.all_reduce = all_reduce
+        try:
+            model(tokens, tokens)[1].backward()
+            at_return = len(ddp.works)
+            ddp.finish()
+        finally:
+            dist.all_reduce = real
+        starts = [lo for lo, _ in ddp.buckets]
+        first = next(n for n, p in model.named_parameters() if p is ddp.params[0])
+        return dict(order=[starts.index(o) for o in order], n=len(ddp.buckets), at_return=at_return, first=first)
+    out["buckets"] = launches()
+    # 04.1: the same DDP given the parameters in forward order: its hook still launches each full bucket at once.
+    out["forward_buckets"] = launches(forward_order=True)
     return out
 
 
@@ -907,6 +914,9 @@ CLAIMS = [
                   r"name\s+microbatches (\d+ and \d+), which do not exist; `check_interleaving` (refuses) such an m",
           lambda: ("6", "4", microbatches_named_at(4, 6, 2),
                    "refuses" if refused(interleaved.check_interleaving, 4, 6, 2) else "accepts")),
+    Claim("03.3", r"at m = (\d), v = (\d) its forwards (\d+) to (\d+) are microbatches (\d) to (\d) on chunk (\d)",
+          lambda: (lambda named: ("6", "2", "8", "11", str(named[0][1]), str(named[-1][1]), one(str(c) for c, _ in named)))(
+              [interleaved.chunk_and_microbatch(k, 4, 2) for k in range(4 * 2, 6 * 2)])),
     Claim("03.4", r"Run at pp = 4, v = 2, m = 8, `interleaved_step`'s warm-ups are (\[[\d, ]+\]) forwards; the machine's "
                   r"lists \(`interleaved`\) with a factor of 1, read by `validate`: it (finds a deadlock)",
           lambda: (str([n - 1 for n in before_first_backward("interleaved")]),  # the steady step's F comes before its B
@@ -919,6 +929,11 @@ CLAIMS = [
                                              b["at_return"] == b["n"] else "out of order",
                                              "same" if times == sorted(times) and counts == (str(b["n"]),) * 2
                                              else "another"))(one_rank()["buckets"], *bucket_launches(demo(*DP_DEMO)))),
+    Claim("04.1", r"given the parameters in forward order, it launches them in the order (\[[\d, ]+\]), still during "
+                  r"backward\. .* bucket 0, the (embeddings)', would be ready last",
+          lambda: (lambda f: (show(f["order"]) if f["at_return"] == f["n"] else "not during backward",
+                              "embeddings" if f["first"] in ("transformer.wte.weight", "transformer.wpe.weight")
+                              else f["first"]))(one_rank()["forward_buckets"])),
     Claim("04.2", r"with dp = (\d) the sum of the replicas' gradients is (\d) times the serial gradient, and the sum "
                   r"divided by dp (equals) it",
           lambda: (str(serial_facts()["dp"]), f"{serial_facts()['sum_over_serial']:g}",
@@ -940,6 +955,8 @@ CLAIMS = [
           lambda: ("equal" if [r["sent_same"] for r in lesson("tp2pp2")[:2]] == [True, True] else "different",
                    "whole" if {s for r in lesson("tp2pp2")[:2] for s in r["sent"]} == {
                        (lesson("tp2pp2")[0]["rows"], 8, 16)} else "a part of")),
+    Claim("05.2", r"sends it whole from each: in the main job, b T C = ([\d,]+) elements from each tp rank",
+          lambda: next(c for c in CLAIMS if c.words.startswith("The main job's messages")).value()[0]),
     Claim("05.2", r"The main job's messages are b T C = ([\d,]+) elements, each tp rank sending all ([\d,]+) in the lesson; "
                   r"scatter/gather sends ([\d,]+) from each",
           lambda: (lambda tc, C: (f"{tc.batch_size // (tc.dp * tc.microbatches) * tc.seq_len * C:,}",
@@ -1181,6 +1198,42 @@ def test_a_changed_figure_or_a_dropped_sentence_fails_its_claim():
     planted = "## 03_interleaved.py\n\n1. An answer.\n2. Another.\n\n## 04_data_parallel.py\n\n1. A third.\n"
     assert numbered(re.split(r"\n## (0\d)_[a-z0-9_]+\.py\b[^\n]*\n", "\n" + planted)[2]) == {1: "An answer.",
                                                                                              2: "Another."}
+
+
+FIRST_READ = ("01", "02", "03", "04", "05")  # issue 47: a first read answers 1 or 2 questions a chapter, ~5 minutes each
+SECOND_PASS, IN_DEPTH, CHECK_WORDS = "*Second pass.*", "*In depth.*", 70
+
+
+def first_read_problems(asked, answered):
+    """What 01-05's questions and answers get wrong about the first read: each chapter 1 or 2 questions not marked
+    whole *Second pass.* (GUIDE), and each answer a short check, at most CHECK_WORDS words, before *In depth.*."""
+    problems = []
+    for ch in FIRST_READ:
+        keys = sorted(k for k in asked if k.startswith(f"{ch}."))
+        first = [k for k in keys if not asked[k].startswith(SECOND_PASS)]
+        if not 1 <= len(first) <= 2:
+            problems.append(f"GUIDE {ch} has {len(first)} first-read questions {first} (1 or 2; mark the others "
+                            f"{SECOND_PASS} at the question's start)")
+        for k in keys:
+            check, lead_in, _ = answered.get(k, "").partition(IN_DEPTH)
+            if not lead_in:
+                problems.append(f"ANSWERS {k} has no short check before '{IN_DEPTH}'")
+            elif len(check.split()) > CHECK_WORDS:
+                problems.append(f"ANSWERS {k}'s check is {len(check.split())} words, past {CHECK_WORDS}"
+                                f"{' (a first-read question)' if k in first else ''}")
+    return problems
+
+
+def test_a_first_read_answers_one_or_two_questions_a_chapter_each_checked_in_a_few_words():
+    asked = questions()
+    assert not first_read_problems(asked, ANSWERS), first_read_problems(asked, ANSWERS)
+    three = {**asked, "02.1": asked["02.1"].removeprefix(SECOND_PASS + " ")}  # 02.1's mark dropped: 3 first-read
+    none = {k: (q if k[:2] != "04" or q.startswith(SECOND_PASS) else f"{SECOND_PASS} {q}") for k, q in asked.items()}
+    wordy = {**ANSWERS, "02.2": ANSWERS["02.2"].replace(IN_DEPTH, "and more " * 8 + IN_DEPTH, 1)}
+    no_check = {**ANSWERS, "03.1": ANSWERS["03.1"].replace(IN_DEPTH, "")}
+    for planted in (first_read_problems(three, ANSWERS), first_read_problems(none, ANSWERS),
+                    first_read_problems(asked, wordy), first_read_problems(asked, no_check)):
+        assert len(planted) == 1, planted
 
 
 def test_the_guide_and_the_readme_link_the_answers():
