@@ -114,7 +114,8 @@ def sp_param(p, group, sp):  # with sp, f on a replicated parameter used on T/tp
 
 # ----------------------------------------------------------------------------------------------
 # The model's config, and its layers. A split parameter carries .tp_dim (the dim it is split along),
-# .tp_full (its unpadded full size there) and .tp_fused (how many separately split blocks it stacks).
+# .tp_full (its unpadded full size there) and .tp_fused (how many separately split blocks it stacks): no
+# code here reads the last two; loading and gathering full weights, checkpoints and 07's padding mask do.
 
 
 @dataclass
@@ -258,8 +259,8 @@ class ParallelAttention(nn.Module):
         super().__init__()
         C = cfg.n_embd
         # GPT-2's c_attn stacks Q, K and V (3C outputs): rank i holds its heads of each, [Q_i; K_i; V_i]
-        # (fused=3), its shard of the full (3C, C) weight being rearrange(w, "(three tp c) C -> tp (three
-        # c) C", three=3, tp=tp)[i] (plumbing/shards.split_full): its output's thirds, (B, T, C/tp) each.
+        # (fused=3), so its output's thirds are its q, k, v, (B, T, C/tp) each. E.g. C = 4 (2 heads), tp = 2:
+        # of the full (12, 4) weight, Q rows 0-3, K 4-7, V 8-11, rank 0 holds 0-1, 4-5, 8-9, rank 1 2-3, 6-7, 10-11.
         self.c_attn = ColumnParallelLinear(C, 3 * C, group, sp, fused=3, **factory)
         self.c_proj = RowParallelLinear(C, C, group, sp, **factory)
         self.hs, self.p, self.rng = C // cfg.n_head, cfg.dropout, rng
@@ -326,7 +327,7 @@ class ParallelGPT(FullWeights, nn.Module):
         if post_process:
             tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)  # then the output layer, tied to wte:
             self.lm_head = ColumnParallelLinear(cfg.n_embd, V_pad, group, self.sp, bias=False, dtype=dtype, device="meta")
-            self.lm_head.weight = tr["wte"].weight
+            self.lm_head.weight = tr["wte"].weight  # wte's, at once: hence meta above, which allocates nothing
 
     def forward(self, x, targets=None, ignore_index=-100):  # idx (B, T) -> logits (B, T, V_pad/tp), loss
         if self.pre_process:
@@ -447,8 +448,7 @@ class ReduceScatterToSP(torch.autograd.Function):
         return gather(grad, ctx.group, SEQ), None
 
 
-# Their lower-case names, as f's and g's; at tp = 1 each is the identity (split, gather and
-# reduce_scatter return x there).
+# Their lower-case names, as f's and g's; the identity at tp = 1 (split, gather, reduce_scatter return x).
 scatter_to_sp, gather_from_sp, reduce_scatter_to_sp = ScatterToSP.apply, GatherFromSP.apply, ReduceScatterToSP.apply
 
 

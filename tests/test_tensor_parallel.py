@@ -487,11 +487,11 @@ def test_sequence_parallelism_names_its_all_gather_g_and_its_reduce_scatter_g_ba
 
 
 def test_01s_fused_qkv_split_where_c_attn_is_built_is_the_split_every_shard_gets():
-    # 01 shows the split in a comment beside c_attn; plumbing/shards.split_full does it for every
-    # fused parameter: the two must be the same arrangement.
+    # 01 shows the split in a comment beside c_attn, a worked example (issue 47: a reader went to plumbing to
+    # learn it); plumbing/shards.split_full does it for every fused parameter: the two must be the same rows.
     from einops import rearrange
     src = " ".join(line.strip().lstrip("#").strip() for line in (ROOT / "01_tensor_parallel.py").read_text().splitlines())
-    assert 'rearrange(w, "(three tp c) C -> tp (three c) C", three=3, tp=tp)[i]' in src
+    assert fused_qkv_example_problems(src) == []
     C, tp = 8, 2
     w = torch.arange(3 * C * C, dtype=F64).reshape(3 * C, C)
     weight = tensor_parallel._mark_split(torch.empty(3 * C // tp, C), 0, 3 * C, fused=3)  # rank i's c_attn shard
@@ -499,3 +499,32 @@ def test_01s_fused_qkv_split_where_c_attn_is_built_is_the_split_every_shard_gets
         shard = rearrange(w, "(three tp c) C -> tp (three c) C", three=3, tp=tp)[i]
         assert torch.equal(tensor_parallel.split_full(w, weight, tp, i), shard)
         assert torch.equal(shard, torch.cat([q.chunk(tp)[i] for q in w.chunk(3)]))  # [Q_i; K_i; V_i]
+
+
+def fused_qkv_example_problems(src):
+    """What 01's worked example of the fused QKV split ("E.g. C = 4 (2 heads), tp = 2: of the full (12, 4) weight,
+    Q rows 0-3, K 4-7, V 8-11, rank 0 holds 0-1, 4-5, 8-9, rank 1 ...") gets wrong against split_full."""
+    import re
+    found = re.search(r"E\.g\. C = (\d+) \((\d+) heads\), tp = (\d+): of the full \((\d+), (\d+)\) weight, Q rows "
+                      r"(\S+), K (\S+), V (\S+), rank 0 holds ([\d, -]+), rank 1 ([\d, -]+)\.", src)
+    if not found:
+        return ["no worked example of the fused QKV split beside c_attn"]
+    C, heads, tp, rows, cols = (int(x) for x in found.groups()[:5])
+    rows_of = lambda text: [r for a, b in (part.split("-") for part in text.split(", ")) for r in range(int(a), int(b) + 1)]  # noqa: E731
+    w = torch.arange(3 * C, dtype=F64)[:, None].expand(3 * C, C)  # row r holds r
+    weight = tensor_parallel._mark_split(torch.empty(3 * C // tp, C), 0, 3 * C, fused=3)
+    problems = [] if (rows, cols) == (3 * C, C) and C % heads == 0 and tp == 2 else [f"the full weight of C={C} is ({3 * C}, {C})"]
+    for name, text, want in zip("QKV", found.groups()[5:8], range(3)):
+        if rows_of(text.rstrip(",")) != list(range(want * C, (want + 1) * C)):
+            problems.append(f"{name} rows {text}")
+    for i, text in enumerate(found.groups()[8:]):
+        if rows_of(text) != [int(r) for r in tensor_parallel.split_full(w, weight, tp, i)[:, 0]]:
+            problems.append(f"rank {i} holds {text}; split_full gives {tensor_parallel.split_full(w, weight, tp, i)[:, 0].tolist()}")
+    return problems
+
+
+def test_a_wrong_fused_qkv_example_fails():
+    src = " ".join(line.strip().lstrip("#").strip() for line in (ROOT / "01_tensor_parallel.py").read_text().splitlines())
+    for old, new in (("rank 0 holds 0-1, 4-5, 8-9", "rank 0 holds 0-1, 2-3, 4-5"), ("rank 1 2-3, 6-7", "rank 1 6-7, 2-3"),
+                     ("K 4-7", "K 4-8"), ("(12, 4)", "(12, 3)")):
+        assert old in src and fused_qkv_example_problems(src.replace(old, new)), (old, new)
