@@ -298,6 +298,23 @@ def b_T_C_halved():
     return str(b), str(T), str(C)
 
 
+def simulated_step(name):
+    """02's simulated step time of schedule `name` at the demo's pp and m (t_f = 1, t_b = 2, as the demo draws)."""
+    pipeline, (pp, m) = load("02_pipeline_1f1b"), (int(x) for x in line_with(PIPE, r"pp=(\d) m=(\d) "))
+    return pipeline.simulate(pipeline.Schedule([pipeline.SCHEDULES[name](pp, m, r) for r in range(pp)])).step_time
+
+
+def last_stage_activations():
+    """(GPipe's last-stage peak, m, 1F1B's last-stage peak, b, T, V, b T V float64 bytes) from 02's demo: GPipe's
+    last stage holds m times 1F1B's, whose one microbatch in flight holds the loss's saved (b T, V) softmax."""
+    gpipe, one_f_one_b = (ints(PIPE, "outputs deallocated:", i)[-1] for i in (0, 1))
+    m, B = (int(x) for x in line_with(PIPE, r"pp=\d m=(\d+) global batch B=(\d+) "))
+    T, V = int(line_with(PIPE, r" T=(\d+) float64")), int(line_with(PIPE, r"vocab_size=(\d+)"))
+    b = B // m
+    return tuple(map(str, (gpipe if gpipe == m * one_f_one_b else "not m times 1F1B's", m, one_f_one_b, b, T, V,
+                           b * T * V * 8)))
+
+
 def in_all(command):
     return line_with(command, r"; (\d+) in all, ([\d.]+) KiB")
 
@@ -352,6 +369,12 @@ CLAIMS = [
     Claim("docs/GUIDE.md", r"GPipe's stage 0 holds (twice) 1F1B's \((\d+) bytes\)",
           lambda: ("twice" if ints(PIPE, "outputs deallocated:", 0)[0] == 2 * ints(PIPE, "outputs deallocated:", 1)[0]
                    else "not twice", str(ints(PIPE, "outputs deallocated:", 0)[0]))),
+    Claim("docs/GUIDE.md", r"The row is (\d+) columns for the step's (\d+) time units",
+          lambda: ("100", str(one({str(simulated_step(name)) for name in ("gpipe", "1f1b")})))),
+    Claim("docs/GUIDE.md", r"\*\*The last stage's GPipe figure\*\* \((\d+) bytes\) is about twice the others': it is "
+                           r"(\d+) microbatches of (\d+) bytes \(1F1B's last stage, with 1 in flight\), .* b T V float64 = "
+                           r"(\d+) x (\d+) x (\d+) x 8 = (\d+) bytes",
+          lambda: last_stage_activations()),
     Claim("docs/GUIDE.md", r"(\d+) sends from the first and last stage, (\d+) from the middle ones, b T C float64 = "
                            r"(\d+) KiB each",
           lambda: (str(ints(PIPE, "p2p messages sent per stage:")[0]), str(ints(PIPE, "p2p messages sent per stage:")[1]),
@@ -531,6 +554,121 @@ def test_a_changed_entry_of_the_worked_order_fails():
     for old, new in (("F(1,0)", "F(0,1)"), ("= 4 |", "= 3 |")):
         changed = guide.replace(table, table.replace(old, new, 1))
         assert changed != guide and guide_worked_table(changed) != worked_table(**WORKED), (old, new)
+
+
+# ----------------------------------------------------------------------------------------------
+# docs/GUIDE.md's worked order of 02's 1F1B (issue 47: a reader hand-traced one_f_one_b_step's steady state),
+# recomputed by running one_f_one_b_step itself on each rank, its compute and its messages replaced by recorders
+# (no process group): what each rank runs, in its order, and each message it posts; the pairs a rank posts as one
+# batch (send_recv) in brackets. Each rank's sends to a neighbour are, in order, what that neighbour receives.
+
+WORKED_1F1B = dict(pp=3, m=4)
+
+
+class _Received:
+    """A message received; named when the lesson hands it on (x_i into F_i, dy_i into B_i)."""
+    name = "?"
+
+
+def one_f_one_b_events(pp, m):
+    """{rank: [event]}: ("F" or "B", i), or (kind, sent, received, peer) for a message, kind "recv" (recv_from),
+    "send" (send_to) or "both" (send_recv), in the order one_f_one_b_step posts them; a peer beyond the first or
+    the last stage posts nothing, as the lesson's recv_from, send_to and send_recv do."""
+    import types
+
+    import torch
+    pipeline, out = load("02_pipeline_1f1b"), {}
+    for s in range(pp):
+        events, there = [], lambda peer: 0 <= peer < pp
+
+        def message(kind, sent, peer, receives):
+            got = _Received() if receives else None
+            if there(peer):
+                events.append((kind, sent, got, peer))
+                return got
+
+        def forward_step(stage, mb, x, weight, losses, events=events):
+            if isinstance(x, _Received):
+                x.name = f"x{mb[1]}"
+            events.append(("F", mb[1]))
+            return mb[1], f"y{mb[1]}"
+
+        def backward_step(i, y, dy, events=events):
+            if isinstance(dy, _Received):
+                dy.name = f"dy{i}"
+            events.append(("B", i))
+            return f"dx{i}"
+
+        scope = {**vars(pipeline), "forward_step": forward_step, "backward_step": backward_step,
+                 "recv_from": lambda src, like, g=None: message("recv", None, src, True),
+                 "send_to": lambda t, dst, g=None: message("send", t, dst, False),
+                 "send_recv": lambda t, peer, like, g=None: message("both", t, peer, True),
+                 "sum_tied_grads": lambda stage, g=None: None,
+                 "dist": types.SimpleNamespace(get_rank=lambda g=None, s=s: s, get_world_size=lambda g=None: pp)}
+        step = types.FunctionType(pipeline.one_f_one_b_step.__code__, scope)
+        stage = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), cfg=types.SimpleNamespace(n_embd=1),
+                                      post_process=s == pp - 1)
+        step(stage, [(torch.zeros(1, 1), i) for i in range(m)], None, [1.0] * m)
+        out[s] = events
+    return out
+
+
+def one_f_one_b_table(pp, m):
+    """The Markdown table docs/GUIDE.md shows: per rank, its warm-up (each forward followed by another forward),
+    its steady steps (a forward, then a backward) and its drain (each backward after a backward); a blocking
+    receive is written with what it feeds, a send or a batch after what it follows."""
+    lines = ["| rank s | warm-up pp - s - 1 | warm-up | steady (a step: F, then B) | drain |", "|---|---|---|---|---|"]
+    for s, events in one_f_one_b_events(pp, m).items():
+        computes = [e for e in events if e[0] in "FB"]
+        phase_of = {}
+        for k, e in enumerate(computes):
+            before, after = computes[k - 1][0] if k else None, computes[k + 1][0] if k + 1 < len(computes) else None
+            phase_of[k] = "warm-up" if e[0] == "F" and after == "F" else "drain" if e[0] == "B" and before != "F" else "steady"
+        steps, pending, k = [], [], 0  # steps: [phase, [words]]
+        for e in events:
+            if e[0] in "FB":
+                if e[0] == "F" or phase_of[k] == "drain" or not steps:
+                    steps.append([phase_of[k], []])
+                steps[-1][1] += pending + [f"{e[0]}{e[1]}"]
+                pending, k = [], k + 1
+            else:
+                kind, sent, got, peer = e  # every name is known: the step has run
+                words = {"recv": f"{getattr(got, 'name', '')} from {peer}", "send": f"{sent} to {peer}",
+                         "both": f"[{sent} to {peer}, {getattr(got, 'name', '')} from {peer}]"}[kind]
+                (pending if kind == "recv" else steps[-1][1]).append(words)
+        cells = ["; ".join(", ".join(words) for phase, words in steps if phase == want) or "none"
+                 for want in ("warm-up", "steady", "drain")]
+        warmup = sum(phase_of[k] == "warm-up" for k in phase_of)
+        lines.append(f"| {s} | {pp} - {s} - 1 = {warmup} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def guide_1f1b_table(guide=None):
+    section = (guide or text("docs/GUIDE.md")).split("\n## 02_pipeline_1f1b.py")[1].split("\n## ")[0]
+    found = re.search(r"\n(\| rank s \| warm-up pp - s - 1 \|.*?)\n\n", section + "\n\n", re.S)
+    return found and found[1].strip()
+
+
+def test_the_guides_worked_1f1b_order_is_the_lessons():
+    table = one_f_one_b_table(**WORKED_1F1B)
+    assert guide_1f1b_table() == table, f"docs/GUIDE.md's 02 worked 1F1B order is not the lesson's; today's:\n{table}"
+    # Each message a rank sends to a neighbour is, in order, the one that neighbour receives from it.
+    sent, received = {}, {}
+    for s, events in one_f_one_b_events(**WORKED_1F1B).items():
+        for kind, t, got, peer in (e for e in events if e[0] not in "FB"):
+            if t is not None:
+                sent.setdefault((s, peer), []).append({"y": "x", "dx": "dy"}[t.rstrip("0123456789")] + t.lstrip("dxy"))
+            if got is not None:
+                received.setdefault((peer, s), []).append(got.name)
+    assert sent == received
+
+
+def test_a_changed_entry_of_the_worked_1f1b_order_fails():
+    guide = text("docs/GUIDE.md")
+    table = guide_1f1b_table(guide)
+    for old, new in (("dy0 from 1]", "dy1 from 1]"), ("= 2 |", "= 3 |"), ("B0, [dx0 to 0", "[dx0 to 0")):
+        changed = guide.replace(table, table.replace(old, new, 1))
+        assert changed != guide and guide_1f1b_table(changed) != one_f_one_b_table(**WORKED_1F1B), (old, new)
 
 
 # ----------------------------------------------------------------------------------------------
