@@ -74,8 +74,8 @@ def interleaved_step(chunks, microbatches):
         raise ValueError(f"interleaving runs microbatches in groups of pp: m={m} must be divisible by pp={pp}")
     S, n, w, losses = pp * v, m * v, pipeline.loss_weights(microbatches), []
     like = next(chunks[0].parameters()).new_empty(*microbatches[0][0].shape, chunks[0].cfg.n_embd)  # (b, T, C)
-    # (v - 1) pp forwards bring microbatch 0 to this rank's last chunk, and its gradient comes back 2 (pp - r - 1)
-    # forwards later (to the last rank and back): then a steady B, with no boundary after its F, has it received.
+    # (v - 1) pp forwards take microbatch 0 to this rank's last chunk, 2 (pp - r - 1) more its round trip to the last
+    # rank and back. Fewer: a steady B (no boundary after its F) waits for r + 1, which waits for that F's output.
     warmup = min(2 * (pp - r - 1) + (v - 1) * pp, n)
     fwd, bwd = ([(kind, *chunk_and_microbatch(k, pp, v, kind == "F")) for k in range(n)] for kind in "FB")
     steps = [[f] for f in fwd[:warmup]] + [[f, b] for f, b in zip(fwd[warmup:], bwd)] + [[b] for b in bwd[n - warmup:]]
