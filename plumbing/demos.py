@@ -126,7 +126,7 @@ def report_dp(say, cfg, args, ref_losses, runs):
         if run.timeline:  # (start, end, events, number of buckets) of the last backward
             say(f"the last backward ('|': a gradient arrived) and each bucket's reduction (L: launched), "
                 f"in ms:\n{charts.bucket_timeline(*run.timeline)}")
-    say(f"\nthe losses stay near ln V = {math.log(cfg.vocab_size):.3f} and drift up: every step draws "
+    say(f"\nthe losses stay near ln V = {math.log(cfg.vocab_size):.3f}: every step draws "
         f"new random tokens,\nwhich no model predicts better than uniformly, so fitting earlier "
         f"batches only costs on the next.\nThe demo checks that each mode follows serial training "
         f"exactly, not that it learns.")
