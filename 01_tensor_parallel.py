@@ -15,11 +15,9 @@ Run it:
     python 01_tensor_parallel.py --tp 4 --sequence-parallel
     torchrun --nproc-per-node 8 01_tensor_parallel.py --tp 8   # one GPU per rank (NCCL)
 
-The demo runs the serial GPT-2 and the tensor-parallel one from the same float64 weights, forward
-and backward on one batch, and prints the max relative difference of the logits and of every
-gradient, and every collective in the order it ran, named by the operator that issued it (f, g,
-...) and the layer it ran in; it exits 1 if any difference exceeds 1e-10. Launching the ranks,
-naming the collectives and printing the report are plumbing (plumbing/launch.py, trace.py, demos.py).
+The demo runs the serial GPT-2 and the tensor-parallel one from the same float64 weights on one batch,
+prints their differences and every collective, named by its operator (f, g) and layer, and exits 1
+past 1e-10 (docs/GUIDE.md explains each line).
 
 Glossary, used in every file:
     B batch, T sequence length, C = n_embd channels, nh heads, hs = C // nh head size, V vocabulary;

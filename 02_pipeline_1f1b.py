@@ -19,11 +19,8 @@ Run it:
     python 02_pipeline_1f1b.py --pp 2 --microbatches 3 --schedule 1f1b --trace pipe.json
     torchrun --nproc-per-node 4 02_pipeline_1f1b.py             # one stage per GPU
 
-The demo runs the lesson against the serial model in float64 on a batch whose microbatches count
-unequal numbers of targets, one none (loss and every gradient within 1e-10, else exit 1); then each
-schedule on the machine: simulated and measured timelines, the bubble against its formula, peak
-activation bytes per stage (with and without Megatron's deallocation), and its difference from
-serial and from the lesson (1e-12). n_layer must be divisible by pp.
+The demo runs the lesson, then the machine, against the serial model in float64 (exit 1 past 1e-10;
+the machine against the lesson, 1e-12); docs/GUIDE.md explains each line. n_layer must be divisible by pp.
 """
 import importlib
 from dataclasses import dataclass, field

@@ -17,11 +17,8 @@ interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline repl
     speed switches turn on, each by default, what 01, 02 and 04 add after their concepts, and fused
     kernels and CUDA graphs where the device allows (Section 4.2; kernels.fuse, kernels.graphs).
 The demo, before the main job trains: the lesson's step at the run's layout against the serial model
-in float64 (a small model; replicas and microbatches counting unequal numbers of targets, one none):
-loss, every gradient, every weight after AdamW within 1e-10; then the machine's train_step against
-the lesson (1e-12); exit 1 on a mismatch (a later chapter's --train checks nothing). What a run needs
-but does not teach is plumbing/ (flags, command line, data, checkpoints, GPT-2 weights, sampling, the
-summary); the planner (--plan) is planner.py.
+in float64 (1e-10), then the machine's against the lesson (1e-12); exit 1 on a mismatch. What a run
+needs but does not teach is plumbing/; the planner (--plan) is planner.py.
 
 Run it (it is the project's main job):
     python 05_3d_gpt.py                                   # tp=2 x pp=2 x dp=2: 8 CPU ranks
@@ -31,9 +28,7 @@ Run it (it is the project's main job):
     python 05_3d_gpt.py --resume ckpt --sample "alice has 3 apples." --top-k 40
     torchrun --standalone --nproc_per_node 8 05_3d_gpt.py --tp 8 --pp 1 --dp 1 --dtype bfloat16
     torchrun --standalone --nproc_per_node 1 05_3d_gpt.py --tp 1 --pp 1 --dp 1   # kernels + a whole-step graph
-docs/RUNBOOK.md has multi-node torchrun and SLURM recipes. The run prints a start-up summary (model,
-data, layout, memory, FLOPs per iteration by eq. 3, the bubble), a progress bar, a line per save,
-and a chart of the loss; --metrics FILE writes a JSON line per step, --trace FILE a Chrome trace.
+docs/RUNBOOK.md has multi-node torchrun and SLURM recipes; docs/GUIDE.md explains what a run prints.
 """
 import contextlib
 import functools
