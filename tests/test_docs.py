@@ -556,6 +556,119 @@ def test_a_changed_entry_of_the_worked_order_fails():
         assert changed != guide and guide_worked_table(changed) != worked_table(**WORKED), (old, new)
 
 
+# docs/GUIDE.md's worked messages of 03's lesson (issue 47: a reader worked out by hand what interleaved_step posts),
+# recomputed by running interleaved_step itself on each rank, and its own exchange, with the compute, the process
+# group and the batch's posting replaced by recorders (as 02's worked order below): at each step, the one batch
+# its exchange posts and what the step runs. A rank's sends to a peer are, in order, what that peer receives.
+
+
+class _Tensor:
+    """A message's tensor: a sent one named when it is made (y, dx), a received one when the lesson hands it on."""
+
+    def __init__(self, name="?"):
+        self.name = name
+
+    def detach(self):
+        return self
+
+
+def interleaved_events(pp, v, m):
+    """{rank: [[posted, ran]]}: one entry per exchange interleaved_step calls (its boundary before a step, then the
+    last): posted, the (tensor, "to" or "from", peer) its one batch_isend_irecv holds, in its order; ran, the F(c,i)
+    and B(c,i) the step after it runs."""
+    import types
+
+    import torch
+    interleaved, out = load("03_interleaved"), {}
+    for r in range(pp):
+        events = []
+        dist = types.SimpleNamespace(get_rank=lambda r=r: r, get_world_size=lambda: pp, isend="to", irecv="from",
+                                     P2POp=lambda op, t, peer: (t, op, peer),
+                                     batch_isend_irecv=lambda ops, events=events: events[-1][0].extend(ops) or [])
+        fake_torch = types.SimpleNamespace(empty_like=lambda like: _Tensor())
+        exchange = types.FunctionType(interleaved.exchange.__code__, {**vars(interleaved), "dist": dist, "torch": fake_torch})
+
+        def boundary(sends, receives, box, like, events=events, exchange=exchange):
+            events.append([[], []])
+            exchange(sends, receives, box, like)
+
+        def forward_step(chunk, mb, x, weight, losses, events=events):
+            if x is not None:
+                x.name = f"x({chunk.c},{mb[1]})"
+            events[-1][1].append(f"F({chunk.c},{mb[1]})")
+            return (chunk.c, mb[1]), _Tensor(f"y({chunk.c},{mb[1]})")
+
+        def backward_step(ci, y, dy, events=events):
+            if dy is not None:
+                dy.name = f"dy({ci[0]},{ci[1]})"
+            events[-1][1].append(f"B({ci[0]},{ci[1]})")
+            return _Tensor(f"dx({ci[0]},{ci[1]})")
+
+        pipeline = types.SimpleNamespace(forward_step=forward_step, backward_step=backward_step,
+                                         loss_weights=lambda mbs: [1.0] * len(mbs), sum_tied_grads=lambda chunk: None)
+        scope = {**vars(interleaved), "exchange": boundary, "pipeline": pipeline, "dist": dist}
+        step = types.FunctionType(interleaved.interleaved_step.__code__, scope)
+        chunks = [types.SimpleNamespace(c=c, parameters=lambda: iter([torch.zeros(1)]), cfg=types.SimpleNamespace(n_embd=1))
+                  for c in range(v)]
+        step(chunks, [(torch.zeros(1, 1), i) for i in range(m)])
+        out[r] = events
+    return out
+
+
+def interleaved_messages_table(pp, v, m):
+    """The Markdown table docs/GUIDE.md shows: row j, each rank's step j, the batch its exchange posts before it
+    ("none" where it posts nothing) and what the step runs (a steady F and B joined by +); a rank's last row, (end),
+    is the loop's extra [], whose batch holds the last backward's send."""
+    ranks = interleaved_events(pp, v, m)
+    head = " | ".join(f"rank {r} posts | rank {r} runs" for r in ranks)
+    lines = [f"| step | {head} |", "|---" * (1 + 2 * pp) + "|"]
+    for j in range(max(len(events) for events in ranks.values())):
+        cells = []
+        for events in ranks.values():
+            if j >= len(events):
+                cells += ["", ""]
+                continue
+            posted, ran = events[j]
+            batch = "[" + ", ".join(f"{t.name} {way} {peer}" for t, way, peer in posted) + "]" if posted else "none"
+            cells += [batch, "+".join(ran) or "(end)"]
+        lines.append(f"| {j} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def guide_interleaved_messages_table(guide=None):
+    section = (guide or text("docs/GUIDE.md")).split("\n## 03_interleaved.py")[1].split("\n## ")[0]
+    found = re.search(r"\n(\| step \| rank 0 posts \|.*?)\n\n", section + "\n\n", re.S)
+    return found and found[1].strip()
+
+
+def test_the_guides_worked_interleaved_messages_are_the_lessons():
+    table = interleaved_messages_table(**WORKED)
+    assert guide_interleaved_messages_table() == table, \
+        f"docs/GUIDE.md's 03 worked messages are not the lesson's; today's:\n{table}"
+    # Each message a rank sends is, in order, the one its peer receives: y(c,i) of stage c pp + r is x(c',i) of
+    # stage c pp + r + 1, dx(c,i) is dy(c',i) of stage c pp + r - 1, on that stage's rank.
+    # At pp = 2 the stage before and the stage after are on the same rank: pp = 4 tells them apart.
+    for run in (WORKED, dict(pp=4, v=2, m=8)):
+        pp, sent, received = run["pp"], {}, {}
+        for r, events in interleaved_events(**run).items():
+            for t, way, peer in (message for posted, _ in events for message in posted):
+                if way == "from":
+                    received.setdefault((peer, r), []).append(t.name)
+                    continue
+                kind, c, i = re.fullmatch(r"(y|dx)\((\d+),(\d+)\)", t.name).groups()
+                k = int(c) * pp + r + (1 if kind == "y" else -1)
+                sent.setdefault((r, k % pp), []).append(f"{'x' if kind == 'y' else 'dy'}({k // pp},{i})")
+        assert sent == received, run
+
+
+def test_a_changed_entry_of_the_worked_interleaved_messages_fails():
+    guide = text("docs/GUIDE.md")
+    table = guide_interleaved_messages_table(guide)
+    for old, new in (("x(1,0) from 1", "x(1,0) from 0"), ("dy(1,0) from 1", "dy(0,0) from 1"), ("| 12 |", "| 11 |")):
+        changed = guide.replace(table, table.replace(old, new, 1))
+        assert changed != guide and guide_interleaved_messages_table(changed) != interleaved_messages_table(**WORKED), (old, new)
+
+
 # ----------------------------------------------------------------------------------------------
 # docs/GUIDE.md's worked order of 02's 1F1B (issue 47: a reader hand-traced one_f_one_b_step's steady state),
 # recomputed by running one_f_one_b_step itself on each rank, its compute and its messages replaced by recorders
