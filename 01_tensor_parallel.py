@@ -98,7 +98,7 @@ def all_reduce(x, group, op=dist.ReduceOp.SUM):
     return x
 
 
-def enter_tp(x, group, sp):  # into a column-parallel layer: f, or with sequence parallelism its g (all-gather T)
+def enter_tp(x, group, sp):  # into a column-parallel layer: f, or with sp its g (all-gather T; the SP section below)
     return gather_from_sp(x, group) if sp else copy_to_tp(x, group)
 
 

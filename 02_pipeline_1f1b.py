@@ -174,6 +174,9 @@ def one_f_one_b_step(stage, microbatches, pp_group=None, weights=None):
 # Demo: the lesson against the serial model, then the machine below against the lesson (float64, one batch).
 
 
+STEP_NAMES = {"gpipe": "gpipe_step", "1f1b": "one_f_one_b_step"}  # the demo's --schedule names, as functions
+
+
 def demo(env, cfg, args):
     pp, m, say = args.pp, args.microbatches, printer(env)
     check_world(pp, env.world_size)  # every check runs before the first collective
@@ -189,7 +192,7 @@ def demo(env, cfg, args):
         loss = {"gpipe": gpipe_step, "1f1b": one_f_one_b_step}[name](stage, microbatches)
         lessons[name] = loss, {n: p.grad for n, p in stage.named_parameters()}
         worst = demos.worst_difference(lessons[name], ref_loss, ref_grads)
-        say(f"the lesson, {name}_step: max relative difference against serial (loss and every gradient): "
+        say(f"the lesson, {STEP_NAMES[name]}: max relative difference against serial (loss and every gradient): "
             f"{worst:.2e} {'PASS' if worst <= 1e-10 else 'FAIL'} (tolerance 1e-10)")
         ok &= worst <= 1e-10
     return prove_machine(env, cfg, args, names, (microbatches, full, ref_loss, ref_grads), lessons, say) and ok
@@ -442,7 +445,7 @@ def prove_machine(env, cfg, args, names, reference, lessons, say):
                                                         result, kept, say)
         got = result.loss, {n: p.grad for n, p in chunks[0].named_parameters()}
         same = demos.worst_difference(got, *lessons[name])
-        say(f"the machine (execute) against the lesson's {name}_step (loss and every gradient): {same:.2e} "
+        say(f"the machine (execute) against the lesson's {STEP_NAMES[name]} (loss and every gradient): {same:.2e} "
             f"{'PASS' if same <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
         ok &= good and same <= 1e-12
     demos.write_trace(env, args.trace, measured, say)
