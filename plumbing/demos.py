@@ -54,8 +54,9 @@ def tp_inputs(say, env, cfg, args, init_state_dict):
 
 def report_tp(say, serial, model, reference, outputs, batch, log, full):
     """01's demo output: the two losses, the max relative difference of the loss, the logits and the
-    worst gradient (serial's against the tp model's, gathered; every gradient over 1e-10 by name), every collective, and what they mean; then
-    each model's forward and backward on batch (idx, targets) timed, the median of a few, warm.
+    worst gradient (serial's against the tp model's, gathered; every gradient over 1e-10 by name),
+    every collective, and what they mean; then each model's forward and backward on batch (idx,
+    targets) timed, the median of a few, warm.
     Returns the worst difference."""
     (ref_logits, ref_loss), (logits, loss) = reference, outputs
     diffs = {"loss": max_rel_diff(loss.detach(), ref_loss.detach()),

@@ -532,10 +532,16 @@ def worked_table(pp, v, m):
     return "\n".join(lines)
 
 
-def guide_worked_table(guide=None):
-    section = (guide or text("docs/GUIDE.md")).split("\n## 03_interleaved.py")[1].split("\n## ")[0]
-    found = re.search(r"\n(\| k \|.*?)\n\n(?!\|)", section + "\n\n", re.S)
+def guide_table(chapter, first_row, guide=None):
+    """The Markdown table of docs/GUIDE.md's section of chapter (e.g. "03_interleaved.py") whose first row starts
+    with first_row (a regex), to its first blank line not followed by another table; None if there is none."""
+    section = (guide or text("docs/GUIDE.md")).split(f"\n## {chapter}")[1].split("\n## ")[0]
+    found = re.search(rf"\n({first_row}.*?)\n\n(?!\|)", section + "\n\n", re.S)
     return found and found[1].strip()
+
+
+def guide_worked_table(guide=None):
+    return guide_table("03_interleaved.py", r"\| k \|", guide)
 
 
 def test_the_guides_worked_interleaved_order_is_the_lessons():
@@ -636,9 +642,7 @@ def interleaved_messages_table(pp, v, m):
 
 
 def guide_interleaved_messages_table(guide=None):
-    section = (guide or text("docs/GUIDE.md")).split("\n## 03_interleaved.py")[1].split("\n## ")[0]
-    found = re.search(r"\n(\| step \| rank 0 posts \|.*?)\n\n", section + "\n\n", re.S)
-    return found and found[1].strip()
+    return guide_table("03_interleaved.py", r"\| step \| rank 0 posts \|", guide)
 
 
 def test_the_guides_worked_interleaved_messages_are_the_lessons():
@@ -757,9 +761,7 @@ def one_f_one_b_table(pp, m):
 
 
 def guide_1f1b_table(guide=None):
-    section = (guide or text("docs/GUIDE.md")).split("\n## 02_pipeline_1f1b.py")[1].split("\n## ")[0]
-    found = re.search(r"\n(\| rank s \| warm-up pp - s - 1 \|.*?)\n\n", section + "\n\n", re.S)
-    return found and found[1].strip()
+    return guide_table("02_pipeline_1f1b.py", r"\| rank s \| warm-up pp - s - 1 \|", guide)
 
 
 def test_the_guides_worked_1f1b_order_is_the_lessons():
