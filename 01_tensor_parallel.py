@@ -1,14 +1,11 @@
 """01 - Tensor parallelism on an exact GPT-2 (Shoeybi et al. 2019, "Megatron-LM", Section 3), and
 sequence parallelism (Korthikanti et al. 2022, Section 4.2.2).
 
-What this file adds: the foundation. The two conjugate operators of the paper's Figure 3, f
-(identity forward, all-reduce backward) and g (all-reduce forward, identity backward), come first;
-then column- and row-parallel linear layers, a vocab-parallel embedding and cross-entropy, and a
-GPT-2 built from them in which tp=1 *is* the serial model. Every later file imports this one. Read
-second: sequence parallelism, whose pair of operators (the paper's g and g-bar) takes f's and g's
-places under --sequence-parallel. After the concept, in sections of their own: the tp random-number
-tracker, the last dim gathered, and two optimizations, which the trainer (05) turns on; the demo
-runs the paper's path.
+What this file adds: the foundation, which every later file imports. Read first: the conjugate operators of
+the paper's Figure 3, f (identity forward, all-reduce backward) and g (all-reduce forward, identity backward);
+column- and row-parallel linear layers, a vocab-parallel embedding and cross-entropy; a GPT-2 built from them
+in which tp=1 *is* the serial model. Read second: sequence parallelism (the paper's g and g-bar, in f's and
+g's places), then the machine: GPT (a pipeline's part, checks, dropout's tracker) and two optimizations.
 
 Run it:
     python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
@@ -36,10 +33,10 @@ from einops import rearrange
 
 from plumbing import cli, demos
 from plumbing.checks import check_model
-from plumbing.data import check_tokens
+from plumbing.data import check_targets, check_tokens  # noqa: F401 (01 re-exports check_targets)
 from plumbing.launch import launch, new_tp_group, printer, run_main  # the first two: for the README
-from plumbing.shards import FullWeights, gather_full, init_full, join_shards, load_full_state_dict, max_rel_diff, \
-    split_full  # noqa: F401 (01 re-exports them: tensor_parallel.split_full and so on)
+from plumbing.shards import FullWeights, gather_full, init_full, join_shards, load_full_state_dict, materialize, \
+    max_rel_diff, split_full  # noqa: F401 (01 re-exports them: tensor_parallel.split_full and so on)
 from plumbing.trace import trace_comm
 
 
@@ -111,9 +108,8 @@ def sp_param(p, group, sp):  # with sp, f on a replicated parameter used on T/tp
 
 
 # ----------------------------------------------------------------------------------------------
-# The model's config, and its layers. A split parameter carries .tp_dim (the dim it is split along),
-# .tp_full (its unpadded full size there) and .tp_fused (how many separately split blocks it stacks): no
-# code here reads the last two; loading and gathering full weights, checkpoints and 07's padding mask do.
+# The model's config, and its layers. A split parameter carries .tp_dim (the dim it is split along), .tp_full
+# (its unpadded full size there) and .tp_fused (how many split blocks it stacks: read by plumbing/shards.py).
 
 
 @dataclass
@@ -303,36 +299,29 @@ def padded_vocab_size(n_vocab, tp, divisible_by=1):  # V up to a multiple of div
 
 
 class ParallelGPT(FullWeights, nn.Module):
-    """GPT-2 over a tp group. A pipeline stage (02) is the same class cut to some `layers`, with
-    pre_process (the embeddings) on the first stage and post_process (ln_f, head, loss) on the last:
-    a stage without pre_process takes, one without post_process returns, (B, T, C) (T/tp with sp)."""
+    """GPT-2 over a tp group: the token and position embeddings, the blocks, ln_f, and the output layer,
+    tied to wte, with the vocab-parallel cross-entropy; idx (B, T) -> logits (B, T, V_pad/tp), loss."""
 
     def __init__(self, cfg, group=None, *, sequence_parallel=False, dtype=torch.float32, device="cpu",
-                 vocab_divisible_by=1, layers=None, pre_process=True, post_process=True, rng=None):
+                 vocab_divisible_by=1, rng=None):
         super().__init__()
         tp = tp_size(group)
         self.cfg, self.group, self.sp, self.rng = cfg, group, sequence_parallel and tp > 1, rng
-        self.pre_process, self.post_process, self.loss_sums = pre_process, post_process, sum_each
         factory = dict(dtype=dtype, device=device)
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
-        tr = self.transformer = nn.ModuleDict()  # keyed as GPT-2's, layers by their global index
-        if pre_process or post_process:  # the head is tied to wte: the last stage holds a copy
-            tr["wte"] = VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory)
-        if pre_process:
-            tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
-        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, rng, self.sp, **factory)
-                                 for i in (range(cfg.n_layer) if layers is None else layers)})
-        if post_process:
-            tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)  # then the output layer, tied to wte:
-            self.lm_head = ColumnParallelLinear(cfg.n_embd, V_pad, group, self.sp, bias=False, dtype=dtype, device="meta")
-            self.lm_head.weight = tr["wte"].weight  # wte's, at once: hence meta above, which allocates nothing
+        tr = self.transformer = nn.ModuleDict()  # keyed as GPT-2's
+        tr["wte"] = VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory)
+        tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
+        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, rng, self.sp, **factory) for i in range(cfg.n_layer)})
+        tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)  # then the output layer, tied to wte:
+        self.lm_head = ColumnParallelLinear(cfg.n_embd, V_pad, group, self.sp, bias=False, dtype=dtype, device="meta")
+        self.lm_head.weight = tr["wte"].weight  # wte's, at once: hence meta above, which allocates nothing
 
-    def forward(self, x, targets=None, ignore_index=-100):  # idx (B, T) -> logits (B, T, V_pad/tp), loss
-        if self.pre_process:
-            x = self.embed(x)
+    def forward(self, idx, targets=None, ignore_index=-100):
+        x = self.embed(idx)  # (B, T, C), or (B, T/tp, C) with sp
         for block in self.transformer.h.values():
             x = block(x)
-        return self.head(x, targets, ignore_index) if self.post_process else x
+        return self.head(x, targets, ignore_index)
 
     def embed(self, idx):
         return self.embed_positions(self.transformer.wte(idx))
@@ -349,8 +338,7 @@ class ParallelGPT(FullWeights, nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V_pad/tp)
         if targets is None:
             return logits, None
-        return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size,
-                                                    ignore_index, self.loss_sums)
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size, ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,11 +361,10 @@ def demo(env, cfg, args):
 
 
 # ----------------------------------------------------------------------------------------------
-# Read second: sequence parallelism (Korthikanti et al. 2022, Section 4.2.2), what --sequence-parallel
-# runs in place of f and g. Outside the tp regions (LayerNorm, dropout) each rank keeps T/tp of the
-# activations. Into a region goes the paper's g (all-gather of T), out of it its g-bar (reduce-scatter
-# of T), as its Figure 5 names them: an all-reduce is a reduce-scatter then an all-gather, so the pair
-# moves the same bytes as f and g. One Function each, as f and g are, over three collectives.
+# Read second: sequence parallelism (Korthikanti et al. 2022, Section 4.2.2), what --sequence-parallel runs in
+# place of f and g. Outside the tp regions (LayerNorm, dropout) each rank keeps T/tp of the activations. Into
+# a region goes the paper's g (all-gather of T), out of it its g-bar (reduce-scatter of T), as Figure 5 names
+# them: an all-reduce is a reduce-scatter then an all-gather, so the pair moves f's and g's bytes.
 
 SEQ = 1  # activations are (B, T, C): sequence parallelism splits dim 1
 
@@ -451,7 +438,7 @@ scatter_to_sp, gather_from_sp, reduce_scatter_to_sp = ScatterToSP.apply, GatherF
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: the tensor-in, tensor-out collectives (2.13's names, or 2.11's), checks, padding.
+# After the concept: the tensor-in, tensor-out collectives (2.13's names, or 2.11's), the initial weights.
 
 
 def all_gather_single(out, x, group, async_op=False):
@@ -469,22 +456,10 @@ def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
     return init_full(GPT(cfg, device="meta").named_parameters(), cfg.n_layer, seed, dtype, random_all)
 
 
-def check_targets(logits, target, group, n_vocab, ignore_index):
-    """What F.cross_entropy refuses, without reading back: more vocabulary than the logits' (..., V/tp)
-    columns, a target outside [0, n_vocab) that is not ignore_index (not checked inside a CUDA graph's
-    capture). GPT.head calls it; call it before 01's vocab_parallel_cross_entropy, which trusts them."""
-    if n_vocab > logits.shape[-1] * tp_size(group):
-        raise ValueError(f"n_vocab={n_vocab} is more than the logits' {logits.shape[-1]} columns x tp={tp_size(group)}")
-    if not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
-        torch._assert_async(((target == ignore_index) | (target >= 0) & (target < n_vocab)).all(),
-                            f"a target is outside [0, n_vocab={n_vocab}) and is not ignore_index={ignore_index}")
-
-
 # ----------------------------------------------------------------------------------------------
-# After the concept: dropout's random numbers. Replicated activations draw identical masks on every tp
-# rank (the default generator, seeded alike), split ones different masks (a tracked generator seeded by
-# tp rank), as Megatron's RNG tracker (Shoeybi et al. 2019, Appendix B.2). With sequence parallelism
-# the dropouts outside the tp regions see T/tp rows each, so they draw from the tracker too.
+# After the concept: dropout's random numbers. Replicated activations draw identical masks on every tp rank
+# (the default generator, seeded alike), split ones different masks (a tracked generator seeded by tp rank),
+# as Megatron's RNG tracker (Shoeybi et al. 2019, Appendix B.2); with sp, the dropouts on T/tp rows too.
 
 
 class TPRandom:
@@ -513,24 +488,34 @@ class TPRandom:
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: GPT, the lesson's ParallelGPT as engineers, tests and the trainers build it. It
-# computes the same function; what it adds is operations: sizes refused before any rank allocates,
-# batches refused before any collective, weights initialised from a seed, and dropout's tracker.
+# After the concept: GPT, the lesson's ParallelGPT as engineers, tests and the trainers build it: the same
+# function, with what operations add (a pipeline's part, checks, initial weights, dropout's tracker).
 
 
 class GPT(ParallelGPT):
-    """ParallelGPT with its sizes checked (plumbing's check_model), GPT-2's initialisation from `seed` unless
-    init=False, one TPRandom a process (a rank's pipeline chunks share it: pass rng=), each batch checked
-    on the host (check_tokens; check_inputs=False where the caller checked it once), and its targets."""
+    """ParallelGPT with its sizes checked, GPT-2's initialisation from `seed` unless init=False, a TPRandom a
+    process (a rank's chunks share it: pass rng=), each batch checked (check_inputs=False: the caller did); a
+    pipeline's part: blocks `layers`, embeddings with pre_process, ln_f, head, loss with post_process."""
 
     def __init__(self, cfg, group=None, *, seed=0, init=True, dtype=torch.float32, device="cpu", rng=None,
-                 check_inputs=True, **kwargs):
+                 check_inputs=True, layers=None, pre_process=True, post_process=True, **kwargs):
         tp = check_model(cfg, tp_size(group), device)
         rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
-        super().__init__(cfg, group, dtype=dtype, device=device, rng=rng, **kwargs)
-        self.check_inputs = check_inputs
+        whole = layers is None and pre_process and post_process
+        super().__init__(cfg, group, dtype=dtype, device=device if whole else "meta", rng=rng, **kwargs)
+        self.pre_process, self.post_process, self.check_inputs = pre_process, post_process, check_inputs
+        self.loss_sums = sum_each  # the cross-entropy's sums: optimize() sets merged_sums
+        if not whole:  # built on meta, which allocates nothing; cut to this part, then given memory
+            keep_part(self, range(cfg.n_layer) if layers is None else layers, pre_process, post_process)
+            materialize(self, device)
         if init and device != "meta":
             self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
+
+    def forward(self, x, targets=None, ignore_index=-100):
+        x = self.embed(x) if self.pre_process else x
+        for block in self.transformer.h.values():
+            x = block(x)
+        return self.head(x, targets, ignore_index) if self.post_process else x
 
     def embed(self, idx):
         if self.check_inputs:  # False: the caller checked the batch once, on the host
@@ -538,15 +523,32 @@ class GPT(ParallelGPT):
         return super().embed(idx)
 
     def head(self, x, targets, ignore_index=-100):
-        if targets is not None:  # before the cross-entropy's collectives
-            check_targets(self.lm_head.weight.T, targets, self.group, self.cfg.vocab_size, ignore_index)
-        return super().head(x, targets, ignore_index)
+        if targets is None:
+            return super().head(x, None)
+        check_targets(self.lm_head.weight.T, targets, self.group, self.cfg.vocab_size, ignore_index)  # before gathers
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V_pad/tp)
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size,
+                                                    ignore_index, self.loss_sums)
+
+
+def keep_part(model, layers, pre_process, post_process):
+    """Cut a built ParallelGPT to a pipeline's part, in place: the blocks `layers`, the embeddings with
+    pre_process, ln_f and the output layer with post_process, wte with either (the output layer's tie)."""
+    tr = model.transformer
+    if any(str(i) not in tr.h for i in layers):
+        raise ValueError(f"layers={list(layers)}: this model has blocks 0..{len(tr.h) - 1} (n_layer={len(tr.h)})")
+    tr["h"] = nn.ModuleDict({str(i): tr.h[str(i)] for i in layers})
+    if not pre_process:
+        del tr["wpe"]
+    if not post_process:
+        del tr["ln_f"], model.lm_head
+    if not (pre_process or post_process):
+        del tr["wte"]
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: optimizations. Each computes the same function as the code above (tests/
-# test_tensor_parallel.py holds them equal in float64 over 10 AdamW steps) and only changes when
-# the same sums travel. 05's trainer turns both on, through optimize(); 01's demo runs the above.
+# After the concept: optimizations, the same function (test_tensor_parallel.py: equal in float64 over 10 AdamW
+# steps); only when the same sums travel changes. 05's trainer turns both on, through optimize().
 
 
 class OverlappedColumnLinear(torch.autograd.Function):
@@ -597,7 +599,7 @@ def optimize(model, overlap_input_grad=True, merge_loss_reductions=True):
     for m in model.modules():
         if overlap_input_grad and isinstance(m, ColumnParallelLinear) and tp_size(m.group) > 1:
             m.forward = functools.partial(overlapped_forward, m)
-        if merge_loss_reductions and isinstance(m, ParallelGPT):
+        if merge_loss_reductions and isinstance(m, GPT):
             m.loss_sums = merged_sums
     return model
 

@@ -1,26 +1,24 @@
 """02 - Pipeline parallelism: GPipe and 1F1B (Narayanan et al. 2021, Section 2.2).
 
-What this file adds on top of 01: the GPT-2 cut into pp stages of contiguous layers, one per rank,
-and the batch into m microbatches that flow through them. GPipe (Huang et al. 2019) runs all forwards,
-then all backwards, and keeps all m microbatches' activations; 1F1B (PipeDream-Flush: Narayanan et al.
-2021b) starts backwards as soon as it can and keeps at most pp - stage. Both idle (pp - 1) / m.
-  - The lesson, read first: gpipe_step and one_f_one_b_step, the loops one writes on a whiteboard
-    (receive, forward, send; 1F1B's warm-up, its steady send-forward/receive-backward, its drain),
-    every dist.send and dist.recv inline, each microbatch's loss weighted by its counted targets.
-  - The machine, read second, which 03 and 05-09 build on: a schedule is a pure function (pp, m,
-    stage) -> that stage's actions ("F3": forward of microbatch 3, "B3" its backward); Schedule.plan()
-    derives each rank's messages, batched per boundary; Executor runs a plan. It knows the kinds F
-    and B (KINDS); a later file gives its Schedule a larger table and its Executor a method a kind.
-After the concept: Wire, Exchange and BackgroundSends (05's trainer turns it on). plumbing/simulate.py
-(the bubble) and plumbing/validate.py (no deadlock, even if each send waits for its receive) read the lists.
+What this file adds on top of 01: the GPT-2 cut into pp stages of contiguous layers, one per rank, and the
+batch into m microbatches that flow through them. GPipe (Huang et al. 2019) runs all forwards, then all
+backwards, and keeps all m microbatches' activations; 1F1B (PipeDream-Flush: Narayanan et al. 2021b) starts
+backwards as soon as it can and keeps at most pp - stage. Both idle (pp - 1) / m.
+  - The lesson, read first: Stage, and gpipe_step and one_f_one_b_step, the loops one writes on a whiteboard
+    (receive, forward, send; 1F1B's warm-up, its steady send-forward/receive-backward, its drain), every
+    dist.send and dist.recv inline, each microbatch's loss weighted by its counted targets.
+  - The machine, read second, which 03 and 05-09 build on: a schedule is a pure function (pp, m, stage) ->
+    that stage's actions ("F3": forward of microbatch 3, "B3" its backward); Schedule.plan() derives each
+    rank's messages, batched per boundary; Executor runs a plan. A later file gives its Schedule a larger
+    table of kinds and its Executor a method a kind. After it: Wire, Exchange and BackgroundSends (05's).
 
 Run it:
     python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules
     python 02_pipeline_1f1b.py --pp 2 --microbatches 3 --schedule 1f1b --trace pipe.json
     torchrun --nproc-per-node 4 02_pipeline_1f1b.py             # one stage per GPU
 
-The demo runs the lesson, then the machine, against the serial model in float64 (exit 1 past 1e-10;
-the machine against the lesson, 1e-12); docs/GUIDE.md explains each line. n_layer must be divisible by pp.
+The demo runs the lesson, then the machine, against the serial model in float64 (exit 1 past 1e-10; the
+machine against the lesson, 1e-12); docs/GUIDE.md explains each line. n_layer must be divisible by pp.
 """
 import importlib
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from plumbing import cli, demos
 from plumbing.demos import differences  # noqa: F401 (03's and 06's demos call it as 02's)
@@ -54,12 +53,33 @@ def split_layers(n_layer, n_stages):
     return [range(k * per, (k + 1) * per) for k in range(n_stages)]
 
 
+class Stage(tensor_parallel.ParallelGPT):
+    """01's GPT built whole, then cut to a stage: its blocks `layers`; `first` keeps the embeddings, `last` ln_f,
+    the output layer and the loss, with a copy of wte (they are tied). Without `first` it takes (b, T, C), without
+    `last` returns it. (01's machine GPT, which 02's machine and the trainers run, builds only its part.)"""
+
+    def __init__(self, cfg, layers, first, last, **gpt_kwargs):  # gpt_kwargs: 01's (group: tp)
+        super().__init__(cfg, **gpt_kwargs)
+        tr, self.pre_process, self.post_process = self.transformer, first, last
+        tr["h"] = nn.ModuleDict({str(i): tr.h[str(i)] for i in layers})
+        if not first:
+            del tr["wpe"]
+        if not last:
+            del tr["ln_f"], self.lm_head
+        if not (first or last):
+            del tr["wte"]
+
+    def forward(self, x, targets=None):  # ids (b, T) on the first stage, else (b, T, C)
+        x = self.embed(x) if self.pre_process else x
+        for block in self.transformer.h.values():
+            x = block(x)
+        return self.head(x, targets) if self.post_process else x
+
+
 def stage_model(cfg, pp_group=None, **gpt_kwargs):
-    """This rank's stage: 01's ParallelGPT cut to its layers; the first holds the embeddings, the last ln_f,
-    the output layer (tied to wte, of which it holds a copy) and the loss. gpt_kwargs: 01's (group: tp)."""
+    """This rank's stage s of pp: split_layers' range s, the embeddings on the first, the loss on the last."""
     s, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    return tensor_parallel.ParallelGPT(cfg, layers=split_layers(cfg.n_layer, pp)[s], pre_process=s == 0,
-                               post_process=s == pp - 1, **gpt_kwargs)
+    return Stage(cfg, split_layers(cfg.n_layer, pp)[s], s == 0, s == pp - 1, **gpt_kwargs)
 
 
 def loss_weights(microbatches, ignore_index=-100):

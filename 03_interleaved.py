@@ -41,10 +41,10 @@ def chunk_layers(n_layer, pp, v, rank):
 
 
 def chunk_models(cfg, v, **gpt_kwargs):
-    """This rank's v chunks, 01's ParallelGPT cut to their layers: stage 0 with the embeddings, S - 1 with the loss."""
+    """This rank's v chunks, 02's Stages of their layers: stage 0 with the embeddings, S - 1 with the loss."""
     r, pp = dist.get_rank(), dist.get_world_size()
-    return [tensor_parallel.ParallelGPT(cfg, layers=layers, pre_process=c * pp + r == 0, post_process=c * pp + r == pp * v - 1,
-                                **gpt_kwargs) for c, layers in enumerate(chunk_layers(cfg.n_layer, pp, v, r))]
+    return [pipeline.Stage(cfg, layers, c * pp + r == 0, c * pp + r == pp * v - 1, **gpt_kwargs)
+            for c, layers in enumerate(chunk_layers(cfg.n_layer, pp, v, r))]
 
 
 def chunk_and_microbatch(k, pp, v, forward=True):

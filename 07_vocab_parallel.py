@@ -83,13 +83,13 @@ Action = pipeline.Action
 
 
 def vocab_stage(cfg, groups, **factory):
-    """This rank's part: stage r's blocks (01's ParallelGPT cut by 02's split_layers, over its tp group), with
+    """This rank's part: stage r's blocks (02's Stage of split_layers' range r, over its tp group), with
     no vocabulary layer; wpe on the first stage and ln_f on the last; and on every rank its rows of wte, the
     padded vocabulary cut over the vocabulary group (01's VocabParallelEmbedding), which serve the input
     lookup and the tied output layer alike: the tie is local, no embedding group."""
     r, pp = dist.get_rank(groups.pp), dist.get_world_size(groups.pp)
-    stage = tensor_parallel.ParallelGPT(cfg, groups.tp, layers=pipeline.split_layers(cfg.n_layer, pp)[r],
-                                        pre_process=False, post_process=False, **factory)  # (b, T, C) in and out
+    stage = pipeline.Stage(cfg, pipeline.split_layers(cfg.n_layer, pp)[r], False, False, group=groups.tp,
+                           **factory)  # (b, T, C) in and out
     if r == 0:
         stage.transformer["wpe"] = torch.nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
     if r == pp - 1:

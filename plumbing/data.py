@@ -108,6 +108,18 @@ def check_tokens(idx, cfg, sp_tp=1):
         raise ValueError(f"token ids must lie in [0, vocab_size={V}); got min={lo}, max={hi}")
 
 
+def check_targets(logits, target, group, n_vocab, ignore_index):
+    """What F.cross_entropy refuses, without reading back: more vocabulary than the logits' (..., V/tp)
+    columns, a target outside [0, n_vocab) that is not ignore_index (not checked inside a CUDA graph's
+    capture). 01's GPT.head calls it; call it before 01's vocab_parallel_cross_entropy, which trusts them."""
+    tp = 1 if group is None else torch.distributed.get_world_size(group)
+    if n_vocab > logits.shape[-1] * tp:
+        raise ValueError(f"n_vocab={n_vocab} is more than the logits' {logits.shape[-1]} columns x tp={tp}")
+    if not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
+        torch._assert_async(((target == ignore_index) | (target >= 0) & (target < n_vocab)).all(),
+                            f"a target is outside [0, n_vocab={n_vocab}) and is not ignore_index={ignore_index}")
+
+
 def load_tokens(path, vocab_size, seq_len, mask=""):
     """All tokens of the data: a nanoGPT .bin as a TokenFile (uint16 ids, read as they are needed)
     or any other file as bytes (a 1-D tensor); with mask (--loss-mask), both as one Masked

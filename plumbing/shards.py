@@ -125,6 +125,19 @@ def max_rel_diff(a, b):
     return (diff.max() / scale).item()
 
 
+def materialize(module, device):
+    """Give every meta parameter of module uninitialised memory on device, in place: a parameter shared by
+    two modules (a tied output layer) stays one, and each keeps its attributes (split metadata: .tp_dim)."""
+    given = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta and id(p) not in given:
+                given[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                given[id(p)].__dict__.update(p.__dict__)
+            m._parameters[name] = given.get(id(p), p)
+    return module
+
+
 class FullWeights:
     """A mixin for a module of 01's layers over its tp group (self.group): its full (serial) weights
     in and out. 01's ParallelGPT takes it (and so its subclass GPT), so that chunks and tests speak in full tensors."""
@@ -133,7 +146,8 @@ class FullWeights:
         """Load this module's part (its layers, its shards) of a full serial state dict: the whole
         model's keys, of which a pipeline chunk takes its own; a key no part of the model has is refused.
         Returns the module."""
-        load_full_state_dict(self, full, self.group, whole=lambda: type(self)(self.cfg, device="meta"))
+        model = next(c for c in type(self).__mro__ if FullWeights in c.__bases__)  # 01's ParallelGPT: it is whole
+        load_full_state_dict(self, full, self.group, whole=lambda: model(self.cfg, device="meta"))
         return self
 
     def full_state_dict(self):  # every parameter, gathered to its serial shape
