@@ -75,7 +75,7 @@ def sum_tied_grads(stage, pp_group=None):
     one_f_one_b_step): make both copies of the tied weight hold the whole gradient, the sum of what
     each copy received.
 
-    stage: this rank's stage (02's stage_model: 01's ParallelGPT cut to its layers); the first stage
+    stage: this rank's stage (02's stage_model: a Stage, 01's ParallelGPT cut to its layers); the first stage
     and the last hold a copy, stage.transformer.wte.weight, whose .grad is what that copy received
     (the lookup's part on the first, the output layer's on the last). Update .grad in place. At
     pp = 1 the one stage holds both uses in one weight, and autograd has already added them. The

@@ -1286,6 +1286,33 @@ def test_a_key_no_part_of_the_model_has_is_refused_not_dropped(extra):
     assert torch.equal(chunk.transformer.h["1"].mlp.c_fc.weight, full["transformer.h.1.mlp.c_fc.weight"])
 
 
+def test_a_pipeline_part_of_blocks_the_model_does_not_have_is_refused_naming_them():
+    cfg = replace(TRAINER_CFG, n_layer=2)
+    for layers in ([2], [0, 5], [-1]):
+        with pytest.raises(ValueError, match=rf"layers={re.escape(str(layers))}: this model has blocks 0..1 \(n_layer=2\)"):
+            tensor_parallel.GPT(cfg, init=False, layers=layers, pre_process=False)
+
+
+def test_a_pipeline_part_holds_only_its_weights_its_tie_and_their_split_metadata():
+    # GPT builds a part on meta, cuts it (keep_part) and gives it memory (plumbing's materialize): the last
+    # stage's output layer must still be its wte (one tensor), and each parameter keep .tp_dim and .tp_full.
+    cfg = replace(TRAINER_CFG, n_layer=4)
+    full = tensor_parallel.init_state_dict(cfg, 0)
+    last = tensor_parallel.GPT(cfg, init=False, layers=[2, 3], pre_process=False).load_full_state_dict(full)
+    assert sorted(last.transformer.keys()) == ["h", "ln_f", "wte"] and list(last.transformer.h) == ["2", "3"]
+    assert last.lm_head.weight is last.transformer.wte.weight and not last.lm_head.weight.is_meta
+    whole = tensor_parallel.GPT(cfg, init=False).load_full_state_dict(full)
+    named = dict(whole.named_parameters())
+    for n, p in last.named_parameters():
+        assert (getattr(p, "tp_dim", None), getattr(p, "tp_full", None)) == \
+            (getattr(named[n], "tp_dim", None), getattr(named[n], "tp_full", None)), n
+        assert torch.equal(p, named[n]), n
+    middle = tensor_parallel.GPT(cfg, init=False, layers=[1], pre_process=False, post_process=False)
+    assert list(middle.transformer.keys()) == ["h"] and not hasattr(middle, "lm_head")
+    x = torch.randn(2, 4, cfg.n_embd)
+    assert middle(x).shape == x.shape  # (B, T, C) in and out
+
+
 def test_a_target_outside_the_vocabulary_is_refused_as_f_cross_entropy_refuses_it():
     cfg = replace(TRAINER_CFG, vocab_size=1001, n_embd=64, n_head=4, n_layer=2)
     model = tensor_parallel.GPT(cfg)
