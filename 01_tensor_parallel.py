@@ -230,7 +230,6 @@ def sum_each(group, *xs):
 
 def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, sums=sum_each):
     """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's slice (..., V/tp); GPT checks target."""
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index, sums)
 
 
@@ -527,7 +526,8 @@ class GPT(ParallelGPT):
             return super().head(x, None)
         check_targets(self.lm_head.weight.T, targets, self.group, self.cfg.vocab_size, ignore_index)  # before gathers
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V_pad/tp)
-        return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size,
+        upcast = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # the loss in fp32
+        return logits, vocab_parallel_cross_entropy(upcast, targets, self.group, self.cfg.vocab_size,
                                                     ignore_index, self.loss_sums)
 
 
