@@ -35,8 +35,8 @@ from plumbing import cli, demos
 from plumbing.checks import check_model
 from plumbing.data import check_targets, check_tokens  # noqa: F401 (01 re-exports check_targets)
 from plumbing.launch import launch, new_tp_group, printer, run_main  # the first two: for the README
-from plumbing.shards import FullWeights, gather_full, init_full, join_shards, load_full_state_dict, materialize, \
-    max_rel_diff, split_full  # noqa: F401 (01 re-exports them: tensor_parallel.split_full and so on)
+from plumbing.shards import FullWeights, gather_full, init_full, join_shards, keep_part, load_full_state_dict, \
+    materialize, max_rel_diff, split_full  # noqa: F401 (01 re-exports them: tensor_parallel.split_full and so on)
 from plumbing.trace import trace_comm
 
 
@@ -262,11 +262,8 @@ class ParallelAttention(nn.Module):
         q, k, v = rearrange(self.c_attn(x), "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
         p = self.p if self.training else 0.0
         with self.rng.fork() if p and self.rng else contextlib.nullcontext():  # other heads: other masks
-            y = self.core(q, k, v, p)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # softmax(q k^T / sqrt(hs)) v
         return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
-
-    def core(self, q, k, v, p):  # softmax(q k^T / sqrt(hs)) v, causal; 05 recomputes it, kernels/ fuses it
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
 class Block(nn.Module):
@@ -507,6 +504,8 @@ class GPT(ParallelGPT):
         if not whole:  # built on meta, which allocates nothing; cut to this part, then given memory
             keep_part(self, range(cfg.n_layer) if layers is None else layers, pre_process, post_process)
             materialize(self, device)
+        for block in self.transformer.h.values():  # each attention's core a seam: attention_with_core
+            block.attn.core, block.attn.forward = causal_attention, functools.partial(attention_with_core, block.attn)
         if init and device != "meta":
             self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
 
@@ -531,19 +530,18 @@ class GPT(ParallelGPT):
                                                     ignore_index, self.loss_sums)
 
 
-def keep_part(model, layers, pre_process, post_process):
-    """Cut a built ParallelGPT to a pipeline's part, in place: the blocks `layers`, the embeddings with
-    pre_process, ln_f and the output layer with post_process, wte with either (the output layer's tie)."""
-    tr = model.transformer
-    if any(str(i) not in tr.h for i in layers):
-        raise ValueError(f"layers={list(layers)}: this model has blocks 0..{len(tr.h) - 1} (n_layer={len(tr.h)})")
-    tr["h"] = nn.ModuleDict({str(i): tr.h[str(i)] for i in layers})
-    if not pre_process:
-        del tr["wpe"]
-    if not post_process:
-        del tr["ln_f"], model.lm_head
-    if not (pre_process or post_process):
-        del tr["wte"]
+def attention_with_core(attn, x):
+    """ParallelAttention's forward, its core (softmax(q k^T / sqrt(hs)) v, causal) looked up on the instance,
+    attn.core, which 05 recomputes, kernels/ fuse and 08 replaces with the ring; GPT installs it in each block."""
+    q, k, v = rearrange(attn.c_attn(x), "B T (three nh hs) -> three B nh T hs", three=3, hs=attn.hs)
+    p = attn.p if attn.training else 0.0
+    with attn.rng.fork() if p and attn.rng else contextlib.nullcontext():
+        y = attn.core(q, k, v, p)
+    return attn.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
+
+
+def causal_attention(q, k, v, p):  # the lesson's core: q, k, v (B, nh/tp, T, hs), dropout p
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
 # ----------------------------------------------------------------------------------------------

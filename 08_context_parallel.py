@@ -52,6 +52,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from einops import rearrange
 
 from plumbing import cli, demos
 from plumbing.checks import check_context, check_rows, check_split
@@ -145,12 +146,18 @@ class OneRing(torch.autograd.Function):
 
 
 def ring_gpt(cfg, group, **factory):
-    """01's ParallelGPT (tp = 1: whole, on every rank of the ring) with each block's attention core
-    replaced by the ring; the demo's dropout is 0."""
+    """01's ParallelGPT (tp = 1: whole, on every rank of the ring) with each block's attention run
+    through the ring (ring_attention); the demo's dropout is 0."""
     model = tensor_parallel.ParallelGPT(cfg, **factory)
     for block in model.transformer.h.values():
-        block.attn.core = lambda q, k, v, p: OneRing.apply(q, k, v, group)
+        block.attn.forward = functools.partial(ring_attention, block.attn, group)
     return model
+
+
+def ring_attention(attn, group, x):
+    """01's ParallelAttention.forward with OneRing in scaled_dot_product_attention's place: x (B, T/cp, C)."""
+    q, k, v = rearrange(attn.c_attn(x), "B T (three nh hs) -> three B nh T hs", three=3, hs=attn.hs)
+    return attn.c_proj(rearrange(OneRing.apply(q, k, v, group), "B nh T hs -> B T (nh hs)"))
 
 
 def ring_step(model, idx, targets, group):

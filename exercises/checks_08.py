@@ -162,9 +162,9 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def _gathered_gpt(group):
-    """01's ParallelGPT whose attention core sees every rank's keys and values, each query causal at
-    its true position r T/cp + i: the ring's answer by another road."""
-    model = tensor_parallel.ParallelGPT(CFG, dtype=F64)
+    """01's GPT (the machine, whose attention core is a seam) with a core that sees every rank's keys and
+    values, each query causal at its true position r T/cp + i: the ring's answer by another road."""
+    model = tensor_parallel.GPT(CFG, init=False, dtype=F64)
 
     def core(q, k, v, p):
         r, c = dist.get_rank(group), q.shape[2]

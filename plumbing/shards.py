@@ -9,6 +9,7 @@ imports and the parity tests need, not what tensor parallelism is. 01 re-exports
                                                 pipeline chunk is cut from, whose other keys it skips)
     gather_full(module, group, grads=False)     every parameter (or gradient) gathered to full shape
     init_full(named_params, n_layer, seed)      GPT-2's initialisation, full tensors (01's init_state_dict)
+    keep_part(model, layers, pre, post)         cut a built GPT to a pipeline's part, in place (01's GPT)
     max_rel_diff(a, b)                          the parity tests' measure: max |a - b| / max |b|, of two
                                                 tensors of one shape (never broadcast)
 
@@ -136,6 +137,21 @@ def materialize(module, device):
                 given[id(p)].__dict__.update(p.__dict__)
             m._parameters[name] = given.get(id(p), p)
     return module
+
+
+def keep_part(model, layers, pre_process, post_process):
+    """Cut a built ParallelGPT (01) to a pipeline's part, in place: the blocks `layers`, the embeddings with
+    pre_process, ln_f and the output layer with post_process, wte with either (the output layer's tie)."""
+    tr = model.transformer
+    if any(str(i) not in tr.h for i in layers):
+        raise ValueError(f"layers={list(layers)}: this model has blocks 0..{len(tr.h) - 1} (n_layer={len(tr.h)})")
+    tr["h"] = torch.nn.ModuleDict({str(i): tr.h[str(i)] for i in layers})
+    if not pre_process:
+        del tr["wpe"]
+    if not post_process:
+        del tr["ln_f"], model.lm_head
+    if not (pre_process or post_process):
+        del tr["wte"]
 
 
 class FullWeights:
