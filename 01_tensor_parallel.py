@@ -184,12 +184,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _mark_split(nn.Parameter(torch.empty(self.per_rank, n_embd, **factory)), 0, n_vocab)
 
     def forward(self, idx):  # (B, T) -> (B, T, C)
-        return reduce_from_tp(self.lookup(idx), self.group)
-
-    def lookup(self, idx):  # this rank's rows for its own ids, zeros for the others (07 calls it alone)
         local = idx - self.start
-        other = (local < 0) | (local >= self.per_rank)
-        return F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(other[..., None], 0)
+        other = (local < 0) | (local >= self.per_rank)  # another rank's ids: zeros here, its rows there
+        rows = F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(other[..., None], 0)
+        return reduce_from_tp(rows, self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -151,8 +151,8 @@ def vocab_1f1b_step(stage, microbatches, groups):
     first, last, (b, T) = s == 0, s == pp - 1, microbatches[0][0].shape
     n = max(sum(int((t != -100).sum()) for _, t in microbatches), 1)  # the batch's counted targets
     out, flight, losses = next(stage.parameters()).new_empty(b, T, stage.cfg.n_embd), [], []  # (b, T, C) travels
-    part = stage.transformer.wte.lookup(torch.cat([idx for idx, _ in microbatches]))  # (B, T, C), this rank's
-    tokens = tensor_parallel.all_reduce(part.detach(), groups.vocab)  # every rank's rows' share, summed
+    part = stage.transformer.wte(torch.cat([idx for idx, _ in microbatches]))  # (B, T, C): each rank's rows'
+    tokens = part.detach()  # share, summed over the vocabulary group (01's g: the identity in backward)
     if first:
         embedded = tokens + stage.transformer.wpe(torch.arange(T, device=tokens.device))
         inputs = [x.detach() for x in embedded.chunk(m)]  # the first stage's inputs: leaves, for their gradients
@@ -241,9 +241,16 @@ def spread_vocabulary(cfg, chunks, vocab_group, divisible_by=1):
     shard = tensor_parallel.VocabParallelEmbedding(cfg.vocab_size, tensor_parallel.padded_vocab_size(
         cfg.vocab_size, n, divisible_by), cfg.n_embd, vocab_group, dtype=like.dtype, device=like.device)
     shard.weight.split_group = vocab_group  # split over pp x tp, not its chunk's tp (plumbing/shards)
-    shard.forward = shard.lookup  # 01's lookup without its g: the sums go to the first stage
+    shard.forward = functools.partial(own_rows, shard)  # 01's forward without its g: the sums go to the first stage
     chunks[0].transformer["wte"] = shard
     return shard
+
+
+def own_rows(shard, idx):
+    """01's VocabParallelEmbedding before its g: this rank's rows for its own ids, zeros for the others'."""
+    local = idx - shard.start
+    other = (local < 0) | (local >= shard.per_rank)
+    return F.embedding(local.masked_fill(other, 0), shard.weight).masked_fill(other[..., None], 0)
 
 
 def _final_norm(chunk, x, targets=None, ignore_index=-100):
