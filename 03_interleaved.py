@@ -1,7 +1,7 @@
 """03 - The interleaved 1F1B schedule with virtual stages (Narayanan et al. 2021, Section 2.2.2).
 
-What this file adds on top of 02: of pp*v virtual stages, rank r holds v chunks, stages r, r + pp, ... (16 layers,
-pp=4, v=2: rank 0 holds layers 1-2 and 9-10). A microbatch crosses every rank v times: the bubble shrinks from
+What this file adds on top of 02: of pp*v virtual stages, rank r holds v chunks, stages r, r + pp, ... (8 layers,
+pp=2, v=2: rank 0 holds layers 1-2 and 5-6). A microbatch crosses every rank v times: the bubble shrinks from
 (pp-1)/m to (pp-1)/(v m), for (pp v - 1)/(pp - 1) times the p2p messages (7/3 at pp=4, v=2). The lesson, read first:
 interleaved_step, the whiteboard loop, every message inline. The machine, read second, which 05-09 build on: the
 same order as 02's Actions (interleaved), run by 02's executor (InterleavedSchedule). v=1 is 1F1B; m must be a
