@@ -10,7 +10,7 @@ backwards as soon as it can and keeps at most pp - stage. Both idle (pp - 1) / m
   - The machine, read second, which 03 and 05-09 build on: a schedule is a pure function (pp, m, stage) ->
     that stage's actions ("F3": forward of microbatch 3, "B3" its backward); Schedule.plan() derives each
     rank's messages, batched per boundary; Executor runs a plan. A later file gives its Schedule a larger
-    table of kinds and its Executor a method a kind. After it: Wire, Exchange and BackgroundSends (05's).
+    table of kinds and its Executor a method a kind. After it: Wire, Exchange and BackgroundSends (05's), in plumbing/transport.py.
 
 Run it:
     python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules
@@ -36,6 +36,7 @@ from plumbing.launch import printer, run_main
 from plumbing.meter import ActivationMeter, StepRecord, StepResult  # noqa: F401 (the step's figures, re-exported)
 from plumbing.reference import pipeline_reference
 from plumbing.simulate import Simulation, peak_in_flight, simulate  # noqa: F401 (02's, re-exported)
+from plumbing.transport import BackgroundSends, Exchange, Wire  # noqa: F401 (how a boundary travels: 02's, re-exported)
 from plumbing.validate import ScheduleError, check_lists, check_plans, validate  # noqa: F401 (02's, re-exported)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
@@ -470,67 +471,6 @@ def prove_machine(env, cfg, args, names, reference, lessons, say):
         ok &= good and same <= 1e-12
     demos.write_trace(env, args.trace, measured, say)
     return ok
-
-
-# ----------------------------------------------------------------------------------------------
-# After the concept: how a boundary tensor travels (Wire) and is posted (Exchange); BackgroundSends (05's).
-
-
-class Exchange:
-    """A boundary's messages posted as one batch, then all waited for; wait returns those sent (now free)."""
-
-    def post(self, ops):
-        return dist.batch_isend_irecv(ops)
-
-    def wait(self, works, ops, sent):
-        for work in works:
-            work.wait()
-        return sent
-
-    def flush(self):  # at the step's end: sends still in flight, once complete (BackgroundSends)
-        return []
-
-
-@dataclass
-class Wire:
-    """A boundary tensor travels as itself, in buffers of `shape` (05's ScatterGather sends 1/tp)."""
-    shape: tuple
-
-    def pack(self, t):
-        return t
-
-    def unpack(self, buf):
-        return buf
-
-
-class BackgroundSends(Exchange):
-    """Exchange, with the sends left in flight. Before: a boundary waits for its sends as for its
-    receives, so a rank whose peer is busy idles until that peer posts the matching receive. Now: it
-    waits for its receives only; its sends complete while the next action runs, and are waited for at
-    the next boundary or the step's end (MegaScale, Jiang et al. 2024, Section 3.3). check_plans'
-    rendezvous model is the conservative one, so what validates runs either way. NCCL returns one
-    handle for a whole batch: there the sends are waited for with the receives (gloo: one per op)."""
-
-    def __init__(self):
-        self.in_flight = []  # [(work, message)] from the previous boundary
-
-    def wait(self, works, ops, sent):
-        if len(works) != len(ops):  # NCCL: one work for the whole batch
-            for work in works:
-                work.wait()
-            return self.flush() + sent
-        for work, op in zip(works, ops):
-            if op.op is not dist.isend:
-                work.wait()
-        done = self.flush()  # the previous boundary's sends: they had its actions' time to complete
-        self.in_flight = list(zip([w for w, op in zip(works, ops) if op.op is dist.isend], sent))
-        return done
-
-    def flush(self):
-        for work, _ in self.in_flight:
-            work.wait()
-        done, self.in_flight = [msg for _, msg in self.in_flight], []
-        return done
 
 
 # ----------------------------------------------------------------------------------------------
