@@ -192,11 +192,11 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Shoeybi et al. 2019, Section 3: the mean cross-entropy of vocab-split logits, never gathered:
-    each all-reduce carries B T numbers, not B T V. The rows' maximum (MAX), then the sums over the
-    ranks (`sums`) of the target's logit and of the exponentials, both of logits less that maximum."""
+    each all-reduce carries B T numbers, not B T V. The rows' maximum (MAX), then one all-reduce of
+    two sums stacked: the target's logit and the sum of exponentials, both of logits less that maximum."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
+    def forward(ctx, logits, target, group, n_vocab, ignore_index):
         Vl, start = logits.shape[1], tp_rank(group) * logits.shape[1]  # logits (N, V/tp): N = B T rows
         logits = logits.masked_fill(torch.arange(start, start + Vl, device=logits.device) >= n_vocab, -math.inf)  # pads
         top = all_reduce(logits.max(dim=1).values, group, dist.ReduceOp.MAX)
@@ -206,7 +206,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.masked_fill(~mine, 0)
         picked = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
         exp = shifted.exp()
-        picked, total = sums(group, picked, exp.sum(dim=1))  # over the ranks: (N,) each
+        picked, total = all_reduce(torch.stack([picked, exp.sum(dim=1)]), group)  # both sums at once: (N,) each
         n_valid = valid.sum().clamp(min=1)  # no valid target at all: loss 0 and no gradient, not 0/0
         loss = (total.log() - picked).masked_fill(~valid, 0).sum() / n_valid
         ctx.save_for_backward(exp.div_(total[:, None]), local, mine, valid, n_valid)
@@ -218,17 +218,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits = softmax * (valid.to(softmax.dtype) * grad / n_valid)[:, None]  # new: backward can rerun
         rows = torch.arange(len(local), device=local.device)
         grad_logits[rows, local] -= mine.to(softmax.dtype) * (grad / n_valid) * valid  # - onehot
-        return grad_logits, None, None, None, None, None
+        return grad_logits, None, None, None, None
 
 
-def sum_each(group, *xs):
-    """Each tensor summed over the ranks, one all-reduce each (the cross-entropy's sums)."""
-    return [all_reduce(x, group) for x in xs]
-
-
-def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, sums=sum_each):
+def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100):
     """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's slice (..., V/tp); GPT checks target."""
-    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index, sums)
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index)
 
 
 class ParallelMLP(nn.Module):
@@ -498,7 +493,6 @@ class GPT(ParallelGPT):
         whole = layers is None and pre_process and post_process
         super().__init__(cfg, group, dtype=dtype, device=device if whole else "meta", rng=rng, **kwargs)
         self.pre_process, self.post_process, self.check_inputs = pre_process, post_process, check_inputs
-        self.loss_sums = sum_each  # the cross-entropy's sums: optimize() sets merged_sums
         if not whole:  # built on meta, which allocates nothing; cut to this part, then given memory
             keep_part(self, range(cfg.n_layer) if layers is None else layers, pre_process, post_process)
             materialize(self, device)
@@ -524,8 +518,7 @@ class GPT(ParallelGPT):
         check_targets(self.lm_head.weight.T, targets, self.group, self.cfg.vocab_size, ignore_index)  # before gathers
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V_pad/tp)
         upcast = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # the loss in fp32
-        return logits, vocab_parallel_cross_entropy(upcast, targets, self.group, self.cfg.vocab_size,
-                                                    ignore_index, self.loss_sums)
+        return logits, vocab_parallel_cross_entropy(upcast, targets, self.group, self.cfg.vocab_size, ignore_index)
 
 
 def attention_with_core(attn, x):
@@ -543,8 +536,8 @@ def causal_attention(q, k, v, p):  # the lesson's core: q, k, v (B, nh/tp, T, hs
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: optimizations, the same function (test_tensor_parallel.py: equal in float64 over 10 AdamW
-# steps); only when the same sums travel changes. 05's trainer turns both on, through optimize().
+# After the concept: an optimization, the same function (test_tensor_parallel.py: equal in float64 over 10 AdamW
+# steps). 05's trainer turns it on, through optimize().
 
 
 class OverlappedColumnLinear(torch.autograd.Function):
@@ -583,28 +576,19 @@ def overlapped_forward(linear, x):
     return OverlappedColumnLinear.apply(x, linear.weight, linear.bias, linear.group, linear.sp)
 
 
-def merged_sums(group, *xs):
-    """sum_each in one all-reduce of the stacked tensors: the cross-entropy's target logits and sums
-    of exponentials, (2, N), travel together (Megatron merges them so); the max cannot join them: it
-    is another reduction, and both sums need it first."""
-    return all_reduce(torch.stack(xs), group).unbind(0)
-
-
-def optimize(model, overlap_input_grad=True, merge_loss_reductions=True):
-    """Turn the optimizations above on in `model` (any module holding 01's layers); returns it."""
+def optimize(model, overlap_input_grad=True):
+    """Turn the optimization above on in `model` (any module holding 01's layers); returns it."""
     for m in model.modules():
         if overlap_input_grad and isinstance(m, ColumnParallelLinear) and tp_size(m.group) > 1:
             m.forward = functools.partial(overlapped_forward, m)
-        if merge_loss_reductions and isinstance(m, GPT):
-            m.loss_sums = merged_sums
     return model
 
 
 def prove_machine(lesson, full, batch, say):
     """The demo's machine part: GPT, optimized as 05's trainer runs it (the overlapped input-gradient
-    all-reduce, the merged loss sums), from the same full weights on the same batch, against the lesson's
-    model after its forward and backward: the loss and every gradient within 1e-12 (the optimizations
-    only move when the same sums travel: equal, or a few ulps)."""
+    all-reduce), from the same full weights on the same batch, against the lesson's model after its
+    forward and backward: the loss and every gradient within 1e-12 (the overlap moves when dX's sum
+    travels, not what is summed: equal, or a few ulps)."""
     machine = optimize(GPT(lesson.cfg, lesson.group, sequence_parallel=lesson.sp, init=False, dtype=torch.float64,
                            device=batch[0].device)).load_full_state_dict(full)
     lesson.zero_grad()  # (the demo's timing ran it more than once)
@@ -614,7 +598,7 @@ def prove_machine(lesson, full, batch, say):
     want = lesson.full_grads()
     worst = max([max_rel_diff(losses[0].detach(), losses[1].detach())] +
                 [max_rel_diff(g, want[n]) for n, g in machine.full_grads().items()])
-    say(f"the machine (GPT, optimize()'s overlap and merged sums) against the lesson (loss and every gradient): "
+    say(f"the machine (GPT, optimize()'s overlapped all-reduce) against the lesson (loss and every gradient): "
         f"{worst:.2e} {'PASS' if worst <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
     return worst <= 1e-12
 

@@ -253,7 +253,7 @@ def build(env, cfg, tc, groups, pipe=None, full=None):
     ops = kernels.FusedOps(tc.kernel_path, tc.flash_attention) if fused else None
     for c in chunks:
         c.load_full_state_dict(full)
-        tensor_parallel.optimize(c, tc.overlap_input_grad, tc.merge_loss_reductions)
+        tensor_parallel.optimize(c, tc.overlap_input_grad)
         if ops:
             kernels.fuse(c, ops, tc.overlap_input_grad)
         recompute_layers(c, tc.recompute)

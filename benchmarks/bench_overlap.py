@@ -1,10 +1,9 @@
 """01's and 02's communication optimizations, each on against off, in one run, alternating.
 
   TP, 01 on tp gloo ranks, one forward + backward of the GPT (no optimizer):
-      on        tensor_parallel.optimize(model): both switches, as 05 trains
+      on        tensor_parallel.optimize(model): as 05 trains
       tp-wait   optimize(model, overlap_input_grad=False): f's all-reduce (sp: reduce-scatter) after
                 the whole linear backward, with nothing left to hide behind
-      ce-3      optimize(model, merge_loss_reductions=False): three all-reduces in the cross-entropy
   PP, 02's executor on pp gloo ranks, one step of each schedule (no optimizer):
       background   exchange=pipeline.BackgroundSends(), as 05: a boundary waits for its receives only
       waited       the plain pipeline.Exchange() (execute's default): every send waited at its boundary
@@ -26,10 +25,9 @@ from harness import pipeline, rel, tensor_parallel
 from plumbing.trace import trace_comm
 
 # float32. The overlapped linear computes dX, dW and db with the same GEMMs as autograd's linear
-# but sums db in its own order (a few ulps); the merged all-reduce adds the same numbers; the
-# background sends move the same bytes. A real difference (a lost reduction) is O(1).
+# but sums db in its own order (a few ulps); the background sends move the same bytes. A real difference (a lost reduction) is O(1).
 TOLERANCES = {"loss": 1e-6, "grad": 1e-5}
-TP_SWITCHES = {"on": {}, "tp-wait": {"overlap_input_grad": False}, "ce-3": {"merge_loss_reductions": False}}
+TP_SWITCHES = {"on": {}, "tp-wait": {"overlap_input_grad": False}}
 
 
 def tp_step(model, idx, targets):
@@ -96,8 +94,7 @@ def report_tp(args, r):
                          TOLERANCES, r["same"]):
         return False
     print(harness.time_table(r["rounds"], args.tp, " (one step per sweep, order rotating)"))
-    for off in ("tp-wait", "ce-3"):
-        print("  " + harness.pair_line(r["rounds"], "on", off))
+    print("  " + harness.pair_line(r["rounds"], "on", "tp-wait"))
     return True
 
 

@@ -62,8 +62,7 @@ def peer_step(name, chunks, pp, rank, m, idx, targets, vocab_size):
         stages.append(PipelineStage(module, k, S, torch.device("cpu"), group=dist.group.WORLD))
 
     def loss_fn(logits, target):  # our cross-entropy (tp=1): the same arithmetic as our last chunk
-        return tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, vocab_size,
-                                                            sums=tensor_parallel.merged_sums)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, vocab_size)
 
     cls = TORCH_SCHEDULES[name]
     schedule = cls(stages if cls is ScheduleInterleaved1F1B else stages[0], m, loss_fn=loss_fn, scale_grads=True)

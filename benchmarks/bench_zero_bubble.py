@@ -106,8 +106,7 @@ def torch_step(name, chunks, pipe, rank, m, idx, targets, cfg):
                                     input_grads=None if k == 0 else x, group=dist.group.WORLD))
 
     def loss_fn(logits, target):
-        return tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, vocab_size,
-                                                            sums=tensor_parallel.merged_sums)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, target, None, vocab_size)
 
     schedule = TORCH[name](stages, m, loss_fn=loss_fn, scale_grads=True)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)

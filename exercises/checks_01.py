@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from plumbing.trace import trace_comm
 from exercises.autograder import Exercise, Planted, differences, first, installed, merged, numbered, \
     random_weights, ranks, token_batch, tp_group
 
@@ -292,13 +293,9 @@ def _cross_entropy(env, V, ignore_index):
     ref.backward(torch.tensor(0.7, dtype=F64))  # an upstream gradient that is not 1
     grad_want = torch.cat([ref_in.grad, torch.zeros(N, V_pad - V, dtype=F64)], 1).chunk(tp, 1)[r]
     local = full.chunk(tp, 1)[r].clone().requires_grad_()
-    calls = []
-
-    def sums(group, *xs):  # 01's sum_each, counting what it is given
-        calls.append(len(xs))
-        return tensor_parallel.sum_each(group, *xs)
-
-    loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index, sums)
+    with trace_comm() as log:
+        loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index)
+    sums = [c.shape for c in log if c.op == "all-reduce"]
     what = f"V={V} (padded to {V_pad}), ignore_index={ignore_index}"
     found = differences([(f"{what}, the loss", loss.detach(), ref.detach(),
                           _cross_entropy_cases(full, target, V, tp, r, ignore_index))])
@@ -309,11 +306,11 @@ def _cross_entropy(env, V, ignore_index):
                                       "upstream gradient / the number of counted rows",
                              "scaled": "is the backward's result multiplied by the upstream gradient (grad, 0.7 "
                                        "here) and divided by the number of counted rows?"}, factors={"tp": tp})
-    if not found and calls != [2]:
-        seen = ", ".join(f"one with {n} tensor{'s' * (n != 1)}" for n in calls) or "none"
-        found = [f"{what}: the calls of sums(group, ...) were {seen}: the target logits and the sums of "
-                 f"exponentials are summed over the ranks in one call, sums(group, picked, total) (05's trainer "
-                 f"passes merged_sums there, one all-reduce for both)"]
+    if not found and sums != [(2, N)]:
+        seen = ", ".join(str(s) for s in sums) or "none"
+        found = [f"{what}: forward's sum all-reduces had the shapes {seen}: the target logits and the sums of "
+                 f"exponentials, (N,) each, travel stacked in one all-reduce of (2, N) = (2, {N}) (as "
+                 f"Megatron's cross-entropy sends them), after the max's"]
     return found
 
 
@@ -399,7 +396,7 @@ def _bias_before_reduce(self, x):
 
 class _CrossEntropyLocalSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
+    def forward(ctx, logits, target, group, n_vocab, ignore_index):
         Vl, r = logits.shape[1], tensor_parallel.tp_rank(group)
         z = logits.masked_fill(torch.arange(r * Vl, (r + 1) * Vl) >= n_vocab, -math.inf)
         top = tensor_parallel.all_reduce(z.max(1).values, group, dist.ReduceOp.MAX)
@@ -408,7 +405,7 @@ class _CrossEntropyLocalSum(torch.autograd.Function):
         local = local.masked_fill(~mine, 0)
         picked = (z - top[:, None]).gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
         exp = (z - top[:, None]).exp()
-        picked, = sums(group, picked)
+        picked = tensor_parallel.all_reduce(picked, group)
         total = exp.sum(1)  # the mistake: not summed over the ranks
         n_valid = valid.sum()
         ctx.save_for_backward(exp / total[:, None], local, mine, valid, n_valid)
@@ -418,7 +415,7 @@ class _CrossEntropyLocalSum(torch.autograd.Function):
     def backward(ctx, grad):
         softmax, local, mine, valid, n_valid = ctx.saved_tensors
         onehot = torch.zeros_like(softmax).scatter_(1, local[:, None], mine.to(softmax.dtype)[:, None])
-        return (softmax - onehot) * (valid * grad / n_valid)[:, None], None, None, None, None, None
+        return (softmax - onehot) * (valid * grad / n_valid)[:, None], None, None, None, None
 
 
 class _GatherBackwardSplits(torch.autograd.Function):
@@ -487,17 +484,32 @@ def _row_returns_all_reduce(self, x):
 
 class _CrossEntropyMasksInPlace(REFERENCE["_VocabParallelCrossEntropy"]):
     @staticmethod
-    def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
+    def forward(ctx, logits, target, group, n_vocab, ignore_index):
         Vl, r = logits.shape[1], tensor_parallel.tp_rank(group)
         logits.masked_fill_(torch.arange(r * Vl, (r + 1) * Vl) >= n_vocab, -math.inf)  # the mistake: in place
-        return REFERENCE["_VocabParallelCrossEntropy"].forward(ctx, logits, target, group, n_vocab, ignore_index, sums)
+        return REFERENCE["_VocabParallelCrossEntropy"].forward(ctx, logits, target, group, n_vocab, ignore_index)
+
+
+class _CrossEntropySumsApart(REFERENCE["_VocabParallelCrossEntropy"]):
+    @staticmethod
+    def forward(ctx, logits, target, group, n_vocab, ignore_index):
+        real = tensor_parallel.all_reduce
+
+        def apart(x, group, *op):  # the mistake: the two stacked sums sent in two all-reduces, one each
+            return real(x, group, *op) if x.dim() == 1 else torch.stack([real(y, group) for y in x])
+
+        try:
+            tensor_parallel.all_reduce = apart
+            return REFERENCE["_VocabParallelCrossEntropy"].forward(ctx, logits, target, group, n_vocab, ignore_index)
+        finally:
+            tensor_parallel.all_reduce = real
 
 
 class _CrossEntropyTwoGradients(REFERENCE["_VocabParallelCrossEntropy"]):
     @staticmethod
     def backward(ctx, grad):
         grad_logits = REFERENCE["_VocabParallelCrossEntropy"].backward(ctx, grad)[0]
-        return grad_logits, None  # the mistake: two gradients for forward's six inputs
+        return grad_logits, None  # the mistake: two gradients for forward's five inputs
 
 
 class _GatherBackwardAllReduces(torch.autograd.Function):
@@ -562,9 +574,12 @@ EXERCISES = [
               Planted("cross_entropy_masks_in_place", "the padded columns are filled with -inf in the logits given",
                       lambda: {"_VocabParallelCrossEntropy": _CrossEntropyMasksInPlace},
                       "forward wrote into its input logits in place", at_line=True),
-              Planted("cross_entropy_two_gradients", "backward returns two gradients, not one per input (six)",
+              Planted("cross_entropy_two_gradients", "backward returns two gradients, not one per input (five)",
                       lambda: {"_VocabParallelCrossEntropy": _CrossEntropyTwoGradients},
-                      "returned 2 gradients for forward's 6 inputs", at_line=True)]),
+                      "returned 2 gradients for forward's 5 inputs", at_line=True),
+              Planted("cross_entropy_sums_apart", "the two sums in two all-reduces, not one stacked",
+                      lambda: {"_VocabParallelCrossEntropy": _CrossEntropySumsApart},
+                      "travel stacked in one all-reduce")]),
     Exercise("01.4", "sequence_parallel", "sequence parallelism's all-gather / reduce-scatter pair",
              ("GatherFromSP", "ReduceScatterToSP"), "Korthikanti et al. 2022, Section 4.2.2",
              check_sequence_parallel, lambda: {k: REFERENCE[k] for k in ("GatherFromSP", "ReduceScatterToSP")},

@@ -30,7 +30,6 @@ import torch.nn.functional as F  # noqa: F401 (for your code)
 
 tensor_parallel = importlib.import_module("01_tensor_parallel")
 tp_size, tp_rank, all_reduce = tensor_parallel.tp_size, tensor_parallel.tp_rank, tensor_parallel.all_reduce
-sum_each = tensor_parallel.sum_each  # 01.3: the sums over the ranks, one all-reduce each
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,17 +108,17 @@ def row_parallel_forward(self, x):
 # 01.3 The vocab-parallel cross-entropy (Shoeybi et al. 2019, Section 3, the output embedding: the
 # logits stay split by vocabulary and only per-token numbers cross ranks, not B T V logits)
 #
-# 01's vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100, sums=sum_each)
+# 01's vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100)
 # reshapes the logits to (N, V_pad/tp) and the targets to (N,) (N = B T rows) and applies this
 # Function; its backward is written by hand, as 01's is: the gradient needs no communication.
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """F.cross_entropy(full logits[:, :n_vocab], target, ignore_index=ignore_index) from this rank's
-    vocab slice of the logits, with three sums over the ranks of one number per row."""
+    vocab slice of the logits, with two all-reduces: of one number per row, then of two."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, n_vocab, ignore_index, sums):
+    def forward(ctx, logits, target, group, n_vocab, ignore_index):
         """logits (N, V_pad/tp): this rank holds columns [rank * V_pad/tp, (rank + 1) * V_pad/tp) of
         the full logits; columns >= n_vocab are padding (V_pad rounds V up to a multiple of tp) and
         are never a possible token. target (N,): token ids, or ignore_index for rows that do not
@@ -132,8 +131,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
           3. the target's logit minus the max: only the rank whose columns hold the target has it,
              the others put 0;
           4. the sum of exp(logit - max) over this rank's columns;
-          5. the two sums over the ranks, in one call: sums(group, (3), (4)) returns both summed
-             (sum_each: an all-reduce each; 05's trainer passes 01's merged_sums, one for both);
+          5. the two sums over the ranks in one all-reduce: stack (3) and (4) into (2, N) and
+             all_reduce that (Megatron's cross-entropy sends them so; the check counts the calls);
           6. loss per row = log(sum) - (target logit - max), averaged over the rows that count.
         Save for backward (ctx.save_for_backward) what the gradient needs."""
         raise NotImplementedError("01.3 _VocabParallelCrossEntropy.forward: three numbers per row cross the ranks "
@@ -143,7 +142,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         """grad: the loss's upstream gradient (a scalar). Returns (the gradient of this rank's
-        logits (N, V_pad/tp), None, None, None, None, None): on each counted row, softmax minus the
+        logits (N, V_pad/tp), None, None, None, None): on each counted row, softmax minus the
         one-hot of the target, restricted to this rank's columns, times grad / the number of counted
         rows; 0 on the others. Every rank has what it needs from forward: no communication."""
         raise NotImplementedError("01.3 _VocabParallelCrossEntropy.backward: the gradient of the mean cross-entropy "

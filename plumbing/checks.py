@@ -68,7 +68,7 @@ FIELDS = {
     "weight_decay": _at_least(0), "grad_clip": _POSITIVE, "bucket_numel": _at_least(1),
     "zero1": _ANY, "scatter_gather": _ANY, "recompute": _ANY, "dtype": _ANY, "loss_normalization": _ANY,
     "overlap_grad_reduce": _ANY, "overlap_param_gather": _ANY, "overlap_input_grad": _ANY,
-    "merge_loss_reductions": _ANY, "background_sends": _ANY,
+    "background_sends": _ANY,
     "eval_every": _at_least(0), "eval_batches": _at_least(1), "data": _ANY, "loss_mask": _ANY, "metrics": _ANY,
     # Below a second not even the groups' own set-up completes: every run would fail at its first collective.
     "timeout_s": [(lambda v: 0 < v <= MAX_TIMEOUT_S, f"positive and at most {MAX_TIMEOUT_S} (seconds)"), _A_SECOND],

@@ -37,7 +37,6 @@ class Optimization:
 @dataclass
 class Speed:  # the optimizations each chapter adds after its concept: each on by default here
     overlap_input_grad: bool = True  # 01: a column-parallel input gradient's all-reduce runs beside the dW GEMM
-    merge_loss_reductions: bool = True  # 01: the cross-entropy's target-logit and sum-of-exp all-reduces as one
     background_sends: bool = True  # 02: a boundary waits for its receives only; its sends complete meanwhile
     overlap_grad_reduce: bool = True  # 04: reduce each gradient bucket during the chunk's last backward, not after the flush
     overlap_param_gather: bool = True  # 04, ZeRO-1: all-gather the updated weights during the next forward, not before it

@@ -58,7 +58,7 @@ LAUNCHES = {  # grouped by world size: one launch runs several trainings in turn
     "world 8, sp and recompute": [layout(2, 2, 2, sequence_parallel=True), layout(2, 2, 2, recompute="full")],
 }
 OFF = dict(overlap_grad_reduce=False, overlap_param_gather=False,  # the reduction after the flush, as before,
-           overlap_input_grad=False, merge_loss_reductions=False, background_sends=False)  # and 01's, 02's switches
+           overlap_input_grad=False, background_sends=False)  # and 01's, 02's switches
 
 
 def reduces(tc):
@@ -351,15 +351,14 @@ def _switches(env, tc):
     gpt3d.train_step(run, *data.replica_batch(tokens, 0, tc, 0), 1e-3)
     linears = [isinstance(m.forward, functools.partial) and m.forward.func is tensor_parallel.overlapped_forward
                for c in run.chunks for m in c.modules() if isinstance(m, tensor_parallel.ColumnParallelLinear)]
-    merges = [c.loss_sums is tensor_parallel.merged_sums for c in run.chunks if c.post_process]
-    return linears, merges, isinstance(seen["exchange"], gpt3d.pipeline.BackgroundSends)
+    return linears, isinstance(seen["exchange"], gpt3d.pipeline.BackgroundSends)
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
 def test_05s_flags_reach_01s_and_02s_overlap_switches(run_ranks, on):
-    tc = replace(BASE, tp=2, overlap_input_grad=on, merge_loss_reductions=on, background_sends=on)
-    linears, merges, sends = run_ranks(_switches, 2, tc)[0]
-    assert len(linears) > 4 and set(linears) == {on} and set(merges) == {on} and sends is on
+    tc = replace(BASE, tp=2, overlap_input_grad=on, background_sends=on)
+    linears, sends = run_ranks(_switches, 2, tc)[0]
+    assert len(linears) > 4 and set(linears) == {on} and sends is on
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after the flush"])

@@ -4,10 +4,10 @@ Tolerance: everything runs in float64 and is compared as max|a - b| / max|b| <= 
 a matmul or a sum across ranks only reorders additions, which costs a few float64 ulps (~1e-15)
 per reduction; a real bug (a bias added tp times, a wrong shard, a missing all-reduce) is O(1).
 Weights, biases, LayerNorm parameters and inputs are all random, never zeros or ones, so that
-such bugs cannot hide. The two optimizations that optimize() turns on (overlap_input_grad: the
-column-parallel backward's asynchronous all-reduce; merge_loss_reductions: the cross-entropy's two
-all-reduces instead of three) change when and how the same sums travel, never what is summed: the
-same tolerance holds with each on and off, and a reduction lost or waited for too late is O(1).
+such bugs cannot hide. The optimization that optimize() turns on (overlap_input_grad: the
+column-parallel backward's asynchronous all-reduce) changes when the same sums travel, never what
+is summed: the same tolerance holds with it on and off, and a reduction lost or waited for too late
+is O(1).
 """
 import pytest
 import torch
@@ -71,7 +71,7 @@ def _local(t, layout, sp, tp, rank):
 
 def set_overlap(module, on):
     """overlap_input_grad on every column-parallel layer inside module (optimize(), as 05 does)."""
-    return tensor_parallel.optimize(module, overlap_input_grad=on, merge_loss_reductions=False)
+    return tensor_parallel.optimize(module, overlap_input_grad=on)
 
 
 def _compare_blocks(env, tp, overlap):
@@ -157,7 +157,7 @@ def test_conjugate_operators_do_what_their_contracts_say(run_ranks):
 # Vocab-parallel cross-entropy against F.cross_entropy on the full, unpadded logits.
 
 
-def _cross_entropy(env, V, ignore_index, merge):
+def _cross_entropy(env, V, ignore_index):
     group, tp, r = env_group(env)
     V_pad = tensor_parallel.padded_vocab_size(V, tp)
     N = 24
@@ -167,9 +167,7 @@ def _cross_entropy(env, V, ignore_index, merge):
     padded = torch.cat([full, torch.full((N, V_pad - V), 1e4, dtype=F64)], 1)  # poison the padding
     local = padded.chunk(tp, 1)[r].clone().requires_grad_()
     with trace_comm() as log:
-        sums = tensor_parallel.merged_sums if merge else tensor_parallel.sum_each
-        loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index,
-                                                            sums=sums)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, group, V, ignore_index=ignore_index)
     dloss = 0.7  # a non-unit upstream gradient
     loss.backward(torch.tensor(dloss, dtype=F64))
     ref_in = full.clone().requires_grad_()
@@ -180,18 +178,16 @@ def _cross_entropy(env, V, ignore_index, merge):
         [(c.op, c.operator, c.shape) for c in log]
 
 
-@pytest.mark.parametrize("merge", [True, False], ids=["2-all-reduces", "3-all-reduces"])
 @pytest.mark.parametrize("tp,V,ignore_index", [(1, 10, -100), (2, 10, -100), (4, 10, -100),
                                                 (4, 13, 3), (4, 3, -100)])
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_with_padding_and_ignore_index(
-        run_ranks, tp, V, ignore_index, merge):
+        run_ranks, tp, V, ignore_index):
     N = 24
     # The max has its own all-reduce (MAX); the target logits and the sums of exponentials share
-    # one of (2, N) when merged, else one each. None at tp=1.
+    # one of (2, N). None at tp=1.
     ce = "_VocabParallelCrossEntropy"
-    want = [] if tp == 1 else [("all-reduce (max)", ce, (N,))] + (
-        [("all-reduce", ce, (2, N))] if merge else [("all-reduce", ce, (N,)), ("all-reduce", ce, (N,))])
-    for r, (dloss, dgrad, grad, V_pad, log) in enumerate(run_ranks(_cross_entropy, tp, V, ignore_index, merge)):
+    want = [] if tp == 1 else [("all-reduce (max)", ce, (N,)), ("all-reduce", ce, (2, N))]
+    for r, (dloss, dgrad, grad, V_pad, log) in enumerate(run_ranks(_cross_entropy, tp, V, ignore_index)):
         assert log == want
         assert dloss <= TOL and dgrad <= TOL, (r, dloss, dgrad)
         start = r * (V_pad // tp)
@@ -319,8 +315,7 @@ def _whole_model(env, sp, switches, steps):
     return diffs
 
 
-SWITCHES = {"optimized": {}, "plain": dict(overlap_input_grad=False, merge_loss_reductions=False),
-            "overlap-off": dict(overlap_input_grad=False), "merge-off": dict(merge_loss_reductions=False)}
+SWITCHES = {"optimized": {}, "plain": dict(overlap_input_grad=False)}
 
 
 @pytest.mark.grid(keep=['4-sp-on-optimized', '4-sp-off-plain', '2-sp-on-plain', '1-sp-off-optimized'])
@@ -333,13 +328,6 @@ def test_tp_gpt2_equals_serial_gpt2_loss_grads_and_10_adamw_steps(run_ranks, tp,
         bad = {k: v for k, v in diffs.items() if not v <= TOL}
         assert not bad, bad
         assert sum("grad" in k for k in diffs) == steps * len(tensor_parallel.init_state_dict(CFG, 0))
-
-
-@pytest.mark.parametrize("switches", ["overlap-off", "merge-off"])
-def test_each_switch_alone_keeps_the_tp_gpt2_equal_to_serial(run_ranks, switches):
-    for diffs in run_ranks(_whole_model, 2, True, SWITCHES[switches], 3):
-        bad = {k: v for k, v in diffs.items() if not v <= TOL}
-        assert not bad, bad
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,14 +391,14 @@ def _student_cross_entropy(env):
     group, tp, r = env_group(env)
     calls = []
 
-    def ce(logits, target, group, n_vocab, ignore_index=-100, sums=tensor_parallel.sum_each):  # 01's signature
-        calls.append(sums)
-        return original(logits, target, group, n_vocab, ignore_index, sums)
+    def ce(logits, target, group, n_vocab, ignore_index=-100):  # 01's signature
+        calls.append(n_vocab)
+        return original(logits, target, group, n_vocab, ignore_index)
 
     original, tensor_parallel.vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy, ce
     model = tensor_parallel.GPT(CFG, group, dtype=F64)
     idx = torch.randint(CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
-    return model(idx, idx)[1].item(), calls == [tensor_parallel.sum_each]
+    return model(idx, idx)[1].item(), calls == [CFG.vocab_size]
 
 
 def test_a_replaced_f_takes_effect_with_the_overlap_off_and_a_replaced_cross_entropy_is_called(run_ranks):
