@@ -431,6 +431,40 @@ CLAIMS = [
 ]
 
 
+def _worked_cross_entropy(env, logits, target):
+    import torch
+    tensor_parallel = load("01_tensor_parallel")
+    group = tensor_parallel.new_tp_group(env, 2)
+    mine = torch.tensor([logits], dtype=torch.float64).chunk(2, 1)[env.rank]
+    return float(tensor_parallel.vocab_parallel_cross_entropy(mine, torch.tensor([target]), group, len(logits)))
+
+
+def test_guide_01s_worked_cross_entropy_is_what_01s_function_and_the_arithmetic_give():
+    import math
+    import torch
+    from plumbing.launch import launch
+    prose = " ".join(text("docs/GUIDE.md").split())
+    m = re.search(r"Worked, one row, V = 4, tp = 2: logits \[(\S+), (\S+) \| (\S+), (\S+)\], target (\d) .*?The MAX "
+                  r"is (\S+); less it, rank 0 holds \[(\S+), (\S+)\] and rank 1 \[(\S+), (\S+)\]\. Rank 0's target "
+                  r"logit is (\S+) \(not its column\), rank 1's (\S+); their sums of exponentials are ([\d.]+) and "
+                  r"([\d.]+)\. The stacked all-reduce gives (\S+) and ([\d.]+), so the loss is ln [\d.]+ - \(\S+\) = "
+                  r"([\d.]+), F.cross_entropy's", prose)
+    assert m, "GUIDE 01's worked cross-entropy example no longer reads as this test expects"
+    x = [float(v) for v in m.groups()]
+    logits, t = x[:4], int(x[4])
+    top = max(logits)
+    shifted = [v - top for v in logits]
+    halves = shifted[:2], shifted[2:]
+    picked = [h[t - 2 * r] if 0 <= t - 2 * r < 2 else 0.0 for r, h in enumerate(halves)]
+    sums = [sum(math.exp(v) for v in h) for h in halves]
+    loss = math.log(sum(sums)) - sum(picked)
+    assert x[5] == top and x[6:10] == shifted and x[10:12] == picked
+    assert x[12:14] == [round(s, 3) for s in sums] and x[14] == sum(picked) and x[15] == round(sum(sums), 3)
+    whole = float(torch.nn.functional.cross_entropy(torch.tensor([logits]), torch.tensor([t])))
+    ours = launch(_worked_cross_entropy, 2, logits, t, timeout_s=20, deadline_s=60)
+    assert x[16] == round(loss, 3) == round(whole, 3) == round(ours[0], 3) == round(ours[1], 3)
+
+
 def test_the_trainers_switches_make_the_demos_collectives_two_of_them_the_loss():
     # The overlap moves when dX's all-reduce runs, not how many run: the demo's list holds for 05.
     loss, total = loss_collectives_with_the_trainers_switches()
