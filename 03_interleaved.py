@@ -66,7 +66,7 @@ def exchange(sends, receives, box, like):
 
 def interleaved_step(chunks, microbatches):
     """Interleaved 1F1B on this rank's v chunks: warm-up forwards, steady forward-backward steps, the drain; the
-    loss on the last rank, else None. Message (kind, k, i): F's (B's) input on stage k, microbatch i, from k-1 (k+1)."""
+    loss on the last rank, else None. A message's key (kind, k, i) names its receiver: F's (B's) input on stage k."""
     r, pp, v, m = dist.get_rank(), dist.get_world_size(), len(chunks), len(microbatches)
     if v == 1:
         return pipeline.one_f_one_b_step(chunks[0], microbatches)
@@ -80,7 +80,7 @@ def interleaved_step(chunks, microbatches):
     fwd, bwd = ([(kind, *chunk_and_microbatch(k, pp, v, kind == "F")) for k in range(n)] for kind in "FB")
     steps = [[f] for f in fwd[:warmup]] + [[f, b] for f, b in zip(fwd[warmup:], bwd)] + [[b] for b in bwd[n - warmup:]]
     box, flight, sends, src = {}, {}, {}, {"F": -1, "B": 1}  # F's input comes from the stage before, B's from after
-    for step in steps + [[]]:  # [[]]: the last backward's send
+    for step in steps + [[]]:  # exchange: last step's sends, this step's receives; the empty [] sends the final B's
         exchange(sends, {(kind, c * pp + r, i): (r + src[kind]) % pp for kind, c, i in step
                          if pp > 1 and 0 <= c * pp + r + src[kind] < S}, box, like)
         sends = {}
