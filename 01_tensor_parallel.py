@@ -5,7 +5,7 @@ What this file adds: the foundation, which every later file imports. Read first:
 the paper's Figure 3, f (identity forward, all-reduce backward) and g (all-reduce forward, identity backward);
 column- and row-parallel linear layers, a vocab-parallel embedding and cross-entropy; a GPT-2 built from them
 in which tp=1 *is* the serial model. Read second: sequence parallelism (the paper's g and g-bar, in f's and
-g's places), then the machine: GPT (a pipeline's part, checks, dropout's tracker) and two optimizations.
+g's places), then the machine: GPT (a pipeline's part, checks, dropout and its tracker) and two optimizations.
 
 Run it:
     python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
@@ -119,7 +119,7 @@ class GPTConfig:
     n_layer: int = 12  # transformer blocks
     n_head: int = 12  # nh, attention heads
     n_embd: int = 768  # C, channels of the residual stream (hs = C / nh per head)
-    dropout: float = 0.0  # on embeddings, attention probabilities and both residual branches
+    dropout: float = 0.0  # on embeddings, attention probabilities and both residual branches (GPT's; the lesson has none)
 
 
 def _mark_split(p, dim, full, fused=1):
@@ -241,7 +241,7 @@ class ParallelMLP(nn.Module):
 class ParallelAttention(nn.Module):
     """Causal self-attention with nh/tp heads per rank: column-parallel QKV, row-parallel output."""
 
-    def __init__(self, cfg, group, rng, sp=False, **factory):
+    def __init__(self, cfg, group, sp=False, **factory):
         super().__init__()
         C = cfg.n_embd
         # GPT-2's c_attn stacks Q, K and V (3C outputs): rank i holds its heads of each, [Q_i; K_i; V_i]
@@ -249,34 +249,27 @@ class ParallelAttention(nn.Module):
         # of the full (12, 4) weight, Q rows 0-3, K 4-7, V 8-11, rank 0 holds 0-1, 4-5, 8-9, rank 1 2-3, 6-7, 10-11.
         self.c_attn = ColumnParallelLinear(C, 3 * C, group, sp, fused=3, **factory)
         self.c_proj = RowParallelLinear(C, C, group, sp, **factory)
-        self.hs, self.p, self.rng = C // cfg.n_head, cfg.dropout, rng
+        self.hs = C // cfg.n_head
 
     def forward(self, x):
         q, k, v = rearrange(self.c_attn(x), "B T (three nh hs) -> three B nh T hs", three=3, hs=self.hs)
-        p = self.p if self.training else 0.0
-        with self.rng.fork() if p and self.rng else contextlib.nullcontext():  # other heads: other masks
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # softmax(q k^T / sqrt(hs)) v
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # softmax(q k^T / sqrt(hs)) v, causal
         return self.c_proj(rearrange(y, "B nh T hs -> B T (nh hs)"))
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x)))."""
+    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, cfg, group, rng, sp=False, **factory):
+    def __init__(self, cfg, group, sp=False, **factory):
         super().__init__()
         self.ln_1 = LayerNorm(cfg.n_embd, group, sp, **factory)
-        self.attn = ParallelAttention(cfg, group, rng, sp, **factory)
+        self.attn = ParallelAttention(cfg, group, sp, **factory)
         self.ln_2 = LayerNorm(cfg.n_embd, group, sp, **factory)
         self.mlp = ParallelMLP(cfg, group, sp, **factory)
-        self.p, self.rng, self.sp = cfg.dropout, rng, sp
 
     def forward(self, x):
-        x = x + self.dropout(self.attn(self.ln_1(x)))
-        return x + self.dropout(self.mlp(self.ln_2(x)))
-
-    def dropout(self, y):  # with sp, each rank's slice of T draws its own mask
-        with self.rng.fork() if self.training and self.p and self.sp and self.rng else contextlib.nullcontext():
-            return F.dropout(y, self.p, self.training and self.p > 0)
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,19 +282,20 @@ def padded_vocab_size(n_vocab, tp, divisible_by=1):  # V up to a multiple of div
 
 class ParallelGPT(FullWeights, nn.Module):
     """GPT-2 over a tp group: the token and position embeddings, the blocks, ln_f, and the output layer,
-    tied to wte, with the vocab-parallel cross-entropy; idx (B, T) -> logits (B, T, V_pad/tp), loss."""
+    tied to wte, with the vocab-parallel cross-entropy; idx (B, T) -> logits (B, T, V_pad/tp), loss. No dropout:
+    GPT, the machine, adds it (cfg.dropout)."""
 
     def __init__(self, cfg, group=None, *, sequence_parallel=False, dtype=torch.float32, device="cpu",
-                 vocab_divisible_by=1, rng=None):
+                 vocab_divisible_by=1):
         super().__init__()
         tp = tp_size(group)
-        self.cfg, self.group, self.sp, self.rng = cfg, group, sequence_parallel and tp > 1, rng
+        self.cfg, self.group, self.sp = cfg, group, sequence_parallel and tp > 1
         factory = dict(dtype=dtype, device=device)
         V_pad = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
         tr = self.transformer = nn.ModuleDict()  # keyed as GPT-2's
         tr["wte"] = VocabParallelEmbedding(cfg.vocab_size, V_pad, cfg.n_embd, group, **factory)
         tr["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd, **factory)
-        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, rng, self.sp, **factory) for i in range(cfg.n_layer)})
+        tr["h"] = nn.ModuleDict({str(i): Block(cfg, group, self.sp, **factory) for i in range(cfg.n_layer)})
         tr["ln_f"] = LayerNorm(cfg.n_embd, group, self.sp, **factory)  # then the output layer, tied to wte:
         self.lm_head = ColumnParallelLinear(cfg.n_embd, V_pad, group, self.sp, bias=False, dtype=dtype, device="meta")
         self.lm_head.weight = tr["wte"].weight  # wte's, at once: hence meta above, which allocates nothing
@@ -315,13 +309,9 @@ class ParallelGPT(FullWeights, nn.Module):
     def embed(self, idx):
         return self.embed_positions(self.transformer.wte(idx))
 
-    def embed_positions(self, x):  # the token embeddings (B, T, C) plus the positions, T split (sp), dropout
+    def embed_positions(self, x):  # the token embeddings (B, T, C) plus the positions; with sp, T split
         x = x + self.transformer.wpe(torch.arange(x.shape[1], device=x.device))
-        if self.sp:
-            x = scatter_to_sp(x, self.group)  # (B, T/tp, C)
-        p = self.cfg.dropout if self.training else 0.0
-        with self.rng.fork() if p and self.sp and self.rng else contextlib.nullcontext():  # split: own masks
-            return F.dropout(x, p, p > 0)
+        return scatter_to_sp(x, self.group) if self.sp else x  # (B, T/tp, C) with sp
 
     def head(self, x, targets, ignore_index=-100):
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V_pad/tp)
@@ -476,9 +466,20 @@ class TPRandom:
             default.set_state(saved)
 
 
+def block_with_dropout(block, x):
+    """Block's forward with dropout on both residual branches, as GPT-2 has it; GPT installs it in each block."""
+    x = x + residual_dropout(block, block.attn(block.ln_1(x)))
+    return x + residual_dropout(block, block.mlp(block.ln_2(x)))
+
+
+def residual_dropout(block, y):  # replicated y: the default stream; with sp each rank's slice of T: its own mask
+    with block.rng.fork() if block.training and block.p and block.sp and block.rng else contextlib.nullcontext():
+        return F.dropout(y, block.p, block.training and block.p > 0)
+
+
 # ----------------------------------------------------------------------------------------------
 # After the concept: GPT, the lesson's ParallelGPT as engineers, tests and the trainers build it: the same
-# function, with what operations add (a pipeline's part, checks, initial weights, dropout's tracker).
+# function, with what operations add (a pipeline's part, checks, initial weights, dropout and its tracker).
 
 
 class GPT(ParallelGPT):
@@ -491,12 +492,15 @@ class GPT(ParallelGPT):
         tp = check_model(cfg, tp_size(group), device)
         rng = rng or TPRandom(seed, tp_rank(group), device if device != "meta" else "cpu", enabled=tp > 1)
         whole = layers is None and pre_process and post_process
-        super().__init__(cfg, group, dtype=dtype, device=device if whole else "meta", rng=rng, **kwargs)
-        self.pre_process, self.post_process, self.check_inputs = pre_process, post_process, check_inputs
+        super().__init__(cfg, group, dtype=dtype, device=device if whole else "meta", **kwargs)
+        self.rng, self.pre_process, self.post_process, self.check_inputs = rng, pre_process, post_process, check_inputs
         if not whole:  # built on meta, which allocates nothing; cut to this part, then given memory
             keep_part(self, range(cfg.n_layer) if layers is None else layers, pre_process, post_process)
             materialize(self, device)
-        for block in self.transformer.h.values():  # each attention's core a seam: attention_with_core
+        for block in self.transformer.h.values():  # dropout, and each attention's core a seam: attention_with_core
+            block.p = block.attn.p = cfg.dropout
+            block.rng, block.sp, block.attn.rng = rng, self.sp, rng
+            block.forward = functools.partial(block_with_dropout, block)
             block.attn.core, block.attn.forward = causal_attention, functools.partial(attention_with_core, block.attn)
         if init and device != "meta":
             self.load_full_state_dict(init_state_dict(cfg, seed, dtype=dtype))
@@ -506,6 +510,12 @@ class GPT(ParallelGPT):
         for block in self.transformer.h.values():
             x = block(x)
         return self.head(x, targets, ignore_index) if self.post_process else x
+
+    def embed_positions(self, x):  # the lesson's, then dropout: with sp, each rank's slice of T its own mask
+        x = super().embed_positions(x)
+        p = self.cfg.dropout if self.training else 0.0
+        with self.rng.fork() if p and self.sp and self.rng else contextlib.nullcontext():
+            return F.dropout(x, p, p > 0)
 
     def embed(self, idx):
         if self.check_inputs:  # False: the caller checked the batch once, on the host

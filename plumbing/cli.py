@@ -244,6 +244,9 @@ def demo_args(parser, argv=None, train_parser=None, **resolve):
     demo_cls, model_cls = parser.configs
     cfg, demo = from_args(model_cls, args), from_args(demo_cls, args)
     checks.check_config(cfg, demo)
+    if cfg.dropout:  # every demo holds its models to the serial one, which needs the same masks
+        raise ValueError(f"--dropout {cfg.dropout:g}: the demo compares its models with the serial one exactly, and "
+                         f"dropout draws other masks in other layouts; give 0 (05's trainer takes --dropout)")
     paths.check_outputs([("--trace", getattr(demo, "trace", ""))], overwrite=getattr(args, "overwrite", False))
     checks.check_paths(demo)
     return cfg, args

@@ -61,10 +61,12 @@ CASES = {
     "01 seed -1": ("01", ["--seed", "-1"], "--seed must be in [0, 2**31), got -1"),
     "01 dropout 1": ("01", ["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
     "01 dropout nan": ("01", ["--dropout", "nan"], "--dropout must be a finite number, got nan"),
+    "01 demo with dropout": ("01", ["--dropout", "0.1"], "--dropout 0.1: the demo compares its models with the serial one exactly"),
     "01 sp with odd T": ("01", ["--sequence-parallel", "--seq-len", "33"], "--sequence-parallel needs --seq-len 33 divisible by tp=2"),
     "01 unknown flag": ("01", ["--pipeline", "2"], "unrecognized arguments: --pipeline 2"),
     # 02: GPipe and 1F1B
     "02 pp 0": ("02", ["--pp", "0"], "--pp must be at least 1, got 0"),
+    "02 demo with dropout": ("02", ["--dropout", "0.2"], "--dropout 0.2: the demo compares its models with the serial one exactly"),
     "02 pp not dividing layers": ("02", ["--pp", "3"], "n_layer=4 is not divisible by 3 pipeline stages"),
     "02 pp beyond layers": ("02", ["--pp", "8"], "n_layer=4 is not divisible by 8 pipeline stages"),
     "02 m 0": ("02", ["--microbatches", "0"], "--microbatches must be at least 1, got 0"),
@@ -87,6 +89,7 @@ CASES = {
     "03 dropout -0.5": ("03", ["--dropout", "-0.5"], "--dropout must be in [0, 1), got -0.5"),
     # 04: data parallelism
     "04 dp 0": ("04", ["--dp", "0"], "--dp must be at least 1, got 0"),
+    "04 demo with dropout": ("04", ["--dropout", "0.1"], "--dropout 0.1: the demo compares its models with the serial one exactly"),
     "04 steps 0": ("04", ["--steps", "0"], "--steps must be at least 1, got 0"),
     "04 m 0": ("04", ["--microbatches", "0"], "--microbatches must be at least 1, got 0"),
     "04 bucket 0": ("04", ["--bucket-numel", "0"], "--bucket-numel must be at least 1, got 0"),

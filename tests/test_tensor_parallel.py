@@ -54,8 +54,8 @@ BLOCKS = {
     "LayerNorm": (lambda g, sp: tensor_parallel.LayerNorm(32, g, sp, dtype=F64), "T", "T"),
     "ParallelMLP": (lambda g, sp: tensor_parallel.ParallelMLP(CFG, g, sp, dtype=F64), "T", "T"),
     "ParallelAttention": (
-        lambda g, sp: tensor_parallel.ParallelAttention(CFG, g, tensor_parallel.TPRandom(0, 0, "cpu"), sp, dtype=F64), "T", "T"),
-    "Block": (lambda g, sp: tensor_parallel.Block(CFG, g, tensor_parallel.TPRandom(0, 0, "cpu"), sp, dtype=F64), "T", "T"),
+        lambda g, sp: tensor_parallel.ParallelAttention(CFG, g, sp, dtype=F64), "T", "T"),
+    "Block": (lambda g, sp: tensor_parallel.Block(CFG, g, sp, dtype=F64), "T", "T"),
 }
 
 
@@ -219,13 +219,15 @@ def _rng(env):
     plain = torch.rand(8)  # the same draws with no fork in between
     # Attention: give every head the same weights, so the heads differ only by their dropout mask.
     cfg = tensor_parallel.GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.5)
-    serial = tensor_parallel.ParallelAttention(cfg, None, rng, dtype=F64)
+    # GPT, the machine, gives each block's attention its dropout and the tracked stream (the lesson has none).
+    attention = lambda g: tensor_parallel.GPT(cfg, g, init=False, dtype=F64, rng=rng).transformer.h["0"].attn  # noqa: E731
+    serial = attention(None)
     full = randomize(serial, 3)
     w = full["c_attn.weight"].view(3, 2, 4, 8)
     full["c_attn.weight"] = w[:, :1].expand(3, 2, 4, 8).reshape(24, 8)
     b = full["c_attn.bias"].view(3, 2, 4)
     full["c_attn.bias"] = b[:, :1].expand(3, 2, 4).reshape(24)
-    attn = tensor_parallel.ParallelAttention(cfg, group, rng, dtype=F64)
+    attn = attention(group)
     tensor_parallel.load_full_state_dict(attn, full, group)
     heads = []
     attn.c_proj.register_forward_pre_hook(lambda m, args: heads.append(args[0].detach()))
