@@ -95,7 +95,7 @@ def all_reduce(x, group, op=dist.ReduceOp.SUM):
     return x
 
 
-def enter_tp(x, group, sp):  # into a column-parallel layer: f, or with sp its g (all-gather T; the SP section below)
+def enter_tp(x, group, sp):  # into a column-parallel layer: f, or with sp Korthikanti's g (all-gather T; SP, below)
     return gather_from_sp(x, group) if sp else copy_to_tp(x, group)
 
 
