@@ -14,6 +14,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 
 import torch
@@ -51,6 +52,25 @@ class _Bar(tqdm):
         if cls.owner != os.getpid():  # a fresh lock in each process: one copied by fork may be held
             cls.set_lock(threading.RLock())
             cls.owner = os.getpid()
+
+
+class _Lines:
+    """The bar's stream when stderr is a pipe or a file: each refresh on a line of its own. A terminal's
+    bar redraws one line with carriage returns, which a log file keeps as one line of every refresh."""
+
+    def __init__(self, stream):
+        self.stream, self.encoding = stream, getattr(stream, "encoding", None)  # tqdm draws with it
+
+    def write(self, text):
+        for part in text.replace("\n", "\r").split("\r"):
+            if part.strip():
+                self.stream.write(part.rstrip() + "\n")
+
+    def flush(self):
+        self.stream.flush()
+
+
+PIPED_REFRESH_S = 10  # piped, the bar writes a line at most this often (and its last one at the end)
 
 
 LISTED_WORLD = 4096  # --print-layout lists every rank and group up to this world; beyond, a summary
@@ -294,8 +314,10 @@ class Progress:
             if tc.metrics and env.rank == 0 else None
         self.metrics_path = tc.metrics
         _Bar.own_lock()
+        self.piped = piped = not sys.stderr.isatty()
         self.bar = _Bar(range(start, tc.steps), initial=start, total=tc.steps, disable=not self.show,
-                        desc="train", dynamic_ncols=True)
+                        desc="train", dynamic_ncols=not piped, file=_Lines(sys.stderr) if piped else None,
+                        mininterval=PIPED_REFRESH_S if piped else 0.1)
 
     def __iter__(self):
         main = threading.current_thread() is threading.main_thread()  # only it may set handlers
@@ -327,7 +349,7 @@ class Progress:
             shown["mfu"] = f"{self.mfu_seconds / record['time_s']:.1%}"
         if "eval_loss" in record:
             shown["eval"] = f"{record['eval_loss']:.3f}"
-        self.bar.set_postfix(shown)
+        self.bar.set_postfix(shown, refresh=not self.piped)  # piped: at the bar's own refreshes
         if self.metrics:
             try:
                 self.metrics.write(json.dumps(record) + "\n")

@@ -136,3 +136,31 @@ def test_a_process_killed_holding_a_bar_lock_does_not_hang_the_next_runs_bars():
                           env={**__import__("os").environ, "PYTHONPATH": f"{tests}:{tests.parent}"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "a note above the bar" in proc.stderr + proc.stdout
+
+
+def test_a_piped_bar_writes_each_refresh_on_a_line_of_its_own(monkeypatch, capsys):
+    """Piped to a file, tqdm's carriage returns made one line of every refresh (fresh reader 62 met a log line
+    of every step). Piped, the bar writes whole lines, at most every PIPED_REFRESH_S, and its last state at the end;
+    in a terminal it is tqdm's own."""
+    import io
+    stream = io.StringIO()  # not a terminal
+    monkeypatch.setattr(report.sys, "stderr", stream)
+    monkeypatch.setattr(report, "PIPED_REFRESH_S", 0)  # every refresh, to see each on its own line
+    progress = report.Progress(RankEnv(0, 1, 0, torch.device("cpu")), TRAINER_BASE, 1.0, 0, torch.float64)
+    for step in progress:
+        progress.log(dict(step=step, loss=5.0 - step, lr=1e-3, grad_norm=1.0, time_s=0.5))
+    progress.bar.close()
+    text = stream.getvalue()
+    lines = text.splitlines()
+    assert isinstance(progress.bar.fp._wrapped, report._Lines) and "\r" not in text, repr(text[:300])
+    assert all(line == line.rstrip() and line for line in lines), lines
+    assert lines[-1].startswith(f"train: 100%") and f"{TRAINER_BASE.steps}/{TRAINER_BASE.steps}" in lines[-1], lines
+    assert f"loss={5.0 - (TRAINER_BASE.steps - 1):.3f}" in lines[-1] and len(lines) >= 2, lines
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    tty = Terminal()
+    monkeypatch.setattr(report.sys, "stderr", tty)
+    progress = report.Progress(RankEnv(0, 1, 0, torch.device("cpu")), TRAINER_BASE, 1.0, 0, torch.float64)
+    assert not progress.piped and progress.bar.fp._wrapped is tty  # tqdm wraps its stream
