@@ -4,13 +4,11 @@ What this file adds on top of 01: the GPT-2 cut into pp stages of contiguous lay
 batch into m microbatches that flow through them. GPipe (Huang et al. 2019) runs all forwards, then all
 backwards, and keeps all m microbatches' activations; 1F1B (PipeDream-Flush: Narayanan et al. 2021b) starts
 backwards as soon as it can and keeps at most pp - stage. Both idle (pp - 1) / m.
-  - The lesson, read first: Stage, and gpipe_step and one_f_one_b_step, the loops one writes on a whiteboard
-    (receive, forward, send; 1F1B's warm-up, its steady send-forward/receive-backward, its drain), every
-    dist.send and dist.recv inline, each microbatch's loss weighted by its counted targets.
+  - The lesson, read first: Stage, gpipe_step and one_f_one_b_step, the loops one writes on a whiteboard,
+    every dist.send and dist.recv inline.
   - The machine, read second, which 03 and 05-09 build on: a schedule is a pure function (pp, m, stage) ->
     that stage's actions ("F3": forward of microbatch 3, "B3" its backward); Schedule.plan() derives each
-    rank's messages, batched per boundary; Executor runs a plan. A later file gives its Schedule a larger
-    table of kinds and its Executor a method a kind. After it: Wire, Exchange and BackgroundSends (05's), in plumbing/transport.py.
+    rank's messages; Executor runs a plan. After it: plumbing/transport.py (Wire, Exchange, BackgroundSends).
 
 Run it:
     python 02_pipeline_1f1b.py                                  # pp=4 CPU ranks, m=8, both schedules

@@ -1,24 +1,16 @@
 """05 - The 3D-parallel GPT trainer: PTD-P (Narayanan et al. 2021, Sections 3 and 4).
 
-What this file adds on top of 01-04: their composition into one trainer. Tensor parallelism (01,
-optionally with sequence parallelism) runs inside each pipeline stage; the stages run 1F1B (02) or
-interleaved 1F1B (03); data parallelism or ZeRO-1 (04) runs across pipeline replicas.
-  - The lesson, read first: the rank grid (Megatron's order: tp fastest, then dp, then pp; Section 3)
-    and its process groups, and ptd_p_step, ONE training step as plain code from the earlier lessons:
-    this replica's rows (04), 02's 1F1B over this rank's pp group with 01's tp layers in each stage,
-    the tied-embedding sum, 04's gradient all-reduce over dp, AdamW; each counted target of the global
-    batch weighing 1 / (its global count) (docs/LOSS.md).
-  - The machine, read second, which the main job runs and 06-09 extend: scatter/gather (Section
-    4.1: each tp rank sends 1/tp of a boundary tensor, the next stage all-gathers it over tp), the
-    global gradient norm (every element counted once), build, train_step (02's executor, 04's
-    buckets reducing during each chunk's last backward) and train, the loop (AdamW, warmup then
-    cosine decay, a held-out eval loss).
-  - After the concept: activation recomputation (Korthikanti et al. 2022, §5); the flags, whose
-    speed switches turn on, each by default, what 01, 02 and 04 add after their concepts, and fused
-    kernels and CUDA graphs where the device allows (Section 4.2; kernels.fuse, kernels.graphs).
+What this file adds on top of 01-04: their composition into one trainer. Tensor parallelism (01) runs
+inside each pipeline stage, the stages run 1F1B (02) or interleaved 1F1B (03), and data parallelism or
+ZeRO-1 (04) runs across pipeline replicas.
+  - The lesson, read first: the rank grid (Megatron's order: tp fastest, then dp, then pp; Section 3),
+    its process groups, and ptd_p_step, ONE training step as plain code from the earlier lessons.
+  - The machine, read second, which the main job runs and 06-09 extend: scatter/gather (Section 4.1),
+    the global gradient norm, build, train_step and train, the loop. After it: recomputation
+    (Korthikanti et al. 2022, Section 5), the flags, and fused kernels and CUDA graphs where the device
+    allows (Section 4.2).
 The demo, before the main job trains: the lesson's step at the run's layout against the serial model
-in float64 (1e-10), then the machine's against the lesson (1e-12); exit 1 on a mismatch. What a run
-needs but does not teach is plumbing/; the planner (--plan) is planner.py.
+in float64 (1e-10), then the machine's against the lesson (1e-12); exit 1 on a mismatch.
 
 Run it (it is the project's main job):
     python 05_3d_gpt.py                                   # tp=2 x pp=2 x dp=2: 8 CPU ranks
