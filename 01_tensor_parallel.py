@@ -3,9 +3,10 @@ sequence parallelism (Korthikanti et al. 2022, Section 4.2.2).
 
 What this file adds: the foundation, which every later file imports. Read first: the conjugate operators of
 the paper's Figure 3, f (identity forward, all-reduce backward) and g (all-reduce forward, identity backward);
-column- and row-parallel linear layers, a vocab-parallel embedding and cross-entropy; a GPT-2 built from them
-in which tp=1 *is* the serial model. Read second: sequence parallelism (the paper's g and g-bar, in f's and
-g's places), then the machine: GPT (a pipeline's part, checks, dropout and its tracker) and two optimizations.
+column- and row-parallel linear layers, a vocab-parallel embedding, a loss over the summed logits; a GPT-2
+built from them in which tp=1 *is* the serial model. Read second: the paper's loss, which never gathers the
+logits; sequence parallelism (the paper's g and g-bar, in f's and g's places); then the machine: GPT (a
+pipeline's part, checks, dropout and its tracker, the paper's loss) and an optimization.
 
 Run it:
     python 01_tensor_parallel.py                  # tp=2, two CPU ranks started here (gloo)
@@ -190,40 +191,14 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(rows, self.group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Shoeybi et al. 2019, Section 3: the mean cross-entropy of vocab-split logits, never gathered:
-    each all-reduce carries B T numbers, not B T V. The rows' maximum (MAX), then one all-reduce of
-    two sums stacked: the target's logit and the sum of exponentials, both of logits less that maximum."""
-
-    @staticmethod
-    def forward(ctx, logits, target, group, n_vocab, ignore_index):
-        Vl, start = logits.shape[1], tp_rank(group) * logits.shape[1]  # logits (N, V/tp): N = B T rows
-        logits = logits.masked_fill(torch.arange(start, start + Vl, device=logits.device) >= n_vocab, -math.inf)  # pads
-        top = all_reduce(logits.max(dim=1).values, group, dist.ReduceOp.MAX)
-        shifted = logits - top[:, None]  # the global max, so exp() cannot overflow on any rank
-        local, valid = target - start, target != ignore_index
-        mine = valid & (local >= 0) & (local < Vl)  # the target logit is on this rank
-        local = local.masked_fill(~mine, 0)
-        picked = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
-        exp = shifted.exp()
-        picked, total = all_reduce(torch.stack([picked, exp.sum(dim=1)]), group)  # both sums at once: (N,) each
-        n_valid = valid.sum().clamp(min=1)  # no valid target at all: loss 0 and no gradient, not 0/0
-        loss = (total.log() - picked).masked_fill(~valid, 0).sum() / n_valid
-        ctx.save_for_backward(exp.div_(total[:, None]), local, mine, valid, n_valid)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, mine, valid, n_valid = ctx.saved_tensors
-        grad_logits = softmax * (valid.to(softmax.dtype) * grad / n_valid)[:, None]  # new: backward can rerun
-        rows = torch.arange(len(local), device=local.device)
-        grad_logits[rows, local] -= mine.to(softmax.dtype) * (grad / n_valid) * valid  # - onehot
-        return grad_logits, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100):
-    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's slice (..., V/tp); GPT checks target."""
-    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index)
+def cross_entropy(logits, target, group, n_vocab, ignore_index=-100):
+    """The mean cross-entropy over the counted targets of vocab-split logits (..., V_pad/tp), the plain way: each
+    rank zero-pads its slice to its place in V_pad and g sums them (the paper's loss, read second, never does)."""
+    Vl, start = logits.shape[-1], tp_rank(group) * logits.shape[-1]  # this rank's columns: [start, start + Vl)
+    whole = reduce_from_tp(F.pad(logits, (start, (tp_size(group) - 1) * Vl - start)), group)  # (..., V_pad)
+    whole, target = whole[..., :n_vocab].flatten(0, -2), target.reshape(-1)  # the pads cut off: (B T, V)
+    n_valid = (target != ignore_index).sum().clamp(min=1)  # none counted: loss 0 and no gradient, not 0/0
+    return F.cross_entropy(whole, target, ignore_index=ignore_index, reduction="sum") / n_valid
 
 
 class ParallelMLP(nn.Module):
@@ -282,8 +257,8 @@ def padded_vocab_size(n_vocab, tp, divisible_by=1):  # V up to a multiple of div
 
 class ParallelGPT(FullWeights, nn.Module):
     """GPT-2 over a tp group: the token and position embeddings, the blocks, ln_f, and the output layer,
-    tied to wte, with the vocab-parallel cross-entropy; idx (B, T) -> logits (B, T, V_pad/tp), loss. No dropout:
-    GPT, the machine, adds it (cfg.dropout)."""
+    tied to wte, with cross_entropy; idx (B, T) -> logits (B, T, V_pad/tp), loss. No dropout: GPT, the machine,
+    adds it (cfg.dropout), and the paper's loss (vocab_parallel_cross_entropy)."""
 
     def __init__(self, cfg, group=None, *, sequence_parallel=False, dtype=torch.float32, device="cpu",
                  vocab_divisible_by=1):
@@ -317,7 +292,7 @@ class ParallelGPT(FullWeights, nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V_pad/tp)
         if targets is None:
             return logits, None
-        return logits, vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size, ignore_index)
+        return logits, cross_entropy(logits, targets, self.group, self.cfg.vocab_size, ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,6 +312,46 @@ def demo(env, cfg, args):
     worst = demos.report_tp(say, serial, model, (ref_logits, ref_loss), (logits, loss), (idx, targets), log, full)
     say(f"\n{'PASS' if worst <= 1e-10 else 'FAIL'}: worst relative difference {worst:.2e} (tolerance 1e-10)")
     return prove_machine(model, full, (idx, targets), say) and worst <= 1e-10
+
+
+# ----------------------------------------------------------------------------------------------
+# Read second: the paper's loss, which the machine (GPT) runs: the lesson's cross_entropy, never gathering the logits.
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Shoeybi et al. 2019, Section 3: the mean cross-entropy of vocab-split logits, never gathered:
+    each all-reduce carries B T numbers, not B T V. The rows' maximum (MAX), then one all-reduce of
+    two sums stacked: the target's logit and the sum of exponentials, both of logits less that maximum."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, n_vocab, ignore_index):
+        Vl, start = logits.shape[1], tp_rank(group) * logits.shape[1]  # logits (N, V/tp): N = B T rows
+        logits = logits.masked_fill(torch.arange(start, start + Vl, device=logits.device) >= n_vocab, -math.inf)  # pads
+        top = all_reduce(logits.max(dim=1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - top[:, None]  # the global max, so exp() cannot overflow on any rank
+        local, valid = target - start, target != ignore_index
+        mine = valid & (local >= 0) & (local < Vl)  # the target logit is on this rank
+        local = local.masked_fill(~mine, 0)
+        picked = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
+        exp = shifted.exp()
+        picked, total = all_reduce(torch.stack([picked, exp.sum(dim=1)]), group)  # both sums at once: (N,) each
+        n_valid = valid.sum().clamp(min=1)  # no valid target at all: loss 0 and no gradient, not 0/0
+        loss = (total.log() - picked).masked_fill(~valid, 0).sum() / n_valid
+        ctx.save_for_backward(exp.div_(total[:, None]), local, mine, valid, n_valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine, valid, n_valid = ctx.saved_tensors
+        grad_logits = softmax * (valid.to(softmax.dtype) * grad / n_valid)[:, None]  # new: backward can rerun
+        rows = torch.arange(len(local), device=local.device)
+        grad_logits[rows, local] -= mine.to(softmax.dtype) * (grad / n_valid) * valid  # - onehot
+        return grad_logits, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, group, n_vocab, ignore_index=-100):
+    """F.cross_entropy(full logits[..., :n_vocab], target) from this rank's slice (..., V/tp); GPT checks target."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.reshape(-1), group, n_vocab, ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,11 +431,7 @@ class ReduceScatterToSP(torch.autograd.Function):
 scatter_to_sp, gather_from_sp, reduce_scatter_to_sp = ScatterToSP.apply, GatherFromSP.apply, ReduceScatterToSP.apply
 
 
-# ----------------------------------------------------------------------------------------------
-# After the concept: the tensor-in, tensor-out collectives (2.13's names, or 2.11's), the initial weights.
-
-
-def all_gather_single(out, x, group, async_op=False):
+def all_gather_single(out, x, group, async_op=False):  # after the concept: torch 2.13's name, or 2.11's
     """Every rank's x, stacked along dim 0 in rank order, into out."""
     return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group, async_op=async_op)
 
@@ -436,9 +447,8 @@ def init_state_dict(cfg, seed, dtype=torch.float32, random_all=False):
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: dropout's random numbers. Replicated activations draw identical masks on every tp rank
-# (the default generator, seeded alike), split ones different masks (a tracked generator seeded by tp rank),
-# as Megatron's RNG tracker (Shoeybi et al. 2019, Appendix B.2); with sp, the dropouts on T/tp rows too.
+# After the concept: dropout's random numbers. Replicated activations draw the same masks on every tp rank (the
+# default generator), split ones (and with sp those on T/tp rows) their own: Megatron's RNG tracker (Appendix B.2).
 
 
 class TPRandom:
@@ -478,8 +488,7 @@ def residual_dropout(block, y):  # replicated y: the default stream; with sp eac
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: GPT, the lesson's ParallelGPT as engineers, tests and the trainers build it: the same
-# function, with what operations add (a pipeline's part, checks, initial weights, dropout and its tracker).
+# After the concept: GPT, the lesson's ParallelGPT as engineers, tests and the trainers build it (the same function).
 
 
 class GPT(ParallelGPT):
@@ -546,8 +555,7 @@ def causal_attention(q, k, v, p):  # the lesson's core: q, k, v (B, nh/tp, T, hs
 
 
 # ----------------------------------------------------------------------------------------------
-# After the concept: an optimization, the same function (test_tensor_parallel.py: equal in float64 over 10 AdamW
-# steps). 05's trainer turns it on, through optimize().
+# After the concept: an optimization, the same function (test_tensor_parallel.py), which 05 turns on: optimize().
 
 
 class OverlappedColumnLinear(torch.autograd.Function):
@@ -595,21 +603,23 @@ def optimize(model, overlap_input_grad=True):
 
 
 def prove_machine(lesson, full, batch, say):
-    """The demo's machine part: GPT, optimized as 05's trainer runs it (the overlapped input-gradient
-    all-reduce), from the same full weights on the same batch, against the lesson's model after its
-    forward and backward: the loss and every gradient within 1e-12 (the overlap moves when dX's sum
-    travels, not what is summed: equal, or a few ulps)."""
+    """The demo's machine part: GPT as 05's trainer runs it (the paper's loss, optimize()'s overlapped input-gradient
+    all-reduce), from the same full weights on the same batch, against the lesson's model: the loss and every
+    gradient within 1e-12 (the losses sum in other orders; the overlap moves when dX's sum travels, not what)."""
     machine = optimize(GPT(lesson.cfg, lesson.group, sequence_parallel=lesson.sp, init=False, dtype=torch.float64,
                            device=batch[0].device)).load_full_state_dict(full)
     lesson.zero_grad()  # (the demo's timing ran it more than once)
-    losses = [m(*batch)[1] for m in (machine, lesson)]
-    for loss in losses:
-        loss.backward()
+    with trace_comm(machine) as log:  # its collectives, to show the paper's loss
+        losses = [machine(*batch)[1], lesson(*batch)[1]]
+        torch.autograd.backward(losses)
     want = lesson.full_grads()
     worst = max([max_rel_diff(losses[0].detach(), losses[1].detach())] +
                 [max_rel_diff(g, want[n]) for n, g in machine.full_grads().items()])
-    say(f"the machine (GPT, optimize()'s overlapped all-reduce) against the lesson (loss and every gradient): "
-        f"{worst:.2e} {'PASS' if worst <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
+    sums = [f"{c.op} of {c.shape}" for c in log if c.operator == "_VocabParallelCrossEntropy"]
+    if sums:
+        say(f"the machine's loss sends an {' and an '.join(sums)}: 3 numbers a token, not V_pad")
+    say(f"the machine (GPT, the paper's loss, optimize()'s overlapped all-reduce) against the lesson (loss and every "
+        f"gradient): {worst:.2e} {'PASS' if worst <= 1e-12 else 'FAIL'} (tolerance 1e-12)")
     return worst <= 1e-12
 
 

@@ -102,10 +102,11 @@ def one(values):
 
 
 def demo_loss_all_reduces():
-    """01's demo's loss rows: how many, the MAX's numbers and the sum's shape, (2, B T)."""
-    rows = [r for r in collectives(*TP_DEMO) if r[1] == "loss"]
-    (top,), (summed,) = [[r[4] for r in rows if r[0] == op] for op in ("all-reduce (max)", "all-reduce")]
-    return str(len(rows)), top.strip("(,)"), *summed.strip("()").split(", ")
+    """01's demo's line on the machine's loss: how many all-reduces, the MAX's numbers and the sum's shape, (2, B T)."""
+    line = re.search(r"the machine's loss sends (.*): 3 numbers a token", demo(*TP_DEMO))[1]
+    shapes = re.findall(r"(all-reduce(?: \(max\))?) of \(([\d, ]+?),?\)", line)
+    (top,), (summed,) = [[shape for o, shape in shapes if o == op] for op in ("all-reduce (max)", "all-reduce")]
+    return str(len(shapes)), top, *summed.split(", ")
 
 
 WORDS = {1: "one", 2: "two", 3: "three"}
@@ -828,7 +829,7 @@ def before_first_backward(key):
 TP, SP = TP_DEMO, SP_DEMO
 CLAIMS = [
     # 01
-    Claim("01.1", r"In the demo its (\d+) f's are all in (\w+) and its (\d+) g's all in (\w+)\.",
+    Claim("01.1", r"In the demo its (\d+) f's are all in (\w+) and its (\d+) g's \(the loss's among them\) all in (\w+)\.",
           lambda: (str(sum(r[1] == "f" for r in collectives(*TP))), one(r[3] for r in collectives(*TP) if r[1] == "f"),
                    str(sum(r[1] == "g" for r in collectives(*TP))), one(r[3] for r in collectives(*TP) if r[1] == "g"))),
     Claim("01.2", r"off by \(tp - 1\) b: at tp = (\d), (\w+) b too many",
@@ -844,7 +845,7 @@ CLAIMS = [
                    str(sum(r[0] == "all-reduce" and r[2].startswith("transformer.h.0.") for r in collectives(*SP))))),
     Claim("01.3", r"its total grows from ([\d.]+) KiB to ([\d.]+) KiB",
           lambda: (re.search(r"in all, ([\d.]+) KiB", demo(*TP))[1], re.search(r"in all, ([\d.]+) KiB", demo(*SP))[1])),
-    Claim("01.4", r"makes the demo's (\d+) loss all-reduces: a MAX of (\d+) numbers, one per token \(B T\), then a "
+    Claim("01.4", r"makes the machine's (\d+) loss all-reduces: a MAX of (\d+) numbers, one per token \(B T\), then a "
                   r"sum of \((\d+), (\d+)\)", lambda: demo_loss_all_reduces()),
     Claim("01.4", r"gives the (same) loss for logits \+ 7", lambda: "same" if serial_facts()["shift"] < 1e-12 else "another"),
     # 02

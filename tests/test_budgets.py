@@ -297,10 +297,10 @@ def test_the_guides_rule_gives_the_fresh_readers_hours_and_a_changed_guide_fails
                                  question_counts(sections[ch])[1], demo=False)
                    for ch in ("01", "02", "03", "04", "05"))
     assert 5.1 * 60 <= lessons <= 7.9 * 60 and 4 * 60 <= machines <= 6 * 60, (lessons / 60, machines / 60)
-    said = re.search(r"The same paces put 01-05's lessons \(.*?\) at about (\d+) hours and their machines at about "
+    said = re.search(r"The same paces put 01-05's lessons \(.*?\) at about ([\d.]+) hours and their machines at about "
                      r"([\d.]+) more", " ".join(GUIDE.split()))
-    # "about": the hours to the nearest hour, the machines' to within 0.15 h (9 minutes, under two budget steps)
-    assert said and int(said[1]) == round(lessons / 60) and abs(float(said[2]) - machines / 60) <= 0.15, \
+    # "about": each to within 0.15 h (9 minutes, under two budget steps)
+    assert said and abs(float(said[1]) - lessons / 60) <= 0.15 and abs(float(said[2]) - machines / 60) <= 0.15, \
         f"{said and said[0]!r}: the rule gives {lessons / 60:.2f} and {machines / 60:.2f} hours"
     assert dense_names("01") >= {"CopyToTP", "ReduceFromTP", "_VocabParallelCrossEntropy"}  # found by their base
     section = guide_sections()["03"]
