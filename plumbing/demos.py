@@ -232,7 +232,8 @@ def report_pipeline(env, name, schedule, sim, worst, result, kept, say, t_f=1, t
         say(f"  not the simulated {float(sim.bubble):.3f}: the simulator gives every rank a device of "
             f"its own, while here\n  {pp} ranks share this machine's cores, and time spent waiting "
             f"for a core counts as idle")
-    say(f"peak microbatches in flight per stage (simulated, all chunks): {sim.peak_in_flight}")
+    unit = "microbatches" if v == 1 else f"chunk-microbatches (a chunk is 1/{v} stage)"
+    say(f"peak {unit} in flight per stage (simulated): {sim.peak_in_flight}")
     say(f"peak stored activation bytes per stage, outputs deallocated: {[r.peak_bytes for r in ranks]}")
     say(f"                                          outputs kept:        {[r.peak_bytes_kept for r in ranks]}")
     say(f"p2p messages sent per stage: {[r.messages for r in ranks]}, bytes: {[r.bytes_sent for r in ranks]}")

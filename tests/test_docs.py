@@ -367,8 +367,8 @@ CLAIMS = [
           lambda: line_with(PIPE, r"bubble: simulated (\S+) ") if len(set(re.findall(
               r"bubble: simulated (\S+) ", demo_output(PIPE).stdout))) == 1 else "not the same for both"),
     Claim("docs/GUIDE.md", r"GPipe holds all (\d) on every stage, 1F1B pp - stage = (\[[\d, ]+\])",
-          lambda: (str(ints(PIPE, "all chunks):", 0)[0]) if len(set(ints(PIPE, "all chunks):", 0))) == 1 else "not all",
-                   str(ints(PIPE, "all chunks):", 1)))),
+          lambda: (str(ints(PIPE, "in flight per stage (simulated):", 0)[0]) if len(set(ints(PIPE, "in flight per stage (simulated):", 0))) == 1 else "not all",
+                   str(ints(PIPE, "in flight per stage (simulated):", 1)))),
     Claim("docs/GUIDE.md", r"GPipe's stage 0 holds (twice) 1F1B's \((\d+) bytes\)",
           lambda: ("twice" if ints(PIPE, "outputs deallocated:", 0)[0] == 2 * ints(PIPE, "outputs deallocated:", 1)[0]
                    else "not twice", str(ints(PIPE, "outputs deallocated:", 0)[0]))),
